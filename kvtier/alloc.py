@@ -1,0 +1,397 @@
+"""Slot allocation for the host KV pool.
+
+This module owns the mapping "which host slots are free" for one host pool of
+`num_slots` slots, grouped into pages of `page_size` slots. It hands out slot ids
+and takes them back; it never touches the KV bytes themselves.
+
+Invariants (both policies):
+
+* Work happens in whole pages. `alloc(n)` needs `n` to be a positive multiple of
+  `page_size`; every page it hands out contributes its slots
+  `page * page_size + 0 .. page_size - 1`, ascending.
+* Every page is in exactly one of three states, kept in a numpy `int8` array:
+  0 never allocated, 1 allocated, 2 free again after an allocation. A page is in
+  the free structure iff its state is not 1.
+* `alloc(n)` returns `None` exactly when `available() < n`; both policies succeed
+  and fail on the same calls, they only differ in which ids they return.
+* Every error is raised before anything changes.
+* The cost of one call grows with the ids and free runs it touches, never with
+  the pool size (except the `free_runs` / `largest_free_run` metrics under
+  "first_fit", see there).
+
+Policies:
+
+* "first_fit" reproduces the stock allocator: a FIFO free list, initially pages
+  in order; alloc takes from the head, free appends at the tail in the order
+  given, so after churn allocations come back scrambled.
+* "contiguous" (default) keeps free pages as merged, maximal runs and returns one
+  ascending run whenever one fits (best fit), else the largest runs first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from enum import Enum
+
+import numpy as np
+import torch
+from sortedcontainers import SortedList
+
+from kvtier.errors import AllocatorCorruptError, SlotError
+
+__all__ = ["AllocPolicy", "HostSlotAllocator"]
+
+# Page states (see the module docstring).
+_NEVER = 0
+_LIVE = 1
+_FREED = 2
+
+# How many offending ids an error message lists before it only counts them.
+_MAX_LISTED = 10
+
+
+class AllocPolicy(str, Enum):
+    """How `HostSlotAllocator` chooses which free pages to hand out."""
+
+    CONTIGUOUS = "contiguous"
+    FIRST_FIT = "first_fit"
+
+
+def _fmt_ids(ids: np.ndarray) -> str:
+    """Format up to `_MAX_LISTED` ids, then a count, for error messages."""
+    shown = ", ".join(str(int(i)) for i in ids[:_MAX_LISTED])
+    more = f", ... ({len(ids)} in all)" if len(ids) > _MAX_LISTED else ""
+    return f"[{shown}{more}]"
+
+
+def _as_slot_array(slots: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
+    """Turn what `free` accepts into a 1-D `int64` numpy array (may share memory)."""
+    if isinstance(slots, torch.Tensor):
+        dt = slots.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise SlotError(f"slot ids must be an integer tensor, got dtype {dt}")
+        if slots.dim() != 1:
+            raise SlotError(f"slot ids must be a 1-D tensor, got shape {tuple(slots.shape)}")
+        arr = slots.detach().cpu().numpy()
+    else:
+        arr = np.asarray(slots)
+        if arr.size == 0:
+            return np.empty(0, dtype=np.int64)
+        if arr.dtype.kind not in "iu":
+            raise SlotError(f"slot ids must be integers, got dtype {arr.dtype}")
+        if arr.ndim != 1:
+            raise SlotError(f"slot ids must be 1-D, got shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+class HostSlotAllocator:
+    """Hands out and takes back slot ids of a host pool, a whole page at a time.
+
+    `num_slots` must be a positive multiple of `page_size`. `policy` is an
+    `AllocPolicy` or its string value ("contiguous" or "first_fit").
+
+    Read-only attributes: `num_slots`, `page_size`, `policy` (an `AllocPolicy`).
+    """
+
+    def __init__(self, num_slots: int, page_size: int = 1, policy: AllocPolicy | str = "contiguous") -> None:
+        try:
+            pol = AllocPolicy(policy)
+        except ValueError:
+            known = [p.value for p in AllocPolicy]
+            raise SlotError(f"unknown allocation policy {policy!r}; known: {known}") from None
+        if not _is_int(num_slots) or num_slots <= 0:
+            raise SlotError(f"num_slots must be a positive int, got {num_slots!r}")
+        if not _is_int(page_size) or page_size <= 0:
+            raise SlotError(f"page_size must be a positive int, got {page_size!r}")
+        if num_slots % page_size:
+            raise SlotError(f"num_slots={num_slots} is not a multiple of page_size={page_size}")
+        self.num_slots: int = int(num_slots)
+        self.page_size: int = int(page_size)
+        self.policy: AllocPolicy = pol
+        self._num_pages: int = self.num_slots // self.page_size
+        self._free_pages: int = self._num_pages
+        self._state: np.ndarray = np.zeros(self._num_pages, dtype=np.int8)
+        # Slot offsets inside one page, reused to expand page ids into slot ids.
+        self._offsets: np.ndarray = np.arange(self.page_size, dtype=np.int64)
+
+        # first_fit: FIFO of page-id segments; the head segment is consumed from
+        # `_head_pos` on, so taking from it never copies the rest of the segment.
+        self._segments: deque[np.ndarray] = deque()
+        self._head_pos: int = 0
+        # contiguous: free runs in pages, start -> length and end (exclusive) ->
+        # start for O(1) neighbour merging, plus (length, start) sorted for best
+        # fit and largest-first.
+        self._run_len: dict[int, int] = {}
+        self._run_start_of_end: dict[int, int] = {}
+        self._runs_by_size: SortedList = SortedList()
+
+        if pol is AllocPolicy.FIRST_FIT:
+            self._segments.append(np.arange(self._num_pages, dtype=np.int64))
+        else:
+            self._add_run(0, self._num_pages)
+
+    # ------------------------------------------------------------------ queries
+
+    def available(self) -> int:
+        """Number of free slots."""
+        return self._free_pages * self.page_size
+
+    def free_runs(self) -> int:
+        """Number of maximal extents of consecutive free slots (in slot-id space).
+
+        Contiguous policy: O(1), the merged run count. First_fit: the same quantity
+        (physical free extents, so both policies are comparable), computed from
+        the ownership array in one vectorised O(`num_slots / page_size`) pass; it
+        does not describe the free-list order, which is what first_fit hands out.
+        """
+        if self.policy is AllocPolicy.CONTIGUOUS:
+            return len(self._run_len)
+        starts, _ = self._physical_runs()
+        return len(starts)
+
+    def largest_free_run(self) -> int:
+        """Length in slots of the longest extent of consecutive free slots (0 if none).
+
+        Cost as for `free_runs`: O(log runs) for contiguous, one vectorised pass
+        over the pages for first_fit.
+        """
+        if self.policy is AllocPolicy.CONTIGUOUS:
+            if not self._runs_by_size:
+                return 0
+            return self._runs_by_size[-1][0] * self.page_size
+        starts, ends = self._physical_runs()
+        if len(starts) == 0:
+            return 0
+        return int((ends - starts).max()) * self.page_size
+
+    # -------------------------------------------------------------------- alloc
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take `n` free slots; `None` iff fewer than `n` are free.
+
+        Returns a 1-D CPU `int64` tensor of `n` distinct slot ids, made of whole
+        pages (each page's slots ascending). `n` must be a positive int multiple
+        of `page_size`, else `SlotError`. Contiguous policy: one ascending run when
+        any free run holds `n` slots (the smallest such run, from its start), else
+        the largest runs first. First_fit: the head of the FIFO free list.
+        """
+        if not _is_int(n) or n <= 0 or n % self.page_size:
+            raise SlotError(
+                f"alloc size must be a positive int multiple of page_size={self.page_size}, got {n!r}"
+            )
+        k = int(n) // self.page_size
+        if k > self._free_pages:
+            return None
+        if self.policy is AllocPolicy.FIRST_FIT:
+            pages = self._take_fifo(k)
+            slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+        else:
+            slots = self._take_runs(k)
+        self._free_pages -= k
+        return torch.from_numpy(slots)
+
+    def _take_fifo(self, k: int) -> np.ndarray:
+        """Pop `k` pages from the head of the free list; returns them as `int64`."""
+        # Plan first without mutating, so a corrupt free list changes nothing.
+        parts: list[np.ndarray] = []
+        need = k
+        pos = self._head_pos
+        for seg in self._segments:
+            part = seg[pos : pos + need]
+            parts.append(part)
+            need -= len(part)
+            pos = 0
+            if need == 0:
+                break
+        pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self._claim(pages)
+        # Commit: drop the fully consumed segments, advance into the last one.
+        for _ in range(len(parts) - 1):
+            self._segments.popleft()
+            self._head_pos = 0
+        self._head_pos += len(parts[-1])
+        if self._head_pos == len(self._segments[0]):
+            self._segments.popleft()
+            self._head_pos = 0
+        return pages
+
+    def _take_runs(self, k: int) -> np.ndarray:
+        """Take `k` pages from the free runs; returns their slot ids as `int64`."""
+        ps = self.page_size
+        sizes = self._runs_by_size
+        i = sizes.bisect_left((k, -1))
+        if i < len(sizes):
+            # Best fit: the smallest run that holds k pages (lowest start on ties).
+            length, start = sizes[i]
+            plan = [(length, start, k)]
+        else:
+            # No single run fits: the largest runs first, the last one in part.
+            plan = []
+            need = k
+            j = len(sizes) - 1
+            while need:
+                length, start = sizes[j]
+                take = min(length, need)
+                plan.append((length, start, take))
+                need -= take
+                j -= 1
+        for _, start, take in plan:
+            if (self._state[start : start + take] == _LIVE).any():
+                self._raise_corrupt(np.arange(start, start + take))
+        out = []
+        for length, start, take in plan:
+            self._remove_run(start, length)
+            if take < length:
+                self._add_run(start + take, length - take)
+            self._state[start : start + take] = _LIVE
+            out.append(np.arange(start * ps, (start + take) * ps, dtype=np.int64))
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _claim(self, pages: np.ndarray) -> None:
+        """Check that no page in `pages` is allocated, then mark them allocated."""
+        if (self._state[pages] == _LIVE).any():
+            self._raise_corrupt(pages)
+        self._state[pages] = _LIVE
+
+    def _raise_corrupt(self, pages: np.ndarray) -> None:
+        live = pages[self._state[pages] == _LIVE]
+        raise AllocatorCorruptError(
+            f"double allocation: free structure ({self.policy.value}) names pages "
+            f"{_fmt_ids(live)} that are still allocated"
+        )
+
+    # --------------------------------------------------------------------- free
+
+    def free(self, slots: torch.Tensor | np.ndarray | Sequence[int]) -> None:
+        """Give back slots handed out by `alloc`; all or nothing.
+
+        `slots` is a 1-D integer tensor (any integer dtype, any device) or a list
+        of ints. They must be in range, distinct, currently allocated, and with
+        `page_size > 1` form whole pages; otherwise `SlotError` naming the
+        offending ids, and nothing changes. An empty input is a no-op. Slots need
+        not come from one `alloc` call, nor cover a whole allocation.
+        """
+        arr = _as_slot_array(slots)
+        if arr.size == 0:
+            return
+        pages = self._validate_free(arr)
+        self._state[pages] = _FREED
+        self._free_pages += len(pages)
+        if self.policy is AllocPolicy.FIRST_FIT:
+            self._segments.append(self._fifo_order(arr))
+        else:
+            self._insert_pages(pages)
+
+    def _validate_free(self, arr: np.ndarray) -> np.ndarray:
+        """Check a free request; returns its distinct page ids, sorted, `int64`."""
+        ps = self.page_size
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.num_slots:
+            bad = arr[(arr < 0) | (arr >= self.num_slots)]
+            raise SlotError(f"slot ids out of range [0, {self.num_slots}): {_fmt_ids(bad)}")
+        srt = np.sort(arr)
+        dup = srt[1:][srt[1:] == srt[:-1]]
+        if len(dup):
+            raise SlotError(f"slot ids repeated within one free call: {_fmt_ids(np.unique(dup))}")
+        if ps == 1:
+            pages = srt
+        else:
+            # Sorted and distinct: whole pages iff each group of page_size ids is
+            # page*page_size + 0..page_size-1.
+            whole = len(srt) % ps == 0
+            if whole:
+                grid = srt.reshape(-1, ps)
+                whole = bool(((grid[:, 0] % ps) == 0).all() and (grid - grid[:, :1] == self._offsets).all())
+            if not whole:
+                upages, counts = np.unique(srt // ps, return_counts=True)
+                partial = upages[counts != ps]
+                bad = srt[np.isin(srt // ps, partial)]
+                raise SlotError(
+                    f"free of partial pages (page_size={ps}): pages {_fmt_ids(partial)} "
+                    f"via slots {_fmt_ids(bad)}"
+                )
+            pages = srt[::ps] // ps
+        state = self._state[pages]
+        if (state != _LIVE).any():
+            msgs = []
+            for code, what in (
+                (_FREED, "already freed (double free)"),
+                (_NEVER, "never allocated"),
+            ):
+                bad_pages = pages[state == code]
+                if len(bad_pages):
+                    bad = srt[np.isin(srt // ps, bad_pages)]
+                    msgs.append(f"{what}: {_fmt_ids(bad)}")
+            raise SlotError("cannot free slots that are not allocated; " + "; ".join(msgs))
+        return pages
+
+    def _fifo_order(self, arr: np.ndarray) -> np.ndarray:
+        """Page ids of a validated free request in the order given (own copy)."""
+        if self.page_size == 1:
+            return arr.copy()  # `arr` may share memory with the caller's tensor
+        # Each page in the order its first slot appears in the request.
+        _, first = np.unique(arr // self.page_size, return_index=True)
+        return (arr[np.sort(first)] // self.page_size).astype(np.int64, copy=False)
+
+    def _insert_pages(self, pages: np.ndarray) -> None:
+        """Add sorted, distinct, just-freed pages to the runs, merging neighbours."""
+        breaks = np.flatnonzero(pages[1:] != pages[:-1] + 1) + 1
+        starts = pages[np.concatenate(([0], breaks))].tolist()
+        ends = (pages[np.concatenate((breaks - 1, [len(pages) - 1]))] + 1).tolist()
+        for start, end in zip(starts, ends, strict=True):
+            left = self._run_start_of_end.get(start)
+            if left is not None:
+                self._remove_run(left, start - left)
+                start = left
+            right_len = self._run_len.get(end)
+            if right_len is not None:
+                self._remove_run(end, right_len)
+                end += right_len
+            self._add_run(start, end - start)
+
+    # ---------------------------------------------------------------- run store
+
+    def _add_run(self, start: int, length: int) -> None:
+        self._run_len[start] = length
+        self._run_start_of_end[start + length] = start
+        self._runs_by_size.add((length, start))
+
+    def _remove_run(self, start: int, length: int) -> None:
+        del self._run_len[start]
+        del self._run_start_of_end[start + length]
+        self._runs_by_size.remove((length, start))
+
+    def _physical_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Start and end (exclusive) pages of the maximal free extents, by scan."""
+        free = np.concatenate(([False], self._state != _LIVE, [False]))
+        edges = np.flatnonzero(free[1:] != free[:-1])
+        return edges[0::2], edges[1::2]
+
+    def _check_invariants(self) -> None:
+        """Assert that the free structure and the ownership array agree (O(pool)).
+
+        For tests and debugging only.
+        """
+        free_mask = self._state != _LIVE
+        assert int(free_mask.sum()) == self._free_pages
+        if self.policy is AllocPolicy.FIRST_FIT:
+            if self._segments:
+                fifo = np.concatenate([self._segments[0][self._head_pos :], *list(self._segments)[1:]])
+            else:
+                fifo = np.empty(0, dtype=np.int64)
+            assert len(fifo) == self._free_pages
+            assert len(np.unique(fifo)) == len(fifo)
+            assert free_mask[fifo].all()
+            assert self._head_pos < len(self._segments[0]) if self._segments else True
+            return
+        starts, ends = self._physical_runs()
+        expected = {int(s): int(e - s) for s, e in zip(starts, ends, strict=True)}
+        assert self._run_len == expected, "runs are not exactly the merged free extents"
+        assert self._run_start_of_end == {s + n: s for s, n in expected.items()}
+        assert list(self._runs_by_size) == sorted((n, s) for s, n in expected.items())
+
+
+def _is_int(x: object) -> bool:
+    """True for Python and numpy integers, but not bools."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))

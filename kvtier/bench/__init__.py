@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and can write JSON; results live under bench/results/."""

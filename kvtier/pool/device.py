@@ -1,0 +1,120 @@
+"""The device tier: one `[num_slots, *row]` tensor per buffer per layer, plus staging.
+
+`DevicePool` owns the tensors the model reads (or wraps tensors an engine already
+has) and two staging buffers, one per transfer direction, so a reload and a backup
+running on two streams never share one. Staging is sized when the pool is built and
+counted in `footprint_bytes`; it never grows later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from enum import Enum
+
+import torch
+
+from kvtier.errors import SpecError
+from kvtier.spec import KVSpec
+
+DEFAULT_MAX_STAGING_TOKENS = 131072
+
+
+class Direction(str, Enum):
+    """Which way a transfer moves rows."""
+
+    LOAD = "load"  # host -> device
+    BACKUP = "backup"  # device -> host
+
+
+class DevicePool:
+    """KV rows of `num_slots` tokens for every buffer and layer of `spec` on `device`.
+
+    `staging_tokens` rows (of the widest buffer) are reserved per direction for the
+    staged path; by default `min(num_slots, 131072)`.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        *,
+        staging_tokens: int | None = None,
+        tensors: Mapping[str, Sequence[torch.Tensor]] | None = None,
+    ) -> None:
+        if num_slots <= 0:
+            raise SpecError(f"device pool: num_slots {num_slots} must be positive")
+        self.spec = spec
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        if tensors is None:
+            self._tensors = {
+                b.name: [
+                    torch.zeros((num_slots, *b.row_shape), dtype=b.dtype, device=self.device)
+                    for _ in b.layers
+                ]
+                for b in spec.buffers
+            }
+        else:
+            self._tensors = self._check_tensors(tensors)
+        if staging_tokens is None:
+            staging_tokens = min(num_slots, DEFAULT_MAX_STAGING_TOKENS)
+        if staging_tokens <= 0:
+            raise SpecError(f"device pool: staging_tokens {staging_tokens} must be positive")
+        self.staging_tokens = staging_tokens
+        widest = max(b.row_bytes for b in spec.buffers)
+        self._staging = {
+            d: torch.empty(staging_tokens * widest, dtype=torch.uint8, device=self.device) for d in Direction
+        }
+        self.footprint_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts) + sum(
+            s.nbytes for s in self._staging.values()
+        )
+
+    @classmethod
+    def wrap(
+        cls,
+        spec: KVSpec,
+        tensors: Mapping[str, Sequence[torch.Tensor]],
+        *,
+        staging_tokens: int | None = None,
+    ) -> DevicePool:
+        """A pool over an engine's own tensors.
+
+        `tensors[name][i]`: `[num_slots, *row]`, the buffer's i-th layer. Rows need not be
+        packed nor of the spec's dtype; such buffers move on the reference path.
+        """
+        first = next(iter(tensors.values()))[0]
+        return cls(spec, first.shape[0], first.device, staging_tokens=staging_tokens, tensors=tensors)
+
+    def _check_tensors(self, tensors: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+        out = {}
+        for b in self.spec.buffers:
+            ts = list(tensors.get(b.name, ()))
+            if len(ts) != len(b.layers):
+                raise SpecError(
+                    f"device pool: buffer {b.name!r} needs {len(b.layers)} tensors, got {len(ts)}"
+                )
+            for t in ts:
+                if tuple(t.shape) != (self.num_slots, *b.row_shape) or t.device != self.device:
+                    raise SpecError(
+                        f"device pool: buffer {b.name!r} tensor {tuple(t.shape)} on {t.device} "
+                        "does not match "
+                        f"{(self.num_slots, *b.row_shape)} on {self.device}"
+                    )
+            out[b.name] = ts
+        extra = set(tensors) - {b.name for b in self.spec.buffers}
+        if extra:
+            raise SpecError(f"device pool: tensors for unknown buffers {sorted(extra)}")
+        return out
+
+    def layer(self, buffer: str, layer: int) -> torch.Tensor:
+        """The tensor of one buffer on model layer `layer`: `[num_slots, *row]`."""
+        b = self.spec.buffer(buffer)
+        return self._tensors[buffer][b.local_layer(layer)]
+
+    def staging(self, direction: Direction) -> torch.Tensor:
+        """The raw staging bytes of one direction: `[staging_tokens * widest row bytes]` uint8."""
+        return self._staging[direction]
+
+    def __repr__(self) -> str:
+        return f"DevicePool({self.spec.name}, slots={self.num_slots}, device={self.device})"

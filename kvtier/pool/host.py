@@ -1,0 +1,319 @@
+"""The host tier: KV rows in (pinned) host memory, in one of two layouts.
+
+`HostPool` owns its memory as a list of chunks of at most `chunk_bytes` (1 GiB by
+default), never one giant allocation: large pins fail on some drivers and stall
+the host. With CUDA present every chunk is pinned; a failed pin raises `PinError`
+and is never replaced by pageable memory. A pool larger than the host's available
+memory minus a reserve is refused with `HostMemoryError` before anything is
+allocated.
+
+Layouts (per buffer, `L` = the buffer's layers):
+- `layer_first`: `[L, slots, *row]`. A layer's rows for a range of slots are one
+  contiguous slab, so a contiguous run of slots reloads in one copy.
+- `page_first`: `[pages, L, page_size, *row]`. All layers of a page sit together,
+  the shape a storage tier wants; one layer's rows are contiguous within a page.
+
+Both layouts are cut into "segments": maximal slot ranges whose rows for one layer
+are contiguous in memory (`segment_slots` long, aligned). A transfer plan splits
+its runs at segment boundaries; `segment()` returns the slab of one segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from kvtier.errors import HostMemoryError, LayoutError, PinError, SpecError
+from kvtier.pool.rows import as_words, word_dtype
+from kvtier.spec import BufferSpec, KVSpec
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_CHUNK_BYTES = GiB
+
+
+class HostLayout(str, Enum):
+    """How a `HostPool` lays out each buffer."""
+
+    LAYER_FIRST = "layer_first"
+    PAGE_FIRST = "page_first"
+
+    @classmethod
+    def parse(cls, value: HostLayout | str) -> HostLayout:
+        try:
+            return cls(value)
+        except ValueError:
+            raise LayoutError(f"unknown host layout {value!r}; known: {[m.value for m in cls]}") from None
+
+
+def host_memory_bytes() -> tuple[int, int]:
+    """`(available, total)` bytes of host RAM, from /proc/meminfo where it exists."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return pages, pages
+
+
+def default_reserve_bytes(total: int) -> int:
+    """Host memory kept free for everything else: 10% of RAM, at least 2 GiB."""
+    return max(2 * GiB, total // 10)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One allocation: `tensor` holds layers `[layer_lo, layer_hi)` of slots `[slot_lo, slot_hi)`."""
+
+    tensor: torch.Tensor
+    layer_lo: int
+    layer_hi: int
+    slot_lo: int
+    slot_hi: int
+
+
+class HostPool:
+    """KV rows of `num_slots` tokens for every buffer and layer of `spec`, on the host.
+
+    `pin=None` pins exactly when CUDA is available; `pin=True` without CUDA is an
+    error. `progress(done_bytes, total_bytes)` is called after each chunk.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_slots: int,
+        layout: HostLayout | str = HostLayout.LAYER_FIRST,
+        *,
+        pin: bool | None = None,
+        reserve_bytes: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.layout = HostLayout.parse(layout)
+        ps = spec.page_size
+        if num_slots <= 0 or num_slots % ps:
+            raise SpecError(f"host pool: num_slots {num_slots} must be a positive multiple of page_size {ps}")
+        if chunk_bytes <= 0:
+            raise SpecError(f"host pool: chunk_bytes {chunk_bytes} must be positive")
+        self.num_slots = num_slots
+        self.chunk_bytes = chunk_bytes
+        cuda = torch.cuda.is_available()
+        if pin is None:
+            pin = cuda
+        if pin and not cuda:
+            raise PinError("host pool: pin=True needs CUDA, and no CUDA device is available")
+        self.pinned = pin
+
+        if self.layout is HostLayout.LAYER_FIRST:
+            self.segment_slots = self._layer_first_span()
+            plans = {b.name: self._layer_first_chunks(b) for b in spec.buffers}
+        else:
+            self.segment_slots = ps
+            plans = {b.name: self._page_first_chunks(b) for b in spec.buffers}
+        self.footprint_bytes = sum(
+            _nbytes(shape, b.dtype) for b in spec.buffers for shape, *_ in plans[b.name]
+        )
+
+        available, total = host_memory_bytes()
+        reserve = default_reserve_bytes(total) if reserve_bytes is None else reserve_bytes
+        if self.footprint_bytes > available - reserve:
+            raise HostMemoryError(
+                f"host pool needs {_fmt(self.footprint_bytes)} but only {_fmt(max(available - reserve, 0))} "
+                f"may be used ({_fmt(available)} available minus a reserve of {_fmt(reserve)})"
+            )
+
+        self._chunks: dict[str, list[_Chunk]] = {}
+        done = 0
+        for b in spec.buffers:
+            chunks = []
+            for shape, layer_lo, layer_hi, slot_lo, slot_hi in plans[b.name]:
+                tensor = self._allocate(shape, b.dtype)
+                chunks.append(_Chunk(tensor, layer_lo, layer_hi, slot_lo, slot_hi))
+                done += tensor.nbytes
+                log.debug("host pool: %s of %s allocated", _fmt(done), _fmt(self.footprint_bytes))
+                if progress is not None:
+                    progress(done, self.footprint_bytes)
+            self._chunks[b.name] = chunks
+        log.info(
+            "host pool: %d slots, layout %s, %s in %d chunks, pinned=%s",
+            num_slots,
+            self.layout.value,
+            _fmt(self.footprint_bytes),
+            sum(len(c) for c in self._chunks.values()),
+            self.pinned,
+        )
+
+    # -- layout planning -------------------------------------------------------------
+
+    def _layer_first_span(self) -> int:
+        """Slots per segment: the whole pool unless one layer of a buffer exceeds a chunk."""
+        widest = max(b.row_bytes for b in self.spec.buffers)
+        if widest * self.num_slots <= self.chunk_bytes:
+            return self.num_slots
+        ps = self.spec.page_size
+        span = self.chunk_bytes // widest // ps * ps
+        if span == 0:
+            raise SpecError(
+                f"host pool: one page of {ps} rows of {widest} B exceeds a chunk of {self.chunk_bytes} B"
+            )
+        return span
+
+    def _layer_first_chunks(self, b: BufferSpec) -> list[tuple[tuple[int, ...], int, int, int, int]]:
+        span = self.segment_slots
+        layers = len(b.layers)
+        group = max(1, min(layers, self.chunk_bytes // (span * b.row_bytes)))
+        out = []
+        for layer_lo in range(0, layers, group):
+            layer_hi = min(layers, layer_lo + group)
+            for slot_lo in range(0, self.num_slots, span):
+                slot_hi = min(self.num_slots, slot_lo + span)
+                out.append(
+                    (
+                        (layer_hi - layer_lo, slot_hi - slot_lo, *b.row_shape),
+                        layer_lo,
+                        layer_hi,
+                        slot_lo,
+                        slot_hi,
+                    )
+                )
+        return out
+
+    def _page_first_chunks(self, b: BufferSpec) -> list[tuple[tuple[int, ...], int, int, int, int]]:
+        ps = self.spec.page_size
+        layers = len(b.layers)
+        page_bytes = layers * ps * b.row_bytes
+        per_chunk = self.chunk_bytes // page_bytes
+        if per_chunk == 0:
+            raise SpecError(
+                f"host pool: one page of buffer {b.name!r} ({page_bytes} B) "
+                f"exceeds a chunk of {self.chunk_bytes} B"
+            )
+        pages = self.num_slots // ps
+        out = []
+        for page_lo in range(0, pages, per_chunk):
+            page_hi = min(pages, page_lo + per_chunk)
+            shape = (page_hi - page_lo, layers, ps, *b.row_shape)
+            out.append((shape, 0, layers, page_lo * ps, page_hi * ps))
+        return out
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = _nbytes(shape, dtype)
+        try:
+            raw = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        except RuntimeError as e:
+            if self.pinned:
+                raise PinError(f"pinning a host chunk of {_fmt(nbytes)} failed: {e}") from e
+            raise HostMemoryError(f"allocating a host chunk of {_fmt(nbytes)} failed: {e}") from e
+        if self.pinned and not raw.is_pinned():
+            raise PinError(f"a host chunk of {_fmt(nbytes)} came back unpinned")
+        return raw.view(dtype).view(shape)
+
+    # -- access ----------------------------------------------------------------------
+
+    def chunks(self, buffer: str) -> list[torch.Tensor]:
+        """The raw chunk tensors of one buffer (for tests and inspection)."""
+        return [c.tensor for c in self._chunks_of(buffer)]
+
+    def _chunks_of(self, buffer: str) -> list[_Chunk]:
+        try:
+            return self._chunks[buffer]
+        except KeyError:
+            raise SpecError(f"host pool has no buffer {buffer!r}; it has {list(self._chunks)}") from None
+
+    def num_segments(self) -> int:
+        return -(-self.num_slots // self.segment_slots)
+
+    def segment(self, buffer: str, layer: int, index: int) -> torch.Tensor:
+        """Rows of model layer `layer` for segment `index`: `[segment length, *row]`, contiguous."""
+        local = self.spec.buffer(buffer).local_layer(layer)
+        slot = index * self.segment_slots
+        if not 0 <= slot < self.num_slots:
+            raise SpecError(f"host pool: segment {index} is outside [0, {self.num_segments()})")
+        if self.layout is HostLayout.LAYER_FIRST:
+            for c in self._chunks_of(buffer):
+                if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
+                    rel = slot - c.slot_lo
+                    return c.tensor[local - c.layer_lo, rel : rel + self.segment_slots]
+        else:
+            for c in self._chunks_of(buffer):
+                if c.slot_lo <= slot < c.slot_hi:
+                    return c.tensor[(slot - c.slot_lo) // self.spec.page_size, local]
+        raise AssertionError(f"no chunk holds segment {index} of {buffer!r}")
+
+    def _regions(self, buffer: str, layer: int) -> list[tuple[int, int, torch.Tensor]]:
+        """`(slot_lo, slot_hi, words)`: `words` is `[segments, segment_slots, W]`, maybe strided in dim 0."""
+        local = self.spec.buffer(buffer).local_layer(layer)
+        out = []
+        for c in self._chunks_of(buffer):
+            if self.layout is HostLayout.LAYER_FIRST:
+                if c.layer_lo <= local < c.layer_hi:
+                    view = c.tensor[local - c.layer_lo].unsqueeze(0)
+                    out.append((c.slot_lo, c.slot_hi, _words3(view)))
+            else:
+                out.append((c.slot_lo, c.slot_hi, _words3(c.tensor[:, local])))
+        return out
+
+    def gather(self, buffer: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Copy of the rows at `slots` (`[n]` int64, CPU) of one layer: `[n, *row]`, pageable."""
+        b = self.spec.buffer(buffer)
+        out = torch.empty((slots.numel(), b.row_bytes), dtype=torch.uint8)
+        out_w = as_words(out)
+        for view, rel, mask in self._split(buffer, layer, slots):
+            seg = view.shape[1]
+            out_w[mask] = view[rel // seg, rel % seg]
+        return out.view(b.dtype).view(slots.numel(), *b.row_shape)
+
+    def scatter(self, buffer: str, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write `rows` (`[n, *row]` of the buffer's dtype) to `slots` (`[n]` int64, CPU, distinct)."""
+        b = self.spec.buffer(buffer)
+        if rows.dtype != b.dtype or tuple(rows.shape) != (slots.numel(), *b.row_shape):
+            raise SpecError(
+                f"host pool: rows {rows.dtype} {tuple(rows.shape)} do not match buffer {buffer!r} "
+                f"{b.dtype} {(slots.numel(), *b.row_shape)}"
+            )
+        rows_w = as_words(rows.contiguous())
+        for view, rel, mask in self._split(buffer, layer, slots):
+            seg = view.shape[1]
+            view[rel // seg, rel % seg] = rows_w[mask]
+
+    def _split(self, buffer: str, layer: int, slots: torch.Tensor):
+        """Per region: `(words, slot - slot_lo, mask)` for the slots that fall in it."""
+        for lo, hi, view in self._regions(buffer, layer):
+            mask = (slots >= lo) & (slots < hi)
+            if bool(mask.any()):
+                yield view, slots[mask] - lo, mask
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPool({self.spec.name}, slots={self.num_slots}, layout={self.layout.value}, "
+            f"{_fmt(self.footprint_bytes)}, pinned={self.pinned})"
+        )
+
+
+def _words3(view: torch.Tensor) -> torch.Tensor:
+    """`[a, b, *row]` with packed rows as `[a, b, W]` words (dim 0 may stay strided)."""
+    flat = view.flatten(2) if view.dim() > 3 else view
+    if flat.dim() == 2:
+        flat = flat.unsqueeze(-1)
+    raw = flat.view(torch.uint8)
+    return raw.view(word_dtype(raw.shape[-1]))
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"

@@ -1,0 +1,6 @@
+"""Moving KV rows between a `HostPool` and a `DevicePool`: plans (decide once) and copies (run per layer)."""
+
+from kvtier.transfer.copy import backup, load_layer
+from kvtier.transfer.plan import PathCosts, Piece, TransferPath, TransferPlan
+
+__all__ = ["PathCosts", "Piece", "TransferPath", "TransferPlan", "backup", "load_layer"]

@@ -1,0 +1,182 @@
+"""Executing transfer plans: one layer host -> device, or layers device -> host.
+
+Everything here is stream-ordered and reads no device value back to the host, so a
+load can be submitted layer by layer while the model runs (the `REFERENCE` path is
+the exception: it gathers through host memory and waits for the stream). Rows are
+moved as raw words (`as_words`), so every dtype is copied bit for bit.
+
+A buffer whose device tensor does not match the host rows (another dtype, or rows
+not packed back to back, as in a wrapped engine tensor) falls back to the
+reference path for that buffer alone.
+
+Concurrency contract: the caller orders a load after any backup that writes the
+same host slots (an event), and keeps the plan alive until its stream has run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from kvtier.pool.device import DevicePool, Direction
+from kvtier.pool.host import HostPool
+from kvtier.pool.rows import as_words, rows_contiguous
+from kvtier.spec import BufferSpec
+from kvtier.transfer.plan import Piece, TransferPath, TransferPlan
+
+
+def load_layer(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    layer: int,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy every buffer of model layer `layer` from the plan's host slots to its device slots."""
+    _expect(plan, Direction.LOAD)
+    with _on_stream(plan, device_pool, stream):
+        for b in host_pool.spec.buffers_on(layer):
+            _move(plan, host_pool, device_pool, b, layer)
+
+
+def backup(
+    plan: TransferPlan,
+    device_pool: DevicePool,
+    host_pool: HostPool,
+    layers: Iterable[int] | None = None,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy every buffer of `layers` (all by default) from the plan's device slots to its host slots."""
+    _expect(plan, Direction.BACKUP)
+    layers = range(host_pool.spec.num_layers) if layers is None else layers
+    with _on_stream(plan, device_pool, stream):
+        for layer in layers:
+            for b in host_pool.spec.buffers_on(layer):
+                _move(plan, host_pool, device_pool, b, layer)
+
+
+def _expect(plan: TransferPlan, direction: Direction) -> None:
+    if plan.direction is not direction:
+        raise ValueError(f"plan is for {plan.direction.value}, not {direction.value}")
+
+
+@contextlib.contextmanager
+def _on_stream(
+    plan: TransferPlan, device_pool: DevicePool, stream: torch.cuda.Stream | None
+) -> Iterator[torch.cuda.Stream | None]:
+    if device_pool.device.type != "cuda":
+        yield None
+        return
+    stream = stream or torch.cuda.current_stream(device_pool.device)
+    with torch.cuda.stream(stream):
+        if plan.ready is not None:
+            stream.wait_event(plan.ready)
+            plan.device_index.record_stream(stream)
+        yield stream
+
+
+def _move(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    b: BufferSpec,
+    layer: int,
+) -> None:
+    dev = device_pool.layer(b.name, layer)
+    fast = dev.dtype == b.dtype and rows_contiguous(dev)
+    if plan.path is TransferPath.REFERENCE or not fast:
+        _reference(plan, host_pool, dev, b, layer)
+    elif plan.path is TransferPath.STAGED:
+        _staged(plan, host_pool, device_pool, as_words(dev), b, layer)
+    else:
+        dev_w = as_words(dev)
+        for p in plan.pieces:
+            host_w = _host_words(host_pool, b, layer, p.host, p.length)
+            dev_rows = dev_w[p.device : p.device + p.length]
+            if plan.direction is Direction.LOAD:
+                dev_rows.copy_(host_w, non_blocking=True)
+            else:
+                host_w.copy_(dev_rows, non_blocking=True)
+
+
+def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:
+    """Words of host rows `[slot, slot + length)` of one layer (one segment): `[length, W]`."""
+    seg = host_pool.segment_slots
+    rows = host_pool.segment(b.name, layer, slot // seg)
+    off = slot % seg
+    return as_words(rows[off : off + length])
+
+
+def _staged(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    dev_w: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+) -> None:
+    """Host runs <-> a contiguous staging buffer (copy engine), staging <-> device slots on the device."""
+    cap = device_pool.staging_tokens
+    raw = device_pool.staging(plan.direction)[: cap * b.row_bytes]
+    stage = raw.view(dev_w.dtype).view(cap, dev_w.shape[1])
+    index = plan.device_index
+    for lo, hi, parts in _windows(plan.pieces, cap):
+        if plan.direction is Direction.LOAD:
+            for p, at in parts:
+                stage[at : at + p.length].copy_(
+                    _host_words(host_pool, b, layer, p.host, p.length), non_blocking=True
+                )
+            dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
+        else:
+            torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
+            for p, at in parts:
+                _host_words(host_pool, b, layer, p.host, p.length).copy_(
+                    stage[at : at + p.length], non_blocking=True
+                )
+
+
+def _windows(pieces: tuple[Piece, ...], cap: int) -> Iterator[tuple[int, int, list[tuple[Piece, int]]]]:
+    """Split pieces into windows of at most `cap` rows: `(list lo, list hi, [(piece, offset in window)])`."""
+    lo, parts, used = 0, [], 0
+    for piece in pieces:
+        p = piece
+        while p.length:
+            take = min(p.length, cap - used)
+            parts.append((Piece(p.pos, p.host, p.device, take), used))
+            used += take
+            p = Piece(p.pos + take, p.host + take, p.device + take, p.length - take)
+            if used == cap:
+                yield lo, lo + used, parts
+                lo, parts, used = lo + used, [], 0
+    if used:
+        yield lo, lo + used, parts
+
+
+def _reference(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    dev: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+) -> None:
+    """Per-token gather and scatter through host memory: the plain path every other one must equal."""
+    if plan.num_tokens == 0:
+        return
+    index = plan.device_index if plan.device_index is not None else plan.device_slots
+    fast = dev.dtype == b.dtype and rows_contiguous(dev)
+    if plan.direction is Direction.LOAD:
+        rows = host_pool.gather(b.name, layer, plan.host_slots)
+        if fast:
+            as_words(dev).index_copy_(0, index, as_words(rows).to(dev.device))
+        else:
+            dev[index] = rows.to(dev.device).to(dev.dtype)
+    else:
+        if fast:
+            # `.cpu()` waits for the stream: the reference path is synchronous.
+            words = as_words(dev).index_select(0, index).cpu()
+            rows = words.view(torch.uint8).view(b.dtype).view(plan.num_tokens, *b.row_shape)
+        else:
+            rows = dev[index].cpu().to(b.dtype)
+        host_pool.scatter(b.name, layer, plan.host_slots, rows)

@@ -1,0 +1,51 @@
+"""Shared helpers: random bytes, poisoned pools, and an independent model of host memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.pool import DevicePool, HostPool
+from kvtier.spec import BufferSpec
+
+
+def random_rows(n: int, b: BufferSpec, gen: torch.Generator) -> torch.Tensor:
+    """`[n, *row]` of `b.dtype` with random bit patterns (NaN payloads included)."""
+    raw = torch.randint(0, 256, (n, b.row_bytes), dtype=torch.uint8, generator=gen)
+    return raw.view(b.dtype).view(n, *b.row_shape)
+
+
+def poison_host(pool: HostPool, gen: torch.Generator) -> None:
+    """Fill every byte of the host pool with random values."""
+    for b in pool.spec.buffers:
+        for chunk in pool.chunks(b.name):
+            raw = chunk.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def poison_device(pool: DevicePool, gen: torch.Generator) -> None:
+    for b in pool.spec.buffers:
+        for layer in b.layers:
+            t = pool.layer(b.name, layer)
+            t.view(torch.uint8).copy_(
+                torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen)
+            )
+
+
+def host_row(pool: HostPool, b: BufferSpec, layer: int, slot: int) -> torch.Tensor:
+    """One host row, addressed by the layout's definition (single-chunk pools only)."""
+    (chunk,) = pool.chunks(b.name)
+    j = b.local_layer(layer)
+    if pool.layout.value == "layer_first":
+        return chunk[j, slot]
+    ps = pool.spec.page_size
+    return chunk[slot // ps, j, slot % ps]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)

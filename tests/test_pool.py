@@ -1,0 +1,116 @@
+"""Host and device pools: layouts, chunking, memory budget, pinning rules, staging footprint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_rows, same_bytes
+
+from kvtier.errors import HostMemoryError, LayoutError, PinError, SpecError
+from kvtier.pool import DevicePool, HostLayout, HostPool
+from kvtier.pool.host import host_memory_bytes
+from kvtier.spec import preset
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_layouts_place_rows_where_they_say(ps: int, gen) -> None:
+    spec = preset("tiny-dsa", ps)
+    for layout, shape_of in [
+        (HostLayout.LAYER_FIRST, lambda b: (len(b.layers), 32, *b.row_shape)),
+        (HostLayout.PAGE_FIRST, lambda b: (32 // ps, len(b.layers), ps, *b.row_shape)),
+    ]:
+        pool = HostPool(spec, 32, layout)
+        for b in spec.buffers:
+            (chunk,) = pool.chunks(b.name)
+            assert tuple(chunk.shape) == shape_of(b) and chunk.dtype == b.dtype
+            slots = torch.tensor([0, 5, 31])
+            rows = random_rows(3, b, gen)
+            layer = b.layers[-1]
+            pool.scatter(b.name, layer, slots, rows)
+            j = len(b.layers) - 1
+            for i, s in enumerate(slots.tolist()):
+                stored = chunk[j, s] if layout is HostLayout.LAYER_FIRST else chunk[s // ps, j, s % ps]
+                assert same_bytes(stored, rows[i])
+            assert same_bytes(pool.gather(b.name, layer, slots), rows)
+
+
+def test_chunks_never_exceed_the_limit() -> None:
+    spec = preset("tiny-dsa", 2)
+    for layout in HostLayout:
+        pool = HostPool(spec, 1000, layout, chunk_bytes=3000)
+        for b in spec.buffers:
+            assert all(c.nbytes <= 3000 for c in pool.chunks(b.name))
+        assert pool.footprint_bytes == sum(c.nbytes for b in spec.buffers for c in pool.chunks(b.name))
+        assert pool.footprint_bytes == 1000 * spec.bytes_per_token()
+    assert (
+        HostPool(spec, 1000, "layer_first", chunk_bytes=3000).segment_slots == 3000 // 132 // 2 * 2
+    )  # the widest row: indexer
+    assert HostPool(spec, 1000, "page_first", chunk_bytes=3000).segment_slots == 2
+
+
+def test_a_pool_too_large_for_the_host_is_refused_naming_both_numbers() -> None:
+    available, _ = host_memory_bytes()
+    spec = preset("deepseek-v3")
+    slots = available // spec.bytes_per_token() + 1024
+    with pytest.raises(HostMemoryError, match=r"needs .* GiB but only .* GiB may be used"):
+        HostPool(spec, slots)
+    with pytest.raises(HostMemoryError, match="reserve"):
+        HostPool(preset("tiny-mla"), 64, reserve_bytes=available)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA rule")
+def test_pinning_without_cuda_is_an_error_not_a_fallback() -> None:
+    with pytest.raises(PinError, match="needs CUDA"):
+        HostPool(preset("tiny-mla"), 64, pin=True)
+    assert not HostPool(preset("tiny-mla"), 64).pinned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_pool_is_pinned_with_cuda() -> None:
+    pool = HostPool(preset("tiny-mla"), 64)
+    assert pool.pinned and all(c.is_pinned() for c in pool.chunks("kv"))
+
+
+def test_bad_pool_arguments() -> None:
+    with pytest.raises(LayoutError, match="unknown host layout"):
+        HostPool(preset("tiny-mla"), 64, "row_major")
+    with pytest.raises(SpecError, match="multiple of page_size"):
+        HostPool(preset("tiny-mla", 16), 40)
+    with pytest.raises(SpecError, match="exceeds a chunk"):
+        HostPool(preset("tiny-mla", 64), 128, "page_first", chunk_bytes=1024)
+    with pytest.raises(SpecError, match="positive"):
+        DevicePool(preset("tiny-mla"), 0)
+
+
+def test_progress_is_reported_per_chunk() -> None:
+    seen = []
+    pool = HostPool(
+        preset("tiny-mla"),
+        512,
+        chunk_bytes=8192,
+        progress=lambda done, total: seen.append((done, total)),
+    )
+    assert len(seen) == len(pool.chunks("kv")) > 1
+    assert seen[-1] == (pool.footprint_bytes, pool.footprint_bytes)
+
+
+def test_device_pool_counts_its_staging() -> None:
+    spec = preset("tiny-dsa")
+    pool = DevicePool(spec, 100, staging_tokens=10)
+    kv_bytes = 100 * spec.bytes_per_token()
+    assert pool.footprint_bytes == kv_bytes + 2 * 10 * max(b.row_bytes for b in spec.buffers)
+    assert pool.layer("indexer", 2).shape == (100, 132)
+    with pytest.raises(SpecError, match="no layer 1"):
+        pool.layer("indexer", 1)
+
+
+def test_wrap_checks_shapes() -> None:
+    spec = preset("tiny-mha")
+    good = {n: [torch.zeros(8, 2, 8, dtype=torch.bfloat16) for _ in range(2)] for n in ("k", "v")}
+    assert DevicePool.wrap(spec, good).num_slots == 8
+    bad = dict(good, v=[torch.zeros(8, 2, 4, dtype=torch.bfloat16)] * 2)
+    with pytest.raises(SpecError, match="does not match"):
+        DevicePool.wrap(spec, bad)
+    with pytest.raises(SpecError, match="needs 2 tensors"):
+        DevicePool.wrap(spec, dict(good, v=good["v"][:1]))

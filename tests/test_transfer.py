@@ -1,0 +1,283 @@
+"""Every transfer path against a per-token reference, byte for byte, with poisoned destinations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import host_row, poison_device, poison_host, random_rows, same_bytes
+
+from kvtier.errors import PlanError, SlotError
+from kvtier.pool import DevicePool, HostLayout, HostPool
+from kvtier.spec import preset
+from kvtier.transfer import PathCosts, TransferPath, TransferPlan, backup, load_layer
+
+SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
+PAGE_SIZES = [1, 16, 64]
+HOST_SLOTS = 256
+DEVICE_SLOTS = 192
+TOKENS = 128
+FREE_COPIES = PathCosts(copy_issue_s=0.0)
+
+
+def slot_cases(ps: int, gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Host/device slot lists from one run to fully scattered (host slots in whole pages)."""
+    pages = HOST_SLOTS // ps
+    need = TOKENS // ps
+    perm_pages = torch.randperm(pages, generator=gen)[:need]
+    scattered_host = (perm_pages[:, None] * ps + torch.arange(ps)).flatten()
+    dev_contig = torch.arange(32, 32 + TOKENS)
+    dev_scatter = torch.randperm(DEVICE_SLOTS, generator=gen)[:TOKENS]
+    runs_of_16 = (
+        torch.randperm(HOST_SLOTS // 16, generator=gen)[: TOKENS // 16, None] * 16 + torch.arange(16)
+    ).flatten()
+    return {
+        "one-run": (torch.arange(64, 64 + TOKENS), dev_contig),
+        "host-run-device-scattered": (torch.arange(64, 64 + TOKENS), dev_scatter),
+        "runs-of-16": (runs_of_16, dev_contig),
+        "runs-of-16-device-scattered": (runs_of_16, dev_scatter),
+        "scattered": (scattered_host, dev_scatter),
+    }
+
+
+def applicable_paths(host: HostPool, dev: DevicePool, hs, ds) -> list[TransferPath | None]:
+    paths: list[TransferPath | None] = [
+        None,
+        TransferPath.STAGED,
+        TransferPath.PER_RUN,
+        TransferPath.REFERENCE,
+    ]
+    plan = TransferPlan.build("load", host, dev, hs, ds)
+    if plan.joint_runs == 1:
+        paths.append(TransferPath.SINGLE_COPY)
+    return paths
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_load_every_path_matches_reference(spec_name: str, ps: int, layout: HostLayout, gen) -> None:
+    spec = preset(spec_name, ps)
+    host = HostPool(spec, HOST_SLOTS, layout)
+    dev = DevicePool(spec, DEVICE_SLOTS, staging_tokens=48)  # staging smaller than the load: windows
+    poison_host(host, gen)
+    for case, (hs, ds) in slot_cases(ps, gen).items():
+        for force in applicable_paths(host, dev, hs, ds):
+            poison_device(dev, gen)
+            before = {(b.name, lay): dev.layer(b.name, lay).clone() for b in spec.buffers for lay in b.layers}
+            plan = TransferPlan.build("load", host, dev, hs, ds, force=force)
+            for layer in range(spec.num_layers):
+                load_layer(plan, host, dev, layer)
+            untouched = torch.ones(DEVICE_SLOTS, dtype=torch.bool)
+            untouched[ds] = False
+            for b in spec.buffers:
+                for layer in b.layers:
+                    got = dev.layer(b.name, layer)
+                    for i in range(TOKENS):
+                        want = host_row(host, b, layer, int(hs[i]))
+                        assert same_bytes(got[int(ds[i])], want), (
+                            case,
+                            force,
+                            plan.path,
+                            b.name,
+                            layer,
+                            i,
+                        )
+                    assert same_bytes(got[untouched], before[(b.name, layer)][untouched]), (
+                        case,
+                        force,
+                    )
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_backup_every_path_matches_reference(spec_name: str, ps: int, layout: HostLayout, gen) -> None:
+    spec = preset(spec_name, ps)
+    host = HostPool(spec, HOST_SLOTS, layout)
+    dev = DevicePool(spec, DEVICE_SLOTS, staging_tokens=48)
+    poison_device(dev, gen)
+    for case, (hs, ds) in slot_cases(ps, gen).items():
+        for force in applicable_paths(host, dev, hs, ds):
+            poison_host(host, gen)
+            before = {b.name: [c.clone() for c in host.chunks(b.name)] for b in spec.buffers}
+            plan = TransferPlan.build("backup", host, dev, hs, ds, force=force)
+            backup(plan, dev, host)
+            written = set(hs.tolist())
+            for b in spec.buffers:
+                for layer in b.layers:
+                    src = dev.layer(b.name, layer)
+                    for i in range(TOKENS):
+                        assert same_bytes(host_row(host, b, layer, int(hs[i])), src[int(ds[i])]), (
+                            case,
+                            force,
+                        )
+                # Every other host row keeps its poison.
+                (chunk,) = host.chunks(b.name)
+                (old,) = before[b.name]
+                for slot in range(HOST_SLOTS):
+                    if slot in written:
+                        continue
+                    for layer in b.layers:
+                        if layout is HostLayout.LAYER_FIRST:
+                            j = b.local_layer(layer)
+                            assert same_bytes(chunk[j, slot], old[j, slot])
+                        else:
+                            j = b.local_layer(layer)
+                            assert same_bytes(chunk[slot // ps, j, slot % ps], old[slot // ps, j, slot % ps])
+
+
+def test_multi_chunk_host_pool_round_trip(gen) -> None:
+    """Chunks of a few KiB force runs to split at segment boundaries; data survives both ways."""
+    spec = preset("tiny-dsa", 4)
+    for layout in HostLayout:
+        host = HostPool(spec, 512, layout, chunk_bytes=4096)
+        assert len(host.chunks("kv")) > 1
+        assert all(c.nbytes <= 4096 for c in host.chunks("kv"))
+        dev = DevicePool(spec, 512)
+        truth = {(b.name, lay): random_rows(512, b, gen) for b in spec.buffers for lay in b.layers}
+        for (name, lay), rows in truth.items():
+            dev.layer(name, lay).copy_(rows)
+        hs = torch.arange(512)
+        plan = TransferPlan.build("backup", host, dev, hs, torch.arange(512), costs=FREE_COPIES)
+        assert plan.path is not TransferPath.REFERENCE
+        backup(plan, dev, host)
+        poison_device(dev, gen)
+        perm = torch.randperm(512, generator=gen)
+        plan = TransferPlan.build("load", host, dev, hs, perm, costs=FREE_COPIES)
+        for layer in range(spec.num_layers):
+            load_layer(plan, host, dev, layer)
+        for (name, lay), rows in truth.items():
+            assert same_bytes(dev.layer(name, lay)[perm], rows), (layout, name, lay)
+
+
+def test_planner_picks_the_cheapest_path(gen) -> None:
+    spec = preset("tiny-mla", 1)
+    host = HostPool(spec, 4096)
+    dev = DevicePool(spec, 4096)
+    # Rows of 48 B: a copy costs 10 us to issue, the reference path moves 0.1 GB/s.
+    costs = PathCosts(copy_issue_s=10e-6, copy_gbps=50.0, device_gbps=1000.0, reference_gbps=0.1)
+
+    def path(hs, ds) -> TransferPath:
+        return TransferPlan.build("load", host, dev, hs, ds, costs=costs).path
+
+    def runs(starts, length):
+        return (torch.tensor(starts)[:, None] * length + torch.arange(length)).flatten()
+
+    scattered = torch.randperm(4096, generator=gen)
+    assert path(torch.arange(100, 400), torch.arange(0, 300)) is TransferPath.SINGLE_COPY
+    assert path(torch.arange(100, 400), scattered[:300]) is TransferPath.STAGED
+    long_runs = runs([7, 2, 11, 4], 256)
+    assert path(long_runs, torch.arange(1024)) is TransferPath.PER_RUN
+    assert path(long_runs, scattered[:1024]) is TransferPath.STAGED
+    single_rows = runs(list(range(0, 4096, 2)), 1)
+    assert path(single_rows, torch.arange(2048)) is TransferPath.REFERENCE
+    # Many short runs on both sides: per-run issue cost exceeds the reference path's.
+    assert path(runs(list(range(0, 256, 2)), 16), torch.arange(2048)) is TransferPath.REFERENCE
+    empty = torch.tensor([], dtype=torch.int64)
+    assert path(empty, empty) is TransferPath.SINGLE_COPY
+
+
+def test_plan_counts_runs() -> None:
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    plan = TransferPlan.build("load", host, dev, [0, 1, 2, 10, 11, 30], [5, 6, 9, 10, 11, 12])
+    assert (plan.host_runs, plan.device_runs, plan.joint_runs) == (3, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("hs", "ds", "message"),
+    [
+        ([0, 1, 64], [0, 1, 2], "outside"),
+        ([0, 1, 2], [0, 1, -1], "outside"),
+        ([0, 1, 2], [0, 1], "entries"),
+        ([0, 1, 2], [3, 3, 4], "repeats"),
+    ],
+)
+def test_bad_slots_raise_before_anything_is_written(hs, ds, message, gen) -> None:
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    poison_device(dev, gen)
+    before = dev.layer("kv", 0).clone()
+    with pytest.raises(SlotError, match=message):
+        TransferPlan.build("load", host, dev, hs, ds)
+    assert same_bytes(dev.layer("kv", 0), before)
+
+
+def test_backup_rejects_repeated_host_slots_but_load_allows_repeated_sources() -> None:
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    with pytest.raises(SlotError, match="host_slots"):
+        TransferPlan.build("backup", host, dev, [1, 1], [2, 3])
+    TransferPlan.build("load", host, dev, [1, 1], [2, 3])  # one host row to two device slots is fine
+
+
+def test_bad_index_tensors_raise() -> None:
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    with pytest.raises(SlotError, match="integer"):
+        TransferPlan.build("load", host, dev, torch.tensor([1.0]), torch.tensor([1]))
+    with pytest.raises(SlotError, match="1-D"):
+        TransferPlan.build("load", host, dev, torch.tensor([[1]]), torch.tensor([1]))
+    with pytest.raises(PlanError, match="single copy"):
+        TransferPlan.build("load", host, dev, [1, 5], [1, 2], force="single_copy")
+    plan = TransferPlan.build("load", host, dev, [1], [1])
+    with pytest.raises(ValueError, match="plan is for load"):
+        backup(plan, dev, host)
+
+
+def test_mismatched_specs_are_refused() -> None:
+    host = HostPool(preset("tiny-mla"), 64)
+    dev = DevicePool(preset("tiny-mha"), 64)
+    with pytest.raises(PlanError, match="different buffers"):
+        TransferPlan.build("load", host, dev, [1], [1])
+
+
+def test_wrapped_engine_tensors_fall_back_to_reference(gen) -> None:
+    """Rows not packed (a `[slots, 2, heads, dim]` KV tensor) or another dtype: still exact."""
+    spec = preset("tiny-mha", 1)
+    host = HostPool(spec, 64)
+    poison_host(host, gen)
+    kv = [torch.zeros(48, 2, 2, 8, dtype=torch.bfloat16) for _ in range(2)]
+    dev = DevicePool.wrap(spec, {"k": [t[:, 0] for t in kv], "v": [t[:, 1] for t in kv]})
+    hs, ds = torch.arange(8, 24), torch.arange(0, 16)
+    plan = TransferPlan.build("load", host, dev, hs, ds)
+    assert plan.path is TransferPath.SINGLE_COPY
+    for layer in range(2):
+        load_layer(plan, host, dev, layer)
+    for layer in range(2):
+        for i in range(16):
+            assert same_bytes(kv[layer][int(ds[i]), 0], host_row(host, spec.buffer("k"), layer, int(hs[i])))
+            assert same_bytes(kv[layer][int(ds[i]), 1], host_row(host, spec.buffer("v"), layer, int(hs[i])))
+
+    wide = {name: [torch.zeros(48, 2, 8, dtype=torch.float32) for _ in range(2)] for name in ("k", "v")}
+    dev32 = DevicePool.wrap(spec, wide)
+    plan = TransferPlan.build("load", host, dev32, hs, ds)
+    load_layer(plan, host, dev32, 0)
+    want = torch.stack([host_row(host, spec.buffer("k"), 0, int(h)) for h in hs]).float()
+    assert torch.equal(wide["k"][0][ds], want)
+
+
+def test_no_device_value_is_read_back_during_fast_paths(monkeypatch, gen) -> None:
+    """The per-layer loop of a fast path never calls `.item()`, `.tolist()`, `torch.equal` or `bool()`."""
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    cases = {
+        TransferPath.SINGLE_COPY: (torch.arange(0, 64), torch.arange(64, 128)),
+        TransferPath.STAGED: (torch.arange(0, 64), torch.randperm(256, generator=gen)[:64]),
+        TransferPath.PER_RUN: (
+            torch.cat([torch.arange(0, 32), torch.arange(96, 128)]),
+            torch.arange(64),
+        ),
+    }
+    plans = [TransferPlan.build("load", host, dev, hs, ds, force=p) for p, (hs, ds) in cases.items()]
+
+    def boom(*_a, **_k):
+        raise AssertionError("a device value was read back inside the layer loop")
+
+    monkeypatch.setattr(torch.Tensor, "item", boom)
+    monkeypatch.setattr(torch.Tensor, "tolist", boom)
+    monkeypatch.setattr(torch.Tensor, "__bool__", boom)
+    monkeypatch.setattr(torch, "equal", boom)
+    for plan in plans:
+        for layer in range(spec.num_layers):
+            load_layer(plan, host, dev, layer)
