@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--direction", choices=["load", "backup", "both"], default="both")
     t.add_argument("--repeats", type=int, help="timed repeats per row (default: 20 on CUDA, 5 on CPU)")
     t.add_argument("--warmup", type=int, default=2)
+    t.add_argument("--batch", type=int, default=4, help="back-to-back calls per timed sample")
     t.add_argument("--cycles", type=int, default=8, help="fill/evict cycles before the churn rows")
     t.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
     return p
@@ -79,6 +80,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         repeats=args.repeats or (20 if cuda else 5),
         warmup=args.warmup,
         cycles=args.cycles,
+        batch=args.batch,
         directions=directions,
     )
     if console.is_terminal:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Without a GPU, Triton kernels run in its CPU interpreter; the variable must be set
+# before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from kvtier.pool import DevicePool, HostPool
 from kvtier.spec import BufferSpec

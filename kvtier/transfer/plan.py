@@ -50,7 +50,7 @@ class PathCosts:
     the per-token path through host memory.
     """
 
-    copy_issue_s: float = 8e-6
+    copy_issue_s: float = 11e-6
     copy_gbps: float = 54.0
     device_gbps: float = 1200.0
     reference_gbps: float = 3.0
