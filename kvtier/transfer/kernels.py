@@ -1,0 +1,421 @@
+"""A Triton kernel that copies scattered KV rows between pinned host memory and the GPU.
+
+What this module owns
+---------------------
+`copy_rows` moves `n` equally sized rows, each at its own word offset, from one 1-D
+words tensor to another. The same kernel serves both directions:
+
+- gather (load), host -> device: `src` is pinned CPU memory, `dst` is on the GPU;
+- scatter (backup), device -> host: `src` is on the GPU, `dst` is pinned CPU memory.
+
+The GPU reads or writes the pinned host pages directly over PCIe (a pinned tensor's
+pointer is valid on the GPU through unified virtual addressing), so no staging
+buffer and no copy-engine call per run of rows is needed. This is the path for
+scattered rows (short runs), where the copy engine pays a fixed cost per run.
+
+Why rows in flight matter
+-------------------------
+A gather over PCIe is latency-bound, not bandwidth-bound: one read of host memory
+takes on the order of a microsecond to come back, so reaching ~50 GB/s needs on
+the order of 100+ rows (tens of KB) in flight across the GPU at any time. Many
+programs are not the way to get there; many outstanding loads per program are.
+Each program therefore loads a whole `[BLOCK_ROWS, BLOCK_W]` tile (`BLOCK_ROWS`
+rows at once) before it stores any of it, and the grid is persistent and small:
+exactly `min(sm_budget, number of row blocks)` programs, each looping over the row
+blocks `pid, pid + num_programs, ...`. The copy takes `sm_budget` SMs (default 8)
+from the model running beside it, and no more.
+
+Contract
+--------
+- Row `i` copies words `src[src_offsets[i] : src_offsets[i] + row_words]` to
+  `dst[dst_offsets[i] : dst_offsets[i] + row_words]`, bit for bit.
+- `src` and `dst` are 1-D, contiguous, of the same integer words dtype (int64,
+  int32, int16 or uint8; see `kvtier.pool.rows.as_words`). Source rows must not
+  overlap destination rows (unchecked; the two are different tiers in practice).
+- The offset tensors are `[n]` int64, on the GPU in real use (CPU offsets are
+  uploaded through pinned memory without blocking; under Triton's CPU interpreter
+  everything is on the CPU).
+- With `validate=True` (the default) every check runs on the host before anything
+  is launched, so a bad call leaves the destination untouched: bounds of every row,
+  overlapping (e.g. repeated) destination rows. That needs the offsets on the CPU;
+  callers holding device offsets validate their CPU indices themselves and pass
+  `validate=False`. Cheap metadata checks (dtypes, shapes, lengths) always run.
+- The kernel is launched on the current CUDA stream; `copy_rows` never waits for
+  the GPU and reads no device value back to the host.
+- Accesses are made as wide as the data allows. The wrapper re-views the words at
+  the widest width (up to 8 bytes) dividing the row size, both base addresses and,
+  when the offsets are on the CPU, every offset (offsets on the GPU are not read
+  back, so there the given words are never widened: pass `as_words` views). The
+  kernel then uses 16-byte vector accesses for each tile whose offsets it finds
+  aligned at run time (checked on the GPU, per tile), with hints that say so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from kvtier.errors import SlotError
+
+try:  # Triton is optional: without it `copy_rows` raises and `triton_available()` is False.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+__all__ = ["copy_rows", "triton_available"]
+
+_WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_WORD_SIZES: dict[torch.dtype, int] = {dtype: size for size, dtype in _WORD_DTYPES.items()}
+
+# Bytes of one chunk of a row moved per tile column sweep, and of a whole tile: a
+# `[BLOCK_ROWS, BLOCK_W]` tile lives in registers between its loads and stores.
+_MAX_CHUNK_BYTES = 2048
+_MAX_TILE_BYTES = 32 * 1024
+# Widest access per thread the hardware has (a 16-byte vector load/store).
+_VECTOR_BYTES = 16
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    """Whether `copy_rows` can run here: Triton imports, and CUDA or Triton's CPU interpreter is on."""
+    return triton is not None and (torch.cuda.is_available() or _interpreting())
+
+
+# ---------------------------------------------------------------------------
+# The kernel. Its bodies are plain functions, turned into Triton kernels on first
+# use (`_kernel`), so that whether they run compiled or under the interpreter is
+# decided by TRITON_INTERPRET at that time, not when this module was imported.
+# ---------------------------------------------------------------------------
+
+
+def _copy_tile(
+    src_ptr,
+    dst_ptr,
+    s,
+    d,
+    rmask,
+    row_words,
+    BLOCK_W: tl.constexpr,
+):
+    """Copy `row_words` words of each row of a tile: word offsets `s` to `d` (`[BLOCK_ROWS]` each)."""
+    s2 = s[:, None]
+    d2 = d[:, None]
+    m2 = rmask[:, None]
+    for w0 in range(0, row_words, BLOCK_W):
+        w0 = tl.multiple_of(w0, BLOCK_W)
+        cols = tl.max_contiguous(tl.multiple_of(w0 + tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
+        mask = m2 & (cols[None, :] < row_words)
+        # One load of the whole tile: BLOCK_ROWS rows are in flight before any store.
+        vals = tl.load(src_ptr + (s2 + cols[None, :]), mask=mask)
+        tl.store(dst_ptr + (d2 + cols[None, :]), vals, mask=mask)
+
+
+def _copy_rows_kernel(
+    src_ptr,
+    src_off_ptr,
+    dst_ptr,
+    dst_off_ptr,
+    n_rows,
+    row_vecs,
+    ROWS_PER_BLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """Persistent grid: program `pid` copies row blocks `pid, pid + num_programs, ...`.
+
+    A row is `row_vecs * VEC` words. A row block is `ROWS_PER_BLOCK` rows; `BLOCK_ROWS`
+    is that rounded up to a power of two (the tile height), the rows past
+    `ROWS_PER_BLOCK` masked off.
+    """
+    # Written as a product so that the compiler knows it is a multiple of VEC.
+    row_words = row_vecs * VEC
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_blocks = tl.cdiv(n_rows, ROWS_PER_BLOCK)
+    lane = tl.arange(0, BLOCK_ROWS)
+    for block in range(pid, num_blocks, num_programs):
+        rows = block * ROWS_PER_BLOCK + lane
+        rmask = (lane < ROWS_PER_BLOCK) & (rows < n_rows)
+        s = tl.load(src_off_ptr + rows, mask=rmask, other=0)
+        d = tl.load(dst_off_ptr + rows, mask=rmask, other=0)
+        if VEC == 1:
+            _copy_tile_jit(src_ptr, dst_ptr, s, d, rmask, row_words, BLOCK_W)
+        else:
+            # The offsets are not known on the host (they may live on the GPU), so the
+            # alignment that allows VEC-word vector accesses is checked per tile.
+            misaligned = tl.max((s | d) & (VEC - 1), axis=0)
+            if misaligned == 0:
+                # Equal to s and d here; written so the compiler sees multiples of VEC.
+                s_vec = tl.multiple_of((s // VEC) * VEC, VEC)
+                d_vec = tl.multiple_of((d // VEC) * VEC, VEC)
+                _copy_tile_jit(src_ptr, dst_ptr, s_vec, d_vec, rmask, row_words, BLOCK_W)
+            else:
+                _copy_tile_jit(src_ptr, dst_ptr, s, d, rmask, row_words, BLOCK_W)
+
+
+# Set by `_kernel`: the Triton-wrapped `_copy_tile` (which `_copy_rows_kernel` calls by
+# this name), the kernel, and the mode (interpreted or not) they were wrapped for.
+_copy_tile_jit: Any = None
+_kernel_jit: Any = None
+_kernel_interpreted: bool | None = None
+
+
+def _kernel() -> Any:
+    """The Triton kernel for the current mode (compiled, or Triton's CPU interpreter)."""
+    global _copy_tile_jit, _kernel_jit, _kernel_interpreted
+    mode = _interpreting()
+    if _kernel_jit is None or _kernel_interpreted != mode:
+        _copy_tile_jit = triton.jit(_copy_tile)
+        # n_rows changes with every call: one compiled kernel serves all of them.
+        _kernel_jit = triton.jit(_copy_rows_kernel, do_not_specialize=["n_rows"])
+        _kernel_interpreted = mode
+    return _kernel_jit
+
+
+# ---------------------------------------------------------------------------
+# Host side.
+# ---------------------------------------------------------------------------
+
+
+def _next_power_of_2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _check_words(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _WORD_SIZES:
+        raise ValueError(f"{name} must be a words tensor (int64, int32, int16 or uint8), got {t.dtype}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be 1-D and contiguous, got shape {tuple(t.shape)} stride {t.stride()}")
+
+
+def _check_offsets(offsets: torch.Tensor, name: str) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise SlotError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dim() != 1 or offsets.dtype != torch.int64:
+        raise SlotError(f"{name} must be 1-D int64, got shape {tuple(offsets.shape)} dtype {offsets.dtype}")
+
+
+def _validate_rows(offsets: torch.Tensor, row_words: int, numel: int, name: str) -> None:
+    """Every row `[offset, offset + row_words)` lies inside `[0, numel)`."""
+    lo = int(offsets.min())
+    hi = int(offsets.max())
+    if lo < 0 or hi + row_words > numel:
+        bad = offsets[(offsets < 0) | (offsets + row_words > numel)]
+        raise SlotError(
+            f"{name}: rows of {row_words} words at offsets {bad[:8].tolist()}"
+            f"{' ...' if bad.numel() > 8 else ''} fall outside a tensor of {numel} words"
+        )
+
+
+def _validate_disjoint(offsets: torch.Tensor, row_words: int, name: str) -> None:
+    """No two rows `[offset, offset + row_words)` overlap (repeated offsets included)."""
+    if offsets.numel() < 2:
+        return
+    ordered = offsets.sort().values
+    gaps = ordered[1:] - ordered[:-1]
+    clash = torch.nonzero(gaps < row_words).flatten()
+    if clash.numel():
+        i = int(clash[0])
+        a, b = int(ordered[i]), int(ordered[i + 1])
+        what = "is repeated" if a == b else f"overlaps the row at {a}"
+        raise SlotError(
+            f"{name}: destination row at offset {b} {what} (rows of {row_words} words); "
+            f"{clash.numel()} overlapping pair(s) in all"
+        )
+
+
+def _word_size(row_bytes: int, aligns: list[int]) -> int:
+    """The widest word size (8, 4, 2, 1) dividing `row_bytes` and every value of `aligns`."""
+    bits = row_bytes
+    for a in aligns:
+        bits |= a
+    for size in (8, 4, 2, 1):
+        if bits % size == 0:
+            return size
+    raise AssertionError("unreachable: 1 divides everything")
+
+
+def _as_width(t: torch.Tensor, size: int) -> torch.Tensor:
+    """`t` (1-D words) re-viewed as words of `size` bytes, a trailing partial word dropped."""
+    if _WORD_SIZES[t.dtype] == size:
+        return t
+    raw = t.view(torch.uint8)
+    raw = raw[: raw.numel() // size * size]
+    return raw.view(_WORD_DTYPES[size])
+
+
+def _rescale(offsets: torch.Tensor, from_size: int, to_size: int) -> torch.Tensor:
+    if from_size == to_size:
+        return offsets
+    if from_size > to_size:
+        return offsets * (from_size // to_size)
+    return torch.div(offsets, to_size // from_size, rounding_mode="floor")
+
+
+def _offsets_alignment(offsets: torch.Tensor, word_size: int) -> int:
+    """OR of the low bits of every offset, in bytes: its lowest set bit is their common alignment.
+
+    Only the alignment up to 8 bytes matters. `offsets` (`[n]` int64) must be on the CPU.
+    """
+    per_8_bytes = 8 // word_size
+    if per_8_bytes == 1 or offsets.numel() == 0:
+        return 0
+    seen = torch.bincount(offsets & (per_8_bytes - 1), minlength=per_8_bytes)
+    acc = 0
+    for low in torch.nonzero(seen).flatten().tolist():
+        acc |= low
+    return acc * word_size
+
+
+def _kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
+    devices = {t.device for t in (src, dst) if t.device.type == "cuda"}
+    if len(devices) > 1:
+        raise ValueError(f"src and dst are on different GPUs: {src.device} and {dst.device}")
+    if devices:
+        return devices.pop()
+    if not _interpreting():
+        raise RuntimeError(
+            "copy_rows needs src or dst on a CUDA device (the other pinned on the host), "
+            "or TRITON_INTERPRET=1 to run the kernel on CPU tensors"
+        )
+    return torch.device("cpu")
+
+
+def _to_kernel_device(offsets: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if offsets.device == device:
+        return offsets
+    if device.type == "cuda" and offsets.device.type == "cpu":
+        # Through pinned memory, so the upload does not block the host.
+        staged = offsets if offsets.is_pinned() else offsets.pin_memory()
+        return staged.to(device, non_blocking=True)
+    raise ValueError(f"offsets on {offsets.device} cannot be used by a kernel on {device}")
+
+
+def copy_rows(
+    src: torch.Tensor,
+    src_offsets: torch.Tensor,
+    dst: torch.Tensor,
+    dst_offsets: torch.Tensor,
+    row_words: int,
+    *,
+    sm_budget: int = 8,
+    rows_per_program: int = 16,
+    validate: bool = True,
+) -> None:
+    """Copy `n` rows of `row_words` words each from `src` to `dst` with a persistent Triton kernel.
+
+    Row `i` copies `src[src_offsets[i] : src_offsets[i] + row_words]` to
+    `dst[dst_offsets[i] : dst_offsets[i] + row_words]`.
+
+    Args:
+        src: `[src_numel]` words (int64, int32, int16 or uint8), 1-D and contiguous: the
+            base of the source region; pinned CPU (gather) or CUDA (scatter).
+        src_offsets: `[n]` int64, word offset of each source row from `src`'s start.
+        dst: `[dst_numel]` words of `src`'s dtype, 1-D and contiguous; CUDA (gather) or
+            pinned CPU (scatter).
+        dst_offsets: `[n]` int64, word offset of each destination row from `dst`'s start.
+        row_words: words per row, the same for every row (`>= 1`).
+        sm_budget: number of programs of the persistent grid (at most; fewer when there
+            are fewer row blocks).
+        rows_per_program: rows each program has in flight per iteration (the tile
+            height); 1 gives a one-row-at-a-time baseline.
+        validate: check every row's bounds and that destination rows do not overlap,
+            on the host, before launching. Needs CPU offsets; pass False when the
+            offsets live on the GPU and were validated on the CPU beforehand.
+
+    Raises:
+        SlotError: offsets that are not `[n]` int64 of equal lengths, rows outside their
+            tensor, overlapping (e.g. repeated) destination rows. Raised before launch.
+        ValueError: `src`/`dst` of different or non-word dtypes, not 1-D contiguous, bad
+            `row_words`/`sm_budget`/`rows_per_program`, or `validate=True` with offsets
+            on a CUDA device.
+        RuntimeError: Triton is not installed, or neither CUDA nor its interpreter is on.
+    """
+    _check_words(src, "src")
+    _check_words(dst, "dst")
+    if src.dtype != dst.dtype:
+        raise SlotError(f"src and dst must have the same words dtype, got {src.dtype} and {dst.dtype}")
+    _check_offsets(src_offsets, "src_offsets")
+    _check_offsets(dst_offsets, "dst_offsets")
+    n = src_offsets.numel()
+    if dst_offsets.numel() != n:
+        raise SlotError(f"src_offsets has {n} rows but dst_offsets has {dst_offsets.numel()}")
+    if isinstance(row_words, bool) or not isinstance(row_words, int) or row_words < 1:
+        raise ValueError(f"row_words must be a positive int, got {row_words!r}")
+    if not isinstance(sm_budget, int) or sm_budget < 1:
+        raise ValueError(f"sm_budget must be a positive int, got {sm_budget!r}")
+    if not isinstance(rows_per_program, int) or rows_per_program < 1:
+        raise ValueError(f"rows_per_program must be a positive int, got {rows_per_program!r}")
+    if src_offsets.device != dst_offsets.device:
+        raise ValueError(f"offsets on different devices: {src_offsets.device} and {dst_offsets.device}")
+
+    offsets_on_host = src_offsets.device.type == "cpu"
+    if validate:
+        if not offsets_on_host:
+            raise ValueError(
+                "copy_rows(validate=True) needs the offsets on the CPU (it would otherwise wait for "
+                f"the GPU); they are on {src_offsets.device}. Validate the CPU indices before "
+                "uploading them and pass validate=False."
+            )
+        if n:
+            _validate_rows(src_offsets, row_words, src.numel(), "src_offsets")
+            _validate_rows(dst_offsets, row_words, dst.numel(), "dst_offsets")
+            _validate_disjoint(dst_offsets, row_words, "dst_offsets")
+    if n == 0:
+        return
+    if triton is None:
+        raise RuntimeError("copy_rows needs Triton, which is not installed (pip install 'kvtier[triton]')")
+    device = _kernel_device(src, dst)
+
+    # Widest words the data allows: the row size, both base addresses, and (when they
+    # can be read without waiting for the GPU) every offset must be multiples of it.
+    size = _WORD_SIZES[src.dtype]
+    aligns = [src.data_ptr(), dst.data_ptr(), src.storage_offset() * size, dst.storage_offset() * size]
+    if offsets_on_host:
+        aligns += [_offsets_alignment(src_offsets, size), _offsets_alignment(dst_offsets, size)]
+    else:
+        aligns.append(size)  # Unseen offsets are whole words of the given width, no more.
+    width = _word_size(row_words * size, aligns)
+    src_w, dst_w = _as_width(src, width), _as_width(dst, width)
+    row_w = row_words * size // width
+    src_off = _to_kernel_device(_rescale(src_offsets, size, width), device)
+    dst_off = _to_kernel_device(_rescale(dst_offsets, size, width), device)
+
+    # Tile shape: BLOCK_ROWS rows in flight, BLOCK_W words of each per sweep.
+    block_rows = _next_power_of_2(rows_per_program)
+    block_w = min(  # Powers of two, all three.
+        _next_power_of_2(row_w),
+        _MAX_CHUNK_BYTES // width,
+        max(1, _MAX_TILE_BYTES // (block_rows * width)),
+    )
+    vec = 1
+    while vec * 2 * width <= _VECTOR_BYTES and row_w % (vec * 2) == 0 and vec * 2 <= block_w:
+        vec *= 2
+    tile_bytes = block_rows * block_w * width
+    num_warps = 1 if tile_bytes <= 1024 else 4 if tile_bytes <= 8192 else 8
+
+    num_blocks = -(-n // rows_per_program)
+    grid = (min(sm_budget, num_blocks),)
+    kernel = _kernel()
+    launch_kwargs: dict[str, Any] = {
+        "ROWS_PER_BLOCK": rows_per_program,
+        "BLOCK_ROWS": block_rows,
+        "BLOCK_W": block_w,
+        "VEC": vec,
+        "num_warps": num_warps,
+    }
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[grid](src_w, src_off, dst_w, dst_off, n, row_w // vec, **launch_kwargs)
+    else:
+        kernel[grid](src_w, src_off, dst_w, dst_off, n, row_w // vec, **launch_kwargs)

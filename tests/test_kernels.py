@@ -1,0 +1,383 @@
+"""The Triton row-copy kernel, bit for bit against plain torch indexing.
+
+On a machine without CUDA the kernel runs under Triton's CPU interpreter
+(TRITON_INTERPRET=1, set here before Triton is imported); on a GPU machine the
+compiled kernel runs, reading and writing pinned host memory directly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.errors import SlotError
+from kvtier.pool.rows import word_dtype
+from kvtier.transfer import kernels
+from kvtier.transfer.kernels import copy_rows, triton_available
+
+CUDA = torch.cuda.is_available()
+GATHER, SCATTER = "gather", "scatter"
+
+if not triton_available():  # pragma: no cover - depends on the environment
+    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+
+# ---------------------------------------------------------------------------
+# Placement and reference.
+# ---------------------------------------------------------------------------
+
+
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """The host tier: pinned CPU memory when there is a GPU, plain CPU memory otherwise."""
+    return t.pin_memory() if CUDA else t
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    """The device tier: the GPU when there is one, the CPU (interpreter) otherwise."""
+    return t.cuda() if CUDA else t
+
+
+def place(src: torch.Tensor, dst: torch.Tensor, direction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if direction == GATHER:
+        return on_host(src), on_device(dst)
+    return on_device(src), on_host(dst)
+
+
+def read(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes on the CPU, after the GPU has finished with it."""
+    if t.is_cuda:
+        torch.cuda.synchronize()
+    return t.cpu().view(torch.uint8)
+
+
+def random_words(nbytes: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """`nbytes` random bytes (a poisoned buffer) viewed as 1-D `dtype` words."""
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(dtype)
+
+
+def reference(
+    src: torch.Tensor, src_off: torch.Tensor, dst: torch.Tensor, dst_off: torch.Tensor, row_words: int
+) -> torch.Tensor:
+    """What `dst` holds after the copy: a per-row slicing loop over CPU copies."""
+    src, dst = src.cpu(), dst.cpu().clone()
+    for s, d in zip(src_off.tolist(), dst_off.tolist(), strict=True):
+        dst[d : d + row_words] = src[s : s + row_words]
+    return dst.view(torch.uint8)
+
+
+def scattered_case(
+    row_bytes: int, n: int, slots: int, gen: torch.Generator, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Source and poisoned destination pools of `slots` rows; `n` rows at random distinct slots of each."""
+    dtype = dtype or word_dtype(row_bytes)
+    size = torch.empty((), dtype=dtype).element_size()
+    row_words = row_bytes // size
+    src = random_words(slots * row_bytes, dtype, gen)
+    dst = random_words(slots * row_bytes, dtype, gen)
+    src_off = torch.randperm(slots, generator=gen)[:n] * row_words
+    dst_off = torch.randperm(slots, generator=gen)[:n] * row_words
+    return src, src_off, dst, dst_off, row_words
+
+
+def run_and_check(
+    src: torch.Tensor,
+    src_off: torch.Tensor,
+    dst: torch.Tensor,
+    dst_off: torch.Tensor,
+    row_words: int,
+    direction: str,
+    **kwargs: object,
+) -> None:
+    expected = reference(src, src_off, dst, dst_off, row_words)
+    src_t, dst_t = place(src, dst, direction)
+    copy_rows(src_t, src_off, dst_t, dst_off, row_words, **kwargs)
+    got = read(dst_t)
+    assert torch.equal(got, expected), "destination differs from the reference"
+    assert torch.equal(read(src_t), src.view(torch.uint8)), "source changed"
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(20240611)
+
+
+# ---------------------------------------------------------------------------
+# Correctness.
+# ---------------------------------------------------------------------------
+
+# DSA indexer, fp8 MLA (two sizes), bf16 MLA, 8 x 128 bf16 heads, a multi-KB row with a
+# tail chunk, and two sizes that only narrow words divide.
+ROW_BYTES = [132, 576, 656, 1152, 2048, 4160, 6, 130]
+# (sm_budget, rows_per_program) pairs spread over the sizes; all nine pairs run below.
+LAUNCHES = [(8, 16), (2, 64), (1, 16), (8, 1), (2, 16), (8, 64), (1, 1), (2, 1)]
+
+
+@pytest.mark.parametrize("direction", [GATHER, SCATTER])
+@pytest.mark.parametrize(("row_bytes", "launch"), list(zip(ROW_BYTES, LAUNCHES, strict=True)))
+def test_scattered_rows_match_reference(
+    row_bytes: int, launch: tuple[int, int], direction: str, gen: torch.Generator
+) -> None:
+    sm_budget, rows_per_program = launch
+    n = 40 if row_bytes >= 2048 else 90
+    case = scattered_case(row_bytes, n, slots=3 * n, gen=gen)
+    run_and_check(*case, direction, sm_budget=sm_budget, rows_per_program=rows_per_program)
+
+
+@pytest.mark.parametrize("direction", [GATHER, SCATTER])
+@pytest.mark.parametrize("sm_budget", [1, 2, 8])
+@pytest.mark.parametrize("rows_per_program", [1, 16, 64])
+def test_every_launch_shape(
+    sm_budget: int, rows_per_program: int, direction: str, gen: torch.Generator
+) -> None:
+    case = scattered_case(1152, 70, slots=150, gen=gen)
+    run_and_check(*case, direction, sm_budget=sm_budget, rows_per_program=rows_per_program)
+
+
+@pytest.mark.parametrize("direction", [GATHER, SCATTER])
+@pytest.mark.parametrize("row_bytes", [656, 2048])
+def test_page_first_offsets(row_bytes: int, direction: str, gen: torch.Generator) -> None:
+    """Rows of one layer of a page-first host pool `[pages, layers, page_size, row]`, to a layer-first one."""
+    pages, layers, page_size, layer = 12, 3, 4, 1
+    dtype = word_dtype(row_bytes)
+    row_words = row_bytes // torch.empty((), dtype=dtype).element_size()
+    host = random_words(pages * layers * page_size * row_bytes, dtype, gen)
+    dev = random_words(pages * page_size * row_bytes, dtype, gen)
+    host_pages = torch.randperm(pages, generator=gen)[:7]
+    dev_pages = torch.randperm(pages, generator=gen)[:7]
+    o = torch.arange(page_size)
+    host_off = (((host_pages[:, None] * layers + layer) * page_size + o) * row_words).flatten()
+    dev_off = ((dev_pages[:, None] * page_size + o) * row_words).flatten()
+    if direction == GATHER:
+        run_and_check(host, host_off, dev, dev_off, row_words, GATHER, sm_budget=2)
+    else:
+        run_and_check(dev, dev_off, host, host_off, row_words, SCATTER, sm_budget=2)
+
+
+@pytest.mark.parametrize(
+    ("row_bytes", "dtype"), [(1152, torch.uint8), (1152, torch.int16), (132, torch.uint8)]
+)
+def test_narrow_words_are_copied_wide(row_bytes: int, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Words narrower than the rows allow (offsets in bytes, say) give the same bytes."""
+    case = scattered_case(row_bytes, 50, slots=100, gen=gen, dtype=dtype)
+    run_and_check(*case, GATHER, rows_per_program=16)
+
+
+def test_misaligned_offsets(gen: torch.Generator) -> None:
+    """Even-sized rows at odd word offsets (no vector access), in the same tiles as aligned ones."""
+    row_words, n, slots = 72, 60, 200
+    stride = row_words + 2  # Room to shift a row by one word without touching its neighbours.
+    src = random_words(8 * (slots * stride + 1), torch.int64, gen)
+    dst = random_words(8 * (slots * stride + 1), torch.int64, gen)
+    src_off = torch.randperm(slots, generator=gen)[:n] * stride + (torch.arange(n) % 3 == 0).long()
+    dst_off = torch.randperm(slots, generator=gen)[:n] * stride + (torch.arange(n) % 2 == 0).long()
+    run_and_check(src, src_off, dst, dst_off, row_words, SCATTER, rows_per_program=16)
+    run_and_check(src, dst_off, dst, src_off, row_words, GATHER, rows_per_program=4)
+
+
+def test_odd_rows_per_program_and_repeated_sources(gen: torch.Generator) -> None:
+    """A tile height that is not a power of two, more programs than blocks, one source row read many times."""
+    src, _, dst, dst_off, row_words = scattered_case(576, 23, slots=40, gen=gen)
+    src_off = torch.tensor([5, 5, 0, 39] * 5 + [5, 7, 5]) * row_words
+    run_and_check(src, src_off, dst, dst_off, row_words, GATHER, sm_budget=16, rows_per_program=3)
+
+
+def test_offsets_on_the_device_without_validation(gen: torch.Generator) -> None:
+    src, src_off, dst, dst_off, row_words = scattered_case(1152, 50, slots=80, gen=gen)
+    expected = reference(src, src_off, dst, dst_off, row_words)
+    src_t, dst_t = place(src, dst, GATHER)
+    copy_rows(src_t, on_device(src_off), dst_t, on_device(dst_off), row_words, validate=False)
+    assert torch.equal(read(dst_t), expected)
+
+
+def test_validation_needs_host_offsets(gen: torch.Generator) -> None:
+    if not CUDA:
+        pytest.skip("offsets can only be on a CUDA device with CUDA")
+    src, src_off, dst, dst_off, row_words = scattered_case(576, 10, slots=20, gen=gen)
+    src_t, dst_t = place(src, dst, GATHER)
+    with pytest.raises(ValueError, match="validate=False"):
+        copy_rows(src_t, src_off.cuda(), dst_t, dst_off.cuda(), row_words)
+
+
+def test_no_rows_launches_nothing(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_kernel() -> None:
+        raise AssertionError("a kernel was launched for no rows")
+
+    monkeypatch.setattr(kernels, "_kernel", no_kernel)
+    src, _, dst, _, row_words = scattered_case(576, 0, slots=4, gen=gen)
+    before = dst.clone()
+    empty = torch.empty(0, dtype=torch.int64)
+    src_t, dst_t = place(src, dst, GATHER)
+    copy_rows(src_t, empty, dst_t, empty, row_words)
+    assert torch.equal(read(dst_t), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("n", "sm_budget", "rows_per_program", "programs"),
+    [(100, 8, 16, 7), (100, 2, 16, 2), (100, 8, 64, 2), (5, 8, 1, 5), (3, 2, 1, 2)],
+)
+def test_persistent_grid_size(
+    n: int,
+    sm_budget: int,
+    rows_per_program: int,
+    programs: int,
+    gen: torch.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exactly min(sm_budget, row blocks) programs, whatever the number of rows."""
+    grids: list[tuple[int, ...]] = []
+    real = kernels._kernel()
+
+    class Recording:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kernels, "_kernel", Recording)
+    case = scattered_case(132, n, slots=n + 10, gen=gen)
+    run_and_check(*case, GATHER, sm_budget=sm_budget, rows_per_program=rows_per_program)
+    assert grids == [(programs,)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    row_bytes=st.integers(1, 300),
+    n=st.integers(0, 40),
+    extra_slots=st.integers(0, 20),
+    narrow=st.booleans(),
+    sm_budget=st.integers(1, 9),
+    rows_per_program=st.sampled_from([1, 2, 5, 16, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_cases(
+    row_bytes: int, n: int, extra_slots: int, narrow: bool, sm_budget: int, rows_per_program: int, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.uint8 if narrow else None
+    case = scattered_case(row_bytes, n, slots=n + extra_slots, gen=gen, dtype=dtype)
+    run_and_check(
+        *case, SCATTER if seed % 2 else GATHER, sm_budget=sm_budget, rows_per_program=rows_per_program
+    )
+
+
+# ---------------------------------------------------------------------------
+# Bad input: refused before anything is written.
+# ---------------------------------------------------------------------------
+
+
+def refused(
+    exc: type[Exception],
+    src: torch.Tensor,
+    src_off: torch.Tensor,
+    dst: torch.Tensor,
+    dst_off: torch.Tensor,
+    row_words: int,
+    match: str | None = None,
+    **kwargs: object,
+) -> None:
+    before = dst.clone()
+    src_t, dst_t = place(src, dst, GATHER)
+    with pytest.raises(exc, match=match):
+        copy_rows(src_t, src_off, dst_t, dst_off, row_words, **kwargs)
+    assert torch.equal(read(dst_t), before.view(torch.uint8)), "destination written by a refused call"
+
+
+@pytest.fixture
+def case(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    return scattered_case(576, 20, slots=30, gen=gen)
+
+
+@pytest.mark.parametrize(
+    ("which", "offset", "match"),
+    [
+        ("src", -1, "outside"),
+        ("src", 29 * 72 + 1, "outside"),
+        ("src", 30 * 72, "outside"),
+        ("dst", -72, "outside"),
+        ("dst", 30 * 72 - 71, "outside"),
+    ],
+)
+def test_out_of_range_offsets(case: tuple, which: str, offset: int, match: str) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    src_off, dst_off = src_off.clone(), dst_off.clone()
+    (src_off if which == "src" else dst_off)[7] = offset
+    refused(SlotError, src, src_off, dst, dst_off, row_words, match=match)
+
+
+def test_last_row_fits_exactly(case: tuple) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    src_off, dst_off = src_off.clone(), dst_off.clone()
+    src_off[0] = src.numel() - row_words
+    run_and_check(src, src_off, dst, dst_off, row_words, GATHER)
+
+
+def test_repeated_destination_offsets(case: tuple) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    dst_off = dst_off.clone()
+    dst_off[11] = dst_off[3]
+    refused(SlotError, src, src_off, dst, dst_off, row_words, match="repeated")
+
+
+def test_overlapping_destination_rows(case: tuple) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    dst_off = dst_off.clone()
+    dst_off[11] = dst_off[3] + row_words // 2 if dst_off[3] < 29 * row_words else dst_off[3] - 1
+    refused(SlotError, src, src_off, dst, dst_off, row_words, match="overlaps")
+
+
+def test_length_mismatch(case: tuple) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    refused(SlotError, src, src_off, dst, dst_off[:-1], row_words, match="rows")
+
+
+def test_dtype_mismatch(case: tuple) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    refused(SlotError, src, src_off, dst.view(torch.int32), dst_off, row_words, match="dtype")
+
+
+@pytest.mark.parametrize("bad", ["int32", "2-D"])
+def test_offsets_not_1d_int64(case: tuple, bad: str) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    wrong = src_off.int() if bad == "int32" else src_off.view(4, 5)
+    refused(SlotError, src, wrong, dst, dst_off, row_words, match="1-D int64")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "row_words_delta"),
+    [({"sm_budget": 0}, 0), ({"rows_per_program": 0}, 0), ({}, -72)],
+)
+def test_bad_launch_arguments(case: tuple, kwargs: dict, row_words_delta: int) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    refused(ValueError, src, src_off, dst, dst_off, row_words + row_words_delta, **kwargs)
+
+
+def test_non_word_tensors(case: tuple) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    refused(ValueError, src.view(torch.float64), src_off, dst.view(torch.float64), dst_off, row_words)
+    refused(ValueError, src.view(30, 72), src_off, dst.view(30, 72), dst_off, row_words, match="1-D")
+
+
+def test_cpu_tensors_need_the_interpreter(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, src_off, dst, dst_off, row_words = case
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    before = dst.clone()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        copy_rows(src, src_off, dst, dst_off, row_words)
+    assert torch.equal(dst, before)
+
+
+def test_without_triton(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "triton", None)
+    assert not triton_available()
+    src, src_off, dst, dst_off, row_words = case
+    refused(RuntimeError, src, src_off, dst, dst_off, row_words, match="Triton")
