@@ -55,8 +55,8 @@ def place(src: torch.Tensor, dst: torch.Tensor, direction: str) -> tuple[torch.T
 
 
 def read(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bytes on the CPU, after the GPU has finished with it."""
-    if t.is_cuda:
+    """`t`'s bytes on the CPU, after the GPU has finished with it (pinned host memory included)."""
+    if CUDA:
         torch.cuda.synchronize()
     return t.cpu().view(torch.uint8)
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import torch
 
 from kvtier.errors import HostMemoryError, LayoutError, PinError, SpecError
@@ -249,6 +250,42 @@ class HostPool:
                     return c.tensor[(slot - c.slot_lo) // self.spec.page_size, local]
         raise AssertionError(f"no chunk holds segment {index} of {buffer!r}")
 
+    def locate(self, buffer: str, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where rows live: `(region [n], row [n])`, both int64, for `slots` (`[n]` int64).
+
+        A region is one allocation of the buffer; `row` counts rows of the buffer's
+        width from the region's first row of a layer (`region_words`), so a row's
+        address is `region_words(buffer, layer, region)[row * W : (row + 1) * W]`
+        for every layer alike.
+        """
+        b = self.spec.buffer(buffer)
+        chunks = self._chunks_of(buffer)
+        if self.layout is HostLayout.LAYER_FIRST:
+            span = self.segment_slots
+            region = slots // span
+            return region, slots - region * span
+        ps = self.spec.page_size
+        per_chunk = chunks[0].slot_hi - chunks[0].slot_lo
+        region = slots // per_chunk
+        rel = slots - region * per_chunk
+        return region, (rel // ps) * len(b.layers) * ps + rel % ps
+
+    def region_words(self, buffer: str, layer: int, region: int) -> torch.Tensor:
+        """1-D words of one region, from its first row of `layer` to the end of its allocation."""
+        b = self.spec.buffer(buffer)
+        local = b.local_layer(layer)
+        dtype = word_dtype(b.row_bytes)
+        row_words = b.row_bytes // torch.empty((), dtype=dtype).element_size()
+        if self.layout is HostLayout.LAYER_FIRST:
+            slot = region * self.segment_slots
+            for c in self._chunks_of(buffer):
+                if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
+                    start = (local - c.layer_lo) * (c.slot_hi - c.slot_lo) * row_words
+                    return _flat_words(c.tensor, dtype)[start:]
+            raise AssertionError(f"no chunk holds region {region} of {buffer!r} on layer {layer}")
+        c = self._chunks_of(buffer)[region]
+        return _flat_words(c.tensor, dtype)[local * self.spec.page_size * row_words :]
+
     def _regions(self, buffer: str, layer: int) -> list[tuple[int, int, torch.Tensor]]:
         """`(slot_lo, slot_hi, words)`: `words` is `[segments, segment_slots, W]`, maybe strided in dim 0."""
         local = self.spec.buffer(buffer).local_layer(layer)
@@ -297,6 +334,11 @@ class HostPool:
             f"HostPool({self.spec.name}, slots={self.num_slots}, layout={self.layout.value}, "
             f"{_fmt(self.footprint_bytes)}, pinned={self.pinned})"
         )
+
+
+def _flat_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous allocation as 1-D words of `dtype`."""
+    return t.reshape(-1).view(torch.uint8).view(dtype)
 
 
 def _words3(view: torch.Tensor) -> torch.Tensor:

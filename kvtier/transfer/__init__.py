@@ -1,6 +1,22 @@
 """Moving KV rows between a `HostPool` and a `DevicePool`: plans (decide once) and copies (run per layer)."""
 
 from kvtier.transfer.copy import backup, load_layer
-from kvtier.transfer.plan import PathCosts, Piece, TransferPath, TransferPlan
+from kvtier.transfer.plan import (
+    KernelOptions,
+    Mechanism,
+    PathCosts,
+    Piece,
+    TransferPath,
+    TransferPlan,
+)
 
-__all__ = ["PathCosts", "Piece", "TransferPath", "TransferPlan", "backup", "load_layer"]
+__all__ = [
+    "KernelOptions",
+    "Mechanism",
+    "PathCosts",
+    "Piece",
+    "TransferPath",
+    "TransferPlan",
+    "backup",
+    "load_layer",
+]

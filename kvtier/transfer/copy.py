@@ -1,9 +1,9 @@
 """Executing transfer plans: one layer host -> device, or layers device -> host.
 
 Everything here is stream-ordered and reads no device value back to the host, so a
-load can be submitted layer by layer while the model runs (the `REFERENCE` path is
-the exception: it gathers through host memory and waits for the stream). Rows are
-moved as raw words (`as_words`), so every dtype is copied bit for bit.
+load can be submitted layer by layer while the model runs (the `REFERENCE`
+mechanism is the exception: it gathers through host memory and waits for the
+stream). Rows move as raw words (`as_words`), so every dtype is copied bit for bit.
 
 A buffer whose device tensor does not match the host rows (another dtype, or rows
 not packed back to back, as in a wrapped engine tensor) falls back to the
@@ -18,13 +18,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, rows_contiguous
 from kvtier.spec import BufferSpec
-from kvtier.transfer.plan import Piece, TransferPath, TransferPlan
+from kvtier.transfer import dma, kernels
+from kvtier.transfer.plan import Mechanism, Part, Piece, TransferPlan
 
 
 def load_layer(
@@ -36,9 +38,9 @@ def load_layer(
 ) -> None:
     """Copy every buffer of model layer `layer` from the plan's host slots to its device slots."""
     _expect(plan, Direction.LOAD)
-    with _on_stream(plan, device_pool, stream):
+    with _on_stream(plan, device_pool, stream) as s:
         for b in host_pool.spec.buffers_on(layer):
-            _move(plan, host_pool, device_pool, b, layer)
+            _move(plan, host_pool, device_pool, b, layer, s)
 
 
 def backup(
@@ -51,10 +53,10 @@ def backup(
     """Copy every buffer of `layers` (all by default) from the plan's device slots to its host slots."""
     _expect(plan, Direction.BACKUP)
     layers = range(host_pool.spec.num_layers) if layers is None else layers
-    with _on_stream(plan, device_pool, stream):
+    with _on_stream(plan, device_pool, stream) as s:
         for layer in layers:
             for b in host_pool.spec.buffers_on(layer):
-                _move(plan, host_pool, device_pool, b, layer)
+                _move(plan, host_pool, device_pool, b, layer, s)
 
 
 def _expect(plan: TransferPlan, direction: Direction) -> None:
@@ -73,7 +75,6 @@ def _on_stream(
     with torch.cuda.stream(stream):
         if plan.ready is not None:
             stream.wait_event(plan.ready)
-            plan.device_index.record_stream(stream)
         yield stream
 
 
@@ -83,22 +84,25 @@ def _move(
     device_pool: DevicePool,
     b: BufferSpec,
     layer: int,
+    stream: torch.cuda.Stream | None,
 ) -> None:
     dev = device_pool.layer(b.name, layer)
-    fast = dev.dtype == b.dtype and rows_contiguous(dev)
-    if plan.path is TransferPath.REFERENCE or not fast:
-        _reference(plan, host_pool, dev, b, layer)
-    elif plan.path is TransferPath.STAGED:
-        _staged(plan, host_pool, device_pool, as_words(dev), b, layer)
-    else:
-        dev_w = as_words(dev)
-        for p in plan.pieces:
-            host_w = _host_words(host_pool, b, layer, p.host, p.length)
-            dev_rows = dev_w[p.device : p.device + p.length]
-            if plan.direction is Direction.LOAD:
-                dev_rows.copy_(host_w, non_blocking=True)
+    if not (dev.dtype == b.dtype and rows_contiguous(dev)):
+        _reference(plan, host_pool, dev, b, layer, None)
+        return
+    dev_w = as_words(dev)
+    for part in plan.parts:
+        if part.mechanism is Mechanism.COPY:
+            if part.batched:
+                _batched(plan, part, host_pool, dev_w, b, layer, stream)
             else:
-                host_w.copy_(dev_rows, non_blocking=True)
+                _per_run(plan, part, host_pool, dev_w, b, layer)
+        elif part.mechanism is Mechanism.STAGED:
+            _staged(plan, part, host_pool, device_pool, dev_w, b, layer)
+        elif part.mechanism is Mechanism.KERNEL:
+            _kernel(plan, part, host_pool, dev_w, b, layer)
+        else:
+            _reference(plan, host_pool, dev, b, layer, part)
 
 
 def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:
@@ -109,8 +113,45 @@ def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, lengt
     return as_words(rows[off : off + length])
 
 
+def _per_run(
+    plan: TransferPlan, part: Part, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
+) -> None:
+    """One torch copy per joint run."""
+    for p in part.pieces:
+        host_w = _host_words(host_pool, b, layer, p.host, p.length)
+        dev_rows = dev_w[p.device : p.device + p.length]
+        if plan.direction is Direction.LOAD:
+            dev_rows.copy_(host_w, non_blocking=True)
+        else:
+            host_w.copy_(dev_rows, non_blocking=True)
+
+
+def _batched(
+    plan: TransferPlan,
+    part: Part,
+    host_pool: HostPool,
+    dev_w: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+    stream: torch.cuda.Stream,
+) -> None:
+    """Every joint run of the part in one `cudaMemcpyBatchAsync` (or a `cudaMemcpyAsync` loop)."""
+    region, host_off, dev_off, nbytes = part.run_bytes[b.name]
+    host_ptrs = np.empty(len(region), dtype=np.int64)
+    for r in np.unique(region).tolist():
+        base = host_pool.region_words(b.name, layer, r).data_ptr()
+        mask = region == r
+        host_ptrs[mask] = base + host_off[mask]
+    dev_ptrs = dev_w.data_ptr() + dev_off
+    if plan.direction is Direction.LOAD:
+        dma.copy_runs(dev_ptrs, host_ptrs, nbytes, stream)
+    else:
+        dma.copy_runs(host_ptrs, dev_ptrs, nbytes, stream)
+
+
 def _staged(
     plan: TransferPlan,
+    part: Part,
     host_pool: HostPool,
     device_pool: DevicePool,
     dev_w: torch.Tensor,
@@ -121,20 +162,18 @@ def _staged(
     cap = device_pool.staging_tokens
     raw = device_pool.staging(plan.direction)[: cap * b.row_bytes]
     stage = raw.view(dev_w.dtype).view(cap, dev_w.shape[1])
-    index = plan.device_index
-    for lo, hi, parts in _windows(plan.pieces, cap):
+    index = part.device_index
+    for lo, hi, parts in _windows(part.pieces, cap):
         if plan.direction is Direction.LOAD:
             for p, at in parts:
-                stage[at : at + p.length].copy_(
-                    _host_words(host_pool, b, layer, p.host, p.length), non_blocking=True
-                )
+                src = _host_words(host_pool, b, layer, p.host, p.length)
+                stage[at : at + p.length].copy_(src, non_blocking=True)
             dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
         else:
             torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
             for p, at in parts:
-                _host_words(host_pool, b, layer, p.host, p.length).copy_(
-                    stage[at : at + p.length], non_blocking=True
-                )
+                dst = _host_words(host_pool, b, layer, p.host, p.length)
+                dst.copy_(stage[at : at + p.length], non_blocking=True)
 
 
 def _windows(pieces: tuple[Piece, ...], cap: int) -> Iterator[tuple[int, int, list[tuple[Piece, int]]]]:
@@ -154,20 +193,51 @@ def _windows(pieces: tuple[Piece, ...], cap: int) -> Iterator[tuple[int, int, li
         yield lo, lo + used, parts
 
 
+def _kernel(
+    plan: TransferPlan, part: Part, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
+) -> None:
+    """The gather (load) or scatter (backup) kernel over the part's rows, one launch per host region."""
+    dev_flat = dev_w.view(-1)
+    row_words = dev_w.shape[1]
+    opts = plan.kernel
+    for rows in part.kernel_rows[b.name]:
+        host_flat = host_pool.region_words(b.name, layer, rows.region)
+        src, dst = (host_flat, dev_flat) if plan.direction is Direction.LOAD else (dev_flat, host_flat)
+        kernels.copy_rows(
+            src,
+            rows.src,
+            dst,
+            rows.dst,
+            row_words,
+            sm_budget=opts.sm_budget,
+            rows_per_program=opts.rows_per_program,
+            validate=False,
+        )
+
+
 def _reference(
     plan: TransferPlan,
     host_pool: HostPool,
     dev: torch.Tensor,
     b: BufferSpec,
     layer: int,
+    part: Part | None,
 ) -> None:
-    """Per-token gather and scatter through host memory: the plain path every other one must equal."""
-    if plan.num_tokens == 0:
+    """Per-token gather and scatter through host memory: the plain path every other one must equal.
+
+    `part=None` moves every row of the plan (a buffer that cannot take the fast paths).
+    """
+    if part is None:
+        host_slots, index = plan.host_slots, plan.device_slots.to(dev.device)
+    else:
+        host_slots = plan.host_slots[part.positions]
+        index = part.device_index
+    n = host_slots.numel()
+    if n == 0:
         return
-    index = plan.device_index if plan.device_index is not None else plan.device_slots
     fast = dev.dtype == b.dtype and rows_contiguous(dev)
     if plan.direction is Direction.LOAD:
-        rows = host_pool.gather(b.name, layer, plan.host_slots)
+        rows = host_pool.gather(b.name, layer, host_slots)
         if fast:
             as_words(dev).index_copy_(0, index, as_words(rows).to(dev.device))
         else:
@@ -176,7 +246,7 @@ def _reference(
         if fast:
             # `.cpu()` waits for the stream: the reference path is synchronous.
             words = as_words(dev).index_select(0, index).cpu()
-            rows = words.view(torch.uint8).view(b.dtype).view(plan.num_tokens, *b.row_shape)
+            rows = words.view(torch.uint8).view(b.dtype).view(n, *b.row_shape)
         else:
             rows = dev[index].cpu().to(b.dtype)
-        host_pool.scatter(b.name, layer, plan.host_slots, rows)
+        host_pool.scatter(b.name, layer, host_slots, rows)

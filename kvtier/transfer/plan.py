@@ -1,35 +1,39 @@
 """Transfer plans: decided once per operation, on CPU indices, before any layer moves.
 
 A plan pairs host slots with device slots (`host_slots[i]` <-> `device_slots[i]`),
-validates them, splits the pair lists into runs and picks one path for the whole
-operation. Every buffer of the spec and every layer reuses the same plan, so the
-MLA latent and the DSA indexer of a token always move together. Building a plan
-is the only place where indices are inspected: executing it never reads a device
-tensor back to the host.
+validates them, splits the pair lists into runs and assigns every row to one
+mechanism. Every buffer of the spec and every layer reuses the same plan, so the
+MLA latent and the DSA indexer of a token always move together. Building a plan is
+the only place where indices are inspected: executing it never reads a device
+tensor back to the host, and every index it needs on the device is uploaded once,
+here, ordered by the plan's `ready` event.
 
 Runs:
 - a host run is a maximal stretch of the list where the host slot goes up by one
   and stays inside one host segment (rows contiguous in host memory);
 - a joint run also needs the device slot to go up by one.
 
-Paths:
-- `SINGLE_COPY`: one joint run; one copy per buffer and layer.
-- `STAGED`: host runs are copied into a device staging buffer back to back, then
-  one on-device `index_copy_` (load) or `index_select` (backup) places the rows;
-  the path for a host slab (or a few long host runs) with scattered device slots.
-- `PER_RUN`: one copy per joint run; for a few long runs on both sides.
+Mechanisms (a plan is one or more `Part`s, each with one mechanism):
+- `COPY`: the copy engine, one copy per joint run: a single copy, a loop of copies
+  (`PER_RUN`), or one `cudaMemcpyBatchAsync` per buffer and layer (`BATCHED_DMA`).
+  No SMs; fast for long runs only.
+- `STAGED`: host runs copied back to back into a device staging buffer, then one
+  on-device `index_copy_` (load) or `index_select` (backup) places the rows.
+- `KERNEL`: a Triton kernel reading or writing pinned host memory directly, with
+  `sm_budget` programs and many rows in flight each; any fragmentation, few SMs.
 - `REFERENCE`: per-token gather and scatter through host memory; always correct,
   slow, and on CUDA it synchronises the host.
 
-The planner estimates the time of each applicable path from `PathCosts` (a fixed
-cost per copy issued, and the bandwidth of each mechanism, measured on the GPU by
-`kvtier bench transfer`) and takes the cheapest. One joint run is always a single
-copy; a host slab with scattered device slots is always staged.
+The planner: one joint run is a single copy; a host slab with scattered device
+slots is staged; otherwise, where the kernel can run (CUDA and Triton), long joint
+runs go to batched DMA and the remaining rows to the kernel (`MIXED` when both);
+without the kernel it takes the cheapest of per-run copies, staging and the
+reference path by `PathCosts`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -38,40 +42,65 @@ import torch
 from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
+from kvtier.pool.rows import word_dtype
+from kvtier.spec import KVSpec
+from kvtier.transfer import dma, kernels
+
+
+class TransferPath(str, Enum):
+    """What a plan does as a whole (for logs, benchmarks and `force`)."""
+
+    SINGLE_COPY = "single_copy"
+    PER_RUN = "per_run"
+    BATCHED_DMA = "batched_dma"
+    STAGED = "staged"
+    KERNEL = "kernel"
+    MIXED = "mixed"
+    REFERENCE = "reference"
+
+
+class Mechanism(str, Enum):
+    """How one part of a plan moves its rows."""
+
+    COPY = "copy"
+    STAGED = "staged"
+    KERNEL = "kernel"
+    REFERENCE = "reference"
 
 
 @dataclass(frozen=True)
 class PathCosts:
-    """What the planner assumes a mechanism costs (defaults measured on an H200, PCIe Gen5).
+    """What the planner assumes each mechanism costs (defaults measured on an H200, PCIe Gen5).
 
-    `copy_issue_s`: host time to issue one copy from Python, which also bounds how
-    fast small copies go; `copy_gbps`: the copy engine between pinned host memory and
-    the device; `device_gbps`: an on-device `index_copy_` of rows; `reference_gbps`:
-    the per-token path through host memory.
+    `copy_issue_s`: host time to issue one copy from Python; `copy_gbps`: the copy
+    engine between pinned host memory and the device; `device_gbps`: an on-device
+    `index_copy_` of rows; `reference_gbps`: the per-token path through host memory;
+    `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
+    kernel takes the rest.
     """
 
     copy_issue_s: float = 11e-6
     copy_gbps: float = 54.0
     device_gbps: float = 1200.0
     reference_gbps: float = 3.0
+    copy_min_bytes: int = 2 << 20
 
-    def estimate(self, path: TransferPath, nbytes: int, copies: int) -> float:
-        """Seconds to move `nbytes` of one layer on `path` with `copies` copy-engine copies."""
-        if path is TransferPath.REFERENCE:
+    def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
+        """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""
+        if mechanism is Mechanism.REFERENCE:
             return self.copy_issue_s + nbytes / (self.reference_gbps * 1e9)
         t = copies * self.copy_issue_s + nbytes / (self.copy_gbps * 1e9)
-        if path is TransferPath.STAGED:
+        if mechanism is Mechanism.STAGED:
             t += self.copy_issue_s + nbytes / (self.device_gbps * 1e9)
         return t
 
 
-class TransferPath(str, Enum):
-    """How a plan moves its rows."""
+@dataclass(frozen=True)
+class KernelOptions:
+    """The gather/scatter kernel's budget: `sm_budget` programs, `rows_per_program` rows in flight each."""
 
-    SINGLE_COPY = "single_copy"
-    STAGED = "staged"
-    PER_RUN = "per_run"
-    REFERENCE = "reference"
+    sm_budget: int = 8
+    rows_per_program: int = 32
 
 
 @dataclass(frozen=True)
@@ -89,34 +118,81 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class TransferPlan:
-    """One operation's slot pairs, their runs and the chosen path.
+class KernelRows:
+    """The kernel's rows of one buffer in one host region, as word offsets on the device.
 
-    `host_slots`, `device_slots`: `[n]` int64 on CPU. `device_index`: `device_slots` on
-    the device pool's device (only for paths that index on the device), uploaded
-    once and ordered by `ready` (a CUDA event) before first use.
+    `src`/`dst`: `[m]` int64 word offsets (host rows from the region's start of a
+    layer, device rows from the layer tensor's start), already swapped for backups.
+    """
+
+    region: int
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows of a plan that one mechanism moves.
+
+    `pieces`: joint runs (`COPY`) or host runs (`STAGED`). `positions`: `[m]` int64
+    list positions (`KERNEL`, `REFERENCE`). `device_index`: device slots on the
+    device (`STAGED`: in piece order; `REFERENCE`: of `positions`). `kernel_rows`: per
+    buffer name, the kernel's offsets per host region. `run_bytes`: per buffer name,
+    for batched copies, `(host region, byte offset in it, device byte offset, bytes)`
+    of each piece (`[pieces]` int64 numpy arrays).
+    """
+
+    mechanism: Mechanism
+    rows: int
+    pieces: tuple[Piece, ...] = ()
+    positions: torch.Tensor | None = None
+    device_index: torch.Tensor | None = None
+    kernel_rows: dict[str, tuple[KernelRows, ...]] = field(default_factory=dict)
+    batched: bool = False
+    run_bytes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """One operation's slot pairs, their runs and the parts that move them.
+
+    `host_slots`, `device_slots`: `[n]` int64 on CPU. `ready`: a CUDA event after the
+    plan's index uploads (None on CPU); executors make their stream wait on it.
     """
 
     direction: Direction
     path: TransferPath
+    parts: tuple[Part, ...]
     host_slots: torch.Tensor
     device_slots: torch.Tensor
-    pieces: tuple[Piece, ...]
     host_runs: int
     device_runs: int
     joint_runs: int
-    device_index: torch.Tensor | None
+    kernel: KernelOptions
     ready: torch.cuda.Event | None
 
     @property
     def num_tokens(self) -> int:
         return int(self.host_slots.numel())
 
+    @property
+    def sms_used(self) -> int:
+        """SMs the plan takes from the model while it runs (the kernel's grid)."""
+        return self.kernel.sm_budget if any(p.mechanism is Mechanism.KERNEL for p in self.parts) else 0
+
+    def rows_by_mechanism(self) -> dict[str, int]:
+        """Rows each mechanism moves (multiply by a layer's row bytes for bytes)."""
+        out: dict[str, int] = {}
+        for p in self.parts:
+            out[p.mechanism.value] = out.get(p.mechanism.value, 0) + p.rows
+        return out
+
     def describe(self) -> str:
+        mechs = ", ".join(f"{m} {r}" for m, r in self.rows_by_mechanism().items())
         return (
-            f"{self.direction.value} {self.num_tokens} tokens via {self.path.value}: "
-            f"{self.host_runs} host runs, {self.device_runs} device runs, {self.joint_runs} joint runs, "
-            f"{len(self.pieces)} pieces"
+            f"{self.direction.value} {self.num_tokens} tokens via {self.path.value} ({mechs} rows; "
+            f"{self.sms_used} SMs): {self.host_runs} host runs, {self.device_runs} device runs, "
+            f"{self.joint_runs} joint runs"
         )
 
     @classmethod
@@ -129,22 +205,30 @@ class TransferPlan:
         device_slots: torch.Tensor | list[int],
         *,
         costs: PathCosts | None = None,
+        kernel: KernelOptions | None = None,
         force: TransferPath | str | None = None,
+        use_kernel: bool | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> TransferPlan:
         """Validate the pairs and plan the operation; raises before anything is written.
 
         `host_slots`, `device_slots`: `[n]` integer slot ids, CPU. For a load the
-        device slots must be distinct, for a backup the host slots. `costs` tunes the
-        planner; `force` picks a path instead (benchmarks and tests); `SINGLE_COPY` can
-        only be forced on one joint run. On CUDA the device index is uploaded on `stream`.
+        device slots must be distinct, for a backup the host slots. `costs` and
+        `kernel` tune the planner; `force` picks one path instead (benchmarks and
+        tests; `MIXED` cannot be forced, `SINGLE_COPY` only on one joint run, `KERNEL`
+        needs Triton). `use_kernel` lets the planner use the kernel (default: on CUDA
+        with Triton). On CUDA the device indices are uploaded on `stream`.
         """
         direction = Direction(direction)
+        costs = costs or PathCosts()
+        kernel = kernel or KernelOptions()
         if _shape_of(host_pool.spec) != _shape_of(device_pool.spec):
             raise PlanError(
                 f"host pool spec {host_pool.spec.name!r} and device pool spec {device_pool.spec.name!r} "
                 "have different buffers, layers or row shapes"
             )
+        if kernel.sm_budget < 1 or kernel.rows_per_program < 1:
+            raise PlanError(f"kernel options must be positive, got {kernel}")
         h = _as_slots("host_slots", host_slots, host_pool.num_slots)
         d = _as_slots("device_slots", device_slots, device_pool.num_slots)
         if h.numel() != d.numel():
@@ -162,41 +246,144 @@ class TransferPlan:
         joint_break = host_break | dev_break
         host_starts, host_lens = _runs(host_break)
         joint_starts, joint_lens = _runs(joint_break)
+        widest = max(b.row_bytes for b in host_pool.spec.buffers)
+        cuda = device_pool.device.type == "cuda"
 
         if force is not None:
-            path = TransferPath(force)
-            if path is TransferPath.SINGLE_COPY and len(joint_starts) > 1:
-                raise PlanError(f"cannot force a single copy over {len(joint_starts)} joint runs")
+            path = _forced(TransferPath(force), len(joint_starts))
         else:
-            path = _cheapest(
-                costs or PathCosts(),
-                nbytes=len(hn) * max(b.row_bytes for b in host_pool.spec.buffers),
+            path = _choose(
+                costs,
+                nbytes=len(hn) * widest,
                 host_runs=len(host_starts),
                 joint_runs=len(joint_starts),
                 windows=-(-len(hn) // device_pool.staging_tokens),
+                kernel_ok=(cuda if use_kernel is None else use_kernel) and kernels.triton_available(),
+                long_runs=int((joint_lens * widest >= costs.copy_min_bytes).sum()),
             )
 
-        if path is TransferPath.STAGED:
-            pieces = _pieces(hn, dn, host_starts, host_lens)
-        elif path is TransferPath.REFERENCE:
-            pieces = ()
+        up = _Uploader(device_pool.device, stream)
+        batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
+        all_rows = np.arange(len(hn))
+        if path in (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA):
+            use_batch = batched and path is not TransferPath.PER_RUN
+            parts = (_copy_part(host_pool, hn, dn, joint_starts, joint_lens, use_batch),)
+        elif path is TransferPath.STAGED:
+            parts = (Part(Mechanism.STAGED, len(hn), _pieces(hn, dn, host_starts, host_lens), device_index=up(d)),)
+        elif path is TransferPath.KERNEL:
+            parts = (_kernel_part(direction, host_pool, hn, dn, all_rows, up),)
+        elif path is TransferPath.MIXED:
+            long = joint_lens * widest >= costs.copy_min_bytes
+            copy_part = _copy_part(host_pool, hn, dn, joint_starts[long], joint_lens[long], batched)
+            in_long = np.repeat(long, joint_lens)
+            parts = (copy_part, _kernel_part(direction, host_pool, hn, dn, all_rows[~in_long], up))
         else:
-            pieces = _pieces(hn, dn, joint_starts, joint_lens)
-        device_index, ready = None, None
-        if path in (TransferPath.STAGED, TransferPath.REFERENCE):
-            device_index, ready = _upload(d, device_pool.device, stream)
+            parts = (Part(Mechanism.REFERENCE, len(hn), positions=torch.from_numpy(all_rows), device_index=up(d)),)
         return cls(
             direction=direction,
             path=path,
+            parts=parts,
             host_slots=h,
             device_slots=d,
-            pieces=pieces,
             host_runs=len(host_starts),
             device_runs=int(dev_break.sum()),
             joint_runs=len(joint_starts),
-            device_index=device_index,
-            ready=ready,
+            kernel=kernel,
+            ready=up.finish(),
         )
+
+
+def _forced(path: TransferPath, joint_runs: int) -> TransferPath:
+    if path is TransferPath.MIXED:
+        raise PlanError("a mixed plan is the planner's choice; it cannot be forced")
+    if path is TransferPath.SINGLE_COPY and joint_runs > 1:
+        raise PlanError(f"cannot force a single copy over {joint_runs} joint runs")
+    if path is TransferPath.KERNEL and not kernels.triton_available():
+        raise PlanError("the kernel path needs Triton (and CUDA, or TRITON_INTERPRET=1 on the CPU)")
+    return path
+
+
+def _choose(
+    costs: PathCosts,
+    nbytes: int,
+    host_runs: int,
+    joint_runs: int,
+    windows: int,
+    kernel_ok: bool,
+    long_runs: int,
+) -> TransferPath:
+    """The path for one operation; see the module docstring."""
+    if joint_runs <= 1:
+        return TransferPath.SINGLE_COPY
+    if host_runs == 1:
+        return TransferPath.STAGED
+    if kernel_ok:
+        if long_runs == joint_runs:
+            return TransferPath.BATCHED_DMA
+        return TransferPath.MIXED if long_runs else TransferPath.KERNEL
+    estimates = {
+        TransferPath.PER_RUN: costs.estimate(Mechanism.COPY, nbytes, joint_runs),
+        TransferPath.STAGED: costs.estimate(Mechanism.STAGED, nbytes, host_runs + windows),
+        TransferPath.REFERENCE: costs.estimate(Mechanism.REFERENCE, nbytes, 0),
+    }
+    return min(estimates, key=estimates.__getitem__)
+
+
+def _copy_part(
+    host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, starts: np.ndarray, lens: np.ndarray, batched: bool
+) -> Part:
+    """Copy-engine copies of joint runs; for batched submission, their byte addresses per buffer."""
+    run_bytes = {}
+    if batched:
+        for b in host_pool.spec.buffers:
+            region, row = host_pool.locate(b.name, hn[starts])
+            run_bytes[b.name] = (region, row * b.row_bytes, dn[starts] * b.row_bytes, lens * b.row_bytes)
+    pieces = _pieces(hn, dn, starts, lens)
+    return Part(Mechanism.COPY, int(lens.sum()), pieces, batched=batched, run_bytes=run_bytes)
+
+
+def _kernel_part(
+    direction: Direction, host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, rows: np.ndarray, up: _Uploader
+) -> Part:
+    """Word offsets for the kernel, per buffer and host region, uploaded once."""
+    per_buffer: dict[str, tuple[KernelRows, ...]] = {}
+    for b in host_pool.spec.buffers:
+        row_words = b.row_bytes // torch.empty((), dtype=word_dtype(b.row_bytes)).element_size()
+        region, host_row = host_pool.locate(b.name, hn[rows])
+        entries = []
+        for r in np.unique(region).tolist():
+            mask = region == r
+            host_off = torch.from_numpy(host_row[mask] * row_words)
+            dev_off = torch.from_numpy(dn[rows][mask] * row_words)
+            src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
+            entries.append(KernelRows(int(r), up(src), up(dst)))
+        per_buffer[b.name] = tuple(entries)
+    return Part(Mechanism.KERNEL, len(rows), positions=torch.from_numpy(rows), kernel_rows=per_buffer)
+
+
+class _Uploader:
+    """Copies CPU index tensors to the plan's device on one stream, then records `ready`."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None) -> None:
+        self.device = device
+        self.stream = stream
+        if device.type == "cuda" and stream is None:
+            self.stream = torch.cuda.current_stream(device)
+        self.used = False
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t
+        self.used = True
+        with torch.cuda.stream(self.stream):
+            return t.pin_memory().to(self.device, non_blocking=True)
+
+    def finish(self) -> torch.cuda.Event | None:
+        if not self.used:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(self.stream)
+        return ready
 
 
 def _as_slots(name: str, slots: torch.Tensor | list[int], limit: int) -> torch.Tensor:
@@ -204,7 +391,12 @@ def _as_slots(name: str, slots: torch.Tensor | list[int], limit: int) -> torch.T
     if isinstance(slots, torch.Tensor):
         if slots.device.type != "cpu":
             raise SlotError(f"{name} must be on the CPU (plans are built on CPU indices), got {slots.device}")
-        if slots.dim() != 1 or slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
+        if (
+            slots.dim() != 1
+            or slots.is_floating_point()
+            or slots.is_complex()
+            or slots.dtype == torch.bool
+        ):
             raise SlotError(
                 f"{name} must be a 1-D integer tensor, got {slots.dtype} of shape {tuple(slots.shape)}"
             )
@@ -229,21 +421,7 @@ def _check_distinct(name: str, slots: torch.Tensor) -> None:
         raise SlotError(f"{name} (the destination) repeats ids {torch.unique(dup)[:10].tolist()}")
 
 
-def _cheapest(costs: PathCosts, nbytes: int, host_runs: int, joint_runs: int, windows: int) -> TransferPath:
-    """The path with the lowest estimated time for one layer of the widest buffer."""
-    if joint_runs <= 1:
-        return TransferPath.SINGLE_COPY
-    if host_runs == 1:
-        return TransferPath.STAGED
-    estimates = {
-        TransferPath.PER_RUN: costs.estimate(TransferPath.PER_RUN, nbytes, joint_runs),
-        TransferPath.STAGED: costs.estimate(TransferPath.STAGED, nbytes, host_runs + windows),
-        TransferPath.REFERENCE: costs.estimate(TransferPath.REFERENCE, nbytes, 0),
-    }
-    return min(estimates, key=estimates.__getitem__)
-
-
-def _shape_of(spec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+def _shape_of(spec: KVSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     return [(b.name, b.layers, b.row_shape) for b in spec.buffers]
 
 
@@ -260,16 +438,3 @@ def _pieces(hn: np.ndarray, dn: np.ndarray, starts: np.ndarray, lens: np.ndarray
             starts.tolist(), hn[starts].tolist(), dn[starts].tolist(), lens.tolist(), strict=True
         )
     )
-
-
-def _upload(
-    slots: torch.Tensor, device: torch.device, stream: torch.cuda.Stream | None
-) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    if device.type != "cuda":
-        return slots, None
-    stream = stream or torch.cuda.current_stream(device)
-    with torch.cuda.stream(stream):
-        index = slots.pin_memory().to(device, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    return index, ready
