@@ -9,7 +9,16 @@ from conftest import host_row, poison_device, poison_host, random_rows, same_byt
 from kvtier.errors import PlanError, SlotError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.spec import preset
-from kvtier.transfer import PathCosts, TransferPath, TransferPlan, backup, load_layer
+from kvtier.transfer import (
+    KernelOptions,
+    Mechanism,
+    PathCosts,
+    TransferPath,
+    TransferPlan,
+    backup,
+    kernels,
+    load_layer,
+)
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
@@ -49,6 +58,8 @@ def applicable_paths(host: HostPool, dev: DevicePool, hs, ds) -> list[TransferPa
     plan = TransferPlan.build("load", host, dev, hs, ds)
     if plan.joint_runs == 1:
         paths.append(TransferPath.SINGLE_COPY)
+    if kernels.triton_available():
+        paths.append(TransferPath.KERNEL)
     return paths
 
 
@@ -281,3 +292,103 @@ def test_no_device_value_is_read_back_during_fast_paths(monkeypatch, gen) -> Non
     for plan in plans:
         for layer in range(spec.num_layers):
             load_layer(plan, host, dev, layer)
+
+
+needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton")
+
+
+def _pf_rows(slots: torch.Tensor, n_layers: int) -> torch.Tensor:
+    """Rows of every layer of `slots` in a page-first chunk (page size 1) flattened to `[slots * L, *row]`."""
+    return (slots[:, None] * n_layers + torch.arange(n_layers)).flatten()
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kernel(direction, layout, gen):
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 1024, layout), DevicePool(spec, 1024)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    short_host = torch.randperm(512, generator=gen)[:100]
+    short_dev = torch.randperm(512, generator=gen)[:100] + 512
+    hs = torch.cat([short_host[:50], torch.arange(512, 812), short_host[50:]])
+    ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
+    costs = PathCosts(copy_min_bytes=200 * 132)  # runs of 200 rows of the widest buffer: copy engine
+    plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
+    if layout is HostLayout.LAYER_FIRST:
+        assert plan.path is TransferPath.MIXED
+        assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 100}
+    else:  # page_first with one-slot pages: no host run is longer than a page
+        assert plan.path is TransferPath.KERNEL
+        assert plan.rows_by_mechanism() == {"kernel": 400}
+    assert plan.sms_used == plan.kernel.sm_budget
+    before_dev = {(b.name, lay): dev.layer(b.name, lay).clone() for b in spec.buffers for lay in b.layers}
+    before_host = {b.name: [c.clone() for c in host.chunks(b.name)] for b in spec.buffers}
+    if direction == "load":
+        for layer in range(spec.num_layers):
+            load_layer(plan, host, dev, layer)
+    else:
+        backup(plan, dev, host)
+    for b in spec.buffers:
+        for layer in b.layers:
+            for i in range(len(hs)):
+                h, d = int(hs[i]), int(ds[i])
+                if direction == "load":
+                    assert same_bytes(dev.layer(b.name, layer)[d], host_row(host, b, layer, h))
+                else:
+                    assert same_bytes(host_row(host, b, layer, h), before_dev[(b.name, layer)][d])
+        if direction == "load":  # no other device row changed
+            keep = torch.ones(1024, dtype=torch.bool)
+            keep[ds] = False
+            for layer in b.layers:
+                assert same_bytes(dev.layer(b.name, layer)[keep], before_dev[(b.name, layer)][keep])
+        else:  # no other host row changed
+            keep = torch.ones(1024, dtype=torch.bool)
+            keep[hs] = False
+            idx = keep.nonzero().flatten()
+            (chunk,) = host.chunks(b.name)
+            (old,) = before_host[b.name]
+            if layout is HostLayout.LAYER_FIRST:
+                assert same_bytes(chunk[:, idx], old[:, idx])
+            else:
+                rows = _pf_rows(idx, len(b.layers))
+                assert same_bytes(chunk.flatten(0, 2)[rows], old.flatten(0, 2)[rows])
+
+
+@needs_triton
+@pytest.mark.parametrize("ps", [1, 16])
+def test_kernel_moves_page_granular_runs_as_whole_pages(ps, gen):
+    spec = preset("tiny-dsa", ps)
+    host, dev = HostPool(spec, 512, "page_first"), DevicePool(spec, 512)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    hs = (torch.randperm(512 // 16, generator=gen)[:8, None] * 16 + torch.arange(16)).flatten()
+    ds = (torch.randperm(512 // 16, generator=gen)[:8, None] * 16 + torch.arange(16)).flatten()
+    plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel", kernel=KernelOptions(2, 4))
+    (part,) = plan.parts
+    assert part.mechanism is Mechanism.KERNEL
+    assert part.unit == ps  # page_first breaks host runs at pages, so a unit never crosses one
+    for layer in range(spec.num_layers):
+        load_layer(plan, host, dev, layer)
+    for b in spec.buffers:
+        for layer in b.layers:
+            for i in range(len(hs)):
+                assert same_bytes(dev.layer(b.name, layer)[int(ds[i])], host_row(host, b, layer, int(hs[i])))
+
+
+@needs_triton
+def test_planner_uses_the_kernel_for_short_runs_and_dma_for_long_ones() -> None:
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
+    costs = PathCosts(copy_min_bytes=256 * 48)
+
+    def path(hs, ds) -> TransferPath:
+        return TransferPlan.build("load", host, dev, hs, ds, costs=costs, use_kernel=True).path
+
+    runs = (torch.tensor([3, 1, 7])[:, None] * 512 + torch.arange(512)).flatten()
+    assert path(runs, torch.arange(1536)) is TransferPath.BATCHED_DMA
+    assert path(runs[::2], torch.arange(768)) is TransferPath.KERNEL
+    assert path(torch.arange(10, 20), torch.arange(10)) is TransferPath.SINGLE_COPY
+    with pytest.raises(PlanError, match="cannot be forced"):
+        TransferPlan.build("load", host, dev, runs, torch.arange(1536), force="mixed")

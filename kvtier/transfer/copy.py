@@ -198,7 +198,7 @@ def _kernel(
 ) -> None:
     """The gather (load) or scatter (backup) kernel over the part's rows, one launch per host region."""
     dev_flat = dev_w.view(-1)
-    row_words = dev_w.shape[1]
+    row_words = dev_w.shape[1] * part.unit
     opts = plan.kernel
     for rows in part.kernel_rows[b.name]:
         host_flat = host_pool.region_words(b.name, layer, rows.region)

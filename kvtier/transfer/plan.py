@@ -97,10 +97,15 @@ class PathCosts:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """The gather/scatter kernel's budget: `sm_budget` programs, `rows_per_program` rows in flight each."""
+    """The gather/scatter kernel's budget and shape.
+
+    `sm_budget` programs with `rows_per_program` rows in flight each; runs are moved
+    in units of up to `max_unit_bytes` (one "row" of the kernel).
+    """
 
     sm_budget: int = 8
     rows_per_program: int = 32
+    max_unit_bytes: int = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,8 @@ class Part:
     """Rows of a plan that one mechanism moves.
 
     `pieces`: joint runs (`COPY`) or host runs (`STAGED`). `positions`: `[m]` int64
-    list positions (`KERNEL`, `REFERENCE`). `device_index`: device slots on the
+    list positions (`REFERENCE`; for `KERNEL` the first row of each unit of `unit`
+    rows). `device_index`: device slots on the
     device (`STAGED`: in piece order; `REFERENCE`: of `positions`). `kernel_rows`: per
     buffer name, the kernel's offsets per host region. `run_bytes`: per buffer name,
     for batched copies, `(host region, byte offset in it, device byte offset, bytes)`
@@ -150,6 +156,7 @@ class Part:
     kernel_rows: dict[str, tuple[KernelRows, ...]] = field(default_factory=dict)
     batched: bool = False
     run_bytes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    unit: int = 1
 
 
 @dataclass(frozen=True)
@@ -264,21 +271,22 @@ class TransferPlan:
 
         up = _Uploader(device_pool.device, stream)
         batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
-        all_rows = np.arange(len(hn))
         if path in (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA):
             use_batch = batched and path is not TransferPath.PER_RUN
             parts = (_copy_part(host_pool, hn, dn, joint_starts, joint_lens, use_batch),)
         elif path is TransferPath.STAGED:
-            parts = (Part(Mechanism.STAGED, len(hn), _pieces(hn, dn, host_starts, host_lens), device_index=up(d)),)
+            parts = (
+                Part(Mechanism.STAGED, len(hn), _pieces(hn, dn, host_starts, host_lens), device_index=up(d)),
+            )
         elif path is TransferPath.KERNEL:
-            parts = (_kernel_part(direction, host_pool, hn, dn, all_rows, up),)
+            parts = (_kernel_part(direction, host_pool, hn, dn, joint_starts, joint_lens, kernel, up),)
         elif path is TransferPath.MIXED:
             long = joint_lens * widest >= costs.copy_min_bytes
             copy_part = _copy_part(host_pool, hn, dn, joint_starts[long], joint_lens[long], batched)
-            in_long = np.repeat(long, joint_lens)
-            parts = (copy_part, _kernel_part(direction, host_pool, hn, dn, all_rows[~in_long], up))
+            short = (joint_starts[~long], joint_lens[~long])
+            parts = (copy_part, _kernel_part(direction, host_pool, hn, dn, *short, kernel, up))
         else:
-            parts = (Part(Mechanism.REFERENCE, len(hn), positions=torch.from_numpy(all_rows), device_index=up(d)),)
+            parts = (Part(Mechanism.REFERENCE, len(hn), positions=torch.arange(len(hn)), device_index=up(d)),)
         return cls(
             direction=direction,
             path=path,
@@ -343,9 +351,27 @@ def _copy_part(
 
 
 def _kernel_part(
-    direction: Direction, host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, rows: np.ndarray, up: _Uploader
+    direction: Direction,
+    host_pool: HostPool,
+    hn: np.ndarray,
+    dn: np.ndarray,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    opts: KernelOptions,
+    up: _Uploader,
 ) -> Part:
-    """Word offsets for the kernel, per buffer and host region, uploaded once."""
+    """Word offsets for the kernel, per buffer and host region, uploaded once.
+
+    Joint runs are cut into units of `unit` rows (the largest divisor of every run
+    length within `KernelOptions.max_unit_bytes`), each contiguous on both sides, so
+    the kernel moves fewer, wider rows when runs allow it: page-granular slots move
+    whole pages.
+    """
+    widest = max(b.row_bytes for b in host_pool.spec.buffers)
+    unit = _unit(lens, max(1, opts.max_unit_bytes // widest))
+    in_run = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    rows = np.repeat(starts, lens) + in_run
+    rows = rows[in_run % unit == 0]
     per_buffer: dict[str, tuple[KernelRows, ...]] = {}
     for b in host_pool.spec.buffers:
         row_words = b.row_bytes // torch.empty((), dtype=word_dtype(b.row_bytes)).element_size()
@@ -358,7 +384,22 @@ def _kernel_part(
             src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
             entries.append(KernelRows(int(r), up(src), up(dst)))
         per_buffer[b.name] = tuple(entries)
-    return Part(Mechanism.KERNEL, len(rows), positions=torch.from_numpy(rows), kernel_rows=per_buffer)
+    return Part(
+        Mechanism.KERNEL,
+        int(lens.sum()),
+        positions=torch.from_numpy(rows),
+        kernel_rows=per_buffer,
+        unit=unit,
+    )
+
+
+def _unit(lens: np.ndarray, cap: int) -> int:
+    """The largest divisor of every run length that is at most `cap` rows."""
+    g = int(np.gcd.reduce(lens)) if len(lens) else 1
+    for u in range(min(g, cap), 0, -1):
+        if g % u == 0:
+            return u
+    return 1
 
 
 class _Uploader:
@@ -391,12 +432,7 @@ def _as_slots(name: str, slots: torch.Tensor | list[int], limit: int) -> torch.T
     if isinstance(slots, torch.Tensor):
         if slots.device.type != "cpu":
             raise SlotError(f"{name} must be on the CPU (plans are built on CPU indices), got {slots.device}")
-        if (
-            slots.dim() != 1
-            or slots.is_floating_point()
-            or slots.is_complex()
-            or slots.dtype == torch.bool
-        ):
+        if slots.dim() != 1 or slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
             raise SlotError(
                 f"{name} must be a 1-D integer tensor, got {slots.dtype} of shape {tuple(slots.shape)}"
             )
