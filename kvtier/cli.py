@@ -1,4 +1,4 @@
-"""The `kvtier` command: `kvtier bench transfer ...` (more subcommands join as they land)."""
+"""The `kvtier` command: `kvtier bench transfer ...`, `kvtier bench overlap ...`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -16,48 +18,82 @@ from kvtier.errors import KVTierError
 from kvtier.pool import HostLayout
 from kvtier.pool.device import Direction
 from kvtier.spec import PRESETS, preset
+from kvtier.transfer import KernelOptions
 
 # Wide enough for the tables when output goes to a file or a pipe.
-console = Console(width=None if sys.stdout.isatty() else 132)
+console = Console(width=None if sys.stdout.isatty() else 140)
+
+
+def _kernel_shape(text: str) -> tuple[int, int]:
+    try:
+        sm, rows = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PROGRAMSxROWS such as 8x32, got {text!r}") from None
+    if sm < 1 or rows < 1:
+        raise argparse.ArgumentTypeError(f"kernel shape {text!r} must be positive")
+    return sm, rows
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", choices=sorted(PRESETS), help="KV spec preset (default: deepseek-v3)")
+    p.add_argument("--tokens", type=int, help="prefix length (default: 131072 on CUDA, 16384 on CPU)")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--layout", choices=[m.value for m in HostLayout], default=HostLayout.LAYER_FIRST.value)
+    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    p.add_argument("--repeats", type=int, help="timed repeats per row (default: 20 on CUDA, 5 on CPU)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="back-to-back calls per timed sample")
+    p.add_argument("--kernel", type=_kernel_shape, default=(8, 32), help="gather kernel PROGRAMSxROWS")
+    p.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from kvtier.bench.transfer import HOST_SETS, VARIANTS
+
     p = argparse.ArgumentParser(prog="kvtier", description="Hierarchical KV cache for LLM serving.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
 
     t = bench.add_parser("transfer", help="host <-> device transfer paths at every fragmentation")
-    t.add_argument("--spec", choices=sorted(PRESETS), help="KV spec preset (default: deepseek-v3)")
-    t.add_argument("--tokens", type=int, help="prefix length (default: 131072 on CUDA, 16384 on CPU)")
-    t.add_argument("--page-size", type=int, default=1)
-    t.add_argument("--layout", choices=[m.value for m in HostLayout], default=HostLayout.LAYER_FIRST.value)
-    t.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    _common(t)
     t.add_argument("--direction", choices=["load", "backup", "both"], default="both")
-    t.add_argument("--repeats", type=int, help="timed repeats per row (default: 20 on CUDA, 5 on CPU)")
-    t.add_argument("--warmup", type=int, default=2)
-    t.add_argument("--batch", type=int, default=4, help="back-to-back calls per timed sample")
     t.add_argument("--cycles", type=int, default=8, help="fill/evict cycles before the churn rows")
-    t.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
+    t.add_argument("--host-sets", type=_csv, default=HOST_SETS, help=f"comma list of {','.join(HOST_SETS)}")
+    t.add_argument("--device-sets", type=_csv, default=("contiguous", "scattered"))
+    t.add_argument("--variants", type=_csv, default=VARIANTS, help=f"comma list of {','.join(VARIANTS)}")
+    t.add_argument(
+        "--kernel-sweep",
+        type=lambda s: tuple(_kernel_shape(x) for x in s.split(",") if x),
+        default=(),
+        help="extra kernel shapes timed on the fully scattered set, e.g. 4x32,8x64",
+    )
+
+    o = bench.add_parser("overlap", help="reload and backup at once; a matmul beside a reload (CUDA)")
+    _common(o)
+    o.add_argument("--rounds", type=int, default=5, help="alternating rounds with and without the reload")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
-    )
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(name)s: %(message)s")
     try:
-        if args.command == "bench" and args.bench == "transfer":
+        if args.bench == "transfer":
             return _bench_transfer(args)
+        return _bench_overlap(args)
     except KVTierError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
-    return 1
 
 
-def _bench_transfer(args: argparse.Namespace) -> int:
-    from kvtier.bench.transfer import BenchConfig, rows_as_dicts, run
+def _config(args: argparse.Namespace, **extra):
+    from kvtier.bench.transfer import BenchConfig
 
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,67 +103,106 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     spec = preset(args.spec or "deepseek-v3", args.page_size).with_layers(1)
     tokens = args.tokens or (131072 if cuda else 16384)
     if tokens <= 0 or tokens % spec.page_size:
-        console.print(f"[red]error:[/red] --tokens {tokens} must be a positive multiple of --page-size")
-        return 2
-    directions = (
-        (Direction.LOAD, Direction.BACKUP) if args.direction == "both" else (Direction(args.direction),)
-    )
-    cfg = BenchConfig(
+        raise SystemExit(f"--tokens {tokens} must be a positive multiple of --page-size")
+    return BenchConfig(
         spec=spec,
         tokens=tokens,
         layout=HostLayout(args.layout),
         device=device,
         repeats=args.repeats or (20 if cuda else 5),
         warmup=args.warmup,
-        cycles=args.cycles,
+        cycles=getattr(args, "cycles", 8),
         batch=args.batch,
-        directions=directions,
+        kernel=KernelOptions(*args.kernel),
+        **extra,
     )
+
+
+def _progress() -> tuple[Callable[[str], None], object]:
     if console.is_terminal:
-        with console.status("starting") as status:
-            rows, meta = run(cfg, progress=lambda msg: status.update(msg))
-    else:
-        rows, meta = run(cfg, progress=lambda msg: console.print(msg, highlight=False))
+        status = console.status("starting")
+        return (lambda msg: status.update(msg)), status
+    return (lambda msg: console.print(msg, highlight=False)), None
+
+
+def _run_with_progress(fn):
+    report, status = _progress()
+    if status is None:
+        return fn(report)
+    with status:
+        return fn(report)
+
+
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from kvtier.bench.transfer import rows_as_dicts, run
+
+    directions = (
+        (Direction.LOAD, Direction.BACKUP) if args.direction == "both" else (Direction(args.direction),)
+    )
+    cfg = _config(
+        args,
+        directions=directions,
+        host_sets=args.host_sets,
+        device_sets=args.device_sets,
+        variants=args.variants,
+        kernel_sweep=args.kernel_sweep,
+    )
+    rows, meta = _run_with_progress(lambda report: run(cfg, progress=report))
 
     where = meta.get("gpu") or meta.get("cpu")
+    buffers = ", ".join(f"{n} {b} B" for n, b in meta["buffers"].items())
     title = (
-        f"{spec.name}, one layer of {tokens} tokens ({meta['layer_bytes'] / 1e6:.0f} MB), "
-        f"{cfg.layout.value}, "
-        f"page {spec.page_size}, on {where}; ceiling "
+        f"{meta['spec']} ({buffers}), one layer of {cfg.tokens} tokens ({meta['layer_bytes'] / 1e6:.0f} MB), "
+        f"{cfg.layout.value}, page {cfg.spec.page_size}, on {where}; ceiling "
         + ", ".join(f"{d} {g} GB/s" for d, g in meta["ceiling_gbps"].items())
     )
     table = Table(title=title)
-    for col in (
-        "direction",
-        "host slots",
-        "runs",
-        "device",
-        "path",
-        "GB/s",
-        "of ceiling",
-        "identical",
-    ):
-        table.add_column(col, justify="right" if col in ("runs", "GB/s", "of ceiling") else "left")
+    cols = ("direction", "host slots", "runs", "device", "variant", "path", "SMs", "GB/s", "of ceiling", "ok")
+    for col in cols:
+        table.add_column(col, justify="right" if col in ("runs", "SMs", "GB/s", "of ceiling") else "left")
     for r in rows:
-        path = f"[bold]{r.path}[/bold]*" if r.planned else r.path
-        ok = "yes" if r.identical else "[red]NO[/red]"
+        variant = f"[bold]{r.variant}[/bold]" if r.planned else r.variant
         table.add_row(
             r.direction,
             r.host_runs,
             str(r.host_run_count),
             r.device,
-            path,
+            variant,
+            r.path + (f" {r.kernel}" if r.kernel else ""),
+            str(r.sms),
             f"{r.gbps:.1f}",
             f"{r.ceiling_ratio:.2f}",
-            ok,
+            "yes" if r.identical else "[red]NO[/red]",
         )
     console.print(table)
-    console.print("* the path the planner picks")
+    console.print(
+        "planned: the path the planner picks; ok: byte-identical to the source, nothing else written"
+    )
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows_as_dicts(rows)}, indent=1))
         console.print(f"wrote {args.json}")
     return 0 if all(r.identical for r in rows) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _bench_overlap(args: argparse.Namespace) -> int:
+    from kvtier.bench import overlap
+    from kvtier.bench.transfer import _metadata
+
+    cfg = _config(args, host_sets=("contiguous",), device_sets=("contiguous",))
+    if cfg.device.type != "cuda":
+        console.print("[red]error:[/red] kvtier bench overlap needs a CUDA device")
+        return 2
+    rows, s = _run_with_progress(lambda report: overlap.run(cfg, report, rounds=args.rounds))
+    meta = _metadata(cfg, s.ceilings, s.layer_bytes)
+    table = Table(title=f"{meta['spec']}, {cfg.tokens} tokens per layer call, on {meta.get('gpu')}")
+    for col in ("test", "mechanism", "SMs", "value", "against", "ratio"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r.test, r.mechanism, str(r.sms), f"{r.value:.1f} {r.unit}", f"{r.reference:.1f}", f"{r.ratio:.3f}"
+        )
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+        console.print(f"wrote {args.json}")
+    return 0

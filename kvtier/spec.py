@@ -219,6 +219,13 @@ def mla_spec(
     return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=tuple(buffers))
 
 
+def indexer_spec(name: str, num_layers: int, page_size: int = 1) -> KVSpec:
+    """The DSA indexer rows alone (`[132]` uint8 per token on every layer), for benchmarks."""
+    layers = tuple(range(num_layers))
+    buf = BufferSpec("indexer", BufferKind.INDEXER, (INDEXER_ROW_BYTES,), torch.uint8, layers)
+    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=(buf,))
+
+
 # Named presets. Real ones follow the models' public configs; tiny ones are for tests.
 PRESETS: dict[str, Callable[[], KVSpec]] = {
     # Llama-3.1-8B: 32 layers, 8 KV heads of 128 (GQA), bf16.
@@ -230,6 +237,7 @@ PRESETS: dict[str, Callable[[], KVSpec]] = {
     # GLM-5 style: 78 layers of DeepSeek-V3.2-style MLA with a DSA indexer on every layer.
     "glm-5": lambda: mla_spec("glm-5", 78, 512, 64, torch.bfloat16, indexer_layers=range(78)),
     "glm-5-fp8": lambda: mla_spec("glm-5-fp8", 78, packed_fp8=True, indexer_layers=range(78)),
+    "glm-5-indexer": lambda: indexer_spec("glm-5-indexer", 78),
     # Tiny presets for tests: small rows, few layers, an indexer on some layers only.
     "tiny-mha": lambda: mha_spec("tiny-mha", 2, 2, 8, torch.bfloat16),
     "tiny-mha-fp16": lambda: mha_spec("tiny-mha-fp16", 2, 2, 8, torch.float16),

@@ -392,3 +392,46 @@ def test_planner_uses_the_kernel_for_short_runs_and_dma_for_long_ones() -> None:
     assert path(torch.arange(10, 20), torch.arange(10)) is TransferPath.SINGLE_COPY
     with pytest.raises(PlanError, match="cannot be forced"):
         TransferPlan.build("load", host, dev, runs, torch.arange(1536), force="mixed")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
+    """On the GPU: batched DMA, kernel and mixed plans against the host rows, on a side stream."""
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 8192), DevicePool(spec, 8192, "cuda")
+    stream = torch.cuda.Stream()
+    long_runs = (torch.tensor([1, 5, 3])[:, None] * 1024 + torch.arange(1024)).flatten()
+    short = 6144 + torch.randperm(2048, generator=gen)[:500]
+    cases = {
+        TransferPath.BATCHED_DMA: (long_runs, torch.arange(3072)),
+        TransferPath.KERNEL: (short, torch.randperm(8192, generator=gen)[:500]),
+        TransferPath.MIXED: (
+            torch.cat([long_runs, short]),
+            torch.cat([torch.arange(3072), 4000 + torch.arange(500)]),
+        ),
+    }
+    costs = PathCosts(copy_min_bytes=512 * 132)
+    for expected, (hs, ds) in cases.items():
+        poison_host(host, gen)
+        poison_device(dev, gen)
+        plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, stream=stream)
+        assert plan.path is expected
+        before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
+        if direction == "load":
+            for layer in range(spec.num_layers):
+                load_layer(plan, host, dev, layer, stream)
+        else:
+            backup(plan, dev, host, stream=stream)
+        stream.synchronize()
+        for b in spec.buffers:
+            for layer in b.layers:
+                got = dev.layer(b.name, layer).cpu()
+                rows = host.gather(b.name, layer, hs)
+                if direction == "load":
+                    want = before[(b.name, layer)].clone()
+                    want[ds] = rows
+                    assert same_bytes(got, want), (expected, b.name, layer)
+                else:
+                    assert same_bytes(rows, before[(b.name, layer)][ds]), (expected, b.name, layer)

@@ -2,10 +2,13 @@
 
 For one layer of a prefix of `tokens` tokens it builds host slot sets from one run to
 fully scattered (and after fill/evict churn of each allocator policy), device slots
-contiguous or scattered, and times each applicable path in each direction. The
-ceiling is one contiguous pinned copy of the same bytes, measured in the same run.
-Every timed path is first checked byte for byte against the host rows, with the
-destination poisoned so an unwritten row shows.
+contiguous or scattered, and times each applicable variant in each direction: the
+planner's choice, each path forced, and a stock-style kernel (2 programs, a few rows
+in flight each). The ceiling is one contiguous pinned copy of the same bytes,
+measured in the same run. Every timed variant is first checked byte for byte: its
+target rows are poisoned with the complement of the right bytes, and afterwards the
+whole destination layer must equal what it held before with exactly the targets
+replaced by their sources.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -23,11 +26,19 @@ from kvtier.alloc import AllocPolicy
 from kvtier.bench.slots import after_churn, runs_of
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
+from kvtier.pool.rows import as_words
 from kvtier.spec import KVSpec
-from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
+from kvtier.transfer import KernelOptions, TransferPath, TransferPlan, backup, kernels, load_layer
 
 # Issuing more copies than this from Python takes seconds; such a row says nothing new.
 MAX_TIMED_COPIES = 4096
+# A variant slower than this per call is timed 3 times, one call each.
+SLOW_CALL_S = 0.02
+# The stock-style kernel: two blocks, a few rows in flight each (one per warp).
+STOCK_KERNEL = KernelOptions(sm_budget=2, rows_per_program=4)
+
+HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
+VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kernel", "stock", "reference")
 
 
 @dataclass
@@ -40,8 +51,13 @@ class BenchConfig:
     warmup: int
     cycles: int
     batch: int = 4
-    run_lengths: tuple[int, ...] = (1, 16, 64, 256)
+    host_sets: tuple[str, ...] = HOST_SETS
+    device_sets: tuple[str, ...] = ("contiguous", "scattered")
+    variants: tuple[str, ...] = VARIANTS
     directions: tuple[Direction, ...] = (Direction.LOAD, Direction.BACKUP)
+    kernel: KernelOptions = field(default_factory=KernelOptions)
+    # Extra kernel shapes `(sm_budget, rows_per_program)` timed on the fully scattered set.
+    kernel_sweep: tuple[tuple[int, int], ...] = ()
     seed: int = 0
 
 
@@ -49,12 +65,15 @@ class BenchConfig:
 class Row:
     direction: str
     path: str
+    variant: str
     planned: bool
     host_runs: str
     host_run_count: int
     device: str
     tokens: int
     nbytes: int
+    sms: int
+    kernel: str
     ms: float
     gbps: float
     ceiling_ratio: float
@@ -75,21 +94,17 @@ class Timer:
         """
         for _ in range(warmup):
             fn()
+        times = []
         if self.device.type != "cuda":
-            times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 for _ in range(batch):
                     fn()
                 times.append((time.perf_counter() - t0) * 1e3 / batch)
             return statistics.median(times)
-        times = []
         with torch.cuda.stream(self.stream):
             for _ in range(repeats):
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)
                 for _ in range(batch):
                     fn()
@@ -99,11 +114,25 @@ class Timer:
         return statistics.median(times)
 
 
-def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -> tuple[list[Row], dict]:
-    """Run the benchmark; returns the rows and the run's metadata (ceilings, versions)."""
+@dataclass
+class Setup:
+    """The pools, streams and slot sets one run times."""
+
+    cfg: BenchConfig
+    host: HostPool
+    dev: DevicePool
+    stream: torch.cuda.Stream | None
+    timer: Timer
+    layer_bytes: int
+    ceilings: dict[Direction, float]
+    host_sets: dict[str, torch.Tensor]
+    dev_sets: dict[str, torch.Tensor]
+
+
+def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     spec = cfg.spec
     gen = torch.Generator().manual_seed(cfg.seed)
-    host_slots = 4 * cfg.tokens
+    host_slots = 2 * cfg.tokens
     dev_slots = 2 * cfg.tokens
     progress(f"pinning a host pool of {host_slots} slots")
     host = HostPool(spec, host_slots, cfg.layout)
@@ -112,76 +141,119 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
     stream = torch.cuda.Stream(cfg.device) if cfg.device.type == "cuda" else None
     timer = Timer(cfg.device, stream)
     layer_bytes = cfg.tokens * spec.layer_bytes_per_token(0)
-
     ceilings = {d: _ceiling_gbps(cfg, timer, layer_bytes, d) for d in cfg.directions}
     progress("ceilings: " + ", ".join(f"{d.value} {g:.1f} GB/s" for d, g in ceilings.items()))
 
-    host_sets = {"contiguous": torch.arange(cfg.tokens, 2 * cfg.tokens)}
-    for length in sorted(cfg.run_lengths, reverse=True):
-        host_sets[f"runs-{length}"] = runs_of(max(length, spec.page_size), cfg.tokens, host_slots, gen)
-    for policy in AllocPolicy:
-        progress(f"{cfg.cycles} fill/evict cycles with the {policy.value} allocator")
-        host_sets[f"{policy.value}-churn"] = after_churn(
-            policy, cfg.tokens, host_slots, spec.page_size, cfg.cycles, cfg.seed
-        )
-    dev_sets = {
-        "contiguous": torch.arange(cfg.tokens),
-        "scattered": torch.randperm(dev_slots, generator=gen)[: cfg.tokens],
-    }
+    host_sets = {}
+    for name in cfg.host_sets:
+        if name == "contiguous":
+            host_sets[name] = torch.arange(cfg.tokens // 2, cfg.tokens // 2 + cfg.tokens)
+        elif name.startswith("runs-"):
+            length = max(int(name.removeprefix("runs-")), spec.page_size)
+            host_sets[name] = runs_of(length, cfg.tokens, host_slots, gen)
+        elif name.endswith("-churn"):
+            policy = AllocPolicy(name.removesuffix("-churn"))
+            progress(f"{cfg.cycles} fill/evict cycles with the {policy.value} allocator")
+            host_sets[name] = after_churn(
+                policy, cfg.tokens, host_slots, spec.page_size, cfg.cycles, cfg.seed
+            )
+        else:
+            raise ValueError(f"unknown host slot set {name!r}; known: {HOST_SETS}")
+    dev_sets = {}
+    for name in cfg.device_sets:
+        if name == "contiguous":
+            dev_sets[name] = torch.arange(cfg.tokens)
+        elif name == "scattered":
+            # Whole pages in random order, as a paged device allocator hands them out.
+            ps = spec.page_size
+            pages = torch.randperm(dev_slots // ps, generator=gen)[: cfg.tokens // ps]
+            dev_sets[name] = (pages[:, None] * ps + torch.arange(ps)).flatten()
+        else:
+            raise ValueError(f"unknown device slot set {name!r}")
+    return Setup(cfg, host, dev, stream, timer, layer_bytes, ceilings, host_sets, dev_sets)
 
+
+def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -> tuple[list[Row], dict]:
+    """Run the benchmark; returns the rows and the run's metadata (ceilings, versions)."""
+    s = setup(cfg, progress)
     rows: list[Row] = []
     for direction in cfg.directions:
-        for host_label, hs in host_sets.items():
-            for dev_label, ds in dev_sets.items():
-                planned = TransferPlan.build(direction, host, dev, hs, ds, stream=stream)
-                for path in _paths_to_time(planned):
-                    plan = TransferPlan.build(direction, host, dev, hs, ds, force=path, stream=stream)
-                    progress(f"{direction.value} {host_label} / device {dev_label}: {path.value}")
-                    identical = _check(plan, host, dev, gen, stream)
-                    op = _op(plan, host, dev, stream)
-                    if path is TransferPath.REFERENCE:
-                        ms = timer.median_ms(op, 3, 1)
-                    else:
-                        ms = timer.median_ms(op, cfg.repeats, cfg.warmup, cfg.batch)
-                    gbps = layer_bytes / ms / 1e6
-                    rows.append(
-                        Row(
-                            direction=direction.value,
-                            path=path.value,
-                            planned=path is planned.path,
-                            host_runs=host_label,
-                            host_run_count=plan.host_runs,
-                            device=dev_label,
-                            tokens=cfg.tokens,
-                            nbytes=layer_bytes,
-                            ms=round(ms, 4),
-                            gbps=round(gbps, 2),
-                            ceiling_ratio=round(gbps / ceilings[direction], 3),
-                            identical=identical,
-                        )
+        for host_label, hs in s.host_sets.items():
+            for dev_label, ds in s.dev_sets.items():
+                planned = TransferPlan.build(
+                    direction, s.host, s.dev, hs, ds, kernel=cfg.kernel, stream=s.stream
+                )
+                for variant, path, opts in _variants(cfg, planned, host_label):
+                    plan = TransferPlan.build(
+                        direction, s.host, s.dev, hs, ds, force=path, kernel=opts, stream=s.stream
                     )
-    meta = _metadata(cfg, ceilings, layer_bytes)
-    return rows, meta
+                    progress(f"{direction.value} {host_label} / device {dev_label}: {variant}")
+                    rows.append(_time(s, plan, variant, planned, host_label, dev_label))
+    return rows, _metadata(cfg, s.ceilings, s.layer_bytes)
 
 
-def _paths_to_time(planned: TransferPlan) -> list[TransferPath]:
-    paths = [planned.path]
-    for path in (
-        TransferPath.SINGLE_COPY,
-        TransferPath.STAGED,
-        TransferPath.PER_RUN,
-        TransferPath.REFERENCE,
-    ):
-        if path in paths:
+def _variants(
+    cfg: BenchConfig, planned: TransferPlan, host_label: str
+) -> list[tuple[str, TransferPath, KernelOptions]]:
+    """`(variant, path, kernel options)` worth timing for one slot set."""
+    cuda = cfg.device.type == "cuda"
+    kernel_ok = kernels.triton_available() and (cuda or planned.num_tokens <= 4096)
+    out: list[tuple[str, TransferPath, KernelOptions]] = []
+    for v in cfg.variants:
+        if v == "planned":
+            out.append((v, planned.path, cfg.kernel))
+            continue
+        path = TransferPath.KERNEL if v == "stock" else TransferPath(v)
+        if path is planned.path and v != "stock":
             continue
         if path is TransferPath.SINGLE_COPY and planned.joint_runs != 1:
             continue
-        if path is TransferPath.PER_RUN and planned.joint_runs > MAX_TIMED_COPIES:
+        if path in (TransferPath.PER_RUN, TransferPath.BATCHED_DMA) and planned.joint_runs > MAX_TIMED_COPIES:
+            continue
+        if path is TransferPath.BATCHED_DMA and not cuda:
             continue
         if path is TransferPath.STAGED and planned.host_runs > MAX_TIMED_COPIES:
             continue
-        paths.append(path)
-    return paths
+        if path is TransferPath.KERNEL and not kernel_ok:
+            continue
+        if path is TransferPath.REFERENCE and host_label not in ("runs-1", "contiguous"):
+            continue
+        out.append((v, path, STOCK_KERNEL if v == "stock" else cfg.kernel))
+    if host_label == "runs-1" and kernel_ok:
+        for sm, rpp in cfg.kernel_sweep:
+            out.append((f"kernel-{sm}x{rpp}", TransferPath.KERNEL, KernelOptions(sm, rpp)))
+    return out
+
+
+def _time(
+    s: Setup, plan: TransferPlan, variant: str, planned: TransferPlan, host_label: str, dev_label: str
+) -> Row:
+    identical = _check(s, plan)
+    op = _op(plan, s.host, s.dev, s.stream)
+    once = s.timer.median_ms(op, 1, 0) / 1e3
+    if once > SLOW_CALL_S:
+        ms = s.timer.median_ms(op, 3, 0)
+    else:
+        ms = s.timer.median_ms(op, s.cfg.repeats, s.cfg.warmup, s.cfg.batch)
+    gbps = s.layer_bytes / ms / 1e6
+    uses_kernel = plan.sms_used > 0
+    return Row(
+        direction=plan.direction.value,
+        path=plan.path.value,
+        variant=variant,
+        planned=variant == "planned",
+        host_runs=host_label,
+        host_run_count=plan.host_runs,
+        device=dev_label,
+        tokens=plan.num_tokens,
+        nbytes=s.layer_bytes,
+        sms=plan.sms_used,
+        kernel=f"{plan.kernel.sm_budget}x{plan.kernel.rows_per_program}" if uses_kernel else "",
+        ms=round(ms, 4),
+        gbps=round(gbps, 2),
+        ceiling_ratio=round(gbps / s.ceilings[plan.direction], 3),
+        identical=identical,
+    )
 
 
 def _op(plan: TransferPlan, host: HostPool, dev: DevicePool, stream) -> Callable[[], None]:
@@ -197,56 +269,53 @@ def _fill_random(host: HostPool, dev: DevicePool, gen: torch.Generator) -> None:
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
         for layer in b.layers:
             t = dev.layer(b.name, layer).view(torch.uint8)
-            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen).to(t.device))
 
 
-def _check(plan: TransferPlan, host: HostPool, dev: DevicePool, gen: torch.Generator, stream) -> bool:
-    """Run the plan once onto a poisoned destination; every target row must equal its source and
-    every other row of the destination must keep its poison."""
-    buffers = host.spec.buffers_on(0)
-    all_host = torch.arange(host.num_slots)
-    for b in buffers:
-        if plan.direction is Direction.LOAD:
-            raw = dev.layer(b.name, 0).view(torch.uint8)
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-        else:
-            raw = torch.randint(0, 256, (host.num_slots, b.row_bytes), dtype=torch.uint8, generator=gen)
-            host.scatter(b.name, 0, all_host, raw.view(b.dtype).view(host.num_slots, *b.row_shape))
-    if plan.direction is Direction.LOAD:
-        before = {b.name: _bytes(dev.layer(b.name, 0)) for b in buffers}
-    else:
-        before = {b.name: _bytes(host.gather(b.name, 0, all_host)) for b in buffers}
-    _op(plan, host, dev, stream)()
-    if dev.device.type == "cuda":
-        torch.cuda.synchronize(dev.device)
+def _check(s: Setup, plan: TransferPlan) -> bool:
+    """Run the plan once; the destination layer must change in exactly the target rows, to the sources.
+
+    Target rows are first set to the complement of their source, so a row the plan
+    fails to write cannot pass by holding the right bytes already.
+    """
+    host, dev = s.host, s.dev
+    hs, ds = plan.host_slots, plan.device_slots
     ok = True
-    for b in buffers:
-        dev_rows = _bytes(dev.layer(b.name, 0))
-        host_rows = _bytes(host.gather(b.name, 0, all_host))
-        expected = before[b.name].clone()
+    for b in host.spec.buffers_on(0):
+        dev_w = as_words(dev.layer(b.name, 0))
         if plan.direction is Direction.LOAD:
-            expected[plan.device_slots] = host_rows[plan.host_slots]
-            ok &= torch.equal(dev_rows, expected)
+            src = as_words(host.gather(b.name, 0, hs)).to(dev_w.device)
+            dev_w[ds.to(dev_w.device)] = ~src
+            before = dev_w.clone()
         else:
-            expected[plan.host_slots] = dev_rows[plan.device_slots]
-            ok &= torch.equal(host_rows, expected)
+            src = dev_w[ds.to(dev_w.device)].cpu()
+            host.scatter(b.name, 0, hs, _rows(~src, b))
+            before = as_words(host.gather(b.name, 0, torch.arange(host.num_slots)))
+        _op(plan, host, dev, s.stream)()
+        if dev.device.type == "cuda":
+            torch.cuda.synchronize(dev.device)
+        if plan.direction is Direction.LOAD:
+            before[ds.to(dev_w.device)] = src
+            ok &= torch.equal(dev_w, before)
+        else:
+            before[hs] = src
+            ok &= torch.equal(as_words(host.gather(b.name, 0, torch.arange(host.num_slots))), before)
     return bool(ok)
 
 
-def _bytes(rows: torch.Tensor) -> torch.Tensor:
-    """`[n, *row]` on any device as `[n, row_bytes]` uint8 on the CPU."""
-    return rows.cpu().contiguous().view(torch.uint8).view(rows.shape[0], -1)
+def _rows(words: torch.Tensor, b) -> torch.Tensor:
+    return words.view(torch.uint8).view(b.dtype).view(words.shape[0], *b.row_shape)
 
 
 def _ceiling_gbps(cfg: BenchConfig, timer: Timer, nbytes: int, direction: Direction) -> float:
     """One contiguous copy of `nbytes` between pinned host memory and the device."""
     pin = cfg.device.type == "cuda"
-    src_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    dst_dev = torch.empty(nbytes, dtype=torch.uint8, device=cfg.device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=cfg.device)
     if direction is Direction.LOAD:
-        op = lambda: dst_dev.copy_(src_host, non_blocking=True)  # noqa: E731
+        op = lambda: dev.copy_(host, non_blocking=True)  # noqa: E731
     else:
-        op = lambda: src_host.copy_(dst_dev, non_blocking=True)  # noqa: E731
+        op = lambda: host.copy_(dev, non_blocking=True)  # noqa: E731
     ms = timer.median_ms(op, cfg.repeats, cfg.warmup, cfg.batch)
     return nbytes / ms / 1e6
 
@@ -255,17 +324,26 @@ def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: i
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "spec": cfg.spec.name,
+        "buffers": {b.name: b.row_bytes for b in cfg.spec.buffers_on(0)},
         "page_size": cfg.spec.page_size,
         "layout": cfg.layout.value,
         "tokens": cfg.tokens,
         "layer_bytes": layer_bytes,
         "churn_cycles": cfg.cycles,
-        "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (reference: 3 x 1)",
+        "kernel": f"{cfg.kernel.sm_budget} programs x {cfg.kernel.rows_per_program} rows",
+        "stock_kernel": f"{STOCK_KERNEL.sm_budget} programs x {STOCK_KERNEL.rows_per_program} rows",
+        "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (slow variants: 3 x 1)",
         "ceiling_gbps": {d.value: round(g, 2) for d, g in ceilings.items()},
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(cfg.device),
     }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
     if cfg.device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(cfg.device)
         meta["cuda"] = torch.version.cuda

@@ -1,0 +1,137 @@
+"""`kvtier bench overlap`: transfers beside each other and beside the model (CUDA only).
+
+- duplex: a reload (host -> device) on one stream and a backup (device -> host) on
+  another at once; the aggregate rate against the one-direction ceiling.
+- interference: a bf16 8192 x 8192 matmul loop on the compute stream, alone and with
+  a reload running beside it on the load stream, through the copy engine and through
+  the gather kernel. Runs with and without the reload alternate and medians are
+  taken, since clocks drift.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.bench.transfer import BenchConfig, Setup, setup
+from kvtier.pool.device import Direction
+from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
+
+
+@dataclass
+class OverlapRow:
+    test: str
+    mechanism: str
+    sms: int
+    value: float
+    unit: str
+    reference: float
+    ratio: float
+
+
+def run(cfg: BenchConfig, progress: Callable[[str], None], rounds: int = 5) -> tuple[list[OverlapRow], Setup]:
+    s = setup(cfg, progress)
+    rows = []
+    t = cfg.tokens
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    host_perm = torch.randperm(s.host.num_slots, generator=gen)
+    dev_perm = torch.randperm(s.dev.num_slots, generator=gen)
+    # `(load host, load device, backup host, backup device)`: the two directions touch
+    # disjoint halves of both pools, so they never race on a row.
+    slot_sets = {
+        "copy engine": (torch.arange(t), torch.arange(t), torch.arange(t, 2 * t), torch.arange(t, 2 * t)),
+        "kernel": (host_perm[:t], dev_perm[:t], host_perm[t : 2 * t], dev_perm[t : 2 * t]),
+    }
+    paths = {"copy engine": TransferPath.SINGLE_COPY, "kernel": TransferPath.KERNEL}
+    ceiling = s.ceilings[Direction.LOAD]
+    loads = {}
+    for name, (lh, ld, bh, bd) in slot_sets.items():
+        progress(f"duplex via {name}")
+        path = paths[name]
+        load = TransferPlan.build(
+            "load", s.host, s.dev, lh, ld, force=path, kernel=cfg.kernel, stream=s.stream
+        )
+        back = TransferPlan.build(
+            "backup", s.host, s.dev, bh, bd, force=path, kernel=cfg.kernel, stream=s.stream
+        )
+        loads[name] = load
+        gbps = _duplex_gbps(s, load, back, rounds)
+        rows.append(OverlapRow("duplex", name, load.sms_used * 2, gbps, "GB/s", ceiling, gbps / ceiling))
+
+    for name, load in loads.items():
+        progress(f"interference via {name}")
+        alone, beside, reload_gbps = _interference(s, load, rounds)
+        sms = load.sms_used
+        rows.append(OverlapRow("matmul beside reload", name, sms, beside, "TFLOP/s", alone, beside / alone))
+        rows.append(
+            OverlapRow("reload beside matmul", name, sms, reload_gbps, "GB/s", ceiling, reload_gbps / ceiling)
+        )
+    return rows, s
+
+
+def _duplex_gbps(s: Setup, load: TransferPlan, back: TransferPlan, rounds: int, calls: int = 8) -> float:
+    other = torch.cuda.Stream(s.dev.device)
+    host, dev = s.host, s.dev
+
+    def once() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            load_layer(load, host, dev, 0, s.stream)
+            backup(back, dev, host, [0], other)
+        torch.cuda.synchronize()
+        return 2 * calls * s.layer_bytes / (time.perf_counter() - t0) / 1e9
+
+    once()
+    return statistics.median(once() for _ in range(rounds))
+
+
+def _interference(s: Setup, load: TransferPlan, rounds: int, matmuls: int = 40) -> tuple[float, float, float]:
+    """`(matmul TFLOP/s alone, beside the reload, reload GB/s beside the matmul)`, medians."""
+    n = 8192
+    gen = torch.Generator(device=s.dev.device).manual_seed(0)
+    a = torch.randn(n, n, device=s.dev.device, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, n, device=s.dev.device, dtype=torch.bfloat16, generator=gen)
+    c = torch.empty_like(a)
+    compute = torch.cuda.Stream(s.dev.device)
+    flops = 2 * n**3 * matmuls
+
+    def matmul_s(with_reload: bool) -> tuple[float, float]:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        lstart, lend = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(compute):
+            start.record(compute)
+            for _ in range(matmuls):
+                torch.mm(a, b, out=c)
+            end.record(compute)
+        reloads = 0
+        if with_reload:
+            lstart.record(s.stream)
+            # Keep the load stream busy for about as long as the matmuls run.
+            budget = matmuls * 2 * n**3 / 700e12
+            per_call = s.layer_bytes / 50e9
+            reloads = max(1, int(budget / per_call))
+            for _ in range(reloads):
+                load_layer(load, s.host, s.dev, 0, s.stream)
+            lend.record(s.stream)
+        torch.cuda.synchronize()
+        mm_s = start.elapsed_time(end) / 1e3
+        reload_gbps = (
+            reloads * s.layer_bytes / (lstart.elapsed_time(lend) / 1e3) / 1e9 if with_reload else 0.0
+        )
+        return mm_s, reload_gbps
+
+    matmul_s(False)
+    matmul_s(True)
+    alone, beside, reload = [], [], []
+    for _ in range(rounds):
+        alone.append(flops / matmul_s(False)[0] / 1e12)
+        mm, gbps = matmul_s(True)
+        beside.append(flops / mm / 1e12)
+        reload.append(gbps)
+    return statistics.median(alone), statistics.median(beside), statistics.median(reload)
