@@ -80,19 +80,27 @@ def copy_runs(
         return
     if stream.cuda_stream == 0:
         raise ValueError("batched copies need a stream you created, not the legacy default stream")
+    global _mode
     mode = mode or _probe()
     rt = _runtime
     if mode is DmaMode.BATCH:
-        err, *_ = rt.cudaMemcpyBatchAsync(
-            dst_ptrs.tolist(),
-            src_ptrs.tolist(),
-            sizes.tolist(),
-            n,
-            [_attrs],
-            [0],
-            1,
-            rt.cudaStream_t(stream.cuda_stream),
-        )
+        try:
+            err, *_ = rt.cudaMemcpyBatchAsync(
+                dst_ptrs.tolist(),
+                src_ptrs.tolist(),
+                sizes.tolist(),
+                n,
+                [_attrs],
+                [0],
+                1,
+                rt.cudaStream_t(stream.cuda_stream),
+            )
+        except TypeError as e:
+            # Bindings of another CUDA release take other arguments: use the loop from now on.
+            log.warning("cudaMemcpyBatchAsync not usable through these bindings (%s); looping instead", e)
+            _mode = DmaMode.LOOP
+            copy_runs(dst_ptrs, src_ptrs, sizes, stream, DmaMode.LOOP)
+            return
         _check(err, "cudaMemcpyBatchAsync")
     elif mode is DmaMode.LOOP:
         kind = rt.cudaMemcpyKind.cudaMemcpyDefault
