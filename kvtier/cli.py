@@ -206,3 +206,7 @@ def _bench_overlap(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
         console.print(f"wrote {args.json}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

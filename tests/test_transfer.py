@@ -58,7 +58,7 @@ def applicable_paths(host: HostPool, dev: DevicePool, hs, ds) -> list[TransferPa
     plan = TransferPlan.build("load", host, dev, hs, ds)
     if plan.joint_runs == 1:
         paths.append(TransferPath.SINGLE_COPY)
-    if kernels.triton_available():
+    if kernels.runs_on(dev.device):
         paths.append(TransferPath.KERNEL)
     return paths
 
@@ -294,7 +294,9 @@ def test_no_device_value_is_read_back_during_fast_paths(monkeypatch, gen) -> Non
             load_layer(plan, host, dev, layer)
 
 
-needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton")
+needs_triton = pytest.mark.skipif(
+    not kernels.runs_on(torch.device("cpu")), reason="needs Triton's CPU interpreter"
+)
 
 
 def _pf_rows(slots: torch.Tensor, n_layers: int) -> torch.Tensor:

@@ -197,7 +197,7 @@ def _variants(
 ) -> list[tuple[str, TransferPath, KernelOptions]]:
     """`(variant, path, kernel options)` worth timing for one slot set."""
     cuda = cfg.device.type == "cuda"
-    kernel_ok = kernels.triton_available() and (cuda or planned.num_tokens <= 4096)
+    kernel_ok = kernels.runs_on(cfg.device) and (cuda or planned.num_tokens <= 4096)
     out: list[tuple[str, TransferPath, KernelOptions]] = []
     for v in cfg.variants:
         if v == "planned":

@@ -66,7 +66,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-__all__ = ["copy_rows", "triton_available"]
+__all__ = ["copy_rows", "runs_on", "triton_available"]
 
 _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WORD_SIZES: dict[torch.dtype, int] = {dtype: size for size, dtype in _WORD_DTYPES.items()}
@@ -81,6 +81,11 @@ _VECTOR_BYTES = 16
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether `copy_rows` can run with its device-side tensor on `device` here."""
+    return triton is not None and (device.type == "cuda" or _interpreting())
 
 
 def triton_available() -> bool:

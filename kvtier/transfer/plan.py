@@ -257,7 +257,7 @@ class TransferPlan:
         cuda = device_pool.device.type == "cuda"
 
         if force is not None:
-            path = _forced(TransferPath(force), len(joint_starts))
+            path = _forced(TransferPath(force), len(joint_starts), device_pool.device)
         else:
             path = _choose(
                 costs,
@@ -265,7 +265,8 @@ class TransferPlan:
                 host_runs=len(host_starts),
                 joint_runs=len(joint_starts),
                 windows=-(-len(hn) // device_pool.staging_tokens),
-                kernel_ok=(cuda if use_kernel is None else use_kernel) and kernels.triton_available(),
+                kernel_ok=(cuda if use_kernel is None else use_kernel)
+                and kernels.runs_on(device_pool.device),
                 long_runs=int((joint_lens * widest >= costs.copy_min_bytes).sum()),
             )
 
@@ -301,13 +302,15 @@ class TransferPlan:
         )
 
 
-def _forced(path: TransferPath, joint_runs: int) -> TransferPath:
+def _forced(path: TransferPath, joint_runs: int, device: torch.device) -> TransferPath:
     if path is TransferPath.MIXED:
         raise PlanError("a mixed plan is the planner's choice; it cannot be forced")
     if path is TransferPath.SINGLE_COPY and joint_runs > 1:
         raise PlanError(f"cannot force a single copy over {joint_runs} joint runs")
-    if path is TransferPath.KERNEL and not kernels.triton_available():
-        raise PlanError("the kernel path needs Triton (and CUDA, or TRITON_INTERPRET=1 on the CPU)")
+    if path is TransferPath.KERNEL and not kernels.runs_on(device):
+        raise PlanError(
+            f"the kernel path needs Triton and a CUDA device pool (or TRITON_INTERPRET=1), not {device}"
+        )
     return path
 
 
