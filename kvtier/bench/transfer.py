@@ -194,14 +194,14 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
 
 def _variants(
     cfg: BenchConfig, planned: TransferPlan, host_label: str
-) -> list[tuple[str, TransferPath, KernelOptions]]:
-    """`(variant, path, kernel options)` worth timing for one slot set."""
+) -> list[tuple[str, TransferPath | None, KernelOptions]]:
+    """`(variant, path to force or None for the planner's, kernel options)` worth timing."""
     cuda = cfg.device.type == "cuda"
     kernel_ok = kernels.runs_on(cfg.device) and (cuda or planned.num_tokens <= 4096)
-    out: list[tuple[str, TransferPath, KernelOptions]] = []
+    out: list[tuple[str, TransferPath | None, KernelOptions]] = []
     for v in cfg.variants:
         if v == "planned":
-            out.append((v, planned.path, cfg.kernel))
+            out.append((v, None, cfg.kernel))
             continue
         path = TransferPath.KERNEL if v == "stock" else TransferPath(v)
         if path is planned.path and v != "stock":
