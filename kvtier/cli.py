@@ -47,7 +47,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, help="timed repeats per row (default: 20 on CUDA, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="back-to-back calls per timed sample")
-    p.add_argument("--kernel", type=_kernel_shape, default=(8, 32), help="gather kernel PROGRAMSxROWS")
+    p.add_argument(
+        "--kernel",
+        type=_kernel_shape,
+        default=None,
+        help="gather kernel PROGRAMSxROWS (default 8 x by row size)",
+    )
     p.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
 
 
@@ -113,7 +118,7 @@ def _config(args: argparse.Namespace, **extra):
         warmup=args.warmup,
         cycles=getattr(args, "cycles", 8),
         batch=args.batch,
-        kernel=KernelOptions(*args.kernel),
+        kernel=KernelOptions(*args.kernel) if args.kernel else KernelOptions(),
         **extra,
     )
 

@@ -35,7 +35,7 @@ MAX_TIMED_COPIES = 4096
 # A variant slower than this per call is timed 3 times, one call each.
 SLOW_CALL_S = 0.02
 # The stock-style kernel: two blocks, a few rows in flight each (one per warp).
-STOCK_KERNEL = KernelOptions(sm_budget=2, rows_per_program=4)
+STOCK_KERNEL = KernelOptions(sm_budget=2, rows_per_program=4, max_unit_bytes=1)
 
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
 VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kernel", "stock", "reference")
@@ -248,7 +248,7 @@ def _time(
         tokens=plan.num_tokens,
         nbytes=s.layer_bytes,
         sms=plan.sms_used,
-        kernel=f"{plan.kernel.sm_budget}x{plan.kernel.rows_per_program}" if uses_kernel else "",
+        kernel=f"{plan.kernel.sm_budget}x{plan.kernel.rows_per_program or 'auto'}" if uses_kernel else "",
         ms=round(ms, 4),
         gbps=round(gbps, 2),
         ceiling_ratio=round(gbps / s.ceilings[plan.direction], 3),
@@ -330,7 +330,7 @@ def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: i
         "tokens": cfg.tokens,
         "layer_bytes": layer_bytes,
         "churn_cycles": cfg.cycles,
-        "kernel": f"{cfg.kernel.sm_budget} programs x {cfg.kernel.rows_per_program} rows",
+        "kernel": f"{cfg.kernel.sm_budget} programs x {cfg.kernel.rows_per_program or 'auto'} rows",
         "stock_kernel": f"{STOCK_KERNEL.sm_budget} programs x {STOCK_KERNEL.rows_per_program} rows",
         "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (slow variants: 3 x 1)",
         "ceiling_gbps": {d.value: round(g, 2) for d, g in ceilings.items()},

@@ -210,7 +210,7 @@ def _kernel(
             rows.dst,
             row_words,
             sm_budget=opts.sm_budget,
-            rows_per_program=opts.rows_per_program,
+            rows_per_program=opts.rows_for(row_words * dev_w.element_size()),
             validate=False,
         )
 

@@ -99,13 +99,18 @@ class PathCosts:
 class KernelOptions:
     """The gather/scatter kernel's budget and shape.
 
-    `sm_budget` programs with `rows_per_program` rows in flight each; runs are moved
-    in units of up to `max_unit_bytes` (one "row" of the kernel).
+    `sm_budget` programs with `rows_per_program` rows in flight each (None: chosen
+    per buffer from its row size, see `kernels.rows_in_flight`); runs are moved in
+    units of up to `max_unit_bytes` (one "row" of the kernel).
     """
 
     sm_budget: int = 8
-    rows_per_program: int = 32
+    rows_per_program: int | None = None
     max_unit_bytes: int = 16 << 10
+
+    def rows_for(self, row_bytes: int) -> int:
+        """Rows in flight per program for rows of `row_bytes` (by row size unless set)."""
+        return self.rows_per_program or kernels.rows_in_flight(row_bytes)
 
 
 @dataclass(frozen=True)
@@ -234,7 +239,7 @@ class TransferPlan:
                 f"host pool spec {host_pool.spec.name!r} and device pool spec {device_pool.spec.name!r} "
                 "have different buffers, layers or row shapes"
             )
-        if kernel.sm_budget < 1 or kernel.rows_per_program < 1:
+        if kernel.sm_budget < 1 or (kernel.rows_per_program is not None and kernel.rows_per_program < 1):
             raise PlanError(f"kernel options must be positive, got {kernel}")
         h = _as_slots("host_slots", host_slots, host_pool.num_slots)
         d = _as_slots("device_slots", device_slots, device_pool.num_slots)
