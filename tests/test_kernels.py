@@ -381,3 +381,13 @@ def test_without_triton(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not triton_available()
     src, src_off, dst, dst_off, row_words = case
     refused(RuntimeError, src, src_off, dst, dst_off, row_words, match="Triton")
+
+
+def test_rows_in_flight_follows_the_row_size() -> None:
+    from kvtier.transfer.kernels import rows_in_flight
+
+    assert rows_in_flight(1152) == 16
+    assert rows_in_flight(656) == 32
+    assert rows_in_flight(132) == 128
+    assert rows_in_flight(16 * 132) == 32
+    assert rows_in_flight(4) == 128

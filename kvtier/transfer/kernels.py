@@ -89,14 +89,17 @@ def runs_on(device: torch.device) -> bool:
 
 
 def rows_in_flight(row_bytes: int) -> int:
-    """Rows per program that fill one tile in one sweep: 16 for 1152-byte rows, 128 for 132.
+    """Rows per program for rows of `row_bytes`: 16 for 1152-byte rows, 32 for 656, 128 for 132.
 
-    A tile holds `_MAX_TILE_BYTES`; a row wider than `_MAX_CHUNK_BYTES` is swept in
-    chunks, so wide rows get fewer rows per tile and narrow rows more, within 16-128.
-    Measured on an H200: 1152 B rows best at 16, 656 B at 32, 132 B at 128.
+    A row up to `_MAX_CHUNK_BYTES` is moved in one sweep of a tile of `_MAX_TILE_BYTES`,
+    so narrow rows get more rows per tile (within 16-128). A wider row (a unit of
+    several rows, such as a page of indexer rows) is swept in chunks; 32 rows keep
+    enough of it in flight. Measured on an H200 (bench/NOTES.md): 1152-byte rows best
+    at 16, 656 at 32, 132 at 128, 2112-byte pages at 32 (0.82 load) rather than 16 (0.65).
     """
-    row_span = min(_next_power_of_2(row_bytes), _MAX_CHUNK_BYTES)
-    return max(16, min(128, _MAX_TILE_BYTES // row_span))
+    if row_bytes > _MAX_CHUNK_BYTES:
+        return 32
+    return max(16, min(128, _MAX_TILE_BYTES // _next_power_of_2(row_bytes)))
 
 
 def triton_available() -> bool:
