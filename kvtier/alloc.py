@@ -368,6 +368,14 @@ class HostSlotAllocator:
         edges = np.flatnonzero(free[1:] != free[:-1])
         return edges[0::2], edges[1::2]
 
+    def allocated_mask(self) -> np.ndarray:
+        """`[num_slots]` bool, True where a slot is allocated (O(pool); for checks and debugging)."""
+        return np.repeat(self._state == _LIVE, self.page_size)
+
+    def check_invariants(self) -> None:
+        """Assert that the free structure and the ownership array agree (O(pool); for checks)."""
+        self._check_invariants()
+
     def _check_invariants(self) -> None:
         """Assert that the free structure and the ownership array agree (O(pool)).
 

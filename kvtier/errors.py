@@ -41,3 +41,15 @@ class AllocatorCorruptError(KVTierError, RuntimeError):
     This is a bug in the allocator, not in the caller: the free structure and the
     ownership array disagree. It is raised before the page is handed out twice.
     """
+
+
+class LeaseError(KVTierError, RuntimeError):
+    """A lease was released twice, or does not belong to this cache."""
+
+
+class CacheStateError(KVTierError, RuntimeError):
+    """A cache operation does not fit a node's state (evicted, loading, not on the host)."""
+
+
+class CacheFullError(KVTierError, RuntimeError):
+    """A tier has no room even after evicting every unlocked node."""

@@ -1,0 +1,193 @@
+"""A radix tree over token ids, at page granularity, whose nodes know which tier holds them.
+
+The tree owns structure only: keys, children, parents, each node's slots per tier,
+its state, lock count and last access. It moves no bytes and allocates nothing; the
+controller does both and keeps the tree's invariants:
+
+- every key is a whole number of pages; a child's key starts with a page no sibling
+  starts with;
+- a node on the device has its parent on the device (device residency is closed
+  under prefixes), so eviction from the device takes leaves of the device part;
+- `lock` counts the leases that hold the node or a descendant; a locked node is
+  neither evicted nor dropped;
+- a split keeps every slot with exactly one node: the head keeps the first slots,
+  the tail the rest, in both tiers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kvtier.cache.streams import Signal
+
+
+class NodeState(str, Enum):
+    """Where a node's KV lives, including transfers in flight."""
+
+    DEVICE = "device"  # device only
+    BACKING_UP = "backing_up"  # device, host copy in flight
+    BOTH = "both"  # device and host, identical
+    HOST = "host"  # host only
+    LOADING = "loading"  # host, device copy in flight
+    DROPPED = "dropped"  # removed from the tree
+
+    @property
+    def on_device(self) -> bool:
+        return self in (NodeState.DEVICE, NodeState.BACKING_UP, NodeState.BOTH, NodeState.LOADING)
+
+    @property
+    def on_host(self) -> bool:
+        return self in (NodeState.BACKING_UP, NodeState.BOTH, NodeState.HOST, NodeState.LOADING)
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Node:
+    """A stretch of tokens (`key`, whole pages) under `parent`.
+
+    `device_slots` / `host_slots`: `[len(key)]` int64 CPU tensors, or None where the
+    node has no copy (or one still in flight for `host_slots` while `BACKING_UP`:
+    allocated, not yet valid). `signal`: the transfer in flight, if any.
+    """
+
+    key: tuple[int, ...]
+    parent: Node | None
+    state: NodeState = NodeState.DEVICE
+    device_slots: torch.Tensor | None = None
+    host_slots: torch.Tensor | None = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    lock: int = 0
+    last_access: int = 0
+    hits: int = 0
+    signal: Signal | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return f"Node#{self.id}({len(self.key)} tokens, {self.state.value}, lock={self.lock})"
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def path(self) -> list[Node]:
+        """Nodes from the root's first child down to this one."""
+        out = []
+        node: Node | None = self
+        while node is not None and not node.is_root:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+
+class RadixTree:
+    """Token-id prefixes at page granularity; see the module docstring for the invariants."""
+
+    def __init__(self, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size {page_size} must be positive")
+        self.page_size = page_size
+        self.root = Node(key=(), parent=None, state=NodeState.BOTH)
+        self.root.lock = 1  # the root is never evicted
+        self._clock = itertools.count(1)
+
+    def tick(self) -> int:
+        return next(self._clock)
+
+    def page_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        return key[: self.page_size]
+
+    def whole_pages(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        return tokens[: len(tokens) // self.page_size * self.page_size]
+
+    def walk(self, tokens: tuple[int, ...]) -> tuple[list[Node], int, Node | None, int]:
+        """Follow `tokens` (whole pages): `(full nodes, tokens they cover, partial node, its shared length)`.
+
+        The partial node is the next node whose key matches only its first pages;
+        `shared` is that matched length (a multiple of the page size, > 0), else None/0.
+        """
+        nodes: list[Node] = []
+        node = self.root
+        pos = 0
+        ps = self.page_size
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos : pos + ps])
+            if child is None:
+                break
+            shared = _shared_pages(child.key, tokens[pos:], ps)
+            if shared < len(child.key):
+                return nodes, pos, child, shared
+            nodes.append(child)
+            pos += len(child.key)
+            node = child
+        return nodes, pos, None, 0
+
+    def split(self, node: Node, at: int) -> Node:
+        """Split `node` after `at` tokens (a page multiple); returns the new head (the parent part)."""
+        assert 0 < at < len(node.key) and at % self.page_size == 0
+        parent = node.parent
+        assert parent is not None
+        head = Node(
+            key=node.key[:at],
+            parent=parent,
+            state=node.state,
+            device_slots=None if node.device_slots is None else node.device_slots[:at],
+            host_slots=None if node.host_slots is None else node.host_slots[:at],
+            lock=node.lock,
+            last_access=node.last_access,
+            hits=node.hits,
+            signal=node.signal,
+        )
+        parent.children[self.page_key(node.key)] = head
+        node.key = node.key[at:]
+        node.parent = head
+        if node.device_slots is not None:
+            node.device_slots = node.device_slots[at:]
+        if node.host_slots is not None:
+            node.host_slots = node.host_slots[at:]
+        head.children[self.page_key(node.key)] = node
+        return head
+
+    def add_child(self, parent: Node, key: tuple[int, ...], device_slots: torch.Tensor) -> Node:
+        node = Node(key=key, parent=parent, device_slots=device_slots, last_access=self.tick())
+        parent.children[self.page_key(key)] = node
+        return node
+
+    def remove(self, node: Node) -> None:
+        """Detach a leaf."""
+        assert not node.children and node.parent is not None
+        del node.parent.children[self.page_key(node.key)]
+        node.state = NodeState.DROPPED
+        node.device_slots = None
+        node.host_slots = None
+
+    def nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def lock_path(self, node: Node, delta: int) -> None:
+        n: Node | None = node
+        while n is not None and not n.is_root:
+            n.lock += delta
+            n = n.parent
+
+
+def _shared_pages(key: tuple[int, ...], tokens: tuple[int, ...], ps: int) -> int:
+    """Length of the common prefix of `key` and `tokens`, rounded down to whole pages."""
+    n = min(len(key), len(tokens))
+    i = 0
+    while i < n and key[i] == tokens[i]:
+        i += 1
+    return i // ps * ps

@@ -1,0 +1,163 @@
+"""Where transfers run: CUDA streams and events, or a deferred CPU stand-in with the same contract.
+
+The cache submits work to a `Lane` (a stream) and gets `Signal`s (events) back; it
+never waits on a device except through a signal. On CUDA a lane is a
+`torch.cuda.Stream` and a signal a `torch.cuda.Event`. On the CPU a lane queues
+its work and runs it only when a signal on it is waited for or the lane is
+drained, so tests see the same asynchrony a GPU has: bytes are not in place until
+the signal fires, and a bug that frees memory before a transfer completes corrupts
+data instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+
+class Signal:
+    """A point in a lane's work: `query()` without waiting, `wait_host()` blocking, `wait_on(lane)`."""
+
+    def query(self) -> bool:
+        raise NotImplementedError
+
+    def wait_host(self) -> None:
+        raise NotImplementedError
+
+    def make_current_wait(self) -> None:
+        """Make the current compute stream wait for this point (no host wait)."""
+        raise NotImplementedError
+
+
+class Lane:
+    """An ordered queue of transfer work."""
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def signal(self) -> Signal:
+        raise NotImplementedError
+
+    def wait(self, signal: Signal) -> None:
+        """Order this lane's later work after `signal` (no host wait)."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Run (or wait for) everything submitted so far."""
+        raise NotImplementedError
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        return None
+
+
+class CudaSignal(Signal):
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+    def make_current_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class CudaLane(Lane):
+    """A CUDA stream of its own (never the legacy default stream)."""
+
+    def __init__(self, device: torch.device, priority: int = 0) -> None:
+        self._stream = torch.cuda.Stream(device, priority=priority)
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        return self._stream
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with torch.cuda.stream(self._stream):
+            fn()
+
+    def signal(self) -> Signal:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return CudaSignal(event)
+
+    def wait(self, signal: Signal) -> None:
+        assert isinstance(signal, CudaSignal)
+        self._stream.wait_event(signal.event)
+
+    def drain(self) -> None:
+        self._stream.synchronize()
+
+
+class DeferredSignal(Signal):
+    def __init__(self, lane: DeferredLane, ticket: int) -> None:
+        self.lane, self.ticket = lane, ticket
+
+    def query(self) -> bool:
+        return self.lane.done >= self.ticket
+
+    def wait_host(self) -> None:
+        self.lane.run_until(self.ticket)
+
+    def make_current_wait(self) -> None:
+        # The CPU "compute stream" is the caller itself: it can only proceed once done.
+        self.lane.run_until(self.ticket)
+
+
+class DeferredLane(Lane):
+    """CPU stand-in for a stream: work runs in order, only when someone waits for it.
+
+    `step(n)` runs the next `n` queued items, as a GPU would progress on its own.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[int, Callable[[], None]]] = deque()
+        self._issued = 0
+        self.done = 0
+        self._waits: list[Signal] = []
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._issued += 1
+        waits, self._waits = self._waits, []
+
+        def run() -> None:
+            for s in waits:
+                s.wait_host()
+            fn()
+
+        self._queue.append((self._issued, run))
+
+    def signal(self) -> Signal:
+        # A signal after the last item; an empty item keeps tickets strictly ordered.
+        self.submit(lambda: None)
+        return DeferredSignal(self, self._issued)
+
+    def wait(self, signal: Signal) -> None:
+        self._waits.append(signal)
+
+    def run_until(self, ticket: int) -> None:
+        while self.done < ticket and self._queue:
+            n, fn = self._queue.popleft()
+            fn()
+            self.done = n
+
+    def step(self, items: int = 1) -> None:
+        for _ in range(items):
+            if not self._queue:
+                return
+            self.run_until(self._queue[0][0])
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def drain(self) -> None:
+        self.run_until(self._issued)
+
+
+def make_lane(device: torch.device, priority: int = 0) -> Lane:
+    return CudaLane(device, priority) if device.type == "cuda" else DeferredLane()

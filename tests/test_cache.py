@@ -1,0 +1,199 @@
+"""The cache controller's behaviours one at a time: policies, splits, loads, bad calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.cache import CacheConfig, CacheController, NodeState, WritePolicy
+from kvtier.errors import CacheFullError, CacheStateError, LeaseError, SlotError
+from kvtier.pool import DevicePool, HostPool
+from kvtier.pool.rows import as_words
+from kvtier.spec import preset
+
+
+def make(policy=WritePolicy.WRITE_THROUGH, device=32, host=64, ps=2, **kw) -> CacheController:
+    spec = preset("tiny-dsa", ps)
+    return CacheController(
+        DevicePool(spec, device, staging_tokens=8),
+        HostPool(spec, host),
+        CacheConfig(write_policy=policy, **kw),
+    )
+
+
+def fill(c: CacheController, tokens: tuple[int, ...]) -> torch.Tensor:
+    """A request that computes all of `tokens`: fresh slots with random KV, inserted; returns the slots."""
+    m = c.match(tokens)
+    lease = c.acquire(m)
+    new = c.alloc_device(len(tokens) - m.device_tokens)
+    gen = torch.Generator().manual_seed(len(tokens))
+    for b in c.spec.buffers:
+        for layer in b.layers:
+            w = as_words(c.device_pool.layer(b.name, layer))
+            w[new] = torch.randint(-(2**30), 2**30, (len(new), w.shape[1]), generator=gen).to(w.dtype)
+    slots = torch.cat([m.device_slots, new])
+    c.insert(tokens, slots)
+    c.release(lease)
+    return slots
+
+
+def rows(c: CacheController, slots: torch.Tensor, layer: int = 0) -> torch.Tensor:
+    return as_words(c.device_pool.layer("kv", layer))[slots].clone()
+
+
+def test_write_through_backs_up_at_insert_and_completes_on_its_signal() -> None:
+    c = make(WritePolicy.WRITE_THROUGH)
+    fill(c, tuple(range(8)))
+    (node,) = c.tree.root.children.values()
+    assert node.state is NodeState.BACKING_UP  # the copy is queued, not done
+    c.check_invariants()
+    c.flush()
+    assert node.state is NodeState.BOTH
+    c.check_invariants()  # host bytes equal device bytes
+    assert c.metrics.backups == 1 and c.metrics.bytes_d2h == 8 * c.spec.bytes_per_token()
+
+
+def test_selective_backs_up_after_enough_hits() -> None:
+    c = make(WritePolicy.WRITE_THROUGH_SELECTIVE, selective_hits=3)
+    tokens = tuple(range(8))
+    fill(c, tokens)  # its match counted no hit on the new node
+    (node,) = c.tree.root.children.values()
+    c.match(tokens)
+    assert node.state is NodeState.DEVICE
+    c.match(tokens)
+    c.match(tokens)
+    assert node.state is NodeState.BACKING_UP
+
+
+def test_write_back_copies_only_on_eviction() -> None:
+    c = make(WritePolicy.WRITE_BACK)
+    tokens = tuple(range(8))
+    slots = fill(c, tokens)
+    want = rows(c, slots)
+    (node,) = c.tree.root.children.values()
+    assert node.state is NodeState.DEVICE and c.metrics.backups == 0
+    assert c.evict_device(8) == 8
+    assert node.state is NodeState.HOST and c.metrics.backups == 1
+    m = c.match(tokens)
+    assert m.device_tokens == 0 and m.host_tokens == 8
+    h = c.load_back(m)
+    h.wait()
+    assert torch.equal(rows(c, h.device_slots), want)
+    c.flush()
+    c.check_invariants()
+
+
+def test_split_keeps_slot_ownership_exact() -> None:
+    c = make()
+    a = fill(c, (1, 1, 2, 2, 3, 3, 4, 4))
+    b = fill(c, (1, 1, 2, 2, 9, 9))
+    c.flush()
+    c.check_invariants()
+    head = c.tree.root.children[(1, 1)]
+    assert head.key == (1, 1, 2, 2) and set(head.children) == {(3, 3), (9, 9)}
+    assert torch.equal(head.device_slots, a[:4]) and torch.equal(b[:4], a[:4])
+    assert torch.equal(head.children[(3, 3)].device_slots, a[4:])
+    assert torch.equal(head.children[(9, 9)].device_slots, b[4:])
+
+
+def test_layerwise_readiness_without_a_host_sync() -> None:
+    """After `wait_layer(0)` layer 0 is in place while later layers are still queued."""
+    c = make(WritePolicy.WRITE_THROUGH)
+    tokens = tuple(range(8))
+    slots = fill(c, tokens)
+    want = [rows(c, slots, layer) for layer in range(c.spec.num_layers)]
+    c.flush()
+    c.evict_device(8)
+    for layer in range(c.spec.num_layers):  # poison the device
+        w = as_words(c.device_pool.layer("kv", layer))
+        w.copy_(~w)
+    m = c.match(tokens)
+    h = c.load_back(m)
+    h.wait_layer(0)
+    assert torch.equal(rows(c, h.device_slots, 0), want[0])
+    assert not torch.equal(rows(c, h.device_slots, 2), want[2])
+    h.wait_layer(2)
+    assert torch.equal(rows(c, h.device_slots, 2), want[2])
+    c.poll()
+    assert all(n.state is NodeState.BOTH for n in h.nodes)
+
+
+def test_short_host_hits_are_recomputed() -> None:
+    c = make(recompute_below=6)
+    fill(c, (5, 5, 6, 6))
+    c.flush()
+    c.evict_device(4)
+    m = c.match((5, 5, 6, 6))
+    h = c.load_back(m)
+    assert h.recompute and h.tokens == 4 and len(h.device_slots) == 0
+    assert c.metrics.recomputed_tokens == 4 and c.metrics.loads == 0
+    # The request recomputes the tokens; inserting them takes the fresh slots and drops the host copy.
+    new = c.alloc_device(4)
+    c.insert((5, 5, 6, 6), new)
+    node = c.tree.root.children[(5, 5)]
+    assert node.state in (NodeState.BACKING_UP, NodeState.DEVICE) and torch.equal(node.device_slots, new)
+    c.flush()
+    c.check_invariants()
+
+
+def test_bad_calls_raise_and_change_nothing() -> None:
+    c = make()
+    fill(c, tuple(range(8)))
+    c.flush()
+    lease = c.acquire(c.match(tuple(range(8))))
+    c.release(lease)
+    with pytest.raises(LeaseError):
+        c.release(lease)
+    snapshot = (c.device_alloc.available(), c.host_alloc.available())
+    with pytest.raises(SlotError, match="not held"):
+        c.insert((7, 7, 7, 7), torch.tensor([20, 21, 22, 23]))
+    with pytest.raises(SlotError, match="whole number of pages"):
+        c.insert((7, 7, 7), c.alloc_device(2))
+    with pytest.raises(SlotError, match="not held"):
+        c.free_device(torch.tensor([30]))
+    assert c.device_alloc.available() == snapshot[0] - 2  # only the alloc_device above
+    assert c.host_alloc.available() == snapshot[1]
+    c.check_invariants()
+
+
+def test_loading_an_evicted_or_loading_node_is_refused() -> None:
+    c = make()
+    fill(c, tuple(range(8)))
+    c.flush()
+    c.evict_device(8)
+    m = c.match(tuple(range(8)))
+    c.evict_host(8)  # the host copy is dropped while the match is held without a lease
+    with pytest.raises(CacheStateError, match="not host-only"):
+        c.load_back(m)
+    fill(c, tuple(range(8)))
+    c.flush()
+    c.evict_device(8)
+    m = c.match(tuple(range(8)))
+    c.load_back(m)
+    with pytest.raises(CacheStateError, match="not host-only"):
+        c.load_back(m)  # already loading
+    c.flush()
+    c.check_invariants()
+
+
+def test_locked_nodes_are_not_evicted_and_a_full_device_says_so() -> None:
+    c = make(device=8)
+    fill(c, tuple(range(8)))
+    lease = c.acquire(c.match(tuple(range(8))))
+    assert c.evict_device(8) == 0
+    with pytest.raises(CacheFullError, match="device slots needed"):
+        c.alloc_device(2)
+    c.release(lease)
+    assert len(c.alloc_device(2)) == 2
+    c.check_invariants()
+
+
+def test_metrics_and_fragmentation() -> None:
+    c = make()
+    fill(c, tuple(range(8)))
+    c.match(tuple(range(8)) + (50, 51))
+    m = c.metrics
+    assert (m.device_hit_tokens, m.miss_tokens) == (8, 8 + 2)
+    frag = c.fragmentation()
+    assert frag["device_free_slots"] == 24 and frag["device_largest_free_run"] == 24
+    assert frag["host_free_slots"] == 56
