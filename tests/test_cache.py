@@ -191,7 +191,7 @@ def test_locked_nodes_are_not_evicted_and_a_full_device_says_so() -> None:
 def test_metrics_and_fragmentation() -> None:
     c = make()
     fill(c, tuple(range(8)))
-    c.match(tuple(range(8)) + (50, 51))
+    c.match((*range(8), 50, 51))
     m = c.metrics
     assert (m.device_hit_tokens, m.miss_tokens) == (8, 8 + 2)
     frag = c.fragmentation()
