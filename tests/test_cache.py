@@ -197,3 +197,36 @@ def test_metrics_and_fragmentation() -> None:
     frag = c.fragmentation()
     assert frag["device_free_slots"] == 24 and frag["device_largest_free_run"] == 24
     assert frag["host_free_slots"] == 56
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_cuda_round_trip_is_byte_identical(policy) -> None:
+    """On the GPU: insert, back up, evict, load back layer by layer on the cache's streams."""
+    spec = preset("tiny-dsa", 16)
+    c = CacheController(DevicePool(spec, 8192, "cuda"), HostPool(spec, 8192), CacheConfig(write_policy=policy))
+    tokens = tuple(range(4096))
+    slots = fill(c, tokens)
+    want = {
+        (b.name, layer): as_words(c.device_pool.layer(b.name, layer))[slots.cuda()].cpu()
+        for b in spec.buffers
+        for layer in b.layers
+    }
+    c.flush()
+    c.evict_device(4096)
+    for b in spec.buffers:  # poison the device
+        for layer in b.layers:
+            w = as_words(c.device_pool.layer(b.name, layer))
+            w.copy_(~w)
+    m = c.match(tokens)
+    assert m.host_tokens == 4096
+    h = c.load_back(m)
+    for layer in range(spec.num_layers):
+        h.wait_layer(layer)  # the current stream waits; no host sync
+    torch.cuda.current_stream().synchronize()
+    for (name, layer), rows in want.items():
+        got = as_words(c.device_pool.layer(name, layer))[h.device_slots.cuda()].cpu()
+        assert torch.equal(got, rows), (name, layer)
+    c.flush()
+    c.check_invariants()

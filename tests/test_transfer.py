@@ -19,6 +19,7 @@ from kvtier.transfer import (
     kernels,
     load_layer,
 )
+from kvtier.transfer.copy import pointer_runs
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
@@ -437,3 +438,27 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
                     assert same_bytes(got, want), (expected, b.name, layer)
                 else:
                     assert same_bytes(rows, before[(b.name, layer)][ds]), (expected, b.name, layer)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_pointer_runs_address_the_same_rows_as_the_tensor_path(layout, gen) -> None:
+    """The raw addresses used for batched submission are those of the rows the torch path copies."""
+    spec = preset("tiny-dsa", 4)
+    host = HostPool(spec, 512, layout, chunk_bytes=4096)
+    dev = DevicePool(spec, 512)
+    hs = torch.cat([torch.arange(40, 120), torch.arange(300, 380)])
+    ds = torch.cat([torch.arange(0, 80), torch.arange(200, 280)])
+    plan = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
+    runs = pointer_runs(plan, host, dev)
+    assert runs is not None
+    (part,) = plan.parts
+    for b in spec.buffers:
+        host_ptrs, dev_ptrs, nbytes = runs[b.name]
+        for j, layer in enumerate(b.layers):
+            for r, p in enumerate(part.pieces):
+                seg = host.segment(b.name, layer, p.host // host.segment_slots)
+                view = seg[p.host % host.segment_slots : p.host % host.segment_slots + p.length]
+                assert host_ptrs[j, r] == view.data_ptr()
+                assert dev_ptrs[j, r] == dev.layer(b.name, layer)[p.device].data_ptr()
+                assert nbytes[r] == p.length * b.row_bytes
+    assert pointer_runs(TransferPlan.build("load", host, dev, hs, ds, force="reference"), host, dev) is None

@@ -32,7 +32,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -46,6 +46,7 @@ from kvtier.errors import CacheFullError, CacheStateError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.transfer import KernelOptions, PathCosts, TransferPlan, backup, load_layer
+from kvtier.transfer.copy import pointer_runs, submit_pointer_layer
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class CacheController:
         self._inflight: dict[int, tuple[Signal, list[Node], LoadHandle | None]] = {}
         self.metrics = CacheMetrics()
         self.bytes_per_token = self.spec.bytes_per_token()
+        self._layer_buffers = [self.spec.buffers_on(layer) for layer in range(self.spec.num_layers)]
 
     # -- queries -----------------------------------------------------------------------
 
@@ -384,10 +386,8 @@ class CacheController:
         )
         self._after_compute(lane)
         signals = []
-        for layer in range(self.spec.num_layers):
-            lane.submit(
-                lambda layer=layer: load_layer(plan, self.host_pool, self.device_pool, layer, lane.stream)
-            )
+        for job in self._layer_jobs(plan):
+            lane.submit(job)
             signals.append(lane.signal())
         at = 0
         for n in nodes:
@@ -543,7 +543,8 @@ class CacheController:
             stream=lane.stream,
         )
         self._after_compute(lane)
-        lane.submit(lambda: backup(plan, self.device_pool, self.host_pool, stream=lane.stream))
+        for job in self._layer_jobs(plan):
+            lane.submit(job)
         signal = lane.signal()
         n.host_slots = slots
         n.state = NodeState.BACKING_UP
@@ -552,6 +553,30 @@ class CacheController:
         self.metrics.backups += 1
         self.metrics.bytes_d2h += len(n) * self.bytes_per_token
         return True
+
+    def _layer_jobs(self, plan: TransferPlan) -> list[Callable[[], None]]:
+        """The work of each layer of `plan` on its lane: raw copies where the plan allows, else views."""
+        lane = self.load_lane if plan.direction is Direction.LOAD else self.backup_lane
+        stream = lane.stream
+        runs = pointer_runs(plan, self.host_pool, self.device_pool) if stream is not None else None
+        jobs: list[Callable[[], None]] = []
+        for layer in range(self.spec.num_layers):
+            if runs is not None:
+                buffers = self._layer_buffers[layer]
+                jobs.append(
+                    lambda layer=layer, buffers=buffers: submit_pointer_layer(
+                        plan, runs, buffers, layer, stream
+                    )
+                )
+            elif plan.direction is Direction.LOAD:
+                jobs.append(
+                    lambda layer=layer: load_layer(plan, self.host_pool, self.device_pool, layer, stream)
+                )
+            else:
+                jobs.append(
+                    lambda layer=layer: backup(plan, self.device_pool, self.host_pool, [layer], stream)
+                )
+        return jobs
 
     def _free_host(self, n: Node) -> None:
         if n.host_slots is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
+import numpy as np
 import torch
 
 from kvtier.errors import SpecError
@@ -111,6 +112,10 @@ class DevicePool:
         """The tensor of one buffer on model layer `layer`: `[num_slots, *row]`."""
         b = self.spec.buffer(buffer)
         return self._tensors[buffer][b.local_layer(layer)]
+
+    def layer_ptrs(self, buffer: str) -> np.ndarray:
+        """`[layers of the buffer]` int64: the address of each layer's tensor."""
+        return np.array([t.data_ptr() for t in self._tensors[buffer]], dtype=np.int64)
 
     def staging(self, direction: Direction) -> torch.Tensor:
         """The raw staging bytes of one direction: `[staging_tokens * widest row bytes]` uint8."""

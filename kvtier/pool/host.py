@@ -144,6 +144,7 @@ class HostPool:
                 if progress is not None:
                     progress(done, self.footprint_bytes)
             self._chunks[b.name] = chunks
+        self._region_ptrs = {b.name: self._build_region_ptrs(b) for b in spec.buffers}
         log.info(
             "host pool: %d slots, layout %s, %s in %d chunks, pinned=%s",
             num_slots,
@@ -269,6 +270,31 @@ class HostPool:
         region = slots // per_chunk
         rel = slots - region * per_chunk
         return region, (rel // ps) * len(b.layers) * ps + rel % ps
+
+    def _build_region_ptrs(self, b: BufferSpec) -> np.ndarray:
+        chunks = self._chunks[b.name]
+        layers = len(b.layers)
+        if self.layout is HostLayout.PAGE_FIRST:
+            ps = self.spec.page_size
+            return np.array(
+                [[c.tensor.data_ptr() + j * ps * b.row_bytes for c in chunks] for j in range(layers)],
+                dtype=np.int64,
+            )
+        spans = self.num_segments()
+        out = np.zeros((layers, spans), dtype=np.int64)
+        for c in chunks:
+            k = c.slot_lo // self.segment_slots
+            for j in range(c.layer_lo, c.layer_hi):
+                out[j, k] = c.tensor.data_ptr() + (j - c.layer_lo) * (c.slot_hi - c.slot_lo) * b.row_bytes
+        return out
+
+    def region_ptrs(self, buffer: str) -> np.ndarray:
+        """`[layers of the buffer, regions]` int64: address of each region's first row per layer.
+
+        The raw-pointer form of `region_words(...).data_ptr()`, computed once, for
+        submitting copies without building tensor views.
+        """
+        return self._region_ptrs[buffer]
 
     def region_words(self, buffer: str, layer: int, region: int) -> torch.Tensor:
         """1-D words of one region, from its first row of `layer` to the end of its allocation."""

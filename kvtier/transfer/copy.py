@@ -105,6 +105,51 @@ def _move(
             _reference(plan, host_pool, dev, b, layer, part)
 
 
+def pointer_runs(
+    plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+    """Raw addresses of a copy-engine-only plan, for every buffer and layer at once.
+
+    Returns `{buffer: (host [L, R], device [L, R], bytes [R])}` (int64; `L` the
+    buffer's layers, `R` its runs), or None when some part is not a copy-engine part
+    or a device tensor cannot take raw copies. Submitting a layer is then one
+    `dma.copy_runs` per buffer, with no tensor views built per layer.
+    """
+    if not plan.parts or any(p.mechanism is not Mechanism.COPY for p in plan.parts):
+        return None
+    out = {}
+    for b in host_pool.spec.buffers:
+        for layer in b.layers:
+            dev = device_pool.layer(b.name, layer)
+            if dev.dtype != b.dtype or not rows_contiguous(dev):
+                return None
+        bases = host_pool.region_ptrs(b.name)
+        regions, host_off, dev_off, nbytes = (
+            np.concatenate(x) for x in zip(*(p.run_bytes[b.name] for p in plan.parts), strict=True)
+        )
+        host = bases[:, regions] + host_off[None, :]
+        dev = device_pool.layer_ptrs(b.name)[:, None] + dev_off[None, :]
+        out[b.name] = (host, dev, nbytes)
+    return out
+
+
+def submit_pointer_layer(
+    plan: TransferPlan,
+    runs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+    spec_buffers: tuple[BufferSpec, ...],
+    layer: int,
+    stream: torch.cuda.Stream,
+) -> None:
+    """Submit one layer of `pointer_runs` on `stream` (no host synchronisation)."""
+    for b in spec_buffers:
+        host, dev, nbytes = runs[b.name]
+        j = b.local_layer(layer)
+        if plan.direction is Direction.LOAD:
+            dma.copy_runs(dev[j], host[j], nbytes, stream)
+        else:
+            dma.copy_runs(host[j], dev[j], nbytes, stream)
+
+
 def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:
     """Words of host rows `[slot, slot + length)` of one layer (one segment): `[length, W]`."""
     seg = host_pool.segment_slots

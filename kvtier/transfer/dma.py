@@ -29,6 +29,9 @@ class DmaMode(str, Enum):
     TORCH = "torch"  # one torch copy per run (no cuda.bindings)
 
 
+# Up to this many copies go out as plain `cudaMemcpyAsync` calls even where batching exists.
+SMALL_BATCH = 4
+
 _runtime = None
 _mode: DmaMode | None = None
 _attrs = None
@@ -82,6 +85,8 @@ def copy_runs(
         raise ValueError("batched copies need a stream you created, not the legacy default stream")
     global _mode
     mode = mode or _probe()
+    if mode is DmaMode.BATCH and n <= SMALL_BATCH:
+        mode = DmaMode.LOOP  # a few plain calls cost less than building one batch
     rt = _runtime
     if mode is DmaMode.BATCH:
         try:

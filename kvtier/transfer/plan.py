@@ -348,12 +348,11 @@ def _choose(
 def _copy_part(
     host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, starts: np.ndarray, lens: np.ndarray, batched: bool
 ) -> Part:
-    """Copy-engine copies of joint runs; for batched submission, their byte addresses per buffer."""
+    """Copy-engine copies of joint runs, with their byte addresses per buffer (for raw submission)."""
     run_bytes = {}
-    if batched:
-        for b in host_pool.spec.buffers:
-            region, row = host_pool.locate(b.name, hn[starts])
-            run_bytes[b.name] = (region, row * b.row_bytes, dn[starts] * b.row_bytes, lens * b.row_bytes)
+    for b in host_pool.spec.buffers:
+        region, row = host_pool.locate(b.name, hn[starts])
+        run_bytes[b.name] = (region, row * b.row_bytes, dn[starts] * b.row_bytes, lens * b.row_bytes)
     pieces = _pieces(hn, dn, starts, lens)
     return Part(Mechanism.COPY, int(lens.sum()), pieces, batched=batched, run_bytes=run_bytes)
 
