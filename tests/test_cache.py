@@ -30,7 +30,8 @@ def fill(c: CacheController, tokens: tuple[int, ...]) -> torch.Tensor:
     for b in c.spec.buffers:
         for layer in b.layers:
             w = as_words(c.device_pool.layer(b.name, layer))
-            w[new] = torch.randint(-(2**30), 2**30, (len(new), w.shape[1]), generator=gen).to(w.dtype)
+            data = torch.randint(-(2**30), 2**30, (len(new), w.shape[1]), generator=gen).to(w.dtype)
+            w[new.to(w.device)] = data.to(w.device)
     slots = torch.cat([m.device_slots, new])
     c.insert(tokens, slots)
     c.release(lease)
@@ -38,7 +39,8 @@ def fill(c: CacheController, tokens: tuple[int, ...]) -> torch.Tensor:
 
 
 def rows(c: CacheController, slots: torch.Tensor, layer: int = 0) -> torch.Tensor:
-    return as_words(c.device_pool.layer("kv", layer))[slots].clone()
+    w = as_words(c.device_pool.layer("kv", layer))
+    return w[slots.to(w.device)].cpu()
 
 
 def test_write_through_backs_up_at_insert_and_completes_on_its_signal() -> None:
