@@ -81,6 +81,34 @@ def _parser() -> argparse.ArgumentParser:
     o = bench.add_parser("overlap", help="reload and backup at once; a matmul beside a reload (CUDA)")
     _common(o)
     o.add_argument("--rounds", type=int, default=5, help="alternating rounds with and without the reload")
+
+    from kvtier.cache import WritePolicy
+
+    c = bench.add_parser(
+        "cache", help="the tiered prefix cache: a multi-turn trace, the allocator, a 128k reload"
+    )
+    c.add_argument(
+        "--parts", type=_csv, default=("trace", "alloc", "reload"), help="comma list of trace,alloc,reload"
+    )
+    c.add_argument(
+        "--spec", choices=sorted(PRESETS), help="KV spec (default: deepseek-v3 on CUDA, tiny-mla on CPU)"
+    )
+    c.add_argument("--layers", type=int, help="cut the spec to this many layers (trace only; default: all)")
+    c.add_argument("--page-size", type=int, default=1)
+    c.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    c.add_argument("--policy", choices=["all", *(w.value for w in WritePolicy)], default="all")
+    c.add_argument("--device-slots", type=int, default=65536, help="device pool of the trace (tokens)")
+    c.add_argument("--host-slots", type=int, default=262144, help="host pool of the trace (tokens)")
+    c.add_argument("--conversations", type=int, default=64)
+    c.add_argument("--turns", type=int, default=8, help="turns per conversation")
+    c.add_argument("--active", type=int, default=8, help="conversations in progress at once")
+    c.add_argument("--alloc-slots", type=int, default=4 * 1024 * 1024, help="allocator pool size")
+    c.add_argument("--alloc-churn", type=int, default=60_000, help="random alloc/free before timing")
+    c.add_argument("--alloc-pairs", type=int, default=2000, help="timed alloc + free pairs per size")
+    c.add_argument("--reload-tokens", type=int, default=131072, help="prefix length of the reload")
+    c.add_argument("--reload-repeats", type=int, default=5)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
     return p
 
 
@@ -91,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.bench == "transfer":
             return _bench_transfer(args)
+        if args.bench == "cache":
+            return _bench_cache(args)
         return _bench_overlap(args)
     except KVTierError as e:
         console.print(f"[red]error:[/red] {e}")
@@ -209,6 +239,171 @@ def _bench_overlap(args: argparse.Namespace) -> int:
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _bench_cache(args: argparse.Namespace) -> int:
+    from kvtier.bench import cache as bc
+    from kvtier.cache import WritePolicy
+
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    spec = preset(args.spec or ("deepseek-v3" if cuda else "tiny-mla"), args.page_size)
+    trace_spec = spec.with_layers(args.layers) if args.layers else spec
+    policies = [w.value for w in WritePolicy] if args.policy == "all" else [args.policy]
+    cfg = bc.TraceConfig(
+        spec=trace_spec,
+        device=device,
+        device_slots=args.device_slots,
+        host_slots=args.host_slots,
+        conversations=args.conversations,
+        turns=args.turns,
+        active=args.active,
+        seed=args.seed,
+    )
+    out: dict = {}
+
+    def run(report: Callable[[str], None]) -> None:
+        if "trace" in args.parts:
+            pools = bc.build_pools(cfg)
+            out["trace"] = [bc.run_trace(cfg, p, pools, report).row for p in policies]
+            del pools
+        if "alloc" in args.parts:
+            out["alloc"] = bc.run_allocator(
+                args.alloc_slots,
+                args.page_size,
+                args.alloc_churn,
+                args.alloc_pairs,
+                seed=args.seed,
+                progress=report,
+            )
+        if "reload" in args.parts:
+            out["reload"] = bc.run_prefix_reload(
+                spec, args.reload_tokens, device, args.reload_repeats, seed=args.seed, progress=report
+            )
+
+    _run_with_progress(run)
+    meta = bc.metadata(
+        cfg,
+        policies,
+        alloc={"slots": args.alloc_slots, "churn": args.alloc_churn, "pairs": args.alloc_pairs},
+        reload={"spec": spec.name, "layers": spec.num_layers, "tokens": args.reload_tokens},
+    )
+    where = meta.get("gpu") or meta.get("cpu")
+    bpt = trace_spec.bytes_per_token()
+
+    if "trace" in out:
+        table = Table(
+            title=f"multi-turn trace: {trace_spec.name} x {trace_spec.num_layers} layers ({bpt} B/token), "
+            f"page {trace_spec.page_size}, {cfg.device_slots} device / {cfg.host_slots} host slots, "
+            f"{cfg.conversations} conversations x {cfg.turns} turns ({out['trace'][0].requests} requests), "
+            f"on {where}"
+        )
+        table.add_column("policy", no_wrap=True)
+        cols = ("device hit", "host hit", "miss", "H2D MB", "D2H MB", "backups", "evictions dev/host")
+        cols += ("evicted tok", "dropped tok", "free runs host/dev", "s")
+        for col in cols:
+            table.add_column(col, justify="right")
+        for r in out["trace"]:
+            f = r.fragmentation
+            table.add_row(
+                r.policy,
+                f"{r.device_hit:.3f}",
+                f"{r.host_hit:.3f}",
+                f"{r.miss:.3f}",
+                f"{r.bytes_h2d / 1e6:.1f}",
+                f"{r.bytes_d2h / 1e6:.1f}",
+                str(r.backups),
+                f"{r.device_evictions}/{r.host_evictions}",
+                str(r.device_evicted_tokens),
+                str(r.dropped_tokens),
+                f"{f['host_free_runs']}/{f['device_free_runs']}",
+                f"{r.seconds:.1f}",
+            )
+        console.print(table)
+        ops = Table(title="host time per controller call, microseconds: median / p99 (calls)")
+        ops.add_column("op")
+        for r in out["trace"]:
+            ops.add_column(r.policy, justify="right")
+        for i, op in enumerate(bc.OPS):
+            cells = [
+                f"{s.median_us:.0f} / {s.p99_us:.0f} ({s.calls})" for s in (r.ops[i] for r in out["trace"])
+            ]
+            ops.add_row(op + (" (submit)" if op == "load_back" else ""), *cells)
+        console.print(ops)
+
+    if "alloc" in out:
+        table = Table(
+            title=f"HostSlotAllocator, {args.alloc_slots} slots, page {args.page_size}, "
+            f"after {args.alloc_churn} random alloc/free of 1-4096 slots at ~90% full"
+        )
+        for col in ("policy", "occupancy", "free runs", "n", "median us", "p99 us", "target", "met"):
+            table.add_column(col, justify="left" if col == "policy" else "right")
+        for r in out["alloc"]:
+            table.add_row(
+                r.policy,
+                f"{r.occupancy:.3f}",
+                str(r.free_runs),
+                str(r.n),
+                f"{r.median_us:.1f}",
+                f"{r.p99_us:.1f}",
+                f"<= {r.target_us:.0f}",
+                "yes" if r.met else "[red]no[/red]",
+            )
+        console.print(table)
+
+    if "reload" in out:
+        r = out["reload"]
+
+        def na(x, fmt="{:.2f}"):
+            return "n/a" if x is None else fmt.format(x)
+
+        table = Table(
+            title=f"match + load_back of a {r.tokens}-token prefix from the host: {r.spec} x {r.layers} "
+            f"layers, {r.loaded_bytes / 1e9:.3f} GB, median of {r.repeats}, on {where}"
+        )
+        cols = (
+            "CPU us",
+            "thread us",
+            "wall us",
+            "of which match",
+            "CPU <= 1 ms",
+            "reload ms",
+            "first layer ms",
+            "ceiling GB/s",
+            "ideal ms",
+            "ratio",
+            "ratio <= 1.1",
+        )
+        for col in cols:
+            table.add_column(col, justify="right")
+        table.add_row(
+            f"{r.cpu_us:.0f}",
+            f"{r.thread_us:.0f}",
+            f"{r.wall_us:.0f}",
+            f"{r.match_us:.0f}",
+            "yes" if r.cpu_met else "[red]no[/red]",
+            na(r.reload_ms),
+            na(r.first_layer_ms),
+            na(r.ceiling_gbps, "{:.1f}"),
+            na(r.ideal_ms),
+            na(r.ratio, "{:.3f}"),
+            "n/a" if r.ratio_met is None else ("yes" if r.ratio_met else "[red]no[/red]"),
+        )
+        console.print(table)
+        console.print(
+            "CPU: process time (all threads) of match + load_back submission; thread: the caller's alone; "
+            "reload: load_back called until the last layer's signal fired; ideal: the loaded bytes at the "
+            "ceiling (one pinned copy)"
+        )
+
+    if args.json:
+        rows = {k: [asdict(x) for x in v] if isinstance(v, list) else asdict(v) for k, v in out.items()}
+        args.json.write_text(json.dumps({"meta": meta, **rows}, indent=1))
         console.print(f"wrote {args.json}")
     return 0
 

@@ -207,7 +207,9 @@ def test_metrics_and_fragmentation() -> None:
 def test_cuda_round_trip_is_byte_identical(policy) -> None:
     """On the GPU: insert, back up, evict, load back layer by layer on the cache's streams."""
     spec = preset("tiny-dsa", 16)
-    c = CacheController(DevicePool(spec, 8192, "cuda"), HostPool(spec, 8192), CacheConfig(write_policy=policy))
+    c = CacheController(
+        DevicePool(spec, 8192, "cuda"), HostPool(spec, 8192), CacheConfig(write_policy=policy)
+    )
     tokens = tuple(range(4096))
     slots = fill(c, tokens)
     want = {
