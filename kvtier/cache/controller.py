@@ -193,7 +193,7 @@ class CacheController:
     def match(self, tokens: Sequence[int]) -> Match:
         """The longest cached prefix of `tokens` (whole pages); counts hits, refreshes LRU order."""
         self.poll()
-        key = self.tree.whole_pages(tuple(int(t) for t in tokens))
+        key = self.tree.whole_pages(_token_tuple(tokens))
         nodes, _, partial, shared = self.tree.walk(key)
         if partial is not None:
             nodes.append(self._split(partial, shared))
@@ -285,7 +285,7 @@ class CacheController:
         Returns the deepest node of `tokens`.
         """
         self.poll()
-        key = tuple(int(t) for t in tokens)
+        key = _token_tuple(tokens)
         ps = self.spec.page_size
         if len(key) % ps:
             raise SlotError(f"insert: {len(key)} tokens is not a whole number of pages of {ps}")
@@ -383,12 +383,10 @@ class CacheController:
             costs=self.config.costs,
             kernel=self.config.kernel,
             stream=lane.stream,
+            trusted=True,
         )
         self._after_compute(lane)
-        signals = []
-        for job in self._layer_jobs(plan):
-            lane.submit(job)
-            signals.append(lane.signal())
+        signals = lane.run_each(self._layer_jobs(plan))
         at = 0
         for n in nodes:
             n.device_slots = dev[at : at + len(n)]
@@ -541,6 +539,7 @@ class CacheController:
             costs=self.config.costs,
             kernel=self.config.kernel,
             stream=lane.stream,
+            trusted=True,
         )
         self._after_compute(lane)
         for job in self._layer_jobs(plan):
@@ -633,3 +632,14 @@ class CacheController:
         from kvtier.cache.invariants import check
 
         check(self, compare_bytes)
+
+
+def _token_tuple(tokens: Sequence[int] | torch.Tensor | np.ndarray) -> tuple[int, ...]:
+    """Token ids as a tuple of Python ints (a tuple passes through; tensors and arrays via `tolist`)."""
+    if type(tokens) is tuple:
+        return tokens
+    if isinstance(tokens, torch.Tensor | np.ndarray):
+        if tokens.ndim != 1:
+            raise SlotError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        return tuple(tokens.tolist())
+    return tuple(int(t) for t in tokens)

@@ -48,6 +48,14 @@ class Lane:
         """Run (or wait for) everything submitted so far."""
         raise NotImplementedError
 
+    def run_each(self, jobs: list[Callable[[], None]]) -> list[Signal]:
+        """Submit each job and a signal after it (per-layer readiness)."""
+        signals = []
+        for job in jobs:
+            self.submit(job)
+            signals.append(self.signal())
+        return signals
+
     @property
     def stream(self) -> torch.cuda.Stream | None:
         return None
@@ -92,6 +100,17 @@ class CudaLane(Lane):
 
     def drain(self) -> None:
         self._stream.synchronize()
+
+    def run_each(self, jobs: list[Callable[[], None]]) -> list[Signal]:
+        # One stream context for all jobs: this loop is the per-layer submission cost.
+        signals: list[Signal] = []
+        with torch.cuda.stream(self._stream):
+            for job in jobs:
+                job()
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                signals.append(CudaSignal(event))
+        return signals
 
 
 class DeferredSignal(Signal):

@@ -98,7 +98,7 @@ def copy_runs(
                 [_attrs],
                 [0],
                 1,
-                rt.cudaStream_t(stream.cuda_stream),
+                _handle(stream),
             )
         except TypeError as e:
             # Bindings of another CUDA release take other arguments: use the loop from now on.
@@ -109,12 +109,23 @@ def copy_runs(
         _check(err, "cudaMemcpyBatchAsync")
     elif mode is DmaMode.LOOP:
         kind = rt.cudaMemcpyKind.cudaMemcpyDefault
-        handle = rt.cudaStream_t(stream.cuda_stream)
+        handle = _handle(stream)
         for d, s, size in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist(), strict=True):
             (err,) = rt.cudaMemcpyAsync(d, s, size, kind, handle)
             _check(err, "cudaMemcpyAsync")
     else:
         raise ValueError("DmaMode.TORCH copies tensors, not raw pointers: use the torch path")
+
+
+_handles: dict[int, object] = {}
+
+
+def _handle(stream: torch.cuda.Stream):
+    """The bindings' handle for a torch stream, made once per stream."""
+    h = _handles.get(stream.cuda_stream)
+    if h is None:
+        h = _handles[stream.cuda_stream] = _runtime.cudaStream_t(stream.cuda_stream)
+    return h
 
 
 def _check(err, what: str) -> None:

@@ -221,6 +221,7 @@ class TransferPlan:
         force: TransferPath | str | None = None,
         use_kernel: bool | None = None,
         stream: torch.cuda.Stream | None = None,
+        trusted: bool = False,
     ) -> TransferPlan:
         """Validate the pairs and plan the operation; raises before anything is written.
 
@@ -229,7 +230,9 @@ class TransferPlan:
         `kernel` tune the planner; `force` picks one path instead (benchmarks and
         tests; `MIXED` cannot be forced, `SINGLE_COPY` only on one joint run, `KERNEL`
         needs Triton). `use_kernel` lets the planner use the kernel (default: on CUDA
-        with Triton). On CUDA the device indices are uploaded on `stream`.
+        with Triton). On CUDA the device indices are uploaded on `stream`. `trusted`:
+        the slots come from this library's allocators and tree (int64 CPU tensors, in
+        range, destinations distinct), so the O(n log n) checks are skipped.
         """
         direction = Direction(direction)
         costs = costs or PathCosts()
@@ -241,20 +244,26 @@ class TransferPlan:
             )
         if kernel.sm_budget < 1 or (kernel.rows_per_program is not None and kernel.rows_per_program < 1):
             raise PlanError(f"kernel options must be positive, got {kernel}")
-        h = _as_slots("host_slots", host_slots, host_pool.num_slots)
-        d = _as_slots("device_slots", device_slots, device_pool.num_slots)
+        if trusted:
+            h, d = host_slots, device_slots
+        else:
+            h = _as_slots("host_slots", host_slots, host_pool.num_slots)
+            d = _as_slots("device_slots", device_slots, device_pool.num_slots)
         if h.numel() != d.numel():
             raise SlotError(f"host_slots has {h.numel()} entries but device_slots has {d.numel()}")
-        dst_name, dst = ("device_slots", d) if direction is Direction.LOAD else ("host_slots", h)
-        _check_distinct(dst_name, dst)
+        if not trusted:
+            dst_name, dst = ("device_slots", d) if direction is Direction.LOAD else ("host_slots", h)
+            _check_distinct(dst_name, dst)
 
         hn, dn = h.numpy(), d.numpy()
         seg = host_pool.segment_slots
         host_break = np.ones(len(hn), dtype=bool)
         dev_break = np.ones(len(dn), dtype=bool)
         if len(hn):
-            host_break[1:] = (hn[1:] != hn[:-1] + 1) | (hn[1:] % seg == 0)
-            dev_break[1:] = dn[1:] != dn[:-1] + 1
+            host_break[1:] = np.diff(hn) != 1
+            if seg < host_pool.num_slots:  # more than one segment: runs also break at their edges
+                host_break[1:] |= hn[1:] % seg == 0
+            dev_break[1:] = np.diff(dn) != 1
         joint_break = host_break | dev_break
         host_starts, host_lens = _runs(host_break)
         joint_starts, joint_lens = _runs(joint_break)
