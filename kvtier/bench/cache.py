@@ -524,11 +524,12 @@ def _poll_layers(h) -> tuple[float, float]:
 
 
 def _ceiling_gbps(device: torch.device, nbytes: int, repeats: int = 10) -> float:
-    """One contiguous pinned host -> device copy of `nbytes`, median of `repeats` (CUDA events)."""
+    """One contiguous pinned host -> device copy of `nbytes` (CUDA events, median of `repeats` samples
+    of 4 back-to-back copies, as `kvtier bench transfer` measures it)."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)
-    ms = Timer(device, stream).median_ms(lambda: dst.copy_(src, non_blocking=True), repeats, 2)
+    ms = Timer(device, stream).median_ms(lambda: dst.copy_(src, non_blocking=True), repeats, 2, batch=4)
     return nbytes / ms / 1e6
 
 
