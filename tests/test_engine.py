@@ -1,0 +1,153 @@
+"""Real (tiny, random) transformers models through kvtier: the same tokens with and without the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvtier.engine import Engine, PromptTooLongError, SamplingParams, spec_from_hf_config  # noqa: E402
+from kvtier.errors import SpecError  # noqa: E402
+from kvtier.spec import BufferKind  # noqa: E402
+
+VOCAB = 256
+
+
+def llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def deepseek_v3():
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg).eval()
+
+
+MODELS = {"gqa": llama, "mla": deepseek_v3}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def reference(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Plain `model.generate` without any cache reuse, and the logits of the first new token."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    return out[0, len(prompt) :].tolist(), logits
+
+
+def assert_same(result, ref_tokens, ref_logits) -> None:
+    assert result.tokens == ref_tokens
+    rel = (result.first_logits - ref_logits).norm() / ref_logits.norm()
+    assert rel < 1e-5, rel
+
+
+def test_spec_from_config_maps_gqa_and_mla(model) -> None:
+    spec = spec_from_hf_config(model.config, dtype=torch.float32)
+    kinds = [b.kind for b in spec.buffers]
+    if hasattr(model.config, "kv_lora_rank"):
+        assert kinds == [BufferKind.MLA_LATENT] and spec.buffers[0].row_shape == (32 + 8,)
+    else:
+        assert kinds == [BufferKind.K, BufferKind.V] and spec.buffers[0].row_shape == (2, 16)
+
+
+def test_cold_device_host_and_ten_round_trips_generate_the_same_tokens(model) -> None:
+    eng = Engine(model, device_tokens=256, host_tokens=1024)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (48,), generator=gen).tolist()
+    ref_tokens, ref_logits = reference(model, prompt, 8)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    cold = eng.generate(prompt, params)
+    assert cold.hit == "none"
+    assert_same(cold, ref_tokens, ref_logits)
+
+    resident = eng.generate(prompt, params)
+    assert resident.hit == "device" and resident.device_hit_tokens == len(prompt) - 1
+    assert_same(resident, ref_tokens, ref_logits)
+
+    for trip in range(10):
+        eng.cache.flush()
+        eng.cache.evict_device(10**6)  # everything to the host
+        reloaded = eng.generate(prompt, params)
+        assert reloaded.hit == "host" and reloaded.loaded_tokens > 0, trip
+        assert_same(reloaded, ref_tokens, ref_logits)
+    eng.cache.flush()
+    eng.cache.check_invariants()  # host and device copies byte-identical
+
+
+def test_a_second_turn_reuses_the_first_and_matches_generate(model) -> None:
+    eng = Engine(model, device_tokens=256, host_tokens=1024)
+    gen = torch.Generator().manual_seed(2)
+    turn1 = torch.randint(0, VOCAB, (32,), generator=gen).tolist()
+    r1 = eng.generate(turn1, SamplingParams(max_tokens=6))
+    turn2 = turn1 + r1.tokens + torch.randint(0, VOCAB, (10,), generator=gen).tolist()
+    eng.cache.flush()
+    eng.cache.evict_device(10**6)
+    r2 = eng.generate(turn2, SamplingParams(max_tokens=6))
+    assert r2.host_hit_tokens >= len(turn1)
+    assert_same(r2, *reference(model, turn2, 6))
+
+
+def test_sampling_is_reproducible_with_a_seed(model) -> None:
+    eng = Engine(model, device_tokens=256, host_tokens=1024)
+    prompt = list(range(20))
+    p = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3)
+    assert eng.generate(prompt, p).tokens == eng.generate(prompt, p).tokens
+
+
+def test_bad_input_raises_and_leaves_the_cache_consistent(model) -> None:
+    eng = Engine(model, device_tokens=256, host_tokens=1024)
+    eng.generate(list(range(30)), SamplingParams(max_tokens=4))
+    with pytest.raises(PromptTooLongError, match="context of 512"):
+        eng.generate(list(range(600)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.generate([], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    eng.cache.flush()
+    eng.cache.check_invariants()
+    assert not eng.cache._leases and not eng.cache._held.any()
+
+
+def test_a_config_kvtier_cannot_map_is_refused() -> None:
+    with pytest.raises(SpecError, match="num_attention_heads"):
+        spec_from_hf_config(transformers.PretrainedConfig(num_hidden_layers=2))
+    hybrid = transformers.LlamaConfig(num_hidden_layers=2)
+    hybrid.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(SpecError, match="full attention only"):
+        spec_from_hf_config(hybrid)
