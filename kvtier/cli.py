@@ -1,4 +1,4 @@
-"""The `kvtier` command: `kvtier bench transfer ...`, `kvtier bench overlap ...`."""
+"""The `kvtier` command: `kvtier demo`, `kvtier bench transfer | overlap | cache ...`."""
 
 from __future__ import annotations
 
@@ -62,6 +62,18 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier", description="Hierarchical KV cache for LLM serving.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="multi-turn chats on a real model, earlier turns evicted and reloaded")
+    d.add_argument("--model", help="a local transformers checkpoint (default: SmolLM2-135M-Instruct)")
+    d.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    d.add_argument(
+        "--device-tokens", type=int, default=320, help="device KV budget in tokens (small: forces reloads)"
+    )
+    d.add_argument("--host-tokens", type=int, default=16384, help="host KV pool in tokens")
+    d.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
+    d.add_argument(
+        "--policy", default="write_through", help="write_through, write_through_selective, write_back"
+    )
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
 
     t = bench.add_parser("transfer", help="host <-> device transfer paths at every fragmentation")
@@ -117,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(name)s: %(message)s")
     try:
+        if args.command == "demo":
+            return _demo(args)
         if args.bench == "transfer":
             return _bench_transfer(args)
         if args.bench == "cache":
@@ -125,6 +139,96 @@ def main(argv: list[str] | None = None) -> int:
     except KVTierError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from kvtier.cache import CacheConfig, WritePolicy
+    from kvtier.engine import Engine
+    from kvtier.engine.demo import CONVERSATIONS, run_demo
+    from kvtier.engine.models import load_model
+
+    device = _device(args.device)
+    with console.status("loading the model (the first run converts it once, about a minute)"):
+        model, tokenizer = load_model(args.model, device)
+    engine = Engine(
+        model,
+        tokenizer,
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        config=CacheConfig(write_policy=WritePolicy(args.policy)),
+    )
+    total = sum(len(c) for c in CONVERSATIONS)
+    console.print(
+        f"{engine.spec.name}: {engine.spec.num_layers} layers, "
+        f"{engine.spec.bytes_per_token() // 1024} KiB of KV per token; "
+        f"device budget {args.device_tokens} tokens, host {args.host_tokens}, on {device}"
+    )
+    table = Table(title="turns")
+    for col in (
+        "conv",
+        "turn",
+        "prompt",
+        "hit",
+        "device",
+        "host",
+        "reloaded",
+        "reload",
+        "TTFT",
+        "same as plain",
+    ):
+        table.add_column(col, justify="left" if col in ("hit", "same as plain") else "right")
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("turns", total=total)
+
+        def on_turn(t) -> None:
+            r = t.result
+            speed = ""
+            if r.loaded_tokens and r.reload_s:
+                speed = f"{r.loaded_bytes / 1e6 / r.reload_s:.0f} MB/s, {r.reload_s * 1e3:.1f} ms"
+            elif r.loaded_tokens:
+                speed = "overlapped"
+            console.print(
+                f"conv {t.conversation} turn {t.turn}: {r.prompt_tokens} prompt tokens, hit {r.hit} "
+                f"(device {r.device_hit_tokens}, host {r.host_hit_tokens}), "
+                f"reloaded {r.loaded_tokens} tokens "
+                f"({r.loaded_bytes / 1e6:.1f} MB) {speed}, TTFT {r.ttft_s * 1e3:.0f} ms: {r.text!r}",
+                highlight=False,
+            )
+            table.add_row(
+                str(t.conversation),
+                str(t.turn),
+                str(r.prompt_tokens),
+                r.hit,
+                str(r.device_hit_tokens),
+                str(r.host_hit_tokens),
+                f"{r.loaded_bytes / 1e6:.1f} MB",
+                speed,
+                f"{r.ttft_s * 1e3:.0f} ms",
+                "yes" if t.identical else "[red]NO[/red]",
+            )
+            progress.advance(task)
+
+        turns = run_demo(engine, args.max_tokens, on_turn=on_turn)
+    console.print(table)
+    m = engine.cache.metrics
+    same = sum(t.identical for t in turns)
+    console.print(
+        f"prompt tokens: {m.device_hit_tokens} from the device, {m.host_hit_tokens} from the host, "
+        f"{m.miss_tokens} computed; {m.device_evictions} device evictions; "
+        f"{m.bytes_h2d / 1e6:.1f} MB reloaded, {m.bytes_d2h / 1e6:.1f} MB backed up"
+    )
+    engine.cache.flush()
+    engine.cache.check_invariants()
+    console.print(f"answers identical to plain generation without cache reuse: {same} of {len(turns)}")
+    return 0 if same == len(turns) else 1
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def _config(args: argparse.Namespace, **extra):

