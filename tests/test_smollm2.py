@@ -55,8 +55,8 @@ def test_needle_survives_a_trip_to_the_host(engine: Engine) -> None:
     assert second.tokens == first.tokens
     print(
         f"\nanswer {first.text!r}; first TTFT {first.ttft_s * 1e3:.0f} ms (cold), second TTFT "
-        f"{second.ttft_s * 1e3:.0f} ms with {second.loaded_tokens} tokens ({second.loaded_bytes / 1e6:.1f} MB) "
-        f"reloaded from the host"
+        f"{second.ttft_s * 1e3:.0f} ms with {second.loaded_tokens} tokens "
+        f"({second.loaded_bytes / 1e6:.1f} MB) reloaded from the host"
     )
     engine.cache.flush()
     engine.cache.check_invariants()
