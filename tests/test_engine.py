@@ -151,3 +151,27 @@ def test_a_config_kvtier_cannot_map_is_refused() -> None:
     hybrid.layer_types = ["full_attention", "sliding_attention"]
     with pytest.raises(SpecError, match="full attention only"):
         spec_from_hf_config(hybrid)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cuda_engine_matches_generate_after_reloads(name) -> None:
+    """On the GPU: pinned host pool, loads on the cache's stream, layers waited for by the forward."""
+    model = MODELS[name]().cuda()
+    eng = Engine(model, device_tokens=256, host_tokens=1024)
+    prompt = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False)
+        ref_tokens = ref[0, len(prompt) :].tolist()
+        ref_logits = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu()
+    params = SamplingParams(max_tokens=8)
+    assert_same(eng.generate(prompt, params), ref_tokens, ref_logits)
+    for _ in range(3):
+        eng.cache.flush()
+        eng.cache.evict_device(10**6)
+        r = eng.generate(prompt, params)
+        assert r.hit == "host"
+        assert_same(r, ref_tokens, ref_logits)
+    eng.cache.flush()
+    eng.cache.check_invariants()
