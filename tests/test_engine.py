@@ -175,3 +175,17 @@ def test_cuda_engine_matches_generate_after_reloads(name) -> None:
         assert_same(r, ref_tokens, ref_logits)
     eng.cache.flush()
     eng.cache.check_invariants()
+
+
+def test_closing_a_stream_early_keeps_the_cache_consistent(model) -> None:
+    """A client that goes away mid-stream: computed tokens are kept, the rest freed, the lease released."""
+    eng = Engine(model, device_tokens=256, host_tokens=1024)
+    prompt = list(range(40))
+    stream = eng.stream(prompt, SamplingParams(max_tokens=20))
+    got = [next(stream) for _ in range(3)]
+    stream.close()
+    assert not eng.cache._leases and not eng.cache._held.any()
+    eng.cache.flush()
+    eng.cache.check_invariants()
+    # The prompt and the first two new tokens (whose KV was computed) are cached now.
+    assert eng.cache.match(prompt + got[:2]).tokens == len(prompt) + 2

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,9 +132,24 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestResult:
-        """Run one request on prompt token ids; see the module docstring."""
+        """Run one request on prompt token ids to the end; see the module docstring."""
+        stream = self.stream(prompt, params)
+        while True:
+            try:
+                next(stream)
+            except StopIteration as done:
+                return done.value
+
+    def stream(
+        self, prompt: Sequence[int], params: SamplingParams | None = None
+    ) -> Generator[int, None, RequestResult]:
+        """Run one request, yielding each new token; returns its `RequestResult`.
+
+        Closing the generator early (a client that went away) stops decoding; the
+        tokens whose KV was computed are inserted, every other slot is freed and the
+        lease released, so the cache stays consistent.
+        """
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -144,39 +159,41 @@ class Engine:
                 f"prompt of {len(prompt)} tokens + {params.max_tokens} to generate exceeds the model's "
                 f"context of {self.max_context}"
             )
-        t0 = time.perf_counter()
-        cache = self.cache
-        # The last prompt token is always computed: its logits pick the first new token.
-        match = cache.match(prompt[:-1])
-        lease = cache.acquire(match)
-        new_slots = None
-        try:
-            load = cache.load_back(match)
-            prefix = match.device_slots
-            host_hit = match.host_tokens
-            if not load.recompute:
-                prefix = torch.cat([prefix, load.device_slots])
-            n_prefix = prefix.numel()
-            reload_s = None
-            if load.tokens and not load.recompute and self.device.type != "cuda":
-                # On the CPU the copies run on the host anyway: time them on their own.
-                t_load = time.perf_counter()
-                load.wait()
-                reload_s = time.perf_counter() - t_load
-            new_slots = cache.alloc_device(len(prompt) - n_prefix + params.max_tokens)
-            kv = KVTierCache(self.spec, self.device_pool, prefix, new_slots, None if load.recompute else load)
-            tokens, first_logits, ttft = self._run(prompt, n_prefix, kv, params, t0)
-            # Every token fed to the model has its KV in place: the prompt and all but the last new token.
-            done = prompt + tokens[:-1]
-            written = kv.written
-            assert n_prefix + written == len(done)
-            cache.insert(done, torch.cat([prefix, new_slots[:written]]))
-            cache.free_device(new_slots[written:])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            cache = self.cache
+            # The last prompt token is always computed: its logits pick the first new token.
+            match = cache.match(prompt[:-1])
+            lease = cache.acquire(match)
             new_slots = None
-        finally:
-            if new_slots is not None:
-                cache.free_device(new_slots)
-            cache.release(lease)
+            kv = None
+            tokens: list[int] = []
+            prefix = match.device_slots
+            try:
+                load = cache.load_back(match)
+                if not load.recompute:
+                    prefix = torch.cat([prefix, load.device_slots])
+                n_prefix = prefix.numel()
+                reload_s = None
+                if load.tokens and not load.recompute and self.device.type != "cuda":
+                    # On the CPU the copies run on the host anyway: time them on their own.
+                    t_load = time.perf_counter()
+                    load.wait()
+                    reload_s = time.perf_counter() - t_load
+                new_slots = cache.alloc_device(len(prompt) - n_prefix + params.max_tokens)
+                kv = KVTierCache(
+                    self.spec, self.device_pool, prefix, new_slots, None if load.recompute else load
+                )
+                ttft = 0.0
+                first_logits = None
+                for token, logits in self._decode(prompt, n_prefix, kv, params):
+                    if not tokens:
+                        first_logits = logits
+                        ttft = time.perf_counter() - t0
+                    tokens.append(token)
+                    yield token
+            finally:
+                self._finish(prompt + tokens, prefix, kv, new_slots, lease)
         loaded = 0 if load.recompute else load.tokens
         return RequestResult(
             prompt_tokens=len(prompt),
@@ -185,7 +202,7 @@ class Engine:
             ttft_s=ttft,
             total_s=time.perf_counter() - t0,
             device_hit_tokens=match.device_tokens,
-            host_hit_tokens=host_hit,
+            host_hit_tokens=match.host_tokens,
             loaded_tokens=loaded,
             loaded_bytes=loaded * self.spec.bytes_per_token(),
             load_s=load.submit_s,
@@ -193,9 +210,30 @@ class Engine:
             first_logits=first_logits,
         )
 
-    def _run(
-        self, prompt: list[int], n_prefix: int, kv: KVTierCache, params: SamplingParams, t0: float
-    ) -> tuple[list[int], torch.Tensor, float]:
+    def _finish(
+        self,
+        seq: list[int],
+        prefix: torch.Tensor,
+        kv: KVTierCache | None,
+        new_slots: torch.Tensor | None,
+        lease,
+    ) -> None:
+        """Insert the tokens whose KV is in place, free the other slots, release the lease."""
+        cache = self.cache
+        try:
+            if new_slots is not None:
+                written = kv.written if kv is not None else 0
+                if written:
+                    n = prefix.numel() + written
+                    cache.insert(seq[:n], torch.cat([prefix, new_slots[:written]]))
+                cache.free_device(new_slots[written:])
+        finally:
+            cache.release(lease)
+
+    def _decode(
+        self, prompt: list[int], n_prefix: int, kv: KVTierCache, params: SamplingParams
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """`(token, logits)` for each new token: the suffix prefill, then one forward per token."""
         gen = None
         if params.temperature > 0:
             gen = torch.Generator(device=self.device)
@@ -204,11 +242,8 @@ class Engine:
         ids = torch.tensor([prompt[n_prefix:]], device=self.device)
         pos = torch.arange(n_prefix, len(prompt), device=self.device)
         logits = self._forward(ids, pos, kv)
-        first_logits = logits.float().cpu()
         token = self._pick(logits, params, gen)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        ttft = time.perf_counter() - t0
+        yield token, logits.float().cpu()
         tokens = [token]
         eos = self._eos()
         length = len(prompt)
@@ -219,7 +254,7 @@ class Engine:
             length += 1
             token = self._pick(logits, params, gen)
             tokens.append(token)
-        return tokens, first_logits, ttft
+            yield token, logits
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVTierCache) -> torch.Tensor:
         out = self.model(
