@@ -63,6 +63,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
 
+    s = sub.add_parser("serve", help="an OpenAI-compatible server over the tiered cache")
+    s.add_argument("--model", help="a local transformers checkpoint (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--model-name", help="the name clients ask for (default: the checkpoint's folder name)")
+    s.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    s.add_argument("--device-tokens", type=int, default=16384, help="device KV pool in tokens")
+    s.add_argument("--host-tokens", type=int, default=131072, help="host KV pool in tokens")
+    s.add_argument(
+        "--write-policy", default="write_through", help="write_through, write_through_selective, write_back"
+    )
+    s.add_argument("--host-layout", default="layer_first", help="layer_first or page_first")
+    s.add_argument(
+        "--host-alloc", default="contiguous", help="host allocator policy: contiguous or first_fit"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="bind address")
+    s.add_argument("--port", type=int, default=8000)
+
     d = sub.add_parser("demo", help="multi-turn chats on a real model, earlier turns evicted and reloaded")
     d.add_argument("--model", help="a local transformers checkpoint (default: SmolLM2-135M-Instruct)")
     d.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
@@ -131,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.bench == "transfer":
             return _bench_transfer(args)
         if args.bench == "cache":
@@ -223,6 +241,35 @@ def _demo(args: argparse.Namespace) -> int:
     engine.cache.check_invariants()
     console.print(f"answers identical to plain generation without cache reuse: {same} of {len(turns)}")
     return 0 if same == len(turns) else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvtier.alloc import AllocPolicy
+    from kvtier.cache import CacheConfig, WritePolicy
+    from kvtier.engine import Engine
+    from kvtier.engine.models import DEFAULT_MODEL, load_model
+    from kvtier.engine.server import create_app
+
+    device = _device(args.device)
+    with console.status("loading the model"):
+        model, tokenizer = load_model(args.model, device)
+    config = CacheConfig(
+        write_policy=WritePolicy(args.write_policy), host_alloc_policy=AllocPolicy(args.host_alloc)
+    )
+    engine = Engine(
+        model,
+        tokenizer,
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        config=config,
+        host_layout=args.host_layout,
+    )
+    name = args.model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
+    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({device})")
+    uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    return 0
 
 
 def _device(name: str) -> torch.device:

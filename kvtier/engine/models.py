@@ -53,7 +53,9 @@ def smollm2_gguf() -> Path:
 def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """`(model, tokenizer)` for a local checkpoint folder, or the default SmolLM2 when `path` is None."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the CLI draws its own progress
     device = torch.device(device)
     if path is None or path == DEFAULT_MODEL:
         folder = _smollm2_safetensors()

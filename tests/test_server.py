@@ -1,0 +1,186 @@
+"""`kvtier serve` against the official openai client, on 127.0.0.1, with a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokenizers"):
+    pytest.importorskip(needed)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import transformers  # noqa: E402
+import uvicorn  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from kvtier.engine import Engine  # noqa: E402
+from kvtier.engine.server import create_app  # noqa: E402
+
+MODEL = "tiny-llama"
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained here on a few sentences, with a chat template."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog", "kvtier keeps prefixes in host memory"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def server():
+    tokenizer = tiny_tokenizer()
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    engine = Engine(model, tokenizer, device_tokens=512, host_tokens=2048)
+    app = create_app(engine, MODEL)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    base = f"http://127.0.0.1:{port}"
+    yield base, engine, app
+    srv.should_exit = True
+    thread.join(timeout=10)
+    app.state.worker.stop()
+
+
+@pytest.fixture
+def client(server):
+    base = server[0]
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+MESSAGES = [
+    {"role": "system", "content": "the quick brown fox"},
+    {"role": "user", "content": "jumps over the lazy dog"},
+]
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_models_and_health(server, client) -> None:
+    base = server[0]
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+
+
+def test_chat_completion_then_a_cache_hit(server, client) -> None:
+    base = server[0]
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert first.choices[0].message.role == "assistant"
+    assert first.usage.completion_tokens >= 1 and first.usage.prompt_tokens > 5
+    device_hits = metric(base, 'kvtier_cache_prompt_tokens_total{tier="device"}')
+    second = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert (
+        metric(base, 'kvtier_cache_prompt_tokens_total{tier="device"}')
+        >= device_hits + first.usage.prompt_tokens - 1
+    )
+    assert metric(base, "kvtier_time_to_first_token_seconds_count") >= 2
+
+
+def test_streaming_chat_equals_the_non_streaming_answer(client) -> None:
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True
+    )
+    text, finish = "", None
+    for chunk in chunks:
+        text += chunk.choices[0].delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert text == whole.choices[0].message.content
+    assert finish in ("stop", "length")
+
+
+def test_text_completions(client) -> None:
+    out = client.completions.create(model=MODEL, prompt="the lazy dog", max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length") and isinstance(out.choices[0].text, str)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (json.dumps({"messages": MESSAGES}).encode(), 400, "model"),
+        (json.dumps({"model": "gpt-unknown", "messages": MESSAGES}).encode(), 404, "model"),
+        (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user"}]}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "temperature": 9}).encode(), 400, "temperature"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "top_p": 0}).encode(), 400, "top_p"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 1000}).encode(), 400, "messages"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    server, client, body, status, param
+) -> None:
+    base, engine = server[0], server[1]
+    r = httpx.post(base + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+    ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert ok.choices[0].message.content is not None
+    engine.cache.flush()
+    engine.cache.check_invariants()
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_no_lock(server) -> None:
+    base, engine = server[0], server[1]
+    worker = server[2].state.worker
+    cancelled = worker.cancelled
+    # A long greedy answer that cannot end early: eos is never the argmax of this random model here.
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i >= 3:
+                break  # leave with the stream still running
+    deadline = time.time() + 20
+    while (engine.cache._leases or engine.cache._held.any()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.cache._leases and not engine.cache._held.any()
+    assert worker.cancelled == cancelled + 1  # the worker stopped it: it did not just finish
+    engine.cache.flush()
+    engine.cache.check_invariants()
