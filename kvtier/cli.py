@@ -110,6 +110,18 @@ def _parser() -> argparse.ArgumentParser:
     _common(o)
     o.add_argument("--rounds", type=int, default=5, help="alternating rounds with and without the reload")
 
+    sv = bench.add_parser("served", help="TTFT of a miss, a device hit and a host hit, kvtier vs stock")
+    sv.add_argument("--setups", type=_csv, default=("smollm2", "deepseek-v3"), help="smollm2,deepseek-v3")
+    sv.add_argument(
+        "--prefix",
+        type=lambda s: tuple(int(x) for x in s.split(",") if x),
+        help="prefix lengths (default: 8k-128k on CUDA, 256,1024 on CPU)",
+    )
+    sv.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    sv.add_argument("--cycles", type=int, default=4, help="fill/evict cycles that fragment the host pool")
+    sv.add_argument("--repeats", type=int, default=3)
+    sv.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
+
     from kvtier.cache import WritePolicy
 
     c = bench.add_parser(
@@ -153,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_transfer(args)
         if args.bench == "cache":
             return _bench_cache(args)
+        if args.bench == "served":
+            return _bench_served(args)
         return _bench_overlap(args)
     except KVTierError as e:
         console.print(f"[red]error:[/red] {e}")
@@ -269,6 +283,51 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
     console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({device})")
     uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _bench_served(args: argparse.Namespace) -> int:
+    from kvtier.bench import served
+
+    device = _device(args.device)
+    cuda = device.type == "cuda"
+    prefixes = args.prefix or ((8192, 32768, 131072) if cuda else (256, 1024))
+    rows, meta = _run_with_progress(
+        lambda report: served.run(args.setups, prefixes, device, args.cycles, args.repeats, report)
+    )
+    table = Table(title=f"TTFT, seconds (median of {args.repeats}), on {meta.get('gpu', device)}")
+    cols = (
+        "setup",
+        "config",
+        "prefix",
+        "miss",
+        "device hit",
+        "host hit",
+        "KV MB",
+        "ceiling GB/s",
+        "reload ratio",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("setup", "config") else "right")
+    for r in rows:
+        table.add_row(
+            r.setup,
+            r.config,
+            str(r.prefix_tokens),
+            f"{r.ttft_miss_s:.4f}",
+            f"{r.ttft_device_hit_s:.4f}",
+            f"{r.ttft_host_hit_s:.4f}",
+            f"{r.kv_bytes / 1e6:.1f}",
+            f"{r.ceiling_gbps:.1f}",
+            f"{r.reload_overhead_ratio:.2f}",
+        )
+    console.print(table)
+    console.print(
+        "reload ratio: (host hit - device hit) / (KV bytes / ceiling); stock: first_fit + per-token path"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": served.rows_as_dicts(rows)}, indent=1))
+        console.print(f"wrote {args.json}")
     return 0
 
 

@@ -45,7 +45,7 @@ from kvtier.cache.streams import CudaSignal, Lane, Signal, make_lane
 from kvtier.errors import CacheFullError, CacheStateError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
-from kvtier.transfer import KernelOptions, PathCosts, TransferPlan, backup, load_layer
+from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan, backup, load_layer
 from kvtier.transfer.copy import pointer_runs, submit_pointer_layer
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ class CacheConfig:
     """Policies of a `CacheController`.
 
     `recompute_below`: host hits shorter than this many tokens are not loaded back;
-    the handle says to recompute them.
+    the handle says to recompute them. `force_path`: one transfer path for every load
+    and backup instead of the planner's (benchmarks use `reference` for a stock-style
+    configuration).
     """
 
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
@@ -73,6 +75,7 @@ class CacheConfig:
     host_alloc_policy: AllocPolicy = AllocPolicy.CONTIGUOUS
     costs: PathCosts = field(default_factory=PathCosts)
     kernel: KernelOptions = field(default_factory=KernelOptions)
+    force_path: TransferPath | None = None
 
 
 @dataclass
@@ -382,6 +385,7 @@ class CacheController:
             dev,
             costs=self.config.costs,
             kernel=self.config.kernel,
+            force=self.config.force_path,
             stream=lane.stream,
             trusted=True,
         )
@@ -538,6 +542,7 @@ class CacheController:
             n.device_slots,
             costs=self.config.costs,
             kernel=self.config.kernel,
+            force=self.config.force_path,
             stream=lane.stream,
             trusted=True,
         )
