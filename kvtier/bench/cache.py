@@ -17,9 +17,7 @@ Three measurements:
 
 from __future__ import annotations
 
-import datetime
 import logging
-import platform
 import random
 import statistics
 import time
@@ -31,7 +29,7 @@ import numpy as np
 import torch
 
 from kvtier.alloc import AllocPolicy, HostSlotAllocator
-from kvtier.bench.transfer import Timer
+from kvtier.bench.common import ceiling_gbps, environment
 from kvtier.cache import CacheConfig, CacheController, WritePolicy
 from kvtier.pool import DevicePool, HostPool
 from kvtier.spec import KVSpec
@@ -450,7 +448,7 @@ def run_prefix_reload(
     slots = cache.alloc_device(tokens)
     _write_kv(cache.device_pool, slots, torch.Generator(device=device).manual_seed(seed))
     cache.insert(seq, slots)
-    ceiling = _ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
+    ceiling = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
 
     samples = []
     loaded_bytes = 0
@@ -523,26 +521,13 @@ def _poll_layers(h) -> tuple[float, float]:
             return (first if first is not None else now), now
 
 
-def _ceiling_gbps(device: torch.device, nbytes: int, repeats: int = 10) -> float:
-    """One contiguous pinned host -> device copy of `nbytes` (CUDA events, median of `repeats` samples
-    of 4 back-to-back copies, as `kvtier bench transfer` measures it)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device)
-    ms = Timer(device, stream).median_ms(lambda: dst.copy_(src, non_blocking=True), repeats, 2, batch=4)
-    return nbytes / ms / 1e6
-
-
 # -- metadata ------------------------------------------------------------------------------
 
 
 def metadata(cfg: TraceConfig, policies: Sequence[str], **extra) -> dict:
     """What a JSON report needs besides the rows: when, where, which spec, sizes and policies."""
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(cfg.device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+    return {
+        **environment(cfg.device),
         "spec": cfg.spec.name,
         "layers": cfg.spec.num_layers,
         "page_size": cfg.spec.page_size,
@@ -551,9 +536,3 @@ def metadata(cfg: TraceConfig, policies: Sequence[str], **extra) -> dict:
         "trace": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("spec", "device")},
         **extra,
     }
-    if cfg.device.type == "cuda":
-        meta["gpu"] = torch.cuda.get_device_name(cfg.device)
-        meta["cuda"] = torch.version.cuda
-    else:
-        meta["cpu"] = platform.processor() or platform.machine()
-    return meta

@@ -15,17 +15,15 @@ compute, so a reload moves the real bytes.
 
 from __future__ import annotations
 
-import datetime
-import platform
 import random
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from kvtier.alloc import AllocPolicy
+from kvtier.bench.common import ceiling_gbps, environment
 from kvtier.cache import CacheConfig
 from kvtier.engine import Engine, SamplingParams
 from kvtier.transfer import TransferPath
@@ -118,16 +116,11 @@ def run(
                 torch.cuda.empty_cache()
         del model
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **environment(device),
         "cycles": cycles,
         "repeats": repeats,
         "stock": "first_fit host allocator, per-token reference transfers",
     }
-    if device.type == "cuda":
-        meta["gpu"] = torch.cuda.get_device_name(device)
     return rows, meta
 
 
@@ -156,7 +149,7 @@ def _measure(model, setup: str, config: str, n: int, device, cycles: int, repeat
         eng.cache.evict_host(10**9)
         _fragment(eng, n, 1, seed=r)
     kv_bytes = n * eng.spec.bytes_per_token()
-    ceiling = _ceiling_gbps(device, min(kv_bytes, 1 << 30))
+    ceiling = ceiling_gbps(device, min(kv_bytes, 1 << 30))
     t_host, t_dev = statistics.median(host_hit), statistics.median(dev_hit)
     ideal = kv_bytes / (ceiling * 1e9)
     return ServedRow(
@@ -195,22 +188,6 @@ def _fragment(eng: Engine, n: int, cycles: int, seed: int = 0) -> None:
         cache.evict_host((cache.host_pool.num_slots - cache.host_alloc.available()) // 2)
     cache.flush()
     cache.evict_device(10**9)
-
-
-def _ceiling_gbps(device: torch.device, nbytes: int) -> float:
-    """One contiguous (pinned on CUDA) host -> device copy of `nbytes`, median of a few."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[1:]) / 1e9
 
 
 def rows_as_dicts(rows: list[ServedRow]) -> list[dict]:

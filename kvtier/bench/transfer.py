@@ -13,8 +13,6 @@ replaced by their sources.
 
 from __future__ import annotations
 
-import datetime
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvtier.alloc import AllocPolicy
+from kvtier.bench.common import ceiling_gbps, environment
 from kvtier.bench.slots import after_churn, runs_of
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
@@ -141,7 +140,10 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     stream = torch.cuda.Stream(cfg.device) if cfg.device.type == "cuda" else None
     timer = Timer(cfg.device, stream)
     layer_bytes = cfg.tokens * spec.layer_bytes_per_token(0)
-    ceilings = {d: _ceiling_gbps(cfg, timer, layer_bytes, d) for d in cfg.directions}
+    ceilings = {
+        d: ceiling_gbps(cfg.device, layer_bytes, d, cfg.repeats, cfg.warmup, cfg.batch)
+        for d in cfg.directions
+    }
     progress("ceilings: " + ", ".join(f"{d.value} {g:.1f} GB/s" for d, g in ceilings.items()))
 
     host_sets = {}
@@ -307,22 +309,9 @@ def _rows(words: torch.Tensor, b) -> torch.Tensor:
     return words.view(torch.uint8).view(b.dtype).view(words.shape[0], *b.row_shape)
 
 
-def _ceiling_gbps(cfg: BenchConfig, timer: Timer, nbytes: int, direction: Direction) -> float:
-    """One contiguous copy of `nbytes` between pinned host memory and the device."""
-    pin = cfg.device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=cfg.device)
-    if direction is Direction.LOAD:
-        op = lambda: dev.copy_(host, non_blocking=True)  # noqa: E731
-    else:
-        op = lambda: host.copy_(dev, non_blocking=True)  # noqa: E731
-    ms = timer.median_ms(op, cfg.repeats, cfg.warmup, cfg.batch)
-    return nbytes / ms / 1e6
-
-
 def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: int) -> dict:
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {
+        **environment(cfg.device),
         "spec": cfg.spec.name,
         "buffers": {b.name: b.row_bytes for b in cfg.spec.buffers_on(0)},
         "page_size": cfg.spec.page_size,
@@ -334,22 +323,7 @@ def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: i
         "stock_kernel": f"{STOCK_KERNEL.sm_budget} programs x {STOCK_KERNEL.rows_per_program} rows",
         "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (slow variants: 3 x 1)",
         "ceiling_gbps": {d.value: round(g, 2) for d, g in ceilings.items()},
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": str(cfg.device),
     }
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if cfg.device.type == "cuda":
-        meta["gpu"] = torch.cuda.get_device_name(cfg.device)
-        meta["cuda"] = torch.version.cuda
-    else:
-        meta["cpu"] = platform.processor() or platform.machine()
-    return meta
 
 
 def rows_as_dicts(rows: list[Row]) -> list[dict]:

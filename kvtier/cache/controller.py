@@ -411,37 +411,34 @@ class CacheController:
 
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots from least-recently-used unlocked leaves; returns freed."""
-        freed = 0
-        heap = [(n.last_access, n.id, n) for n in self.tree.nodes() if self._device_leaf(n)]
-        heapq.heapify(heap)
-        while heap and freed < tokens:
-            _, _, n = heapq.heappop(heap)
-            if not self._device_leaf(n):
-                continue
-            parent = n.parent
-            freed += self._evict_from_device(n)
-            if parent is not None and self._device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return freed
+        return self._evict_lru(tokens, self._device_leaf, self._evict_from_device)
 
     def evict_host(self, tokens: int) -> int:
         """Free at least `tokens` host slots from least-recently-used unlocked host-only leaves."""
+        return self._evict_lru(tokens, self._host_leaf, self._drop_from_host)
+
+    def _evict_lru(self, tokens: int, is_leaf: Callable[[Node], bool], evict: Callable[[Node], int]) -> int:
+        """Evict leaves oldest first until `tokens` are freed; a parent left a leaf joins the queue."""
         freed = 0
-        heap = [(n.last_access, n.id, n) for n in self.tree.nodes() if self._host_leaf(n)]
+        heap = [(n.last_access, n.id, n) for n in self.tree.nodes() if is_leaf(n)]
         heapq.heapify(heap)
         while heap and freed < tokens:
             _, _, n = heapq.heappop(heap)
-            if not self._host_leaf(n):
+            if not is_leaf(n):
                 continue
             parent = n.parent
-            freed += len(n)
-            self.metrics.host_evictions += 1
-            self.metrics.host_evicted_tokens += len(n)
-            self._free_host(n)
-            self.tree.remove(n)
-            if parent is not None and self._host_leaf(parent):
+            freed += evict(n)
+            if parent is not None and is_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+    def _drop_from_host(self, n: Node) -> int:
+        tokens = len(n)
+        self.metrics.host_evictions += 1
+        self.metrics.host_evicted_tokens += tokens
+        self._free_host(n)
+        self.tree.remove(n)
+        return tokens
 
     # -- completion --------------------------------------------------------------------
 
