@@ -31,8 +31,10 @@ class ModelLoadError(KVTierError, RuntimeError):
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("KVTIER_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvtier" if "KVTIER_CACHE_DIR" not in os.environ else Path(base)
+    """Where converted models are kept: `$KVTIER_CACHE_DIR`, else `kvtier/` in the user cache directory."""
+    if os.environ.get("KVTIER_CACHE_DIR"):
+        return Path(os.environ["KVTIER_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtier"
 
 
 def smollm2_gguf() -> Path:

@@ -318,7 +318,9 @@ def _sampling(body: dict) -> SamplingParams:
             raise APIError(400, f"{name} must be a {'integer' if kind is int else 'number'}", param=name)
         return kind(value)
 
-    max_tokens = number("max_completion_tokens", None, int) or number("max_tokens", 64, int)
+    max_tokens = number("max_completion_tokens", None, int)
+    if max_tokens is None:
+        max_tokens = number("max_tokens", 64, int)
     temperature = number("temperature", 1.0)
     top_p = number("top_p", 1.0)
     seed = number("seed", None, int)
