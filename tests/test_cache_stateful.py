@@ -41,12 +41,13 @@ def sequences() -> st.SearchStrategy[tuple[int, ...]]:
 class CacheMachine(RuleBasedStateMachine):
     spec_name = "tiny-dsa"
     policy = WritePolicy.WRITE_THROUGH
+    layout = "layer_first"
 
     @initialize()
     def build(self) -> None:
         self.spec = preset(self.spec_name, PS)
         self.dev = DevicePool(self.spec, 24, staging_tokens=8)
-        self.host = HostPool(self.spec, 32)
+        self.host = HostPool(self.spec, 32, self.layout)
         self.cache = CacheController(
             self.dev, self.host, CacheConfig(write_policy=self.policy, selective_hits=2)
         )
@@ -195,15 +196,22 @@ SETTINGS = settings(
 )
 
 
-def _machine(spec_name: str, policy: WritePolicy) -> type[CacheMachine]:
-    return type(
-        f"Cache_{spec_name}_{policy.value}", (CacheMachine,), {"spec_name": spec_name, "policy": policy}
-    )
+def _machine(spec_name: str, policy: WritePolicy, layout: str = "layer_first") -> type[CacheMachine]:
+    attrs = {"spec_name": spec_name, "policy": policy, "layout": layout}
+    return type(f"Cache_{spec_name}_{policy.value}_{layout}", (CacheMachine,), attrs)
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy))
-@pytest.mark.parametrize("spec_name", ["tiny-mha", "tiny-mla", "tiny-dsa"])
-def test_cache_state_machine(spec_name: str, policy: WritePolicy) -> None:
-    machine = _machine(spec_name, policy)
+@pytest.mark.parametrize(
+    ("spec_name", "layout"),
+    [
+        ("tiny-mha", "layer_first"),
+        ("tiny-mla", "layer_first"),
+        ("tiny-dsa", "layer_first"),
+        ("tiny-dsa", "page_first"),
+    ],
+)
+def test_cache_state_machine(spec_name: str, layout: str, policy: WritePolicy) -> None:
+    machine = _machine(spec_name, policy, layout)
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()
