@@ -189,3 +189,11 @@ def test_closing_a_stream_early_keeps_the_cache_consistent(model) -> None:
     eng.cache.check_invariants()
     # The prompt and the first two new tokens (whose KV was computed) are cached now.
     assert eng.cache.match(prompt + got[:2]).tokens == len(prompt) + 2
+
+
+def test_chunked_prefill_generates_the_same_tokens(model) -> None:
+    eng = Engine(model, device_tokens=256, host_tokens=1024, prefill_chunk=7)
+    prompt = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert_same(eng.generate(prompt, SamplingParams(max_tokens=6)), *reference(model, prompt, 6))
+    eng.cache.flush()
+    eng.cache.check_invariants()

@@ -4,7 +4,7 @@
 `CacheController`. Per request it applies the chat template, matches the prompt
 against the cache, locks the match, loads back what is only on the host (each
 layer of the forward waits for its own layer of the load), prefills only the
-uncached suffix, decodes (greedy or temperature / top-p sampling, stop strings),
+uncached suffix (in chunks of `prefill_chunk` tokens), decodes (greedy or temperature / top-p sampling, stop strings),
 inserts the sequence whose KV was computed and releases its lock. A request that
 fails (bad input, a full cache) leaves the cache consistent: its slots go back,
 its lease is released.
@@ -85,7 +85,11 @@ class RequestResult:
 
 
 class Engine:
-    """Serve `model` (a transformers causal LM) through kvtier's tiered cache."""
+    """Serve `model` (a transformers causal LM) through kvtier's tiered cache.
+
+    `device_tokens` / `host_tokens`: KV pool sizes of the two tiers; `prefill_chunk`:
+    the longest piece of a prompt one forward pass computes.
+    """
 
     def __init__(
         self,
@@ -96,7 +100,11 @@ class Engine:
         host_tokens: int = 65536,
         config: CacheConfig | None = None,
         host_layout: str = "layer_first",
+        prefill_chunk: int = 8192,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -239,9 +247,12 @@ class Engine:
             gen = torch.Generator(device=self.device)
             if params.seed is not None:
                 gen.manual_seed(params.seed)
-        ids = torch.tensor([prompt[n_prefix:]], device=self.device)
-        pos = torch.arange(n_prefix, len(prompt), device=self.device)
-        logits = self._forward(ids, pos, kv)
+        # The uncached suffix in chunks, so attention over a long prompt never builds a
+        # prompt-by-prompt mask; only the last chunk's logits are needed.
+        for lo in range(n_prefix, len(prompt), self.prefill_chunk):
+            hi = min(lo + self.prefill_chunk, len(prompt))
+            ids = torch.tensor([prompt[lo:hi]], device=self.device)
+            logits = self._forward(ids, torch.arange(lo, hi, device=self.device), kv)
         token = self._pick(logits, params, gen)
         yield token, logits.float().cpu()
         tokens = [token]
