@@ -4,10 +4,10 @@
 `CacheController`. Per request it applies the chat template, matches the prompt
 against the cache, locks the match, loads back what is only on the host (each
 layer of the forward waits for its own layer of the load), prefills only the
-uncached suffix (in chunks of `prefill_chunk` tokens), decodes (greedy or temperature / top-p sampling, stop strings),
-inserts the sequence whose KV was computed and releases its lock. A request that
-fails (bad input, a full cache) leaves the cache consistent: its slots go back,
-its lease is released.
+uncached suffix (in chunks of `prefill_chunk` tokens), decodes (greedy or
+temperature / top-p sampling, stop strings), inserts the sequence whose KV was
+computed and releases its lock. A request that fails (bad input, a full cache)
+leaves the cache consistent: its slots go back, its lease is released.
 
 The structure keeps batching possible later: per-request state lives in
 `KVTierCache` and `RequestResult`; the engine holds only shared objects.
