@@ -375,22 +375,8 @@ class CacheController:
         except CacheFullError:
             self.tree.lock_path(nodes[-1], -1)
             raise
-        host = torch.cat([n.host_slots for n in nodes])
-        lane = self.load_lane
-        plan = TransferPlan.build(
-            Direction.LOAD,
-            self.host_pool,
-            self.device_pool,
-            host,
-            dev,
-            costs=self.config.costs,
-            kernel=self.config.kernel,
-            force=self.config.force_path,
-            stream=lane.stream,
-            trusted=True,
-        )
-        self._after_compute(lane)
-        signals = lane.run_each(self._layer_jobs(plan))
+        plan, jobs = self._transfer(Direction.LOAD, torch.cat([n.host_slots for n in nodes]), dev)
+        signals = self.load_lane.run_each(jobs)
         at = 0
         for n in nodes:
             n.device_slots = dev[at : at + len(n)]
@@ -531,20 +517,8 @@ class CacheController:
             self.metrics.backups_skipped += 1
             return False
         lane = self.backup_lane
-        plan = TransferPlan.build(
-            Direction.BACKUP,
-            self.host_pool,
-            self.device_pool,
-            slots,
-            n.device_slots,
-            costs=self.config.costs,
-            kernel=self.config.kernel,
-            force=self.config.force_path,
-            stream=lane.stream,
-            trusted=True,
-        )
-        self._after_compute(lane)
-        for job in self._layer_jobs(plan):
+        _, jobs = self._transfer(Direction.BACKUP, slots, n.device_slots)
+        for job in jobs:
             lane.submit(job)
         signal = lane.signal()
         n.host_slots = slots
@@ -555,10 +529,31 @@ class CacheController:
         self.metrics.bytes_d2h += len(n) * self.bytes_per_token
         return True
 
-    def _layer_jobs(self, plan: TransferPlan) -> list[Callable[[], None]]:
+    def _transfer(
+        self, direction: Direction, host: torch.Tensor, dev: torch.Tensor
+    ) -> tuple[TransferPlan, list[Callable[[], None]]]:
+        """Plan one operation on its lane (ordered after the compute stream) and its per-layer jobs.
+
+        `host`, `dev`: `[n]` int64 CPU slots from this cache's allocators and tree.
+        """
+        lane = self.load_lane if direction is Direction.LOAD else self.backup_lane
+        plan = TransferPlan.build(
+            direction,
+            self.host_pool,
+            self.device_pool,
+            host,
+            dev,
+            costs=self.config.costs,
+            kernel=self.config.kernel,
+            force=self.config.force_path,
+            stream=lane.stream,
+            trusted=True,
+        )
+        self._after_compute(lane)
+        return plan, self._layer_jobs(plan, lane.stream)
+
+    def _layer_jobs(self, plan: TransferPlan, stream: torch.cuda.Stream | None) -> list[Callable[[], None]]:
         """The work of each layer of `plan` on its lane: raw copies where the plan allows, else views."""
-        lane = self.load_lane if plan.direction is Direction.LOAD else self.backup_lane
-        stream = lane.stream
         runs = pointer_runs(plan, self.host_pool, self.device_pool) if stream is not None else None
         jobs: list[Callable[[], None]] = []
         for layer in range(self.spec.num_layers):
