@@ -7,6 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_deepseek_v3, tiny_llama  # noqa: E402
+
 from kvtier.engine import Engine, PromptTooLongError, SamplingParams, spec_from_hf_config  # noqa: E402
 from kvtier.errors import SpecError  # noqa: E402
 from kvtier.spec import BufferKind  # noqa: E402
@@ -14,47 +16,7 @@ from kvtier.spec import BufferKind  # noqa: E402
 VOCAB = 256
 
 
-def llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def deepseek_v3():
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return transformers.DeepseekV3ForCausalLM(cfg).eval()
-
-
-MODELS = {"gqa": llama, "mla": deepseek_v3}
+MODELS = {"gqa": tiny_llama, "mla": tiny_deepseek_v3}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokenizers"):
     pytest.importorskip(needed)
@@ -17,6 +16,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import transformers  # noqa: E402
 import uvicorn  # noqa: E402
+from tiny_models import tiny_llama  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from kvtier.engine import Engine  # noqa: E402
@@ -49,18 +49,7 @@ def tiny_tokenizer():
 @pytest.fixture(scope="module")
 def server():
     tokenizer = tiny_tokenizer()
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = tiny_llama(len(tokenizer), 256, eos_token_id=tokenizer.eos_token_id)
     engine = Engine(model, tokenizer, device_tokens=512, host_tokens=2048)
     app = create_app(engine, MODEL)
     with socket.socket() as s:
