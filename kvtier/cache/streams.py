@@ -171,9 +171,6 @@ class DeferredLane(Lane):
                 return
             self.run_until(self._queue[0][0])
 
-    def pending(self) -> int:
-        return len(self._queue)
-
     def drain(self) -> None:
         self.run_until(self._issued)
 
