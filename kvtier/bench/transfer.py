@@ -186,9 +186,12 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
                     direction, s.host, s.dev, hs, ds, kernel=cfg.kernel, stream=s.stream
                 )
                 for variant, path, opts in _variants(cfg, planned, host_label):
-                    plan = TransferPlan.build(
-                        direction, s.host, s.dev, hs, ds, force=path, kernel=opts, stream=s.stream
-                    )
+                    if path is None:  # the planner's own plan, already built
+                        plan = planned
+                    else:
+                        plan = TransferPlan.build(
+                            direction, s.host, s.dev, hs, ds, force=path, kernel=opts, stream=s.stream
+                        )
                     progress(f"{direction.value} {host_label} / device {dev_label}: {variant}")
                     rows.append(_time(s, plan, variant, planned, host_label, dev_label))
     return rows, _metadata(cfg, s.ceilings, s.layer_bytes)
