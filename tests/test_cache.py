@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,7 +93,7 @@ def test_split_keeps_slot_ownership_exact() -> None:
     c.flush()
     c.check_invariants()
     head = c.tree.root.children[(1, 1)]
-    assert head.key == (1, 1, 2, 2) and set(head.children) == {(3, 3), (9, 9)}
+    assert head.key.tolist() == [1, 1, 2, 2] and set(head.children) == {(3, 3), (9, 9)}
     assert torch.equal(head.device_slots, a[:4]) and torch.equal(b[:4], a[:4])
     assert torch.equal(head.children[(3, 3)].device_slots, a[4:])
     assert torch.equal(head.children[(9, 9)].device_slots, b[4:])
@@ -153,9 +154,25 @@ def test_bad_calls_raise_and_change_nothing() -> None:
         c.insert((7, 7, 7), c.alloc_device(2))
     with pytest.raises(SlotError, match="not held"):
         c.free_device(torch.tensor([30]))
-    assert c.device_alloc.available() == snapshot[0] - 2  # only the alloc_device above
+    with pytest.raises(SlotError, match="integer ids"):
+        c.insert([7.0, 7, 7, 7], c.alloc_device(4))
+    with pytest.raises(SlotError, match="1-D"):
+        c.insert(torch.zeros(2, 2, dtype=torch.int64), c.alloc_device(4))
+    assert c.device_alloc.available() == snapshot[0] - 10  # only the alloc_device calls above
     assert c.host_alloc.available() == snapshot[1]
     c.check_invariants()
+
+
+def test_match_takes_lists_tensors_and_arrays_alike() -> None:
+    c = make()
+    fill(c, tuple(range(8)))
+    for tokens in ([*range(8), 9], torch.arange(9), np.arange(9)):
+        m = c.match(tokens)
+        assert m.tokens == 8 and m.device_tokens == 8
+    with pytest.raises(SlotError, match="integer ids"):
+        c.match([0.5, 1.5])
+    with pytest.raises(SlotError, match="1-D"):
+        c.match([[0, 1]])
 
 
 def test_loading_an_evicted_or_loading_node_is_refused() -> None:

@@ -8,6 +8,7 @@ from conftest import host_row, poison_device, poison_host, random_rows, same_byt
 
 from kvtier.errors import PlanError, SlotError
 from kvtier.pool import DevicePool, HostLayout, HostPool
+from kvtier.pool.device import Direction
 from kvtier.spec import preset
 from kvtier.transfer import (
     KernelOptions,
@@ -16,10 +17,11 @@ from kvtier.transfer import (
     TransferPath,
     TransferPlan,
     backup,
+    dma,
     kernels,
     load_layer,
 )
-from kvtier.transfer.copy import pointer_runs
+from kvtier.transfer.copy import buffer_runs, layer_copies
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
@@ -441,19 +443,17 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))
-def test_pointer_runs_address_the_same_rows_as_the_tensor_path(layout, gen) -> None:
-    """The raw addresses used for batched submission are those of the rows the torch path copies."""
+def test_buffer_runs_address_the_same_rows_as_the_tensor_path(layout, gen) -> None:
+    """The raw addresses used for raw submission are those of the rows the torch path copies."""
     spec = preset("tiny-dsa", 4)
     host = HostPool(spec, 512, layout, chunk_bytes=4096)
     dev = DevicePool(spec, 512)
     hs = torch.cat([torch.arange(40, 120), torch.arange(300, 380)])
     ds = torch.cat([torch.arange(0, 80), torch.arange(200, 280)])
     plan = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
-    runs = pointer_runs(plan, host, dev)
-    assert runs is not None
     (part,) = plan.parts
     for b in spec.buffers:
-        host_ptrs, dev_ptrs, nbytes = runs[b.name]
+        host_ptrs, dev_ptrs, nbytes = buffer_runs(plan, host, dev, b)
         for j, layer in enumerate(b.layers):
             for r, p in enumerate(part.pieces):
                 seg = host.segment(b.name, layer, p.host // host.segment_slots)
@@ -461,4 +461,51 @@ def test_pointer_runs_address_the_same_rows_as_the_tensor_path(layout, gen) -> N
                 assert host_ptrs[j, r] == view.data_ptr()
                 assert dev_ptrs[j, r] == dev.layer(b.name, layer)[p.device].data_ptr()
                 assert nbytes[r] == p.length * b.row_bytes
-    assert pointer_runs(TransferPlan.build("load", host, dev, hs, ds, force="reference"), host, dev) is None
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_layer_copies_hold_every_run_of_every_layer_once(direction, monkeypatch) -> None:
+    """Per layer, the flat triples and batches together cover each buffer's runs exactly once, dst first."""
+    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)  # as on a GPU with cuda.bindings
+    spec = preset("tiny-dsa", 4)
+    host = HostPool(spec, 512, chunk_bytes=4096)
+    dev = DevicePool(spec, 512)
+    few = (torch.arange(40, 120), torch.arange(0, 80))
+    many = (torch.arange(0, 400, 8).repeat_interleave(4) + torch.arange(4).repeat(50), torch.arange(200))
+    for hs, ds in (few, many):
+        plan = TransferPlan.build(direction, host, dev, hs, ds, force="per_run")
+        work = layer_copies(plan, host, dev)
+        assert work is not None and len(work) == spec.num_layers
+        for layer, w in enumerate(work):
+            got = [tuple(w.flat[i : i + 3]) for i in range(0, len(w.flat), 3)]
+            for d, s, n in w.batches:
+                got += list(zip(d.tolist(), s.tolist(), n.tolist(), strict=True))
+            want = []
+            for b in spec.buffers_on(layer):
+                h, d, n = buffer_runs(plan, host, dev, b)
+                j = b.local_layer(layer)
+                pairs = (d[j], h[j]) if direction is Direction.LOAD else (h[j], d[j])
+                want += list(zip(pairs[0].tolist(), pairs[1].tolist(), n.tolist(), strict=True))
+            assert sorted(got) == sorted(want) and len(got) == len(want)
+    assert layer_copies(TransferPlan.build("load", host, dev, *few, force="reference"), host, dev) is None
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_whole_page_planning_finds_the_same_runs_as_per_slot(ps, layout) -> None:
+    """Runs found from page heads equal those found slot by slot, segment edges included."""
+    spec = preset("tiny-dsa", ps)
+    host = HostPool(spec, 1024, layout, chunk_bytes=8192)  # several segments in layer_first
+    dev = DevicePool(spec, 1024)
+    rng = torch.Generator().manual_seed(ps)
+    pages = 1024 // ps
+    for _ in range(5):
+        hp = torch.randperm(pages, generator=rng)[: pages // 2].sort().values
+        hp[: len(hp) // 3] = torch.arange(len(hp) // 3)  # some long runs across segment edges
+        dp = torch.randperm(pages, generator=rng)[: len(hp)]
+        hs = (hp[:, None] * ps + torch.arange(ps)).flatten()
+        ds = (dp[:, None] * ps + torch.arange(ps)).flatten()
+        a = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
+        b = TransferPlan.build("load", host, dev, hs, ds, force="per_run", trusted=True, whole_pages=True)
+        assert (a.host_runs, a.device_runs, a.joint_runs) == (b.host_runs, b.device_runs, b.joint_runs)
+        assert a.parts[0].pieces == b.parts[0].pieces

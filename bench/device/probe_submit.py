@@ -89,7 +89,7 @@ spec = preset("deepseek-v3")
 tokens = 131072
 cache = CacheController(DevicePool(spec, tokens, "cuda"), HostPool(spec, tokens), CacheConfig())
 rng = np.random.default_rng(0)
-seq = tuple(rng.integers(1, 50000, tokens).tolist())
+seq = rng.integers(1, 50000, tokens)
 cache.insert(seq, cache.alloc_device(tokens))
 prof = cProfile.Profile()
 walls = []
@@ -100,7 +100,7 @@ for r in range(6):
     if r:
         prof.enable()
     t0 = time.perf_counter()
-    m = cache.match(seq)
+    m = cache.match(seq.copy())
     t1 = time.perf_counter()
     h = cache.load_back(m)
     t2 = time.perf_counter()
@@ -111,7 +111,7 @@ for r in range(6):
 res["match_loadback_us"] = walls
 print("match/load_back us:", walls)
 sio = io.StringIO()
-pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(30)
+pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(25)
 print(sio.getvalue())
 open(f"{out}/probe_submit.txt", "w").write(sio.getvalue())
 json.dump(res, open(f"{out}/probe_submit.json", "w"), indent=1)

@@ -459,8 +459,9 @@ def run_prefix_reload(
         before = cache.metrics.bytes_h2d
         if cuda:
             torch.cuda.synchronize(device)
+        query = np.array(seq, dtype=np.int64)  # a new request's ids, as an engine holds them
         c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
-        m = cache.match(seq)
+        m = cache.match(query)
         w1 = time.perf_counter()
         h = cache.load_back(m)
         c2, t2, w2 = time.process_time(), time.thread_time(), time.perf_counter()

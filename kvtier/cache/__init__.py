@@ -8,6 +8,7 @@ from kvtier.cache.controller import (
     LoadHandle,
     Match,
     WritePolicy,
+    token_ids,
 )
 from kvtier.cache.radix import Node, NodeState, RadixTree
 
@@ -22,4 +23,5 @@ __all__ = [
     "NodeState",
     "RadixTree",
     "WritePolicy",
+    "token_ids",
 ]

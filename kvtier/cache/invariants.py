@@ -58,7 +58,8 @@ def check(c: CacheController, compare_bytes: bool = True) -> None:
 def _check_node(c: CacheController, n: Node, ps: int) -> None:
     assert n.state is not NodeState.DROPPED, f"{n} is dropped but still in the tree"
     assert len(n.key) > 0 and len(n.key) % ps == 0, f"{n}: key of {len(n.key)} tokens"
-    assert n.parent is not None and n.parent.children.get(n.key[:ps]) is n, f"{n}: parent link broken"
+    assert n.parent is not None, f"{n}: no parent"
+    assert n.parent.children.get(c.tree.page_key(n.key)) is n, f"{n}: parent link broken"
     if n.state.on_device:
         assert n.device_slots is not None and len(n.device_slots) == len(n), f"{n}: device slots"
         assert n.parent.is_root or n.parent.state.on_device, f"{n} on the device under a node that is not"

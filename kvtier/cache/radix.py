@@ -20,6 +20,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 
 from kvtier.cache.streams import Signal
@@ -49,14 +50,15 @@ _ids = itertools.count(1)
 
 @dataclass(eq=False)
 class Node:
-    """A stretch of tokens (`key`, whole pages) under `parent`.
+    """A stretch of tokens (`key`: `[whole pages]` int64, read-only) under `parent`.
 
+    `children` are keyed by the first page of their key (`RadixTree.page_key`).
     `device_slots` / `host_slots`: `[len(key)]` int64 CPU tensors, or None where the
     node has no copy (or one still in flight for `host_slots` while `BACKING_UP`:
     allocated, not yet valid). `signal`: the transfer in flight, if any.
     """
 
-    key: tuple[int, ...]
+    key: np.ndarray
     parent: Node | None
     state: NodeState = NodeState.DEVICE
     device_slots: torch.Tensor | None = None
@@ -95,20 +97,21 @@ class RadixTree:
         if page_size < 1:
             raise ValueError(f"page_size {page_size} must be positive")
         self.page_size = page_size
-        self.root = Node(key=(), parent=None, state=NodeState.BOTH)
+        self.root = Node(key=np.empty(0, dtype=np.int64), parent=None, state=NodeState.BOTH)
         self.root.lock = 1  # the root is never evicted
         self._clock = itertools.count(1)
 
     def tick(self) -> int:
         return next(self._clock)
 
-    def page_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
-        return key[: self.page_size]
+    def page_key(self, key: np.ndarray) -> tuple[int, ...]:
+        """The children-dict key of a node whose key (or a token array) starts with `key`'s first page."""
+        return tuple(key[: self.page_size].tolist())
 
-    def whole_pages(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+    def whole_pages(self, tokens: np.ndarray) -> np.ndarray:
         return tokens[: len(tokens) // self.page_size * self.page_size]
 
-    def walk(self, tokens: tuple[int, ...]) -> tuple[list[Node], int, Node | None, int]:
+    def walk(self, tokens: np.ndarray) -> tuple[list[Node], int, Node | None, int]:
         """Follow `tokens` (whole pages): `(full nodes, tokens they cover, partial node, its shared length)`.
 
         The partial node is the next node whose key matches only its first pages;
@@ -119,7 +122,7 @@ class RadixTree:
         pos = 0
         ps = self.page_size
         while pos < len(tokens):
-            child = node.children.get(tokens[pos : pos + ps])
+            child = node.children.get(self.page_key(tokens[pos:]))
             if child is None:
                 break
             shared = _shared_pages(child.key, tokens, pos, ps)
@@ -156,7 +159,7 @@ class RadixTree:
         head.children[self.page_key(node.key)] = node
         return head
 
-    def add_child(self, parent: Node, key: tuple[int, ...], device_slots: torch.Tensor) -> Node:
+    def add_child(self, parent: Node, key: np.ndarray, device_slots: torch.Tensor) -> Node:
         node = Node(key=key, parent=parent, device_slots=device_slots, last_access=self.tick())
         parent.children[self.page_key(key)] = node
         return node
@@ -184,20 +187,13 @@ class RadixTree:
             n = n.parent
 
 
-def _shared_pages(key: tuple[int, ...], tokens: tuple[int, ...], pos: int, ps: int) -> int:
+def _shared_pages(key: np.ndarray, tokens: np.ndarray, pos: int, ps: int) -> int:
     """Length of the common prefix of `key` and `tokens[pos:]`, rounded down to whole pages.
 
-    Compares slices (C speed): the whole key first, the common case, then a binary
-    search over pages; a long prefix never costs a Python loop per token.
+    One vectorised comparison (tens of microseconds for 131072 tokens), never a
+    Python loop per token.
     """
-    n = min(len(key), len(tokens) - pos) // ps
-    if tokens[pos : pos + n * ps] == key[: n * ps]:
-        return n * ps
-    lo, hi = 0, n  # key[:lo pages] matches, key[:hi pages] does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tokens[pos : pos + mid * ps] == key[: mid * ps]:
-            lo = mid
-        else:
-            hi = mid
-    return lo * ps
+    n = min(len(key), len(tokens) - pos)
+    same = key[:n] == tokens[pos : pos + n]
+    first = n if same.all() else int(same.argmin())
+    return first // ps * ps

@@ -44,6 +44,10 @@ class Lane:
         """Order this lane's later work after `signal` (no host wait)."""
         raise NotImplementedError
 
+    def wait_for(self, stream: torch.cuda.Stream) -> None:
+        """Order this lane's later work after the work queued on a CUDA `stream` (no host wait)."""
+        raise NotImplementedError
+
     def drain(self) -> None:
         """Run (or wait for) everything submitted so far."""
         raise NotImplementedError
@@ -62,8 +66,17 @@ class Lane:
 
 
 class CudaSignal(Signal):
-    def __init__(self, event: torch.cuda.Event) -> None:
+    """A recorded event; with `pool`, the event goes back to it when the signal is dropped."""
+
+    def __init__(self, event: torch.cuda.Event, pool: list[torch.cuda.Event] | None = None) -> None:
         self.event = event
+        self._pool = pool
+
+    def __del__(self) -> None:
+        # Nobody can query or wait on this recording any more; a later record may reuse the event
+        # (a stream already told to wait keeps waiting for this recording, as CUDA defines it).
+        if self._pool is not None:
+            self._pool.append(self.event)
 
     def query(self) -> bool:
         return self.event.query()
@@ -80,6 +93,12 @@ class CudaLane(Lane):
 
     def __init__(self, device: torch.device, priority: int = 0) -> None:
         self._stream = torch.cuda.Stream(device, priority=priority)
+        self._events: list[torch.cuda.Event] = []  # recorded before, free to record again
+
+    def _record(self) -> CudaSignal:
+        event = self._events.pop() if self._events else torch.cuda.Event()
+        event.record(self._stream)
+        return CudaSignal(event, self._events)
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -90,26 +109,30 @@ class CudaLane(Lane):
             fn()
 
     def signal(self) -> Signal:
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return CudaSignal(event)
+        return self._record()
 
     def wait(self, signal: Signal) -> None:
         assert isinstance(signal, CudaSignal)
         self._stream.wait_event(signal.event)
 
+    def wait_for(self, stream: torch.cuda.Stream) -> None:
+        """Order this lane's later work after everything queued on `stream` so far (no host wait)."""
+        event = self._events.pop() if self._events else torch.cuda.Event()
+        event.record(stream)
+        self._stream.wait_event(event)
+        self._events.append(event)  # the wait is enqueued: a later record cannot change it
+
     def drain(self) -> None:
         self._stream.synchronize()
 
     def run_each(self, jobs: list[Callable[[], None]]) -> list[Signal]:
-        # One stream context for all jobs: this loop is the per-layer submission cost.
+        # One stream context for all jobs and events from the pool: this loop is the per-layer
+        # submission cost of a reload.
         signals: list[Signal] = []
         with torch.cuda.stream(self._stream):
             for job in jobs:
                 job()
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                signals.append(CudaSignal(event))
+                signals.append(self._record())
         return signals
 
 
@@ -158,6 +181,9 @@ class DeferredLane(Lane):
 
     def wait(self, signal: Signal) -> None:
         self._waits.append(signal)
+
+    def wait_for(self, stream: torch.cuda.Stream) -> None:
+        raise TypeError("a CPU lane cannot wait for a CUDA stream")
 
     def run_until(self, ticket: int) -> None:
         while self.done < ticket and self._queue:

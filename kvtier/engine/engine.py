@@ -22,9 +22,10 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvtier.cache import CacheConfig, CacheController
+from kvtier.cache import CacheConfig, CacheController, token_ids
 from kvtier.engine.hf import KVTierCache, spec_from_hf_config
 from kvtier.errors import KVTierError
 from kvtier.pool import DevicePool, HostPool
@@ -159,7 +160,8 @@ class Engine:
         lease released, so the cache stays consistent.
         """
         params = params or SamplingParams()
-        prompt = [int(t) for t in prompt]
+        ids = token_ids(prompt)  # the cache matches and inserts arrays; decoding uses the list
+        prompt = ids.tolist()
         if not prompt:
             raise ValueError("empty prompt")
         if self.max_context and len(prompt) + params.max_tokens > self.max_context:
@@ -171,7 +173,7 @@ class Engine:
             t0 = time.perf_counter()
             cache = self.cache
             # The last prompt token is always computed: its logits pick the first new token.
-            match = cache.match(prompt[:-1])
+            match = cache.match(ids[:-1])
             lease = cache.acquire(match)
             new_slots = None
             kv = None
@@ -201,7 +203,7 @@ class Engine:
                     tokens.append(token)
                     yield token
             finally:
-                self._finish(prompt + tokens, prefix, kv, new_slots, lease)
+                self._finish(ids, tokens, prefix, kv, new_slots, lease)
         loaded = 0 if load.recompute else load.tokens
         return RequestResult(
             prompt_tokens=len(prompt),
@@ -220,7 +222,8 @@ class Engine:
 
     def _finish(
         self,
-        seq: list[int],
+        ids: np.ndarray,
+        tokens: list[int],
         prefix: torch.Tensor,
         kv: KVTierCache | None,
         new_slots: torch.Tensor | None,
@@ -233,6 +236,7 @@ class Engine:
                 written = kv.written if kv is not None else 0
                 if written:
                     n = prefix.numel() + written
+                    seq = np.concatenate([ids, np.asarray(tokens, dtype=np.int64)])
                     cache.insert(seq[:n], torch.cat([prefix, new_slots[:written]]))
                 cache.free_device(new_slots[written:])
         finally:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import SpecError
+from kvtier.pool.rows import rows_contiguous
 from kvtier.spec import KVSpec
 
 DEFAULT_MAX_STAGING_TOKENS = 131072
@@ -67,6 +68,11 @@ class DevicePool:
         self._staging = {
             d: torch.empty(staging_tokens * widest, dtype=torch.uint8, device=self.device) for d in Direction
         }
+        # Buffers whose every layer holds the spec's dtype in packed rows: raw copies may address them.
+        self._raw = {
+            b.name: all(t.dtype == b.dtype and rows_contiguous(t) for t in self._tensors[b.name])
+            for b in spec.buffers
+        }
         self.footprint_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts) + sum(
             s.nbytes for s in self._staging.values()
         )
@@ -112,6 +118,10 @@ class DevicePool:
         """The tensor of one buffer on model layer `layer`: `[num_slots, *row]`."""
         b = self.spec.buffer(buffer)
         return self._tensors[buffer][b.local_layer(layer)]
+
+    def raw_rows(self, buffer: str) -> bool:
+        """Whether every layer of `buffer` has the spec's dtype in packed rows (raw copies can move it)."""
+        return self._raw[buffer]
 
     def layer_ptrs(self, buffer: str) -> np.ndarray:
         """`[layers of the buffer]` int64: the address of each layer's tensor."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -87,7 +88,7 @@ def _move(
     stream: torch.cuda.Stream | None,
 ) -> None:
     dev = device_pool.layer(b.name, layer)
-    if not (dev.dtype == b.dtype and rows_contiguous(dev)):
+    if not device_pool.raw_rows(b.name):
         _reference(plan, host_pool, dev, b, layer, None)
         return
     dev_w = as_words(dev)
@@ -105,49 +106,72 @@ def _move(
             _reference(plan, host_pool, dev, b, layer, part)
 
 
-def pointer_runs(
-    plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool
-) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
-    """Raw addresses of a copy-engine-only plan, for every buffer and layer at once.
+@dataclass(frozen=True)
+class LayerCopies:
+    """The copy-engine work of one model layer, as raw addresses.
 
-    Returns `{buffer: (host [L, R], device [L, R], bytes [R])}` (int64; `L` the
-    buffer's layers, `R` its runs), or None when some part is not a copy-engine part
-    or a device tensor cannot take raw copies. Submitting a layer is then one
-    `dma.copy_runs` per buffer, with no tensor views built per layer.
+    `flat`: `[dst, src, bytes, dst, src, bytes, ...]` Python ints, issued one
+    `cudaMemcpyAsync` each (buffers with a few runs); `batches`: `(dst [R], src [R],
+    bytes [R])` int64 arrays, one batched call each (buffers with many runs).
+    """
+
+    flat: list[int] = field(default_factory=list)
+    batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+
+
+def buffer_runs(
+    plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool, b: BufferSpec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw addresses of every joint run of buffer `b` on each of its layers.
+
+    Returns `(host [L, R], device [L, R], bytes [R])` int64, `L` the buffer's layers
+    and `R` the plan's runs (every part must be a copy-engine part).
+    """
+    bases = host_pool.region_ptrs(b.name)
+    regions, host_off, dev_off, nbytes = (
+        np.concatenate(x) for x in zip(*(p.run_bytes[b.name] for p in plan.parts), strict=True)
+    )
+    host = bases[:, regions] + host_off[None, :]
+    dev = device_pool.layer_ptrs(b.name)[:, None] + dev_off[None, :]
+    return host, dev, nbytes
+
+
+def layer_copies(
+    plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool
+) -> list[LayerCopies] | None:
+    """Every layer's work of a copy-engine-only plan, computed once for the whole operation.
+
+    Returns one `LayerCopies` per model layer, or None when some part is not a
+    copy-engine part, a device buffer cannot take raw copies, or raw copies are not
+    available here (no `cuda.bindings`). Submitting a layer is then a few runtime
+    calls (`submit_copies`), with no tensor views or address arithmetic per layer.
     """
     if not plan.parts or any(p.mechanism is not Mechanism.COPY for p in plan.parts):
         return None
-    out = {}
-    for b in host_pool.spec.buffers:
-        for layer in b.layers:
-            dev = device_pool.layer(b.name, layer)
-            if dev.dtype != b.dtype or not rows_contiguous(dev):
-                return None
-        bases = host_pool.region_ptrs(b.name)
-        regions, host_off, dev_off, nbytes = (
-            np.concatenate(x) for x in zip(*(p.run_bytes[b.name] for p in plan.parts), strict=True)
-        )
-        host = bases[:, regions] + host_off[None, :]
-        dev = device_pool.layer_ptrs(b.name)[:, None] + dev_off[None, :]
-        out[b.name] = (host, dev, nbytes)
-    return out
-
-
-def submit_pointer_layer(
-    plan: TransferPlan,
-    runs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
-    spec_buffers: tuple[BufferSpec, ...],
-    layer: int,
-    stream: torch.cuda.Stream,
-) -> None:
-    """Submit one layer of `pointer_runs` on `stream` (no host synchronisation)."""
-    for b in spec_buffers:
-        host, dev, nbytes = runs[b.name]
-        j = b.local_layer(layer)
-        if plan.direction is Direction.LOAD:
-            dma.copy_runs(dev[j], host[j], nbytes, stream)
+    spec = host_pool.spec
+    if dma.dma_mode() is dma.DmaMode.TORCH or not all(device_pool.raw_rows(b.name) for b in spec.buffers):
+        return None
+    work = [LayerCopies() for _ in range(spec.num_layers)]
+    for b in spec.buffers:
+        host, dev, nbytes = buffer_runs(plan, host_pool, device_pool, b)
+        dst, src = (dev, host) if plan.direction is Direction.LOAD else (host, dev)
+        if len(nbytes) <= dma.SMALL_BATCH:
+            triples = np.empty((*dst.shape, 3), dtype=np.int64)
+            triples[..., 0], triples[..., 1], triples[..., 2] = dst, src, nbytes
+            for layer, row in zip(b.layers, triples.reshape(len(b.layers), -1).tolist(), strict=True):
+                work[layer].flat.extend(row)
         else:
-            dma.copy_runs(host[j], dev[j], nbytes, stream)
+            for j, layer in enumerate(b.layers):
+                work[layer].batches.append((dst[j], src[j], nbytes))
+    return work
+
+
+def submit_copies(work: LayerCopies, issue: dma.Issue, stream: torch.cuda.Stream) -> None:
+    """Submit one layer of `layer_copies` on `stream` (`issue` from `dma.issuer(stream)`; no host sync)."""
+    if work.flat:
+        issue(work.flat)
+    for dst, src, nbytes in work.batches:
+        dma.copy_runs(dst, src, nbytes, stream)
 
 
 def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:

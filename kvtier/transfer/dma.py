@@ -13,6 +13,7 @@ a stream they created; `copy_runs` refuses the default stream up front.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from enum import Enum
 
 import numpy as np
@@ -108,13 +109,38 @@ def copy_runs(
             return
         _check(err, "cudaMemcpyBatchAsync")
     elif mode is DmaMode.LOOP:
-        kind = rt.cudaMemcpyKind.cudaMemcpyDefault
-        handle = _handle(stream)
-        for d, s, size in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist(), strict=True):
-            (err,) = rt.cudaMemcpyAsync(d, s, size, kind, handle)
-            _check(err, "cudaMemcpyAsync")
+        flat = np.stack([dst_ptrs, src_ptrs, sizes], axis=1).astype(np.int64, copy=False)
+        issuer(stream)(flat.ravel().tolist())
     else:
         raise ValueError("DmaMode.TORCH copies tensors, not raw pointers: use the torch path")
+
+
+Issue = Callable[[list[int]], None]
+
+
+def issuer(stream: torch.cuda.Stream) -> Issue:
+    """A function that submits `[dst, src, bytes, dst, src, bytes, ...]` on `stream`.
+
+    One `cudaMemcpyAsync` per triple (raw addresses and byte counts as Python ints),
+    with the runtime function, copy kind and stream handle looked up once: this is
+    the per-layer submission of a reload, so nothing else happens per call.
+    """
+    if _probe() is DmaMode.TORCH:
+        raise ValueError("raw copies need cuda.bindings")
+    if stream.cuda_stream == 0:
+        raise ValueError("batched copies need a stream you created, not the legacy default stream")
+    memcpy = _runtime.cudaMemcpyAsync
+    kind = _runtime.cudaMemcpyKind.cudaMemcpyDefault
+    handle = _handle(stream)
+    ok = _runtime.cudaError_t.cudaSuccess
+
+    def issue(flat: list[int]) -> None:
+        for i in range(0, len(flat), 3):
+            (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, handle)
+            if err != ok:
+                _check(err, "cudaMemcpyAsync")
+
+    return issue
 
 
 _handles: dict[int, object] = {}

@@ -222,6 +222,7 @@ class TransferPlan:
         use_kernel: bool | None = None,
         stream: torch.cuda.Stream | None = None,
         trusted: bool = False,
+        whole_pages: bool = False,
     ) -> TransferPlan:
         """Validate the pairs and plan the operation; raises before anything is written.
 
@@ -233,6 +234,8 @@ class TransferPlan:
         with Triton). On CUDA the device indices are uploaded on `stream`. `trusted`:
         the slots come from this library's allocators and tree (int64 CPU tensors, in
         range, destinations distinct), so the O(n log n) checks are skipped.
+        `whole_pages`: both sides are whole allocator pages (each page's slots
+        consecutive from a page-aligned id), so runs are found per page, not per slot.
         """
         direction = Direction(direction)
         costs = costs or PathCosts()
@@ -256,17 +259,14 @@ class TransferPlan:
             _check_distinct(dst_name, dst)
 
         hn, dn = h.numpy(), d.numpy()
-        seg = host_pool.segment_slots
-        host_break = np.ones(len(hn), dtype=bool)
-        dev_break = np.ones(len(dn), dtype=bool)
-        if len(hn):
-            host_break[1:] = np.diff(hn) != 1
-            if seg < host_pool.num_slots:  # more than one segment: runs also break at their edges
-                host_break[1:] |= hn[1:] % seg == 0
-            dev_break[1:] = np.diff(dn) != 1
-        joint_break = host_break | dev_break
-        host_starts, host_lens = _runs(host_break)
-        joint_starts, joint_lens = _runs(joint_break)
+        ps = host_pool.spec.page_size
+        step = ps if whole_pages and len(hn) % ps == 0 else 1
+        host_break, dev_break = (
+            _breaks(hn, step, host_pool.segment_slots, host_pool.num_slots),
+            _breaks(dn, step),
+        )
+        host_starts, host_lens = _runs(host_break, step)
+        joint_starts, joint_lens = _runs(host_break | dev_break, step)
         widest = max(b.row_bytes for b in host_pool.spec.buffers)
         cuda = device_pool.device.type == "cuda"
 
@@ -477,10 +477,27 @@ def _shape_of(spec: KVSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]
     return [(b.name, b.layers, b.row_shape) for b in spec.buffers]
 
 
-def _runs(breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Start positions and lengths of the runs that `breaks` (`[n]` bool) delimits."""
+def _breaks(slots: np.ndarray, step: int, segment: int | None = None, num_slots: int = 0) -> np.ndarray:
+    """Where a run starts, per `step` slots: `[n // step]` bool.
+
+    `slots`: `[n]` int64; with `step` > 1 every `step` consecutive slots are one page
+    (consecutive ids), so only page heads are compared. A run also starts at a
+    segment edge (`segment` slots, host side) when the pool has more than one.
+    """
+    heads = slots[::step] if step > 1 else slots
+    out = np.ones(len(heads), dtype=bool)
+    if len(heads) > 1:
+        np.not_equal(np.diff(heads), step, out=out[1:])
+        if segment is not None and segment < num_slots:
+            out[1:] |= heads[1:] % segment == 0
+    return out
+
+
+def _runs(breaks: np.ndarray, step: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Start positions and lengths, in slots, of the runs that `breaks` (`[n // step]` bool) delimits."""
     starts = np.flatnonzero(breaks)
-    return starts, np.diff(np.append(starts, len(breaks)))
+    lens = np.diff(np.append(starts, len(breaks)))
+    return starts * step, lens * step
 
 
 def _pieces(hn: np.ndarray, dn: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> tuple[Piece, ...]:
