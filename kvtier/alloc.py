@@ -176,6 +176,14 @@ class HostSlotAllocator:
         any free run holds `n` slots (the smallest such run, from its start), else
         the largest runs first. First_fit: the head of the FIFO free list.
         """
+        got = self.alloc_runs(n)
+        return None if got is None else got[0]
+
+    def alloc_runs(self, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
+        """`alloc(n)` and the runs it is made of: `(slots, [(first slot, length), ...])` in order.
+
+        The runs let a caller plan a transfer without a pass over the slots.
+        """
         if not _is_int(n) or n <= 0 or n % self.page_size:
             raise SlotError(
                 f"alloc size must be a positive int multiple of page_size={self.page_size}, got {n!r}"
@@ -183,13 +191,17 @@ class HostSlotAllocator:
         k = int(n) // self.page_size
         if k > self._free_pages:
             return None
+        ps = self.page_size
         if self.policy is AllocPolicy.FIRST_FIT:
             pages = self._take_fifo(k)
-            slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+            slots = (pages[:, None] * ps + self._offsets).reshape(-1)
+            heads = np.flatnonzero(np.diff(pages, prepend=pages[0] - 2) != 1)
+            lens = np.diff(np.append(heads, len(pages)))
+            runs = list(zip((pages[heads] * ps).tolist(), (lens * ps).tolist(), strict=True))
         else:
-            slots = self._take_runs(k)
+            slots, runs = self._take_runs(k)
         self._free_pages -= k
-        return torch.from_numpy(slots)
+        return torch.from_numpy(slots), runs
 
     def _take_fifo(self, k: int) -> np.ndarray:
         """Pop `k` pages from the head of the free list; returns them as `int64`."""
@@ -216,8 +228,8 @@ class HostSlotAllocator:
             self._head_pos = 0
         return pages
 
-    def _take_runs(self, k: int) -> np.ndarray:
-        """Take `k` pages from the free runs; returns their slot ids as `int64`."""
+    def _take_runs(self, k: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Take `k` pages from the free runs: their slot ids (`int64`) and `(first slot, length)` runs."""
         ps = self.page_size
         sizes = self._runs_by_size
         i = sizes.bisect_left((k, -1))
@@ -246,7 +258,8 @@ class HostSlotAllocator:
                 self._add_run(start + take, length - take)
             self._state[start : start + take] = _LIVE
             out.append(np.arange(start * ps, (start + take) * ps, dtype=np.int64))
-        return out[0] if len(out) == 1 else np.concatenate(out)
+        runs = [(start * ps, take * ps) for _, start, take in plan]
+        return (out[0] if len(out) == 1 else np.concatenate(out)), runs
 
     def _claim(self, pages: np.ndarray) -> None:
         """Check that no page in `pages` is allocated, then mark them allocated."""

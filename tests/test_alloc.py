@@ -143,6 +143,25 @@ def test_alloc_free_basics(cfg: tuple[str, int]) -> None:
     a._check_invariants()
 
 
+def test_alloc_runs_describe_exactly_the_slots_handed_out(cfg: tuple[str, int]) -> None:
+    """After churn, the runs `alloc_runs` reports expand to its slots, in order, each run maximal or split."""
+    policy, ps = cfg
+    a = HostSlotAllocator(64 * ps, ps, policy)
+    rng = random.Random(7)
+    live: list[torch.Tensor] = []
+    for _ in range(200):
+        if live and (rng.random() < 0.5 or a.available() < 8 * ps):
+            a.free(live.pop(rng.randrange(len(live))))
+            continue
+        got = a.alloc_runs(rng.randint(1, 8) * ps)
+        assert got is not None
+        slots, runs = got
+        assert sum(n for _, n in runs) == len(slots)
+        assert [s for start, n in runs for s in range(start, start + n)] == slots.tolist()
+        live.append(slots)
+    a._check_invariants()
+
+
 def test_free_accepts_any_integer_dtype(cfg: tuple[str, int]) -> None:
     policy, ps = cfg
     a = HostSlotAllocator(8 * ps, ps, policy)

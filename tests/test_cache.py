@@ -11,6 +11,7 @@ from kvtier.errors import CacheFullError, CacheStateError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.rows import as_words
 from kvtier.spec import preset
+from kvtier.transfer import TransferPath
 
 
 def make(policy=WritePolicy.WRITE_THROUGH, device=32, host=64, ps=2, **kw) -> CacheController:
@@ -252,5 +253,27 @@ def test_cuda_round_trip_is_byte_identical(policy) -> None:
     for (name, layer), rows in want.items():
         got = as_words(c.device_pool.layer(name, layer))[h.device_slots.cuda()].cpu()
         assert torch.equal(got, rows), (name, layer)
+    c.flush()
+    c.check_invariants()
+
+
+def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch) -> None:
+    """Host runs kept on the nodes (through a split) and the device allocator's runs plan the load."""
+    from kvtier.transfer import plan as plan_module
+
+    c = make()
+    fill(c, tuple(range(16)))
+    fill(c, (*range(8), 99, 99))  # splits the first node after 8 tokens
+    c.flush()
+    c.evict_device(32)
+    m = c.match(tuple(range(16)))
+    assert len(m.host_nodes) == 2
+
+    def no_scan(*_a, **_k):
+        raise AssertionError("the slots were scanned")
+
+    monkeypatch.setattr(plan_module, "_breaks", no_scan)
+    h = c.load_back(m)
+    assert h.plan is not None and h.plan.path is TransferPath.SINGLE_COPY
     c.flush()
     c.check_invariants()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import host_row, poison_device, poison_host, random_rows, same_bytes
@@ -509,3 +510,58 @@ def test_whole_page_planning_finds_the_same_runs_as_per_slot(ps, layout) -> None
         b = TransferPlan.build("load", host, dev, hs, ds, force="per_run", trusted=True, whole_pages=True)
         assert (a.host_runs, a.device_runs, a.joint_runs) == (b.host_runs, b.device_runs, b.joint_runs)
         assert a.parts[0].pieces == b.parts[0].pieces
+
+
+def _runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal ascending runs of `slots`, cut arbitrarily more (callers may hand over split runs)."""
+    out: list[tuple[int, int]] = []
+    for s in slots.tolist():
+        if out and out[-1][0] + out[-1][1] == s and len(out) % 3:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
+    """A plan built from run lists is the slot-scan plan: same path, runs, pieces and addresses."""
+    spec = preset("tiny-mla", 2)
+    host = HostPool(spec, 1024, layout, chunk_bytes=16384)
+    dev = DevicePool(spec, 1024)
+    gen = torch.Generator().manual_seed(3)
+    cases = [(torch.arange(100, 300), torch.arange(500, 700))]  # crosses segment edges in layer_first
+    for _ in range(6):
+        hp = torch.randperm(512, generator=gen)[:64].sort().values
+        hp[:30] = torch.arange(30)
+        dp = torch.randperm(512, generator=gen)[:64]
+        cases.append(
+            ((hp[:, None] * 2 + torch.arange(2)).flatten(), (dp[:, None] * 2 + torch.arange(2)).flatten())
+        )
+    for hs, ds in cases:
+        for force in (None, "per_run"):
+            a = TransferPlan.build("load", host, dev, hs, ds, force=force, use_kernel=False)
+            b = TransferPlan.build(
+                "load",
+                host,
+                dev,
+                hs,
+                ds,
+                force=force,
+                use_kernel=False,
+                trusted=True,
+                runs=(_runs_of(hs), _runs_of(ds)),
+            )
+            assert (a.path, a.host_runs, a.device_runs, a.joint_runs) == (
+                b.path,
+                b.host_runs,
+                b.device_runs,
+                b.joint_runs,
+            )
+            assert [p.pieces for p in a.parts] == [p.pieces for p in b.parts]
+            if a.path in (TransferPath.PER_RUN, TransferPath.SINGLE_COPY):
+                for name in a.parts[0].run_bytes:
+                    for x, y in zip(a.parts[0].run_bytes[name], b.parts[0].run_bytes[name], strict=True):
+                        assert np.array_equal(x, y)
+    with pytest.raises(PlanError, match="cover"):
+        TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(0, 5)]))

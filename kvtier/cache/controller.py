@@ -266,7 +266,7 @@ class CacheController:
             raise SlotError(f"alloc_device({n}): not a whole number of pages of {self.spec.page_size}")
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        slots = self._alloc_device(n)
+        slots, _ = self._alloc_device(n)
         self._held[slots.numpy()] = True
         return slots
 
@@ -375,13 +375,17 @@ class CacheController:
         t0 = time.perf_counter()
         self.tree.lock_path(nodes[-1], +1)  # nothing on the path is evicted while it loads
         try:
-            dev = self._alloc_device(total)
+            dev, dev_runs = self._alloc_device(total)
         except CacheFullError:
             self.tree.lock_path(nodes[-1], -1)
             raise
         # Both sides are allocator pages (host: from backups, device: just allocated).
         plan, jobs = self._transfer(
-            Direction.LOAD, _concat([n.host_slots for n in nodes]), dev, whole_pages=True
+            Direction.LOAD,
+            _concat([n.host_slots for n in nodes]),
+            dev,
+            whole_pages=True,
+            runs=_runs_of(nodes, dev_runs),
         )
         signals = self.load_lane.run_each(jobs)
         at = 0
@@ -514,21 +518,22 @@ class CacheController:
     def _backup(self, n: Node) -> bool:
         """Start copying `n` to the host; False when the host has no room even after eviction."""
         assert n.state is NodeState.DEVICE
-        slots = self.host_alloc.alloc(len(n))
-        if slots is None:
+        got = self.host_alloc.alloc_runs(len(n))
+        if got is None:
             n.lock += 1  # keep `n` (and so its path) out of the host eviction below
             self.evict_host(len(n) - self.host_alloc.available())
             n.lock -= 1
-            slots = self.host_alloc.alloc(len(n))
-        if slots is None:
+            got = self.host_alloc.alloc_runs(len(n))
+        if got is None:
             self.metrics.backups_skipped += 1
             return False
+        slots, runs = got
         lane = self.backup_lane
         _, jobs = self._transfer(Direction.BACKUP, slots, n.device_slots)
         for job in jobs:
             lane.submit(job)
         signal = lane.signal()
-        n.host_slots = slots
+        n.host_slots, n.host_runs = slots, runs
         n.state = NodeState.BACKING_UP
         n.signal = signal
         self._inflight[id(signal)] = (signal, [n], None)
@@ -537,12 +542,17 @@ class CacheController:
         return True
 
     def _transfer(
-        self, direction: Direction, host: torch.Tensor, dev: torch.Tensor, whole_pages: bool = False
+        self,
+        direction: Direction,
+        host: torch.Tensor,
+        dev: torch.Tensor,
+        whole_pages: bool = False,
+        runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
     ) -> tuple[TransferPlan, list[Callable[[], None]]]:
         """Plan one operation on its lane (ordered after the compute stream) and its per-layer jobs.
 
         `host`, `dev`: `[n]` int64 CPU slots from this cache's allocators and tree;
-        `whole_pages`: both are whole allocator pages (see `TransferPlan.build`).
+        `whole_pages`, `runs`: what is known of them (see `TransferPlan.build`).
         """
         lane = self.load_lane if direction is Direction.LOAD else self.backup_lane
         plan = TransferPlan.build(
@@ -557,6 +567,7 @@ class CacheController:
             stream=lane.stream,
             trusted=True,
             whole_pages=whole_pages,
+            runs=runs,
         )
         self._after_compute(lane)
         return plan, self._layer_jobs(plan, lane.stream)
@@ -587,19 +598,20 @@ class CacheController:
             if n.state is NodeState.BACKING_UP:
                 self._complete(n.signal, wait=True)
             self.host_alloc.free(n.host_slots)
-            n.host_slots = None
+            n.host_slots = n.host_runs = None
 
-    def _alloc_device(self, n: int) -> torch.Tensor:
-        slots = self.device_alloc.alloc(n)
-        if slots is None:
+    def _alloc_device(self, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """`n` device slots and their runs, evicting from the device when short."""
+        got = self.device_alloc.alloc_runs(n)
+        if got is None:
             self.evict_device(n - self.device_alloc.available())
-            slots = self.device_alloc.alloc(n)
-        if slots is None:
+            got = self.device_alloc.alloc_runs(n)
+        if got is None:
             raise CacheFullError(
                 f"{n} device slots needed, {self.device_alloc.available()} free after evicting every "
                 "unlocked node"
             )
-        return slots
+        return got
 
     def _after_compute(self, lane: Lane) -> None:
         """Order the lane after the work already queued on the current compute stream."""
@@ -635,6 +647,15 @@ class CacheController:
         from kvtier.cache.invariants import check
 
         check(self, compare_bytes)
+
+
+def _runs_of(
+    nodes: list[Node], dev_runs: list[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+    """`(host runs, device runs)` of a load of `nodes`, or None where a node lacks its runs."""
+    if any(n.host_runs is None for n in nodes):
+        return None
+    return [r for n in nodes for r in n.host_runs], dev_runs
 
 
 def _concat(slots: list[torch.Tensor]) -> torch.Tensor:

@@ -67,6 +67,8 @@ def _check_node(c: CacheController, n: Node, ps: int) -> None:
         assert n.device_slots is None, f"{n}: device slots on a host-only node"
     if n.state.on_host:
         assert n.host_slots is not None and len(n.host_slots) == len(n), f"{n}: host slots"
+        runs = [s for start, k in n.host_runs for s in range(start, start + k)]
+        assert runs == n.host_slots.tolist(), f"{n}: host runs do not describe its host slots"
     else:
         assert n.host_slots is None, f"{n}: host slots on a device-only node"
     in_flight = n.state in (NodeState.BACKING_UP, NodeState.LOADING)

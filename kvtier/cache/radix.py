@@ -55,7 +55,9 @@ class Node:
     `children` are keyed by the first page of their key (`RadixTree.page_key`).
     `device_slots` / `host_slots`: `[len(key)]` int64 CPU tensors, or None where the
     node has no copy (or one still in flight for `host_slots` while `BACKING_UP`:
-    allocated, not yet valid). `signal`: the transfer in flight, if any.
+    allocated, not yet valid). `host_runs`: `host_slots` as `(first slot, length)`
+    runs in order, kept with them so a reload is planned without a pass over the
+    slots. `signal`: the transfer in flight, if any.
     """
 
     key: np.ndarray
@@ -63,6 +65,7 @@ class Node:
     state: NodeState = NodeState.DEVICE
     device_slots: torch.Tensor | None = None
     host_slots: torch.Tensor | None = None
+    host_runs: list[tuple[int, int]] | None = None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     lock: int = 0
     last_access: int = 0
@@ -144,6 +147,7 @@ class RadixTree:
             state=node.state,
             device_slots=None if node.device_slots is None else node.device_slots[:at],
             host_slots=None if node.host_slots is None else node.host_slots[:at],
+            host_runs=None if node.host_runs is None else split_runs(node.host_runs, at)[0],
             lock=node.lock,
             last_access=node.last_access,
             hits=node.hits,
@@ -156,6 +160,8 @@ class RadixTree:
             node.device_slots = node.device_slots[at:]
         if node.host_slots is not None:
             node.host_slots = node.host_slots[at:]
+        if node.host_runs is not None:
+            node.host_runs = split_runs(node.host_runs, at)[1]
         head.children[self.page_key(node.key)] = node
         return head
 
@@ -171,6 +177,7 @@ class RadixTree:
         node.state = NodeState.DROPPED
         node.device_slots = None
         node.host_slots = None
+        node.host_runs = None
 
     def nodes(self) -> list[Node]:
         out, stack = [], list(self.root.children.values())
@@ -185,6 +192,21 @@ class RadixTree:
         while n is not None and not n.is_root:
             n.lock += delta
             n = n.parent
+
+
+def split_runs(runs: list[tuple[int, int]], at: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """`(first slot, length)` runs cut after `at` slots: the head's runs and the tail's."""
+    head: list[tuple[int, int]] = []
+    for i, (start, n) in enumerate(runs):
+        if at <= 0:
+            return head, runs[i:]
+        if n <= at:
+            head.append((start, n))
+            at -= n
+        else:
+            head.append((start, at))
+            return head, [(start + at, n - at), *runs[i + 1 :]]
+    return head, []
 
 
 def _shared_pages(key: np.ndarray, tokens: np.ndarray, pos: int, ps: int) -> int:

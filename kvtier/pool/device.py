@@ -68,6 +68,7 @@ class DevicePool:
         self._staging = {
             d: torch.empty(staging_tokens * widest, dtype=torch.uint8, device=self.device) for d in Direction
         }
+        self._layer_ptrs: dict[str, np.ndarray] = {}
         # Buffers whose every layer holds the spec's dtype in packed rows: raw copies may address them.
         self._raw = {
             b.name: all(t.dtype == b.dtype and rows_contiguous(t) for t in self._tensors[b.name])
@@ -125,7 +126,13 @@ class DevicePool:
 
     def layer_ptrs(self, buffer: str) -> np.ndarray:
         """`[layers of the buffer]` int64: the address of each layer's tensor."""
-        return np.array([t.data_ptr() for t in self._tensors[buffer]], dtype=np.int64)
+        ptrs = self._layer_ptrs.get(buffer)
+        if ptrs is None:  # the tensors never move: computed once per buffer
+            ptrs = self._layer_ptrs[buffer] = np.array(
+                [t.data_ptr() for t in self._tensors[buffer]], dtype=np.int64
+            )
+            ptrs.flags.writeable = False
+        return ptrs
 
     def staging(self, direction: Direction) -> torch.Tensor:
         """The raw staging bytes of one direction: `[staging_tokens * widest row bytes]` uint8."""

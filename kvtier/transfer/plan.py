@@ -223,6 +223,7 @@ class TransferPlan:
         stream: torch.cuda.Stream | None = None,
         trusted: bool = False,
         whole_pages: bool = False,
+        runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
     ) -> TransferPlan:
         """Validate the pairs and plan the operation; raises before anything is written.
 
@@ -236,6 +237,9 @@ class TransferPlan:
         range, destinations distinct), so the O(n log n) checks are skipped.
         `whole_pages`: both sides are whole allocator pages (each page's slots
         consecutive from a page-aligned id), so runs are found per page, not per slot.
+        `runs`: `(host runs, device runs)` of trusted slots, each a list of `(first
+        slot, length)` in plan order (as the allocators hand them out): a copy-engine
+        plan is then built from the runs alone, without a pass over the slots.
         """
         direction = Direction(direction)
         costs = costs or PathCosts()
@@ -259,6 +263,47 @@ class TransferPlan:
             _check_distinct(dst_name, dst)
 
         hn, dn = h.numpy(), d.numpy()
+        widest = max(b.row_bytes for b in host_pool.spec.buffers)
+        cuda = device_pool.device.type == "cuda"
+        batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
+
+        def decide(host_runs: int, joint_runs: int, long_runs: int) -> TransferPath:
+            if force is not None:
+                return _forced(TransferPath(force), joint_runs, device_pool.device)
+            return _choose(
+                costs,
+                nbytes=len(hn) * widest,
+                host_runs=host_runs,
+                joint_runs=joint_runs,
+                windows=-(-len(hn) // device_pool.staging_tokens),
+                kernel_ok=(cuda if use_kernel is None else use_kernel)
+                and kernels.runs_on(device_pool.device),
+                long_runs=long_runs,
+            )
+
+        if runs is not None:
+            # O(runs) planning: enough whenever the copy engine moves every run.
+            joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
+            long_runs = sum(n * widest >= costs.copy_min_bytes for n in joint.lens)
+            path = decide(joint.host_runs, len(joint.lens), long_runs)
+            if path in _COPY_PATHS:
+                pos, host_at, dev_at, lens = (
+                    np.array(x, dtype=np.int64) for x in (joint.pos, joint.host, joint.dev, joint.lens)
+                )
+                use_batch = batched and path is not TransferPath.PER_RUN
+                return cls(
+                    direction=direction,
+                    path=path,
+                    parts=(_copy_part(host_pool, pos, host_at, dev_at, lens, use_batch),),
+                    host_slots=h,
+                    device_slots=d,
+                    host_runs=joint.host_runs,
+                    device_runs=joint.device_runs,
+                    joint_runs=len(joint.lens),
+                    kernel=kernel,
+                    ready=None,
+                )
+
         ps = host_pool.spec.page_size
         step = ps if whole_pages and len(hn) % ps == 0 else 1
         host_break, dev_break = (
@@ -267,37 +312,24 @@ class TransferPlan:
         )
         host_starts, host_lens = _runs(host_break, step)
         joint_starts, joint_lens = _runs(host_break | dev_break, step)
-        widest = max(b.row_bytes for b in host_pool.spec.buffers)
-        cuda = device_pool.device.type == "cuda"
-
-        if force is not None:
-            path = _forced(TransferPath(force), len(joint_starts), device_pool.device)
-        else:
-            path = _choose(
-                costs,
-                nbytes=len(hn) * widest,
-                host_runs=len(host_starts),
-                joint_runs=len(joint_starts),
-                windows=-(-len(hn) // device_pool.staging_tokens),
-                kernel_ok=(cuda if use_kernel is None else use_kernel)
-                and kernels.runs_on(device_pool.device),
-                long_runs=int((joint_lens * widest >= costs.copy_min_bytes).sum()),
-            )
+        path = decide(
+            len(host_starts), len(joint_starts), int((joint_lens * widest >= costs.copy_min_bytes).sum())
+        )
 
         up = _Uploader(device_pool.device, stream)
-        batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
-        if path in (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA):
+        js, jl = joint_starts, joint_lens
+        if path in _COPY_PATHS:
             use_batch = batched and path is not TransferPath.PER_RUN
-            parts = (_copy_part(host_pool, hn, dn, joint_starts, joint_lens, use_batch),)
+            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch),)
         elif path is TransferPath.STAGED:
-            parts = (
-                Part(Mechanism.STAGED, len(hn), _pieces(hn, dn, host_starts, host_lens), device_index=up(d)),
-            )
+            hs, hl = host_starts, host_lens
+            parts = (Part(Mechanism.STAGED, len(hn), _pieces(hs, hn[hs], dn[hs], hl), device_index=up(d)),)
         elif path is TransferPath.KERNEL:
             parts = (_kernel_part(direction, host_pool, hn, dn, joint_starts, joint_lens, kernel, up),)
         elif path is TransferPath.MIXED:
             long = joint_lens * widest >= costs.copy_min_bytes
-            copy_part = _copy_part(host_pool, hn, dn, joint_starts[long], joint_lens[long], batched)
+            ls = joint_starts[long]
+            copy_part = _copy_part(host_pool, ls, hn[ls], dn[ls], joint_lens[long], batched)
             short = (joint_starts[~long], joint_lens[~long])
             parts = (copy_part, _kernel_part(direction, host_pool, hn, dn, *short, kernel, up))
         else:
@@ -314,6 +346,70 @@ class TransferPlan:
             kernel=kernel,
             ready=up.finish(),
         )
+
+
+_COPY_PATHS = (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA)
+
+
+@dataclass(frozen=True)
+class _JointRuns:
+    """Maximal joint runs found from run lists: starts in the plan, first host and device slot, lengths."""
+
+    pos: list[int]
+    host: list[int]
+    dev: list[int]
+    lens: list[int]
+    host_runs: int
+    device_runs: int
+
+
+def _joint_runs(
+    host: list[tuple[int, int]], dev: list[tuple[int, int]], segment: int, num_slots: int
+) -> _JointRuns:
+    """The joint runs of two run lists (`(first slot, length)` in plan order), as a slot scan finds them.
+
+    Adjacent runs merge; host runs also break at segment edges when the pool has
+    more than one segment. O(runs) Python, no pass over the slots.
+    """
+    h, d = _merged(host), _merged(dev)
+    if segment < num_slots:
+        h = [(a + o, take) for a, n in h for o, take in _cut(a, n, segment)]
+    if sum(n for _, n in h) != sum(n for _, n in d):
+        raise PlanError(f"host runs cover {sum(n for _, n in h)} slots, device runs {sum(n for _, n in d)}")
+    out: tuple[list[int], ...] = ([], [], [], [])
+    i = j = at = hs = ds = hrem = drem = 0
+    while i < len(h) or hrem:
+        if hrem == 0:
+            hs, hrem = h[i]
+            i += 1
+        if drem == 0:
+            ds, drem = d[j]
+            j += 1
+        take = min(hrem, drem)
+        for lst, v in zip(out, (at, hs, ds, take), strict=True):
+            lst.append(v)
+        at, hs, ds, hrem, drem = at + take, hs + take, ds + take, hrem - take, drem - take
+    return _JointRuns(*out, host_runs=len(h), device_runs=len(d))
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, n in runs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        elif n:
+            out.append((start, n))
+    return out
+
+
+def _cut(start: int, n: int, segment: int) -> list[tuple[int, int]]:
+    """`(offset, length)` pieces of the run `[start, start + n)` that stay within one segment."""
+    out, at = [], 0
+    while at < n:
+        take = min(n - at, segment - (start + at) % segment)
+        out.append((at, take))
+        at += take
+    return out
 
 
 def _forced(path: TransferPath, joint_runs: int, device: torch.device) -> TransferPath:
@@ -355,14 +451,23 @@ def _choose(
 
 
 def _copy_part(
-    host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, starts: np.ndarray, lens: np.ndarray, batched: bool
+    host_pool: HostPool,
+    pos: np.ndarray,
+    host_at: np.ndarray,
+    dev_at: np.ndarray,
+    lens: np.ndarray,
+    batched: bool,
 ) -> Part:
-    """Copy-engine copies of joint runs, with their byte addresses per buffer (for raw submission)."""
+    """Copy-engine copies of joint runs, with their byte addresses per buffer (for raw submission).
+
+    `pos`, `host_at`, `dev_at`, `lens`: `[runs]` int64, where each joint run starts
+    in the plan, its first host and device slot, and its length.
+    """
     run_bytes = {}
     for b in host_pool.spec.buffers:
-        region, row = host_pool.locate(b.name, hn[starts])
-        run_bytes[b.name] = (region, row * b.row_bytes, dn[starts] * b.row_bytes, lens * b.row_bytes)
-    pieces = _pieces(hn, dn, starts, lens)
+        region, row = host_pool.locate(b.name, host_at)
+        run_bytes[b.name] = (region, row * b.row_bytes, dev_at * b.row_bytes, lens * b.row_bytes)
+    pieces = _pieces(pos, host_at, dev_at, lens)
     return Part(Mechanism.COPY, int(lens.sum()), pieces, batched=batched, run_bytes=run_bytes)
 
 
@@ -500,10 +605,8 @@ def _runs(breaks: np.ndarray, step: int = 1) -> tuple[np.ndarray, np.ndarray]:
     return starts * step, lens * step
 
 
-def _pieces(hn: np.ndarray, dn: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> tuple[Piece, ...]:
+def _pieces(pos: np.ndarray, host_at: np.ndarray, dev_at: np.ndarray, lens: np.ndarray) -> tuple[Piece, ...]:
     return tuple(
         Piece(p, h, d, n)
-        for p, h, d, n in zip(
-            starts.tolist(), hn[starts].tolist(), dn[starts].tolist(), lens.tolist(), strict=True
-        )
+        for p, h, d, n in zip(pos.tolist(), host_at.tolist(), dev_at.tolist(), lens.tolist(), strict=True)
     )
