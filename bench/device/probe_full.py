@@ -47,7 +47,7 @@ for ps in (1, 16):
     wrap(c, "_layer_jobs", "layer_jobs")
     wrap(c.tree, "lock_path", "lock_path")
     totals = []
-    for r in range(8):
+    for _ in range(8):
         c.flush()
         c.evict_device(tokens)
         torch.cuda.synchronize()

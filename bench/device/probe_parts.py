@@ -23,8 +23,11 @@ def timed(fn, k=10):
     return round(float(np.median(out)), 1)
 
 
-tokens = 131072
-for ps in (1, 16):
+TOKENS = 131072
+
+
+def measure(ps: int) -> None:
+    tokens = TOKENS
     spec = preset("deepseek-v3", ps)
     c = CacheController(DevicePool(spec, tokens, "cuda"), HostPool(spec, tokens), CacheConfig())
     seq = np.random.default_rng(0).integers(1, 50000, tokens)
@@ -39,8 +42,14 @@ for ps in (1, 16):
 
     def build():
         return TransferPlan.build(
-            Direction.LOAD, c.host_pool, c.device_pool, hs, ds, stream=c.load_lane.stream,
-            trusted=True, whole_pages=True,
+            Direction.LOAD,
+            c.host_pool,
+            c.device_pool,
+            hs,
+            ds,
+            stream=c.load_lane.stream,
+            trusted=True,
+            whole_pages=True,
         )
 
     res["build"] = timed(build)
@@ -50,7 +59,6 @@ for ps in (1, 16):
     jobs = c._layer_jobs(plan, c.load_lane.stream)
     res["run_each(61 jobs)"] = timed(lambda: c.load_lane.run_each(jobs))
     res["jobs only"] = timed(lambda: [j() for j in jobs])
-    s = c.load_lane.stream
     res["61 events"] = timed(lambda: [c.load_lane._record() for _ in range(61)])
     res["alloc+free dev"] = timed(lambda: c.device_alloc.free(c.device_alloc.alloc(tokens)))
     torch.cuda.synchronize()
@@ -68,5 +76,8 @@ for ps in (1, 16):
 
     res["full match+load_back"] = round(float(np.median([full() for _ in range(7)])), 1)
     print(f"page {ps}:", res, flush=True)
-    del c
+
+
+for page in (1, 16):
+    measure(page)
     torch.cuda.empty_cache()

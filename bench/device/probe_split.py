@@ -20,9 +20,16 @@ from kvtier.transfer import TransferPlan, load_layer
 
 out = os.environ.get("OUT", "/tmp/out")
 cfg = BenchConfig(
-    spec=preset("deepseek-v3"), tokens=131072, layout=HostLayout.LAYER_FIRST, device=torch.device("cuda"),
-    repeats=10, warmup=2, cycles=0, host_sets=("runs-256", "runs-64", "runs-16", "runs-1"),
-    device_sets=("contiguous", "scattered"), directions=(Direction.LOAD,),
+    spec=preset("deepseek-v3"),
+    tokens=131072,
+    layout=HostLayout.LAYER_FIRST,
+    device=torch.device("cuda"),
+    repeats=10,
+    warmup=2,
+    cycles=0,
+    host_sets=("runs-256", "runs-64", "runs-16", "runs-1"),
+    device_sets=("contiguous", "scattered"),
+    directions=(Direction.LOAD,),
 )
 s = setup(cfg, print)
 ceiling = s.ceilings[Direction.LOAD]
@@ -82,17 +89,42 @@ for hname, hs in s.host_sets.items():
             dma_mask = (run_id * 7919 % 100) < int(f * 100)
             plans = []
             if dma_mask.any():
-                plans.append((TransferPlan.build("load", s.host, s.dev, hs[dma_mask], ds[dma_mask],
-                                                 force="batched_dma", stream=main), side))
+                plans.append(
+                    (
+                        TransferPlan.build(
+                            "load",
+                            s.host,
+                            s.dev,
+                            hs[dma_mask],
+                            ds[dma_mask],
+                            force="batched_dma",
+                            stream=main,
+                        ),
+                        side,
+                    )
+                )
             if (~dma_mask).any():
-                plans.append((TransferPlan.build("load", s.host, s.dev, hs[~dma_mask], ds[~dma_mask],
-                                                 force="kernel", stream=main), main))
+                plans.append(
+                    (
+                        TransferPlan.build(
+                            "load", s.host, s.dev, hs[~dma_mask], ds[~dma_mask], force="kernel", stream=main
+                        ),
+                        main,
+                    )
+                )
             torch.cuda.synchronize()
             ok = check(plans, hs, ds)
             sec = timed(plans)
             gbps = s.layer_bytes / sec / 1e9
-            row = dict(host=hname, device=dname, dma_share=f, gbps=round(gbps, 1),
-                       of_ceiling=round(gbps / ceiling, 3), identical=ok)
+            row = dict(
+                host=hname,
+                device=dname,
+                dma_share=f,
+                gbps=round(gbps, 1),
+                of_ceiling=round(gbps / ceiling, 3),
+                identical=ok,
+            )
             rows.append(row)
             print(row, flush=True)
-json.dump({"ceiling_gbps": ceiling, "rows": rows}, open(f"{out}/probe_split.json", "w"), indent=1)
+with open(f"{out}/probe_split.json", "w") as fh:
+    json.dump({"ceiling_gbps": ceiling, "rows": rows}, fh, indent=1)

@@ -6,11 +6,11 @@ import io
 import json
 import os
 import pstats
-import sys
 import time
 
 import numpy as np
 import torch
+from cuda.bindings import runtime as rt
 
 from kvtier.cache import CacheConfig, CacheController
 from kvtier.pool.device import DevicePool
@@ -21,7 +21,8 @@ out = os.environ.get("OUT", "/tmp/out")
 res = {}
 torch.cuda.init()
 x = torch.empty(1, device="cuda")
-maps = open("/proc/self/maps").read()
+with open("/proc/self/maps") as fh:
+    maps = fh.read()
 libs = sorted({line.split()[-1] for line in maps.splitlines() if "cudart" in line or "libcuda.so" in line})
 res["libs"] = libs
 print("libs:", libs)
@@ -54,27 +55,24 @@ res["torch_event_rerecord_us"] = per_call(lambda: e0.record(s))
 res["torch_stream_ctx_us"] = per_call(lambda: torch.cuda.stream(s).__enter__())
 res["torch_current_stream_us"] = per_call(lambda: torch.cuda.current_stream())
 res["cuda_stream_attr_us"] = per_call(lambda: s.cuda_stream)
-from cuda.bindings import runtime as rt
-
 h = rt.cudaStream_t(s.cuda_stream)
 kind = rt.cudaMemcpyKind.cudaMemcpyDefault
 d, sp = dst.data_ptr(), src.data_ptr()
 res["bindings_memcpy_us"] = per_call(lambda: rt.cudaMemcpyAsync(d, sp, 4096, kind, h))
 torch.cuda.synchronize()
-for lib in libs:
-    if "cudart" in lib:
-        cr = ctypes.CDLL(lib)
-        f = cr.cudaMemcpyAsync
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        sh = s.cuda_stream
-        res["ctypes_cudart_memcpy_us"] = per_call(lambda: f(d, sp, 4096, 4, sh))
-        ev = ctypes.c_void_p()
-        cr.cudaEventCreateWithFlags(ctypes.byref(ev), 2)
-        rec = cr.cudaEventRecord
-        rec.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        res["ctypes_cudart_record_us"] = per_call(lambda: rec(ev, sh))
-        break
+cudart = next((lib for lib in libs if "cudart" in lib), None)
+if cudart:
+    cr = ctypes.CDLL(cudart)
+    f = cr.cudaMemcpyAsync
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    f.restype = ctypes.c_int
+    sh = s.cuda_stream
+    res["ctypes_cudart_memcpy_us"] = per_call(lambda: f(d, sp, 4096, 4, sh))
+    ev = ctypes.c_void_p()
+    cr.cudaEventCreateWithFlags(ctypes.byref(ev), 2)
+    rec = cr.cudaEventRecord
+    rec.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    res["ctypes_cudart_record_us"] = per_call(lambda: rec(ev, sh))
 torch.cuda.synchronize()
 drv = ctypes.CDLL("libcuda.so.1")
 g = drv.cuMemcpyAsync
@@ -113,5 +111,7 @@ print("match/load_back us:", walls)
 sio = io.StringIO()
 pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(25)
 print(sio.getvalue())
-open(f"{out}/probe_submit.txt", "w").write(sio.getvalue())
-json.dump(res, open(f"{out}/probe_submit.json", "w"), indent=1)
+with open(f"{out}/probe_submit.txt", "w") as fh:
+    fh.write(sio.getvalue())
+with open(f"{out}/probe_submit.json", "w") as fh:
+    json.dump(res, fh, indent=1)
