@@ -565,3 +565,5 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
                         assert np.array_equal(x, y)
     with pytest.raises(PlanError, match="cover"):
         TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(0, 5)]))
+    with pytest.raises(PlanError, match="the plan has"):
+        TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(8, 4)]))

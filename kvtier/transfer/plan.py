@@ -284,6 +284,8 @@ class TransferPlan:
         if runs is not None:
             # O(runs) planning: enough whenever the copy engine moves every run.
             joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
+            if sum(joint.lens) != len(hn):
+                raise PlanError(f"the runs cover {sum(joint.lens)} slots, the plan has {len(hn)}")
             long_runs = sum(n * widest >= costs.copy_min_bytes for n in joint.lens)
             path = decide(joint.host_runs, len(joint.lens), long_runs)
             if path in _COPY_PATHS:
