@@ -340,10 +340,7 @@ def _device(name: str) -> torch.device:
 def _config(args: argparse.Namespace, **extra):
     from kvtier.bench.transfer import BenchConfig
 
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    device = _device(args.device)
     cuda = device.type == "cuda"
     spec = preset(args.spec or "deepseek-v3", args.page_size).with_layers(1)
     tokens = args.tokens or (131072 if cuda else 16384)
@@ -457,10 +454,7 @@ def _bench_cache(args: argparse.Namespace) -> int:
     from kvtier.bench import cache as bc
     from kvtier.cache import WritePolicy
 
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    device = _device(args.device)
     cuda = device.type == "cuda"
     spec = preset(args.spec or ("deepseek-v3" if cuda else "tiny-mla"), args.page_size)
     trace_spec = spec.with_layers(args.layers) if args.layers else spec
