@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -320,7 +322,8 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
     short_dev = torch.randperm(512, generator=gen)[:100] + 512
     hs = torch.cat([short_host[:50], torch.arange(512, 812), short_host[50:]])
     ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
-    costs = PathCosts(copy_min_bytes=200 * 132)  # runs of 200 rows of the widest buffer: copy engine
+    # runs of 200 rows of the widest buffer: copy engine, both ways
+    costs = PathCosts(copy_min_bytes=200 * 132, backup_copy_min_bytes=200 * 132)
     plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
     if layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
@@ -418,12 +421,21 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
             torch.cat([torch.arange(3072), 4000 + torch.arange(500)]),
         ),
     }
-    costs = PathCosts(copy_min_bytes=512 * 132)
+    # Many long runs: spread over 4 streams (fan-out), every other run skipped on the host.
+    fanned = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
+    start = int(torch.randint(0, 20, (1,), generator=gen))
+    cases[TransferPath.BATCHED_DMA, 4] = (fanned, start + torch.arange(3072))
+    costs = PathCosts(copy_min_bytes=512 * 132, backup_copy_min_bytes=512 * 132)
     for expected, (hs, ds) in cases.items():
+        streams = 8
+        if isinstance(expected, tuple):
+            expected, streams = expected
+            costs = PathCosts(copy_min_bytes=96 * 132, backup_copy_min_bytes=96 * 132, copy_streams=streams)
         poison_host(host, gen)
         poison_device(dev, gen)
         plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, stream=stream)
         assert plan.path is expected
+        assert all(p.streams == streams for p in plan.parts if p.batched)
         before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
         if direction == "load":
             for layer in range(spec.num_layers):
@@ -567,3 +579,35 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
         TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(0, 5)]))
     with pytest.raises(PlanError, match="the plan has"):
         TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(8, 4)]))
+
+
+def test_copy_runs_fans_out_over_side_streams_that_fork_and_join(monkeypatch) -> None:
+    """`streams=k`: the list is cut into k contiguous shares, one per stream, between a fork and a join."""
+    events: list[tuple[str, object]] = []
+
+    class FakeFan:
+        def __init__(self, k: int) -> None:
+            self.streams = [SimpleNamespace(cuda_stream=i + 1, name=f"s{i}") for i in range(k)]
+
+        def fork(self) -> None:
+            events.append(("fork", None))
+
+        def join(self) -> None:
+            events.append(("join", None))
+
+    class Main:
+        cuda_stream = 1234
+
+    monkeypatch.setattr(dma, "_fan_out", lambda stream, k: FakeFan(k))
+    monkeypatch.setattr(dma, "issuer", lambda st: lambda flat: events.append((st, flat[2::3])))
+    n = 10
+    dst, src, sizes = (np.arange(n, dtype=np.int64) + base for base in (1000, 2000, 0))
+    dma.copy_runs(dst, src, sizes + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)
+    assert events[0] == ("fork", None) and events[-1] == ("join", None)
+    shares = events[1:-1]
+    assert [st.name for st, _ in shares] == ["s0", "s1", "s2", "s3"]
+    assert [b for _, part in shares for b in part] == (sizes + 1).tolist()  # every copy once, in order
+    events.clear()
+    dma.copy_runs(dst[:7], src[:7], sizes[:7] + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)
+    (only,) = events  # below two copies per stream: no fork, all on the caller's stream
+    assert isinstance(only[0], Main) and only[1] == (sizes[:7] + 1).tolist()

@@ -112,11 +112,13 @@ class LayerCopies:
 
     `flat`: `[dst, src, bytes, dst, src, bytes, ...]` Python ints, issued one
     `cudaMemcpyAsync` each (buffers with a few runs); `batches`: `(dst [R], src [R],
-    bytes [R])` int64 arrays, one batched call each (buffers with many runs).
+    bytes [R])` int64 arrays, one batched call each (buffers with many runs), spread
+    over `streams` streams.
     """
 
     flat: list[int] = field(default_factory=list)
     batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    streams: int = 1
 
 
 def buffer_runs(
@@ -151,7 +153,8 @@ def layer_copies(
     spec = host_pool.spec
     if dma.dma_mode() is dma.DmaMode.TORCH or not all(device_pool.raw_rows(b.name) for b in spec.buffers):
         return None
-    work = [LayerCopies() for _ in range(spec.num_layers)]
+    streams = max(p.streams for p in plan.parts)
+    work = [LayerCopies(streams=streams) for _ in range(spec.num_layers)]
     for b in spec.buffers:
         host, dev, nbytes = buffer_runs(plan, host_pool, device_pool, b)
         dst, src = (dev, host) if plan.direction is Direction.LOAD else (host, dev)
@@ -171,7 +174,7 @@ def submit_copies(work: LayerCopies, issue: dma.Issue, stream: torch.cuda.Stream
     if work.flat:
         issue(work.flat)
     for dst, src, nbytes in work.batches:
-        dma.copy_runs(dst, src, nbytes, stream)
+        dma.copy_runs(dst, src, nbytes, stream, streams=work.streams)
 
 
 def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:
@@ -213,9 +216,9 @@ def _batched(
         host_ptrs[mask] = base + host_off[mask]
     dev_ptrs = dev_w.data_ptr() + dev_off
     if plan.direction is Direction.LOAD:
-        dma.copy_runs(dev_ptrs, host_ptrs, nbytes, stream)
+        dma.copy_runs(dev_ptrs, host_ptrs, nbytes, stream, streams=part.streams)
     else:
-        dma.copy_runs(host_ptrs, dev_ptrs, nbytes, stream)
+        dma.copy_runs(host_ptrs, dev_ptrs, nbytes, stream, streams=part.streams)
 
 
 def _staged(

@@ -72,18 +72,29 @@ def copy_runs(
     sizes: np.ndarray,
     stream: torch.cuda.Stream,
     mode: DmaMode | None = None,
+    streams: int = 1,
 ) -> None:
     """Copy `sizes[i]` bytes from `src_ptrs[i]` to `dst_ptrs[i]` for every i, on `stream`.
 
     `dst_ptrs`, `src_ptrs`, `sizes`: `[n]` uint64/int64 numpy arrays of raw addresses
     and byte counts (pinned host or device memory, any direction). Copies within one
-    call must not overlap: their order is not defined.
+    call must not overlap: their order is not defined. `streams` > 1 spreads the list
+    over that many streams forked from and joined into `stream` (when there are at
+    least two copies per stream).
     """
     n = len(sizes)
     if n == 0:
         return
     if stream.cuda_stream == 0:
         raise ValueError("batched copies need a stream you created, not the legacy default stream")
+    if streams > 1 and n >= 2 * streams:
+        fan = _fan_out(stream, streams)
+        bounds = [n * i // streams for i in range(streams + 1)]
+        fan.fork()
+        for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
+            copy_runs(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st, mode)
+        fan.join()
+        return
     global _mode
     mode = mode or _probe()
     if mode is DmaMode.BATCH and n <= SMALL_BATCH:
@@ -141,6 +152,42 @@ def issuer(stream: torch.cuda.Stream) -> Issue:
                 _check(err, "cudaMemcpyAsync")
 
     return issue
+
+
+class _FanOut:
+    """A stream and `k - 1` side streams that fork from it and join back into it (events reused)."""
+
+    def __init__(self, stream: torch.cuda.Stream, k: int) -> None:
+        self.main = stream
+        side = [torch.cuda.Stream(device=stream.device, priority=stream.priority) for _ in range(k - 1)]
+        self.streams = [stream, *side]
+        self.forked = torch.cuda.Event()
+        self.joined = [torch.cuda.Event() for _ in side]
+
+    def fork(self) -> None:
+        """Side streams start after everything queued on the main stream so far."""
+        self.forked.record(self.main)
+        for st in self.streams[1:]:
+            st.wait_event(self.forked)
+
+    def join(self) -> None:
+        """Work queued on the main stream from now on waits for every side stream."""
+        for st, ev in zip(self.streams[1:], self.joined, strict=True):
+            ev.record(st)
+            self.main.wait_event(ev)
+
+
+# Recording an event again is safe: a wait takes the event's state when it is enqueued.
+_fans: dict[tuple[int, int], _FanOut] = {}
+
+
+def _fan_out(stream: torch.cuda.Stream, k: int) -> _FanOut:
+    """The fan-out of `k` streams for `stream`, made once (so its side streams are its own)."""
+    key = (stream.cuda_stream, k)
+    fan = _fans.get(key)
+    if fan is None:
+        fan = _fans[key] = _FanOut(stream, k)
+    return fan
 
 
 _handles: dict[int, object] = {}

@@ -76,14 +76,25 @@ class PathCosts:
     engine between pinned host memory and the device; `device_gbps`: an on-device
     `index_copy_` of rows; `reference_gbps`: the per-token path through host memory;
     `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
-    kernel takes the rest.
+    kernel takes the rest (`backup_copy_min_bytes` for backups); `copy_streams`:
+    batched copies of one layer are spread over this many streams, so several copy
+    engines overlap their per-copy cost. On an H200, loads of runs of 74 KB reach 0.94
+    of the line rate that way (8 streams), above the gather kernel's ~0.92, and runs
+    of 18 KB only 0.41; backups of 74 KB runs 0.92 where the scatter kernel reaches
+    0.94-0.95, of 295 KB runs 0.97 (bench/NOTES.md).
     """
 
     copy_issue_s: float = 11e-6
     copy_gbps: float = 54.0
     device_gbps: float = 1200.0
     reference_gbps: float = 3.0
-    copy_min_bytes: int = 2 << 20
+    copy_min_bytes: int = 64 << 10
+    backup_copy_min_bytes: int = 256 << 10
+    copy_streams: int = 8
+
+    def long_run_bytes(self, direction: Direction) -> int:
+        """Bytes from which a joint run goes to the copy engine in a plan that can use the kernel."""
+        return self.copy_min_bytes if direction is Direction.LOAD else self.backup_copy_min_bytes
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
         """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""
@@ -150,7 +161,8 @@ class Part:
     device (`STAGED`: in piece order; `REFERENCE`: of `positions`). `kernel_rows`: per
     buffer name, the kernel's offsets per host region. `run_bytes`: per buffer name,
     for batched copies, `(host region, byte offset in it, device byte offset, bytes)`
-    of each piece (`[pieces]` int64 numpy arrays).
+    of each piece (`[pieces]` int64 numpy arrays). `streams`: how many streams a
+    batched part's copies of one layer are spread over.
     """
 
     mechanism: Mechanism
@@ -162,6 +174,7 @@ class Part:
     batched: bool = False
     run_bytes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     unit: int = 1
+    streams: int = 1
 
 
 @dataclass(frozen=True)
@@ -251,6 +264,8 @@ class TransferPlan:
             )
         if kernel.sm_budget < 1 or (kernel.rows_per_program is not None and kernel.rows_per_program < 1):
             raise PlanError(f"kernel options must be positive, got {kernel}")
+        if costs.copy_streams < 1:
+            raise PlanError(f"copy_streams must be at least 1, got {costs.copy_streams}")
         if trusted:
             h, d = host_slots, device_slots
         else:
@@ -286,7 +301,8 @@ class TransferPlan:
             joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
             if sum(joint.lens) != len(hn):
                 raise PlanError(f"the runs cover {sum(joint.lens)} slots, the plan has {len(hn)}")
-            long_runs = sum(n * widest >= costs.copy_min_bytes for n in joint.lens)
+            long_min = costs.long_run_bytes(direction)
+            long_runs = sum(n * widest >= long_min for n in joint.lens)
             path = decide(joint.host_runs, len(joint.lens), long_runs)
             if path in _COPY_PATHS:
                 pos, host_at, dev_at, lens = (
@@ -296,7 +312,7 @@ class TransferPlan:
                 return cls(
                     direction=direction,
                     path=path,
-                    parts=(_copy_part(host_pool, pos, host_at, dev_at, lens, use_batch),),
+                    parts=(_copy_part(host_pool, pos, host_at, dev_at, lens, use_batch, costs.copy_streams),),
                     host_slots=h,
                     device_slots=d,
                     host_runs=joint.host_runs,
@@ -315,23 +331,27 @@ class TransferPlan:
         host_starts, host_lens = _runs(host_break, step)
         joint_starts, joint_lens = _runs(host_break | dev_break, step)
         path = decide(
-            len(host_starts), len(joint_starts), int((joint_lens * widest >= costs.copy_min_bytes).sum())
+            len(host_starts),
+            len(joint_starts),
+            int((joint_lens * widest >= costs.long_run_bytes(direction)).sum()),
         )
 
         up = _Uploader(device_pool.device, stream)
         js, jl = joint_starts, joint_lens
         if path in _COPY_PATHS:
             use_batch = batched and path is not TransferPath.PER_RUN
-            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch),)
+            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch, costs.copy_streams),)
         elif path is TransferPath.STAGED:
             hs, hl = host_starts, host_lens
             parts = (Part(Mechanism.STAGED, len(hn), _pieces(hs, hn[hs], dn[hs], hl), device_index=up(d)),)
         elif path is TransferPath.KERNEL:
             parts = (_kernel_part(direction, host_pool, hn, dn, joint_starts, joint_lens, kernel, up),)
         elif path is TransferPath.MIXED:
-            long = joint_lens * widest >= costs.copy_min_bytes
+            long = joint_lens * widest >= costs.long_run_bytes(direction)
             ls = joint_starts[long]
-            copy_part = _copy_part(host_pool, ls, hn[ls], dn[ls], joint_lens[long], batched)
+            copy_part = _copy_part(
+                host_pool, ls, hn[ls], dn[ls], joint_lens[long], batched, costs.copy_streams
+            )
             short = (joint_starts[~long], joint_lens[~long])
             parts = (copy_part, _kernel_part(direction, host_pool, hn, dn, *short, kernel, up))
         else:
@@ -459,18 +479,27 @@ def _copy_part(
     dev_at: np.ndarray,
     lens: np.ndarray,
     batched: bool,
+    streams: int = 1,
 ) -> Part:
     """Copy-engine copies of joint runs, with their byte addresses per buffer (for raw submission).
 
     `pos`, `host_at`, `dev_at`, `lens`: `[runs]` int64, where each joint run starts
-    in the plan, its first host and device slot, and its length.
+    in the plan, its first host and device slot, and its length. `streams`: of a
+    batched part (see `PathCosts.copy_streams`).
     """
     run_bytes = {}
     for b in host_pool.spec.buffers:
         region, row = host_pool.locate(b.name, host_at)
         run_bytes[b.name] = (region, row * b.row_bytes, dev_at * b.row_bytes, lens * b.row_bytes)
     pieces = _pieces(pos, host_at, dev_at, lens)
-    return Part(Mechanism.COPY, int(lens.sum()), pieces, batched=batched, run_bytes=run_bytes)
+    return Part(
+        Mechanism.COPY,
+        int(lens.sum()),
+        pieces,
+        batched=batched,
+        run_bytes=run_bytes,
+        streams=streams if batched else 1,
+    )
 
 
 def _kernel_part(
