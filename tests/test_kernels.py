@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np
 import pytest
 
 pytest.importorskip("triton")
@@ -198,6 +199,34 @@ def test_offsets_on_the_device_without_validation(gen: torch.Generator) -> None:
     src_t, dst_t = place(src, dst, GATHER)
     copy_rows(src_t, on_device(src_off), dst_t, on_device(dst_off), row_words, validate=False)
     assert torch.equal(read(dst_t), expected)
+
+
+@pytest.mark.parametrize("promise", [None, 1, 144])
+def test_offsets_on_the_device_with_and_without_an_alignment_promise(promise, gen: torch.Generator) -> None:
+    """Rows of 1152 bytes at odd word offsets (unchecked, promised 1 word, promised the row size)."""
+    src, src_off, dst, dst_off, row_words = scattered_case(1152, 50, slots=80, gen=gen)
+    if promise != row_words:  # shift every row by one word: vectors only where checked
+        src, dst = torch.cat([src[:1], src]), torch.cat([dst[:1], dst])
+        src_off, dst_off = src_off + 1, dst_off + 1
+    expected = reference(src, src_off, dst, dst_off, row_words)
+    src_t, dst_t = place(src, dst, GATHER)
+    copy_rows(
+        src_t, on_device(src_off), dst_t, on_device(dst_off), row_words, validate=False, offsets_align=promise
+    )
+    assert torch.equal(read(dst_t), expected)
+
+
+def test_offsets_alignment_is_found_on_the_host() -> None:
+    from kvtier.transfer.kernels import _offsets_alignment
+    from kvtier.transfer.plan import _align
+
+    t = torch.tensor
+    assert _offsets_alignment([t([0, 4, 12]), t([8])], 4) == 16  # 4 words of 4 bytes
+    assert _offsets_alignment([t([0, 6]), t([2])], 2) == 4
+    assert _offsets_alignment([t([0]), t([0])], 8) == 16  # all zero: any width
+    assert _offsets_alignment([t([3]), t([], dtype=torch.int64)], 1) == 1
+    assert _align(np.array([144, 288]), np.array([0, 432])) == 16
+    assert _align(np.array([], dtype=np.int64)) == 1 << 20
 
 
 def test_validation_needs_host_offsets(gen: torch.Generator) -> None:
@@ -386,16 +415,8 @@ def test_without_triton(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_rows_in_flight_follows_the_row_size() -> None:
     from kvtier.transfer.kernels import rows_in_flight
 
-    # About 64 KiB of whole rows per program, at most 256 rows.
-    assert rows_in_flight(1152) == 56
-    assert rows_in_flight(656) == 99
-    assert rows_in_flight(132) == 256
-    assert rows_in_flight(16 * 132) == 31
-    assert rows_in_flight(4) == 256
-    assert rows_in_flight(1 << 20) == 1
-
-
-def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:
-    """A row of more than 16384 chunks cannot sit in one tile: a clear error, nothing written."""
-    src, src_off, dst, dst_off, row_words = scattered_case(16384 * 16 + 8, 2, slots=3, gen=gen)
-    refused(ValueError, src, src_off, dst, dst_off, row_words, match="wider than one tile")
+    assert rows_in_flight(1152) == 16
+    assert rows_in_flight(656) == 32
+    assert rows_in_flight(132) == 128
+    assert rows_in_flight(16 * 132) == 32
+    assert rows_in_flight(4) == 128

@@ -608,6 +608,11 @@ def test_copy_runs_fans_out_over_side_streams_that_fork_and_join(monkeypatch) ->
     assert [st.name for st, _ in shares] == ["s0", "s1", "s2", "s3"]
     assert [b for _, part in shares for b in part] == (sizes + 1).tolist()  # every copy once, in order
     events.clear()
+    uneven = np.array([100, 1, 1, 1, 1, 1, 1, 1, 100, 100], dtype=np.int64)  # shares by bytes, not counts
+    dma.copy_runs(dst, src, uneven, Main(), mode=dma.DmaMode.LOOP, streams=4)
+    shares = [(st.name, part) for st, part in events[1:-1]]  # an empty share issues nothing
+    assert shares == [("s1", [100] + [1] * 7), ("s2", [100]), ("s3", [100])]
+    events.clear()
     dma.copy_runs(dst[:7], src[:7], sizes[:7] + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)
     (only,) = events  # below two copies per stream: no fork, all on the caller's stream
     assert isinstance(only[0], Main) and only[1] == (sizes[:7] + 1).tolist()

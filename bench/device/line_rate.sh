@@ -8,7 +8,7 @@ log="$OUT/line_rate.log"
 {
   nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.sm --format=csv
   python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-  python3 -c "from kvtier.transfer import dma; print('dma mode', dma.dma_mode().value)"
+  python3 -c "import torch; torch.cuda.init(); torch.empty(1, device='cuda'); from kvtier.transfer import dma; print('dma mode', dma.dma_mode().value, 'direct batch', dma._direct_batch() is not None)"
 } 2>&1 | tee "$OUT/env.txt"
 python3 -m pytest -q -x tests/test_kernels.py tests/test_transfer.py -k "kernel or cuda" -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest.txt"
 k=python3; b="-m kvtier.cli bench"

@@ -284,6 +284,7 @@ def _kernel(
             sm_budget=opts.sm_budget,
             rows_per_program=opts.rows_for(row_words * dev_w.element_size()),
             validate=False,
+            offsets_align=rows.align,
         )
 
 

@@ -12,6 +12,7 @@ a stream they created; `copy_runs` refuses the default stream up front.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 from enum import Enum
@@ -79,8 +80,8 @@ def copy_runs(
     `dst_ptrs`, `src_ptrs`, `sizes`: `[n]` uint64/int64 numpy arrays of raw addresses
     and byte counts (pinned host or device memory, any direction). Copies within one
     call must not overlap: their order is not defined. `streams` > 1 spreads the list
-    over that many streams forked from and joined into `stream` (when there are at
-    least two copies per stream).
+    over that many streams forked from and joined into `stream`, in contiguous shares
+    of about equal bytes (when there are at least two copies per stream).
     """
     n = len(sizes)
     if n == 0:
@@ -89,7 +90,10 @@ def copy_runs(
         raise ValueError("batched copies need a stream you created, not the legacy default stream")
     if streams > 1 and n >= 2 * streams:
         fan = _fan_out(stream, streams)
-        bounds = [n * i // streams for i in range(streams + 1)]
+        # Equal bytes per stream, not equal counts: runs after churn differ widely in length.
+        ends = np.cumsum(sizes)
+        cuts = np.searchsorted(ends, ends[-1] * np.arange(1, streams) / streams, side="right")
+        bounds = [0, *cuts.tolist(), n]
         fan.fork()
         for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
             copy_runs(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st, mode)
@@ -100,7 +104,9 @@ def copy_runs(
     if mode is DmaMode.BATCH and n <= SMALL_BATCH:
         mode = DmaMode.LOOP  # a few plain calls cost less than building one batch
     rt = _runtime
-    if mode is DmaMode.BATCH:
+    if mode is DmaMode.BATCH and _direct_batch() is not None:
+        _direct_batch()(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
+    elif mode is DmaMode.BATCH:
         try:
             err, *_ = rt.cudaMemcpyBatchAsync(
                 dst_ptrs.tolist(),
@@ -124,6 +130,58 @@ def copy_runs(
         issuer(stream)(flat.ravel().tolist())
     else:
         raise ValueError("DmaMode.TORCH copies tensors, not raw pointers: use the torch path")
+
+
+# The runtime's own cudaMemcpyBatchAsync, called with the arrays' memory (no conversion of
+# Python ints): on an H200 host 0.5 us per copy against 1.4 us through cuda.bindings, whose
+# list arguments made a 2048-run layer cost 2.9 ms of submission, more than its transfer.
+_direct: Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None = None
+_direct_probed = False
+
+
+def _direct_batch() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:
+    """`call(dst, src, sizes, stream handle)` through the loaded libcudart, or None where unusable."""
+    global _direct, _direct_probed
+    if not _direct_probed:
+        _direct_probed = True
+        try:
+            _direct = _load_direct()
+        except (OSError, AttributeError, ValueError) as e:
+            log.info("direct cudaMemcpyBatchAsync unavailable (%s); using cuda.bindings", e)
+    return _direct
+
+
+def _load_direct() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:
+    if _attrs is None or not hasattr(_attrs, "getPtr"):
+        return None
+    # The libcudart this process already uses (torch's), found by its mapping (Linux).
+    with open("/proc/self/maps") as fh:
+        paths = sorted({ln.split()[-1] for ln in fh.read().splitlines() if "/libcudart.so" in ln})
+    if not paths:
+        return None
+    lib = ctypes.CDLL(paths[0])
+    version = ctypes.c_int()
+    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 12080:
+        return None
+    fn = lib.cudaMemcpyBatchAsync
+    fn.restype = ctypes.c_int
+    ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
+    # CUDA 13 dropped the `failIdx` argument that 12.8 and 12.9 have before the stream.
+    with_fail = version.value < 13000
+    fn.argtypes = [ptr, ptr, ptr, size_t, ptr, ptr, size_t, *([ptr] if with_fail else []), ptr]
+    attrs = _attrs.getPtr()
+    first = (size_t * 1)(0)
+    fail = (size_t * 1)(0)
+
+    def call(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        d, s_, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, sizes))
+        extra = (fail,) if with_fail else ()
+        err = fn(d.ctypes.data, s_.ctypes.data, n.ctypes.data, len(n), attrs, first, 1, *extra, stream)
+        if err != 0:
+            raise RuntimeError(f"cudaMemcpyBatchAsync failed: error {err}")
+
+    log.info("batched DMA through %s (runtime %d)", paths[0], version.value)
+    return call
 
 
 Issue = Callable[[list[int]], None]

@@ -144,11 +144,14 @@ class KernelRows:
 
     `src`/`dst`: `[m]` int64 word offsets (host rows from the region's start of a
     layer, device rows from the layer tensor's start), already swapped for backups.
+    `align`: a power of two (in words) that divides every offset, found on the CPU,
+    so the kernel picks its vector width without checking offsets on the GPU.
     """
 
     region: int
     src: torch.Tensor
     dst: torch.Tensor
+    align: int = 1
 
 
 @dataclass(frozen=True)
@@ -531,10 +534,12 @@ def _kernel_part(
         entries = []
         for r in np.unique(region).tolist():
             mask = region == r
-            host_off = torch.from_numpy(host_row[mask] * row_words)
-            dev_off = torch.from_numpy(dn[rows][mask] * row_words)
+            host_off = host_row[mask] * row_words
+            dev_off = dn[rows][mask] * row_words
             src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
-            entries.append(KernelRows(int(r), up(src), up(dst)))
+            entries.append(
+                KernelRows(int(r), up(torch.from_numpy(src)), up(torch.from_numpy(dst)), _align(src, dst))
+            )
         per_buffer[b.name] = tuple(entries)
     return Part(
         Mechanism.KERNEL,
@@ -543,6 +548,15 @@ def _kernel_part(
         kernel_rows=per_buffer,
         unit=unit,
     )
+
+
+def _align(*offsets: np.ndarray) -> int:
+    """The largest power of two (up to 2**20) dividing every value of `offsets` (`[m]` int64 each)."""
+    acc = 0
+    for o in offsets:
+        if len(o):
+            acc |= int(np.bitwise_or.reduce(o))
+    return acc & -acc if acc else 1 << 20
 
 
 def _unit(lens: np.ndarray, cap: int) -> int:
