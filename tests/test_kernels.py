@@ -415,8 +415,16 @@ def test_without_triton(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_rows_in_flight_follows_the_row_size() -> None:
     from kvtier.transfer.kernels import rows_in_flight
 
-    assert rows_in_flight(1152) == 16
-    assert rows_in_flight(656) == 32
-    assert rows_in_flight(132) == 128
-    assert rows_in_flight(16 * 132) == 32
-    assert rows_in_flight(4) == 128
+    # About 64 KiB of whole rows per program, at most 256 rows.
+    assert rows_in_flight(1152) == 56
+    assert rows_in_flight(656) == 99
+    assert rows_in_flight(132) == 256
+    assert rows_in_flight(16 * 132) == 31
+    assert rows_in_flight(4) == 256
+    assert rows_in_flight(1 << 20) == 1
+
+
+def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:
+    """A row of more than 16384 chunks cannot sit in one tile: a clear error, nothing written."""
+    src, src_off, dst, dst_off, row_words = scattered_case(16384 * 16 + 8, 2, slots=3, gen=gen)
+    refused(ValueError, src, src_off, dst, dst_off, row_words, match="wider than one tile")

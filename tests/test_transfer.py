@@ -322,8 +322,8 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
     short_dev = torch.randperm(512, generator=gen)[:100] + 512
     hs = torch.cat([short_host[:50], torch.arange(512, 812), short_host[50:]])
     ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
-    # runs of 200 rows of the widest buffer: copy engine, both ways
-    costs = PathCosts(copy_min_bytes=200 * 132, backup_copy_min_bytes=200 * 132)
+    # runs of 200 rows of the widest buffer: copy engine
+    costs = PathCosts(copy_min_bytes=200 * 132)
     plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
     if layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
@@ -425,12 +425,12 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
     fanned = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
     start = int(torch.randint(0, 20, (1,), generator=gen))
     cases[TransferPath.BATCHED_DMA, 4] = (fanned, start + torch.arange(3072))
-    costs = PathCosts(copy_min_bytes=512 * 132, backup_copy_min_bytes=512 * 132)
+    costs = PathCosts(copy_min_bytes=512 * 132)
     for expected, (hs, ds) in cases.items():
         streams = 8
         if isinstance(expected, tuple):
             expected, streams = expected
-            costs = PathCosts(copy_min_bytes=96 * 132, backup_copy_min_bytes=96 * 132, copy_streams=streams)
+            costs = PathCosts(copy_min_bytes=96 * 132, copy_streams=streams)
         poison_host(host, gen)
         poison_device(dev, gen)
         plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, stream=stream)

@@ -14,9 +14,9 @@ python3 -m pytest -q -x tests/test_kernels.py tests/test_transfer.py -k "kernel 
 k=python3; b="-m kvtier.cli bench"
 $k $b transfer --kernel-sweep 4x112,8x28,16x28 --json "$OUT/transfer.json" 2>&1 | tee -a "$log" | tail -120
 $k $b transfer --spec deepseek-v3-fp8-packed --host-sets runs-1 --device-sets scattered --variants planned,kernel,stock \
-  --kernel-sweep 8x64,8x128,16x64 --json "$OUT/fp8.json" 2>&1 | tee -a "$log" | tail -16
+  --kernel-sweep 8x50,16x50,8x128 --json "$OUT/fp8.json" 2>&1 | tee -a "$log" | tail -16
 $k $b transfer --spec glm-5-indexer --host-sets runs-1 --device-sets scattered --variants planned,kernel,stock \
-  --kernel-sweep 8x128,16x128,16x256 --json "$OUT/indexer1.json" 2>&1 | tee -a "$log" | tail -20
+  --kernel-sweep 8x128,16x128,8x496 --json "$OUT/indexer1.json" 2>&1 | tee -a "$log" | tail -20
 $k $b transfer --spec glm-5-indexer --page-size 16 --host-sets runs-16,runs-64 --device-sets scattered \
   --variants planned,kernel,stock,batched_dma --kernel-sweep 8x16,16x31 --json "$OUT/indexer16.json" 2>&1 | tee -a "$log" | tail -16
 $k $b overlap --json "$OUT/overlap.json" 2>&1 | tee -a "$log" | tail -12

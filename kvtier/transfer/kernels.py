@@ -17,13 +17,13 @@ Why rows in flight matter
 -------------------------
 A gather over PCIe is latency-bound, not bandwidth-bound: one read of host memory
 takes on the order of a microsecond to come back, so reaching ~50 GB/s needs on
-the order of 100+ rows (tens of KB) in flight across the GPU at any time. Many
+the order of 512 KiB in flight across the GPU at any time (measured). Many
 programs are not the way to get there; many outstanding loads per program are.
-Each program therefore loads a whole `[BLOCK_ROWS, BLOCK_W]` tile (`BLOCK_ROWS`
-rows at once) before it stores any of it, and the grid is persistent and small:
-exactly `min(sm_budget, number of row blocks)` programs, each looping over the row
-blocks `pid, pid + num_programs, ...`. The copy takes `sm_budget` SMs (default 8)
-from the model running beside it, and no more.
+Each program therefore loads a whole tile of rows (`rows_per_program` rows, flattened
+into 16-byte chunks, one per lane, ~64 KiB by default) before it stores any of it,
+and the grid is persistent and small: exactly `min(sm_budget, number of row
+blocks)` programs, each looping over the row blocks `pid, pid + num_programs, ...`.
+The copy takes `sm_budget` SMs (default 8) from the model running beside it, and no more.
 
 Contract
 --------
@@ -72,10 +72,12 @@ __all__ = ["copy_rows", "rows_in_flight", "runs_on", "triton_available"]
 _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WORD_SIZES: dict[torch.dtype, int] = {dtype: size for size, dtype in _WORD_DTYPES.items()}
 
-# Bytes of one chunk of a row moved per tile column sweep, and of a whole tile: a
-# `[BLOCK_ROWS, BLOCK_W]` tile lives in registers between its loads and stores.
-_MAX_CHUNK_BYTES = 2048
-_MAX_TILE_BYTES = 32 * 1024
+# Bytes in flight per program by default (`rows_in_flight`): 8 programs x 64 KiB keep
+# ~512 KiB of reads outstanding, which a gather of host rows needs to fill the link.
+_TILE_BYTES = 64 * 1024
+_MAX_DEFAULT_ROWS = 256
+# Lanes of one tile at most (one chunk of up to 16 bytes each); 16 warps hold 32 each.
+_MAX_TILE_CHUNKS = 16384
 # Widest access per thread the hardware has (a 16-byte vector load/store).
 _VECTOR_BYTES = 16
 
@@ -90,17 +92,14 @@ def runs_on(device: torch.device) -> bool:
 
 
 def rows_in_flight(row_bytes: int) -> int:
-    """Rows per program for rows of `row_bytes`: 16 for 1152-byte rows, 32 for 656, 128 for 132.
+    """Rows per program for rows of `row_bytes`: 56 for 1152-byte rows, 99 for 656, 256 for 132.
 
-    A row up to `_MAX_CHUNK_BYTES` is moved in one sweep of a tile of `_MAX_TILE_BYTES`,
-    so narrow rows get more rows per tile (within 16-128). A wider row (a unit of
-    several rows, such as a page of indexer rows) is swept in chunks; 32 rows keep
-    enough of it in flight. Measured on an H200 (bench/NOTES.md): 1152-byte rows best
-    at 16, 656 at 32, 132 at 128, 2112-byte pages at 32 (0.82 load) rather than 16 (0.65).
+    As many whole rows as fit in `_TILE_BYTES` (at most `_MAX_DEFAULT_ROWS`): what
+    matters for a gather over PCIe is bytes in flight, and a CUDA probe on an H200
+    (bench/NOTES.md) reached the SM read plateau (~51 GB/s) once ~512 KiB were
+    outstanding across the grid, and fell to 0.66-0.75 of it with half that.
     """
-    if row_bytes > _MAX_CHUNK_BYTES:
-        return 32
-    return max(16, min(128, _MAX_TILE_BYTES // _next_power_of_2(row_bytes)))
+    return max(1, min(_MAX_DEFAULT_ROWS, _TILE_BYTES // row_bytes))
 
 
 def triton_available() -> bool:
@@ -115,26 +114,13 @@ def triton_available() -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _copy_tile(
-    src_ptr,
-    dst_ptr,
-    s,
-    d,
-    rmask,
-    row_words,
-    BLOCK_W: tl.constexpr,
-):
-    """Copy `row_words` words of each row of a tile: word offsets `s` to `d` (`[BLOCK_ROWS]` each)."""
-    s2 = s[:, None]
-    d2 = d[:, None]
-    m2 = rmask[:, None]
-    for w0 in range(0, row_words, BLOCK_W):
-        w0 = tl.multiple_of(w0, BLOCK_W)
-        cols = tl.max_contiguous(tl.multiple_of(w0 + tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
-        mask = m2 & (cols[None, :] < row_words)
-        # One load of the whole tile: BLOCK_ROWS rows are in flight before any store.
-        vals = tl.load(src_ptr + (s2 + cols[None, :]), mask=mask)
-        tl.store(dst_ptr + (d2 + cols[None, :]), vals, mask=mask)
+def _copy_chunks(src_ptr, dst_ptr, s, d, mask, VEC: tl.constexpr):
+    """Copy one chunk of `VEC` words per lane: word offsets `s` to `d` (`[BLOCK]` each)."""
+    k = tl.arange(0, VEC)
+    m2 = mask[:, None]
+    # Every chunk of the tile is loaded before any is stored: the whole tile is in flight.
+    vals = tl.load(src_ptr + (s[:, None] + k[None, :]), mask=m2)
+    tl.store(dst_ptr + (d[:, None] + k[None, :]), vals, mask=m2)
 
 
 def _copy_rows_kernel(
@@ -145,62 +131,66 @@ def _copy_rows_kernel(
     n_rows,
     row_vecs,
     ROWS_PER_BLOCK: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK: tl.constexpr,
     VEC: tl.constexpr,
     CHECK_ALIGN: tl.constexpr,
 ):
     """Persistent grid: program `pid` copies row blocks `pid, pid + num_programs, ...`.
 
-    A row is `row_vecs * VEC` words. A row block is `ROWS_PER_BLOCK` rows; `BLOCK_ROWS`
-    is that rounded up to a power of two (the tile height), the rows past
-    `ROWS_PER_BLOCK` masked off.
+    A row is `row_vecs` chunks of `VEC` words. A row block is `ROWS_PER_BLOCK` rows,
+    flattened into `ROWS_PER_BLOCK * row_vecs` chunks (row-major), one lane each;
+    `BLOCK` is that rounded up to a power of two, the lanes past it masked off. So
+    a tile holds whole rows back to back with no padding per row, and its bytes in
+    flight are the rows' bytes, whatever the row size.
     """
-    # Written as a product so that the compiler knows it is a multiple of VEC.
-    row_words = row_vecs * VEC
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_blocks = tl.cdiv(n_rows, ROWS_PER_BLOCK)
-    lane = tl.arange(0, BLOCK_ROWS)
+    lane = tl.arange(0, BLOCK)
+    in_block = lane < ROWS_PER_BLOCK * row_vecs
     for block in range(pid, num_blocks, num_programs):
-        rows = block * ROWS_PER_BLOCK + lane
-        rmask = (lane < ROWS_PER_BLOCK) & (rows < n_rows)
-        s = tl.load(src_off_ptr + rows, mask=rmask, other=0)
-        d = tl.load(dst_off_ptr + rows, mask=rmask, other=0)
+        rows = block * ROWS_PER_BLOCK + lane // row_vecs
+        mask = in_block & (rows < n_rows)
+        # Word offset of each lane's chunk within its row: a multiple of VEC.
+        w = (lane % row_vecs) * VEC
+        s = tl.load(src_off_ptr + rows, mask=mask, other=0)
+        d = tl.load(dst_off_ptr + rows, mask=mask, other=0)
         if VEC == 1:
-            _copy_tile_jit(src_ptr, dst_ptr, s, d, rmask, row_words, BLOCK_W)
+            _copy_chunks_jit(src_ptr, dst_ptr, s + w, d + w, mask, VEC)
         elif not CHECK_ALIGN:
-            # Every offset is a multiple of VEC (known on the host): no check, no barrier.
-            s_vec = tl.multiple_of(s, VEC)
-            d_vec = tl.multiple_of(d, VEC)
-            _copy_tile_jit(src_ptr, dst_ptr, s_vec, d_vec, rmask, row_words, BLOCK_W)
+            # Every offset is a multiple of VEC (known on the host): no check, so no
+            # barrier; the warps of a program drift apart and keep the link busy.
+            s_vec = tl.multiple_of(s + w, VEC)
+            d_vec = tl.multiple_of(d + w, VEC)
+            _copy_chunks_jit(src_ptr, dst_ptr, s_vec, d_vec, mask, VEC)
         else:
             # The offsets are not known on the host (they live on the GPU and no alignment
-            # was promised), so the alignment for VEC-word vectors is checked per tile (a
-            # reduction over the tile: its warps wait for each other).
+            # was promised), so the alignment for VEC-word vectors is checked per tile: a
+            # reduction over the tile, after which its warps wait for each other (measured:
+            # 0.73 of the line rate on 2112-byte rows against 0.90 without it).
             misaligned = tl.max((s | d) & (VEC - 1), axis=0)
             if misaligned == 0:
-                # Equal to s and d here; written so the compiler sees multiples of VEC.
-                s_vec = tl.multiple_of((s // VEC) * VEC, VEC)
-                d_vec = tl.multiple_of((d // VEC) * VEC, VEC)
-                _copy_tile_jit(src_ptr, dst_ptr, s_vec, d_vec, rmask, row_words, BLOCK_W)
+                # Equal to s + w and d + w here; written so the compiler sees multiples of VEC.
+                s_vec = tl.multiple_of((s // VEC) * VEC + w, VEC)
+                d_vec = tl.multiple_of((d // VEC) * VEC + w, VEC)
+                _copy_chunks_jit(src_ptr, dst_ptr, s_vec, d_vec, mask, VEC)
             else:
-                _copy_tile_jit(src_ptr, dst_ptr, s, d, rmask, row_words, BLOCK_W)
+                _copy_chunks_jit(src_ptr, dst_ptr, s + w, d + w, mask, VEC)
 
 
-# Set by `_kernel`: the Triton-wrapped `_copy_tile` (which `_copy_rows_kernel` calls by
+# Set by `_kernel`: the Triton-wrapped `_copy_chunks` (which `_copy_rows_kernel` calls by
 # this name), the kernel, and the mode (interpreted or not) they were wrapped for.
-_copy_tile_jit: Any = None
+_copy_chunks_jit: Any = None
 _kernel_jit: Any = None
 _kernel_interpreted: bool | None = None
 
 
 def _kernel() -> Any:
     """The Triton kernel for the current mode (compiled, or Triton's CPU interpreter)."""
-    global _copy_tile_jit, _kernel_jit, _kernel_interpreted
+    global _copy_chunks_jit, _kernel_jit, _kernel_interpreted
     mode = _interpreting()
     if _kernel_jit is None or _kernel_interpreted != mode:
-        _copy_tile_jit = triton.jit(_copy_tile)
+        _copy_chunks_jit = triton.jit(_copy_chunks)
         # n_rows changes with every call: one compiled kernel serves all of them.
         _kernel_jit = triton.jit(_copy_rows_kernel, do_not_specialize=["n_rows"])
         _kernel_interpreted = mode
@@ -354,8 +344,9 @@ def copy_rows(
         row_words: words per row, the same for every row (`>= 1`).
         sm_budget: number of programs of the persistent grid (at most; fewer when there
             are fewer row blocks).
-        rows_per_program: rows each program has in flight per iteration (the tile
-            height); 1 gives a one-row-at-a-time baseline.
+        rows_per_program: rows each program has in flight per iteration (the tile;
+            fewer when that many would exceed 16384 chunks); 1 gives a
+            one-row-at-a-time baseline.
         validate: check every row's bounds and that destination rows do not overlap,
             on the host, before launching. Needs CPU offsets; pass False when the
             offsets live on the GPU and were validated on the CPU beforehand.
@@ -368,8 +359,9 @@ def copy_rows(
         SlotError: offsets that are not `[n]` int64 of equal lengths, rows outside their
             tensor, overlapping (e.g. repeated) destination rows. Raised before launch.
         ValueError: `src`/`dst` of different or non-word dtypes, not 1-D contiguous, bad
-            `row_words`/`sm_budget`/`rows_per_program`, or `validate=True` with offsets
-            on a CUDA device.
+            `row_words`/`sm_budget`/`rows_per_program`, rows wider than one tile (more
+            than 16384 chunks: 256 KiB with 16-byte chunks), or `validate=True` with
+            offsets on a CUDA device.
         RuntimeError: Triton is not installed, or neither CUDA nor its interpreter is on.
     """
     _check_words(src, "src")
@@ -426,37 +418,38 @@ def copy_rows(
     src_off = _to_kernel_device(_rescale(src_offsets, size, width), device)
     dst_off = _to_kernel_device(_rescale(dst_offsets, size, width), device)
 
-    # Tile shape: BLOCK_ROWS rows in flight, BLOCK_W words of each per sweep.
-    block_rows = _next_power_of_2(rows_per_program)
-    block_w = min(  # Powers of two, all three.
-        _next_power_of_2(row_w),
-        _MAX_CHUNK_BYTES // width,
-        max(1, _MAX_TILE_BYTES // (block_rows * width)),
-    )
+    # Tile: rows_per_program whole rows, one VEC-word chunk (at most 16 bytes) per lane.
     vec = 1
     while (
         vec * 2 * width <= _VECTOR_BYTES
         and row_w % (vec * 2) == 0
-        and vec * 2 <= block_w
         and (known is None or known % (vec * 2 * width) == 0)
     ):
         vec *= 2
-    tile_bytes = block_rows * block_w * width
-    num_warps = 1 if tile_bytes <= 1024 else 4 if tile_bytes <= 8192 else 8
+    row_vecs = row_w // vec
+    if row_vecs > _MAX_TILE_CHUNKS:
+        raise ValueError(
+            f"rows of {row_w * width} bytes in {row_vecs} chunks of {vec * width} bytes are wider than one "
+            f"tile of the kernel ({_MAX_TILE_CHUNKS} chunks); split them into narrower rows"
+        )
+    # A tile holds at most _MAX_TILE_CHUNKS lanes: fewer rows in flight than asked when wide.
+    rows_per_program = min(rows_per_program, _MAX_TILE_CHUNKS // row_vecs)
+    block = _next_power_of_2(rows_per_program * row_vecs)
+    tile_bytes = block * vec * width
+    num_warps = max(1, min(16, tile_bytes // 4096))
 
     num_blocks = -(-n // rows_per_program)
     grid = (min(sm_budget, num_blocks),)
     kernel = _kernel()
     launch_kwargs: dict[str, Any] = {
         "ROWS_PER_BLOCK": rows_per_program,
-        "BLOCK_ROWS": block_rows,
-        "BLOCK_W": block_w,
+        "BLOCK": block,
         "VEC": vec,
         "CHECK_ALIGN": known is None,
         "num_warps": num_warps,
     }
     if device.type == "cuda":
         with torch.cuda.device(device):
-            kernel[grid](src_w, src_off, dst_w, dst_off, n, row_w // vec, **launch_kwargs)
+            kernel[grid](src_w, src_off, dst_w, dst_off, n, row_vecs, **launch_kwargs)
     else:
-        kernel[grid](src_w, src_off, dst_w, dst_off, n, row_w // vec, **launch_kwargs)
+        kernel[grid](src_w, src_off, dst_w, dst_off, n, row_vecs, **launch_kwargs)

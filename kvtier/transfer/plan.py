@@ -76,12 +76,11 @@ class PathCosts:
     engine between pinned host memory and the device; `device_gbps`: an on-device
     `index_copy_` of rows; `reference_gbps`: the per-token path through host memory;
     `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
-    kernel takes the rest (`backup_copy_min_bytes` for backups); `copy_streams`:
-    batched copies of one layer are spread over this many streams, so several copy
-    engines overlap their per-copy cost. On an H200, loads of runs of 74 KB reach 0.94
-    of the line rate that way (8 streams), above the gather kernel's ~0.92, and runs
-    of 18 KB only 0.41; backups of 74 KB runs 0.92 where the scatter kernel reaches
-    0.94-0.95, of 295 KB runs 0.97 (bench/NOTES.md).
+    kernel takes the rest; `copy_streams`: batched copies of one layer are spread over
+    this many streams, so several copy engines overlap their per-copy cost. On an
+    H200, runs of 74 KB reach 0.92-0.95 of the line rate that way in either direction
+    (8 streams), as much as the kernel's best or more, and take no SMs; runs of 18 KB
+    only 0.41 (bench/NOTES.md).
     """
 
     copy_issue_s: float = 11e-6
@@ -89,12 +88,7 @@ class PathCosts:
     device_gbps: float = 1200.0
     reference_gbps: float = 3.0
     copy_min_bytes: int = 64 << 10
-    backup_copy_min_bytes: int = 256 << 10
     copy_streams: int = 8
-
-    def long_run_bytes(self, direction: Direction) -> int:
-        """Bytes from which a joint run goes to the copy engine in a plan that can use the kernel."""
-        return self.copy_min_bytes if direction is Direction.LOAD else self.backup_copy_min_bytes
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
         """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""
@@ -304,8 +298,7 @@ class TransferPlan:
             joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
             if sum(joint.lens) != len(hn):
                 raise PlanError(f"the runs cover {sum(joint.lens)} slots, the plan has {len(hn)}")
-            long_min = costs.long_run_bytes(direction)
-            long_runs = sum(n * widest >= long_min for n in joint.lens)
+            long_runs = sum(n * widest >= costs.copy_min_bytes for n in joint.lens)
             path = decide(joint.host_runs, len(joint.lens), long_runs)
             if path in _COPY_PATHS:
                 pos, host_at, dev_at, lens = (
@@ -336,7 +329,7 @@ class TransferPlan:
         path = decide(
             len(host_starts),
             len(joint_starts),
-            int((joint_lens * widest >= costs.long_run_bytes(direction)).sum()),
+            int((joint_lens * widest >= costs.copy_min_bytes).sum()),
         )
 
         up = _Uploader(device_pool.device, stream)
@@ -350,7 +343,7 @@ class TransferPlan:
         elif path is TransferPath.KERNEL:
             parts = (_kernel_part(direction, host_pool, hn, dn, joint_starts, joint_lens, kernel, up),)
         elif path is TransferPath.MIXED:
-            long = joint_lens * widest >= costs.long_run_bytes(direction)
+            long = joint_lens * widest >= costs.copy_min_bytes
             ls = joint_starts[long]
             copy_part = _copy_part(
                 host_pool, ls, hn[ls], dn[ls], joint_lens[long], batched, costs.copy_streams
