@@ -387,6 +387,26 @@ def test_kernel_moves_page_granular_runs_as_whole_pages(ps, gen):
 
 
 @needs_triton
+@pytest.mark.parametrize(("ps", "word"), [(1, 4), (16, 8)])
+def test_kernel_offsets_come_in_the_widest_words_the_rows_allow(ps, word, gen) -> None:
+    """132-byte indexer rows: 4-byte words one by one (scattered slots), 8-byte words as 16-row pages."""
+    spec = preset("tiny-dsa", ps)
+    host, dev = HostPool(spec, 512), DevicePool(spec, 512)
+    if ps == 1:
+        hs, ds = torch.randperm(512, generator=gen)[:128], torch.randperm(512, generator=gen)[:128]
+    else:
+        hs = (torch.randperm(512 // 16, generator=gen)[:8, None] * 16 + torch.arange(16)).flatten()
+        ds = (torch.randperm(512 // 16, generator=gen)[:8, None] * 16 + torch.arange(16)).flatten()
+    plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel")
+    (part,) = plan.parts
+    b = spec.buffer("indexer")
+    for rows in part.kernel_rows["indexer"]:
+        assert rows.word == word
+        assert (rows.src * word % (b.row_bytes * part.unit) == 0).all()
+        assert (rows.src % rows.align == 0).all() and (rows.dst % rows.align == 0).all()
+
+
+@needs_triton
 def test_planner_uses_the_kernel_for_short_runs_and_dma_for_long_ones() -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)

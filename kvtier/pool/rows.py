@@ -34,3 +34,12 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     flat = t.view(t.shape[0], math.prod(t.shape[1:]))
     raw = flat.view(torch.uint8)
     return raw.view(word_dtype(raw.shape[1]))
+
+
+def flat_words(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A 1-D contiguous words tensor `t` re-viewed as words of `size` bytes (a trailing part dropped)."""
+    dtype = dict(_WORD_DTYPES)[size]
+    if t.dtype == dtype:
+        return t
+    raw = t.view(torch.uint8)
+    return raw[: raw.numel() // size * size].view(dtype)

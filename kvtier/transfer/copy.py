@@ -24,7 +24,7 @@ import torch
 
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
-from kvtier.pool.rows import as_words, rows_contiguous
+from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
 from kvtier.transfer import dma, kernels
 from kvtier.transfer.plan import Mechanism, Part, Piece, TransferPlan
@@ -269,20 +269,21 @@ def _kernel(
     plan: TransferPlan, part: Part, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
 ) -> None:
     """The gather (load) or scatter (backup) kernel over the part's rows, one launch per host region."""
-    dev_flat = dev_w.view(-1)
-    row_words = dev_w.shape[1] * part.unit
+    unit_bytes = b.row_bytes * part.unit
     opts = plan.kernel
     for rows in part.kernel_rows[b.name]:
-        host_flat = host_pool.region_words(b.name, layer, rows.region)
+        # Words of the width the plan's offsets are in (no rescaling on the device).
+        dev_flat = flat_words(dev_w.view(-1), rows.word)
+        host_flat = flat_words(host_pool.region_words(b.name, layer, rows.region), rows.word)
         src, dst = (host_flat, dev_flat) if plan.direction is Direction.LOAD else (dev_flat, host_flat)
         kernels.copy_rows(
             src,
             rows.src,
             dst,
             rows.dst,
-            row_words,
+            unit_bytes // rows.word,
             sm_budget=opts.sm_budget,
-            rows_per_program=opts.rows_for(row_words * dev_w.element_size()),
+            rows_per_program=opts.rows_for(unit_bytes),
             validate=False,
             offsets_align=rows.align,
         )

@@ -42,7 +42,6 @@ import torch
 from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
-from kvtier.pool.rows import word_dtype
 from kvtier.spec import KVSpec
 from kvtier.transfer import dma, kernels
 
@@ -138,6 +137,8 @@ class KernelRows:
 
     `src`/`dst`: `[m]` int64 word offsets (host rows from the region's start of a
     layer, device rows from the layer tensor's start), already swapped for backups.
+    `word`: bytes per word of the offsets, the widest that the unit size and every
+    offset allow (so the kernel need not rescale them on the device per launch);
     `align`: a power of two (in words) that divides every offset, found on the CPU,
     so the kernel picks its vector width without checking offsets on the GPU.
     """
@@ -146,6 +147,7 @@ class KernelRows:
     src: torch.Tensor
     dst: torch.Tensor
     align: int = 1
+    word: int = 1
 
 
 @dataclass(frozen=True)
@@ -522,16 +524,20 @@ def _kernel_part(
     rows = rows[in_run % unit == 0]
     per_buffer: dict[str, tuple[KernelRows, ...]] = {}
     for b in host_pool.spec.buffers:
-        row_words = b.row_bytes // torch.empty((), dtype=word_dtype(b.row_bytes)).element_size()
         region, host_row = host_pool.locate(b.name, hn[rows])
         entries = []
         for r in np.unique(region).tolist():
             mask = region == r
-            host_off = host_row[mask] * row_words
-            dev_off = dn[rows][mask] * row_words
+            host_off = host_row[mask] * b.row_bytes
+            dev_off = dn[rows][mask] * b.row_bytes
             src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
+            align = _align(src, dst)  # bytes
+            word = next(w for w in (8, 4, 2, 1) if (b.row_bytes * unit) % w == 0 and align % w == 0)
+            src, dst = src // word, dst // word
             entries.append(
-                KernelRows(int(r), up(torch.from_numpy(src)), up(torch.from_numpy(dst)), _align(src, dst))
+                KernelRows(
+                    int(r), up(torch.from_numpy(src)), up(torch.from_numpy(dst)), max(1, align // word), word
+                )
             )
         per_buffer[b.name] = tuple(entries)
     return Part(
