@@ -332,7 +332,8 @@ def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: i
         "churn_cycles": cfg.cycles,
         "kernel": f"{cfg.kernel.sm_budget} programs x {cfg.kernel.rows_per_program or 'auto'} rows",
         "stock_kernel": f"{STOCK_KERNEL.sm_budget} programs x {STOCK_KERNEL.rows_per_program} rows",
-        "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (slow variants: 3 x 1)",
+        "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (slow variants: 3 x 1)"
+        + ("; the stream held by a GPU sleep while they are issued" if cfg.device.type == "cuda" else ""),
         "ceiling_gbps": {d.value: round(g, 2) for d, g in ceilings.items()},
     }
 
