@@ -636,3 +636,17 @@ def test_copy_runs_fans_out_over_side_streams_that_fork_and_join(monkeypatch) ->
     dma.copy_runs(dst[:7], src[:7], sizes[:7] + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)
     (only,) = events  # below two copies per stream: no fork, all on the caller's stream
     assert isinstance(only[0], Main) and only[1] == (sizes[:7] + 1).tolist()
+
+
+def test_direct_batch_call_needs_the_bindings_attributes(monkeypatch) -> None:
+    """Without `cuda.bindings` attributes (CPU machines) the direct runtime call is never set up."""
+    monkeypatch.setattr(dma, "_attrs", None)
+    assert dma._load_direct() is None
+
+
+def test_copy_streams_must_be_positive() -> None:
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    costs = PathCosts(copy_streams=0)
+    with pytest.raises(PlanError, match="copy_streams"):
+        TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), costs=costs)
