@@ -217,16 +217,15 @@ def test_offsets_on_the_device_with_and_without_an_alignment_promise(promise, ge
 
 
 def test_offsets_alignment_is_found_on_the_host() -> None:
-    from kvtier.transfer.kernels import _offsets_alignment
-    from kvtier.transfer.plan import _align
+    from kvtier.transfer.kernels import _offsets_alignment, common_alignment
 
     t = torch.tensor
     assert _offsets_alignment([t([0, 4, 12]), t([8])], 4) == 16  # 4 words of 4 bytes
     assert _offsets_alignment([t([0, 6]), t([2])], 2) == 4
     assert _offsets_alignment([t([0]), t([0])], 8) == 16  # all zero: any width
     assert _offsets_alignment([t([3]), t([], dtype=torch.int64)], 1) == 1
-    assert _align(np.array([144, 288]), np.array([0, 432])) == 16
-    assert _align(np.array([], dtype=np.int64)) == 1 << 20
+    assert common_alignment(np.array([144, 288]), np.array([0, 432])) == 16
+    assert common_alignment(np.array([], dtype=np.int64)) == 1 << 20
 
 
 def test_validation_needs_host_offsets(gen: torch.Generator) -> None:

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import SlotError
+from kvtier.pool.rows import flat_words
 
 try:  # Triton is optional: without it `copy_rows` raises and `triton_available()` is False.
     import triton
@@ -261,15 +262,6 @@ def _word_size(row_bytes: int, aligns: list[int]) -> int:
     raise AssertionError("unreachable: 1 divides everything")
 
 
-def _as_width(t: torch.Tensor, size: int) -> torch.Tensor:
-    """`t` (1-D words) re-viewed as words of `size` bytes, a trailing partial word dropped."""
-    if _WORD_SIZES[t.dtype] == size:
-        return t
-    raw = t.view(torch.uint8)
-    raw = raw[: raw.numel() // size * size]
-    return raw.view(_WORD_DTYPES[size])
-
-
 def _rescale(offsets: torch.Tensor, from_size: int, to_size: int) -> torch.Tensor:
     if from_size == to_size:
         return offsets
@@ -278,18 +270,21 @@ def _rescale(offsets: torch.Tensor, from_size: int, to_size: int) -> torch.Tenso
     return torch.div(offsets, to_size // from_size, rounding_mode="floor")
 
 
+def common_alignment(*offsets: np.ndarray) -> int:
+    """The largest power of two (up to 2**20) dividing every value of `offsets` (`[m]` int64 each)."""
+    acc = 0
+    for o in offsets:
+        if len(o):
+            acc |= int(np.bitwise_or.reduce(o))
+    return acc & -acc if acc else 1 << 20
+
+
 def _offsets_alignment(offsets: list[torch.Tensor], word_size: int) -> int:
     """The common alignment of every offset, in bytes, capped at one vector (16 bytes).
 
     `offsets`: `[n]` int64 CPU tensors, in words of `word_size` bytes.
     """
-    acc = 0
-    for o in offsets:
-        if o.numel():
-            acc |= int(np.bitwise_or.reduce(o.numpy()))
-    if acc == 0:
-        return _VECTOR_BYTES
-    return min(_VECTOR_BYTES, (acc & -acc) * word_size)
+    return min(_VECTOR_BYTES, common_alignment(*(o.numpy() for o in offsets)) * word_size)
 
 
 def _kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
@@ -412,7 +407,7 @@ def copy_rows(
         known = None  # Unseen offsets: whole words of the given width, vectors checked per tile.
     aligns = [src.data_ptr(), dst.data_ptr(), src.storage_offset() * size, dst.storage_offset() * size]
     width = _word_size(row_words * size, [*aligns, known or size])
-    src_w, dst_w = _as_width(src, width), _as_width(dst, width)
+    src_w, dst_w = flat_words(src, width), flat_words(dst, width)
     row_w = row_words * size // width
     src_off = _to_kernel_device(_rescale(src_offsets, size, width), device)
     dst_off = _to_kernel_device(_rescale(dst_offsets, size, width), device)

@@ -531,7 +531,7 @@ def _kernel_part(
             host_off = host_row[mask] * b.row_bytes
             dev_off = dn[rows][mask] * b.row_bytes
             src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
-            align = _align(src, dst)  # bytes
+            align = kernels.common_alignment(src, dst)  # bytes
             word = next(w for w in (8, 4, 2, 1) if (b.row_bytes * unit) % w == 0 and align % w == 0)
             src, dst = src // word, dst // word
             entries.append(
@@ -547,15 +547,6 @@ def _kernel_part(
         kernel_rows=per_buffer,
         unit=unit,
     )
-
-
-def _align(*offsets: np.ndarray) -> int:
-    """The largest power of two (up to 2**20) dividing every value of `offsets` (`[m]` int64 each)."""
-    acc = 0
-    for o in offsets:
-        if len(o):
-            acc |= int(np.bitwise_or.reduce(o))
-    return acc & -acc if acc else 1 << 20
 
 
 def _unit(lens: np.ndarray, cap: int) -> int:
