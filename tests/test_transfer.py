@@ -332,6 +332,13 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
         assert plan.path is TransferPath.KERNEL
         assert plan.rows_by_mechanism() == {"kernel": 400}
     assert plan.sms_used == plan.kernel.sm_budget
+    _run_and_check(plan, host, dev, hs, ds, layout)
+
+
+def _run_and_check(plan, host: HostPool, dev: DevicePool, hs, ds, layout: HostLayout) -> None:
+    """Run `plan` on CPU pools; every pair moved, no other row of the destination touched."""
+    spec, direction = host.spec, plan.direction.value
+    n_dev = dev.num_slots
     before_dev = {(b.name, lay): dev.layer(b.name, lay).clone() for b in spec.buffers for lay in b.layers}
     before_host = {b.name: [c.clone() for c in host.chunks(b.name)] for b in spec.buffers}
     if direction == "load":
@@ -348,12 +355,12 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
                 else:
                     assert same_bytes(host_row(host, b, layer, h), before_dev[(b.name, layer)][d])
         if direction == "load":  # no other device row changed
-            keep = torch.ones(1024, dtype=torch.bool)
+            keep = torch.ones(n_dev, dtype=torch.bool)
             keep[ds] = False
             for layer in b.layers:
                 assert same_bytes(dev.layer(b.name, layer)[keep], before_dev[(b.name, layer)][keep])
         else:  # no other host row changed
-            keep = torch.ones(1024, dtype=torch.bool)
+            keep = torch.ones(host.num_slots, dtype=torch.bool)
             keep[hs] = False
             idx = keep.nonzero().flatten()
             (chunk,) = host.chunks(b.name)
@@ -363,6 +370,49 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
             else:
                 rows = _pf_rows(idx, len(b.layers))
                 assert same_bytes(chunk.flatten(0, 2)[rows], old.flatten(0, 2)[rows])
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_long_host_runs_onto_scattered_device_slots_go_through_staging(direction, layout, gen):
+    """A split plan: a long joint run copied, long host runs staged (cut at windows), short rows by kernel."""
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 2048, layout), DevicePool(spec, 2048, staging_tokens=100)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    scattered = torch.randperm(1400, generator=gen)
+    short_host = 1000 + torch.randperm(400, generator=gen)[:60]
+    hs = torch.cat([torch.arange(0, 300), torch.arange(400, 650), short_host, torch.arange(700, 830)])
+    ds = torch.cat([torch.arange(1500, 1800), scattered[:440]])
+    costs = PathCosts(copy_min_bytes=200 * 132, staged_min_bytes=100 * 132)
+    plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
+    if layout is HostLayout.LAYER_FIRST:
+        assert plan.path is TransferPath.MIXED
+        assert plan.rows_by_mechanism() == {"copy": 300, "staged": 380, "kernel": 60}
+        (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
+        # 250 + 130 rows in windows of 100: runs cut at rows 100, 200 and 300 of the part
+        assert staged.windows == ((0, 100, 0, 1), (100, 200, 1, 2), (200, 300, 2, 4), (300, 380, 4, 5))
+        assert [p.length for p in staged.pieces] == [100, 100, 50, 50, 80]
+    else:  # one-slot pages: no host run is longer than a page
+        assert plan.path is TransferPath.KERNEL
+    _run_and_check(plan, host, dev, hs, ds, layout)
+
+
+@needs_triton
+def test_staging_needs_host_runs_long_enough() -> None:
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
+    scattered = torch.randperm(4096, generator=torch.Generator().manual_seed(3))
+    runs = (torch.tensor([3, 1, 7])[:, None] * 512 + torch.arange(512)).flatten()
+
+    def mechanisms(staged_rows: int) -> dict[str, int]:
+        costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=staged_rows * 48)
+        plan = TransferPlan.build("load", host, dev, runs, scattered[:1536], costs=costs, use_kernel=True)
+        return plan.rows_by_mechanism()
+
+    assert mechanisms(512) == {"staged": 1536}
+    assert mechanisms(513) == {"kernel": 1536}
 
 
 @needs_triton
@@ -427,9 +477,9 @@ def test_planner_uses_the_kernel_for_short_runs_and_dma_for_long_ones() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("direction", ["load", "backup"])
 def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
-    """On the GPU: batched DMA, kernel and mixed plans against the host rows, on a side stream."""
+    """On the GPU: batched DMA, staged, kernel and mixed plans against the host rows, on a side stream."""
     spec = preset("tiny-dsa", 1)
-    host, dev = HostPool(spec, 8192), DevicePool(spec, 8192, "cuda")
+    host, dev = HostPool(spec, 8192), DevicePool(spec, 8192, "cuda", staging_tokens=1000)
     stream = torch.cuda.Stream()
     long_runs = (torch.tensor([1, 5, 3])[:, None] * 1024 + torch.arange(1024)).flatten()
     short = 6144 + torch.randperm(2048, generator=gen)[:500]
@@ -445,17 +495,21 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
     fanned = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
     start = int(torch.randint(0, 20, (1,), generator=gen))
     cases[TransferPath.BATCHED_DMA, 4] = (fanned, start + torch.arange(3072))
+    # The same host runs onto scattered device slots: staged in 4 windows, each window's runs fanned out.
+    cases[TransferPath.STAGED, 4] = (fanned, torch.randperm(8192, generator=gen)[:3072])
     costs = PathCosts(copy_min_bytes=512 * 132)
     for expected, (hs, ds) in cases.items():
         streams = 8
         if isinstance(expected, tuple):
             expected, streams = expected
-            costs = PathCosts(copy_min_bytes=96 * 132, copy_streams=streams)
+            costs = PathCosts(copy_min_bytes=96 * 132, staged_min_bytes=96 * 132, copy_streams=streams)
         poison_host(host, gen)
         poison_device(dev, gen)
         plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, stream=stream)
         assert plan.path is expected
         assert all(p.streams == streams for p in plan.parts if p.batched)
+        if expected is TransferPath.STAGED:
+            assert plan.parts[0].batched and len(plan.parts[0].windows) == 4
         before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
         if direction == "load":
             for layer in range(spec.num_layers):

@@ -9,7 +9,9 @@
 //   bulk  SM gather through the bulk copy unit: cp.async.bulk host -> shared memory, then
 //         shared -> device; do bulk reads reach the link with larger requests than loads?
 // Every variant's destination is poisoned first and compared with the host rows after.
-// Prints one JSON object per line.
+// Prints one JSON object per line. Args: row_bytes modes runs [host_stride]: with a host row
+// stride above row_bytes (rows padded in host memory, e.g. to 128-byte boundaries) only the
+// vec variants run.
 //
 // Build and run on the device: nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o probe probe_pcie.cu && ./probe
 #include <cuda_runtime.h>
@@ -37,7 +39,7 @@ static const int N = 131072;
 // ---- SM gather, 16-byte words, U loads in flight per thread -------------------------------
 template <int U, class T>
 __global__ void __launch_bounds__(1024) gather_vec(T* host, T* dev, const int* __restrict__ src_row,
-                           int rows, int words_per_row, bool scatter) {
+                           int rows, int words_per_row, bool scatter, int host_stride) {
     // gather: dev[i] = host[src_row[i]]; scatter (device -> host): host[src_row[i]] = dev[i]
     long total = (long)rows * words_per_row;
     long stride = (long)gridDim.x * blockDim.x;
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(1024) gather_vec(T* host, T* dev, const int* _
             from[u] = -1;
             if (c < total) {
                 int r = (int)(c / words_per_row), w = (int)(c % words_per_row);
-                long h = (long)src_row[r] * words_per_row + w;
+                long h = (long)src_row[r] * host_stride + w;
                 from[u] = scatter ? c : h;
                 to[u] = scatter ? h : c;
                 v[u] = scatter ? dev[from[u]] : host[from[u]];
@@ -123,6 +125,7 @@ __global__ void gather_bulk(const char* __restrict__ host, char* __restrict__ de
 // ---- helpers ---------------------------------------------------------------------------------
 struct Ctx {
     int row_bytes;
+    int stride;  // host row stride in bytes
     char* host;
     char* dev;
     char* host2;  // scatter destination
@@ -159,9 +162,11 @@ static double time_ms(Ctx& c, F issue, int repeats = 7) {
 template <class F>
 static bool verify(Ctx& c, const std::vector<int>& src_row, F issue, bool scatter = false) {
     size_t bytes = (size_t)N * c.row_bytes;
+    size_t hs = c.stride;
     if (scatter) {
-        CK(cudaMemcpy(c.dev, c.host, bytes, cudaMemcpyHostToDevice));
-        memset(c.host2, 0xAB, bytes);
+        for (int i = 0; i < N; ++i)
+            CK(cudaMemcpy(c.dev + (size_t)i * c.row_bytes, c.host + i * hs, c.row_bytes, cudaMemcpyHostToDevice));
+        memset(c.host2, 0xAB, (size_t)N * hs);
     } else {
         CK(cudaMemset(c.dev, 0xAB, bytes));
     }
@@ -173,8 +178,8 @@ static bool verify(Ctx& c, const std::vector<int>& src_row, F issue, bool scatte
     if (!scatter) CK(cudaMemcpy(c.check.data(), c.dev, bytes, cudaMemcpyDeviceToHost));
     for (int i = 0; i < N; ++i) {
         size_t rb = c.row_bytes;
-        const char* got = scatter ? c.host2 + (size_t)src_row[i] * rb : c.check.data() + i * rb;
-        const char* want = scatter ? c.host + i * rb : c.host + (size_t)src_row[i] * rb;
+        const char* got = scatter ? c.host2 + (size_t)src_row[i] * hs : c.check.data() + i * rb;
+        const char* want = scatter ? c.host + i * hs : c.host + (size_t)src_row[i] * hs;
         if (memcmp(got, want, rb)) return false;
     }
     return true;
@@ -199,15 +204,19 @@ int main(int argc, char** argv) {
         while (*r && *r != ',') ++r;
         if (*r) ++r;
     }
-    size_t bytes = (size_t)N * row_bytes;
+    int stride = argc > 4 ? atoi(argv[4]) : row_bytes;
+    if (stride < row_bytes) stride = row_bytes;
+    if (stride != row_bytes) modes = "vec";
+    size_t bytes = (size_t)N * row_bytes, host_bytes = (size_t)N * stride;
     Ctx c;
     c.row_bytes = row_bytes;
-    CK(cudaHostAlloc(&c.host, bytes, cudaHostAllocDefault));
+    c.stride = stride;
+    CK(cudaHostAlloc(&c.host, host_bytes, cudaHostAllocDefault));
     CK(cudaMalloc(&c.dev, bytes));
-    CK(cudaHostAlloc(&c.host2, bytes, cudaHostAllocDefault));
+    CK(cudaHostAlloc(&c.host2, host_bytes, cudaHostAllocDefault));
     c.check.resize(bytes);
     std::mt19937_64 rng(7);
-    for (size_t i = 0; i < bytes / 8; ++i) ((uint64_t*)c.host)[i] = rng();
+    for (size_t i = 0; i < host_bytes / 8; ++i) ((uint64_t*)c.host)[i] = rng();
     CK(cudaStreamCreateWithFlags(&c.main, cudaStreamNonBlocking));
     CK(cudaEventCreate(&c.e0));
     CK(cudaEventCreate(&c.e1));
@@ -217,7 +226,8 @@ int main(int argc, char** argv) {
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     int engines;
     CK(cudaDeviceGetAttribute(&engines, cudaDevAttrAsyncEngineCount, 0));
-    printf("{\"sms\": %d, \"async_engines\": %d, \"cudart\": %d}\n", sms, engines, CUDART_VERSION);
+    printf("{\"sms\": %d, \"async_engines\": %d, \"cudart\": %d, \"host_stride\": %d}\n", sms, engines,
+           CUDART_VERSION, stride);
 
     double ceiling = time_ms(c, [&] { CK(cudaMemcpyAsync(c.dev, c.host, bytes, cudaMemcpyHostToDevice, c.main)); });
     report("ceiling", row_bytes, N, "", ceiling, ceiling, true);
@@ -291,6 +301,7 @@ int main(int argc, char** argv) {
         c.side.clear();
         bool wide = row_bytes % 16 == 0;
         int words = wide ? row_bytes / 16 : row_bytes / 4;
+        int hstride = wide ? stride / 16 : stride / 4;
         for (int scatter = 0; scatter < 2 && strstr(modes, "vec"); ++scatter) {
             for (int ctas : {4, 8, 16}) {
                 for (int threads : {256, 512, 1024}) {
@@ -298,16 +309,16 @@ int main(int argc, char** argv) {
                         char* h = scatter ? c.host2 : c.host;
                         if (wide)
                             gather_vec<8><<<ctas, threads, 0, c.main>>>((uint4*)h, (uint4*)c.dev, d_src, N, words,
-                                                                         scatter);
+                                                                         scatter, hstride);
                         else
                             gather_vec<8><<<ctas, threads, 0, c.main>>>((uint32_t*)h, (uint32_t*)c.dev, d_src, N,
-                                                                        words, scatter);
+                                                                        words, scatter, hstride);
                     };
                     bool ok = verify(c, src_row, issue, scatter);
                     double ms = time_ms(c, issue);
                     char extra[96];
-                    snprintf(extra, sizeof extra, "\"ctas\": %d, \"threads\": %d, \"in_flight\": 8, ", ctas,
-                             threads);
+                    snprintf(extra, sizeof extra, "\"ctas\": %d, \"threads\": %d, \"in_flight\": 8, \"stride\": %d, ",
+                             ctas, threads, stride);
                     report(scatter ? "vec_scatter" : "vec", row_bytes, run, extra, ms,
                            scatter ? ceiling_d2h : ceiling, ok);
                 }

@@ -27,7 +27,7 @@ from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
 from kvtier.transfer import dma, kernels
-from kvtier.transfer.plan import Mechanism, Part, Piece, TransferPlan
+from kvtier.transfer.plan import Mechanism, Part, TransferPlan
 
 
 def load_layer(
@@ -99,7 +99,7 @@ def _move(
             else:
                 _per_run(plan, part, host_pool, dev_w, b, layer)
         elif part.mechanism is Mechanism.STAGED:
-            _staged(plan, part, host_pool, device_pool, dev_w, b, layer)
+            _staged(plan, part, host_pool, device_pool, dev_w, b, layer, stream)
         elif part.mechanism is Mechanism.KERNEL:
             _kernel(plan, part, host_pool, dev_w, b, layer)
         else:
@@ -209,16 +209,19 @@ def _batched(
 ) -> None:
     """Every joint run of the part in one `cudaMemcpyBatchAsync` (or a `cudaMemcpyAsync` loop)."""
     region, host_off, dev_off, nbytes = part.run_bytes[b.name]
-    host_ptrs = np.empty(len(region), dtype=np.int64)
-    for r in np.unique(region).tolist():
-        base = host_pool.region_words(b.name, layer, r).data_ptr()
-        mask = region == r
-        host_ptrs[mask] = base + host_off[mask]
+    host_ptrs = _host_ptrs(host_pool, b, layer, region, host_off)
     dev_ptrs = dev_w.data_ptr() + dev_off
     if plan.direction is Direction.LOAD:
         dma.copy_runs(dev_ptrs, host_ptrs, nbytes, stream, streams=part.streams)
     else:
         dma.copy_runs(host_ptrs, dev_ptrs, nbytes, stream, streams=part.streams)
+
+
+def _host_ptrs(
+    host_pool: HostPool, b: BufferSpec, layer: int, region: np.ndarray, offset: np.ndarray
+) -> np.ndarray:
+    """`[k]` int64 addresses of host rows of `layer`: `offset` bytes into each `region`'s layer rows."""
+    return host_pool.region_ptrs(b.name)[b.layers.index(layer), region] + offset
 
 
 def _staged(
@@ -229,40 +232,42 @@ def _staged(
     dev_w: torch.Tensor,
     b: BufferSpec,
     layer: int,
+    stream: torch.cuda.Stream | None,
 ) -> None:
-    """Host runs <-> a contiguous staging buffer (copy engine), staging <-> device slots on the device."""
+    """Host runs <-> a contiguous staging buffer (copy engine), staging <-> device slots on the device.
+
+    Per window of the staging buffer: a load copies its host runs in (one batched call
+    where the part is batched) and then places the rows with one `index_copy_`; a
+    backup gathers the rows with one `index_select` and then copies them out. The
+    stream orders the copies and the on-device step.
+    """
     cap = device_pool.staging_tokens
     raw = device_pool.staging(plan.direction)[: cap * b.row_bytes]
     stage = raw.view(dev_w.dtype).view(cap, dev_w.shape[1])
     index = part.device_index
-    for lo, hi, parts in _windows(part.pieces, cap):
-        if plan.direction is Direction.LOAD:
-            for p, at in parts:
-                src = _host_words(host_pool, b, layer, p.host, p.length)
-                stage[at : at + p.length].copy_(src, non_blocking=True)
-            dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
-        else:
+    load = plan.direction is Direction.LOAD
+    region, host_off, stage_off, nbytes = part.run_bytes[b.name]
+    for lo, hi, a, z in part.windows:
+        if not load:
             torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
-            for p, at in parts:
-                dst = _host_words(host_pool, b, layer, p.host, p.length)
-                dst.copy_(stage[at : at + p.length], non_blocking=True)
-
-
-def _windows(pieces: tuple[Piece, ...], cap: int) -> Iterator[tuple[int, int, list[tuple[Piece, int]]]]:
-    """Split pieces into windows of at most `cap` rows: `(list lo, list hi, [(piece, offset in window)])`."""
-    lo, parts, used = 0, [], 0
-    for piece in pieces:
-        p = piece
-        while p.length:
-            take = min(p.length, cap - used)
-            parts.append((Piece(p.pos, p.host, p.device, take), used))
-            used += take
-            p = Piece(p.pos + take, p.host + take, p.device + take, p.length - take)
-            if used == cap:
-                yield lo, lo + used, parts
-                lo, parts, used = lo + used, [], 0
-    if used:
-        yield lo, lo + used, parts
+        if part.batched:
+            host_ptrs = _host_ptrs(host_pool, b, layer, region[a:z], host_off[a:z])
+            stage_ptrs = stage.data_ptr() + stage_off[a:z]
+            dst, src = (stage_ptrs, host_ptrs) if load else (host_ptrs, stage_ptrs)
+            dma.copy_runs(dst, src, nbytes[a:z], stream, streams=part.streams)
+        else:
+            flat = stage.view(-1)
+            w = flat.element_size()
+            runs = (x[a:z].tolist() for x in (region, host_off, stage_off, nbytes))
+            for r, h, st, n in zip(*runs, strict=True):
+                host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
+                stage_w = flat[st // w : (st + n) // w]
+                if load:
+                    stage_w.copy_(host_w, non_blocking=True)
+                else:
+                    host_w.copy_(stage_w, non_blocking=True)
+        if load:
+            dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
 
 
 def _kernel(

@@ -17,8 +17,10 @@ Mechanisms (a plan is one or more `Part`s, each with one mechanism):
 - `COPY`: the copy engine, one copy per joint run: a single copy, a loop of copies
   (`PER_RUN`), or one `cudaMemcpyBatchAsync` per buffer and layer (`BATCHED_DMA`).
   No SMs; fast for long runs only.
-- `STAGED`: host runs copied back to back into a device staging buffer, then one
-  on-device `index_copy_` (load) or `index_select` (backup) places the rows.
+- `STAGED`: host runs copied back to back into a device staging buffer by the copy
+  engine (one batched call per window where many), then one on-device `index_copy_`
+  (load) or `index_select` (backup) places the rows: long host runs onto scattered
+  device slots, with no SMs held while the link is busy.
 - `KERNEL`: a Triton kernel reading or writing pinned host memory directly, with
   `sm_budget` programs and many rows in flight each; any fragmentation, few SMs.
 - `REFERENCE`: per-token gather and scatter through host memory; always correct,
@@ -26,9 +28,10 @@ Mechanisms (a plan is one or more `Part`s, each with one mechanism):
 
 The planner: one joint run is a single copy; a host slab with scattered device
 slots is staged; otherwise, where the kernel can run (CUDA and Triton), long joint
-runs go to batched DMA and the remaining rows to the kernel (`MIXED` when both);
-without the kernel it takes the cheapest of per-run copies, staging and the
-reference path by `PathCosts`.
+runs go to batched DMA, long host runs whose device slots are scattered to staging,
+and the remaining rows to the kernel (`MIXED` when more than one of these); without
+the kernel it takes the cheapest of per-run copies, staging and the reference path
+by `PathCosts`.
 """
 
 from __future__ import annotations
@@ -75,7 +78,10 @@ class PathCosts:
     engine between pinned host memory and the device; `device_gbps`: an on-device
     `index_copy_` of rows; `reference_gbps`: the per-token path through host memory;
     `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
-    kernel takes the rest; `copy_streams`: batched copies of one layer are spread over
+    kernel takes the rest; `staged_min_bytes`: a host run at least this long whose
+    device slots are scattered goes through staging then (the on-device scatter adds
+    a few percent, so its runs must be longer than a direct copy's to beat the
+    kernel); `copy_streams`: batched copies of one layer are spread over
     this many streams, so several copy engines overlap their per-copy cost. On an
     H200, runs of 74 KB reach 0.92-0.95 of the line rate that way in either direction
     (8 streams), as much as the kernel's best or more, and take no SMs; runs of 18 KB
@@ -87,6 +93,7 @@ class PathCosts:
     device_gbps: float = 1200.0
     reference_gbps: float = 3.0
     copy_min_bytes: int = 64 << 10
+    staged_min_bytes: int = 256 << 10
     copy_streams: int = 8
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
@@ -154,14 +161,16 @@ class KernelRows:
 class Part:
     """Rows of a plan that one mechanism moves.
 
-    `pieces`: joint runs (`COPY`) or host runs (`STAGED`). `positions`: `[m]` int64
-    list positions (`REFERENCE`; for `KERNEL` the first row of each unit of `unit`
-    rows). `device_index`: device slots on the
-    device (`STAGED`: in piece order; `REFERENCE`: of `positions`). `kernel_rows`: per
-    buffer name, the kernel's offsets per host region. `run_bytes`: per buffer name,
-    for batched copies, `(host region, byte offset in it, device byte offset, bytes)`
-    of each piece (`[pieces]` int64 numpy arrays). `streams`: how many streams a
-    batched part's copies of one layer are spread over.
+    `pieces`: joint runs (`COPY`) or host runs cut at staging windows (`STAGED`).
+    `positions`: `[m]` int64 list positions (`REFERENCE`; for `KERNEL` the first row
+    of each unit of `unit` rows). `device_index`: device slots on the device
+    (`STAGED`: in piece order; `REFERENCE`: of `positions`). `kernel_rows`: per buffer
+    name, the kernel's offsets per host region. `run_bytes`: per buffer name, `(host
+    region, byte offset in it, device byte offset, bytes)` of each piece (`[pieces]`
+    int64 numpy arrays; for `STAGED` the device offset is into the staging window).
+    `windows`: `STAGED` only, `(first row, end row, first piece, end piece)` of each
+    staging window, in the part's row order. `streams`: how many streams a batched
+    part's copies of one layer are spread over.
     """
 
     mechanism: Mechanism
@@ -174,6 +183,7 @@ class Part:
     run_bytes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     unit: int = 1
     streams: int = 1
+    windows: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -336,22 +346,20 @@ class TransferPlan:
 
         up = _Uploader(device_pool.device, stream)
         js, jl = joint_starts, joint_lens
+        cap = device_pool.staging_tokens
         if path in _COPY_PATHS:
             use_batch = batched and path is not TransferPath.PER_RUN
             parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch, costs.copy_streams),)
         elif path is TransferPath.STAGED:
-            hs, hl = host_starts, host_lens
-            parts = (Part(Mechanism.STAGED, len(hn), _pieces(hs, hn[hs], dn[hs], hl), device_index=up(d)),)
+            parts = (
+                _staged_part(host_pool, hn, dn, host_starts, host_lens, cap, batched, costs.copy_streams, up),
+            )
         elif path is TransferPath.KERNEL:
             parts = (_kernel_part(direction, host_pool, hn, dn, joint_starts, joint_lens, kernel, up),)
         elif path is TransferPath.MIXED:
-            long = joint_lens * widest >= costs.copy_min_bytes
-            ls = joint_starts[long]
-            copy_part = _copy_part(
-                host_pool, ls, hn[ls], dn[ls], joint_lens[long], batched, costs.copy_streams
-            )
-            short = (joint_starts[~long], joint_lens[~long])
-            parts = (copy_part, _kernel_part(direction, host_pool, hn, dn, *short, kernel, up))
+            split = _Stretches.of(js, jl, host_break, step, widest, costs)
+            parts = split.parts(direction, host_pool, hn, dn, kernel, cap, batched, costs.copy_streams, up)
+            path = _path_of(parts)
         else:
             parts = (Part(Mechanism.REFERENCE, len(hn), positions=torch.arange(len(hn)), device_index=up(d)),)
         return cls(
@@ -459,9 +467,8 @@ def _choose(
     if host_runs == 1:
         return TransferPath.STAGED
     if kernel_ok:
-        if long_runs == joint_runs:
-            return TransferPath.BATCHED_DMA
-        return TransferPath.MIXED if long_runs else TransferPath.KERNEL
+        # MIXED here means "split by run" (`_Stretches`); the plan's path follows its parts.
+        return TransferPath.BATCHED_DMA if long_runs == joint_runs else TransferPath.MIXED
     estimates = {
         TransferPath.PER_RUN: costs.estimate(Mechanism.COPY, nbytes, joint_runs),
         TransferPath.STAGED: costs.estimate(Mechanism.STAGED, nbytes, host_runs + windows),
@@ -497,6 +504,129 @@ def _copy_part(
         batched=batched,
         run_bytes=run_bytes,
         streams=streams if batched else 1,
+    )
+
+
+@dataclass(frozen=True)
+class _Stretches:
+    """Joint runs sorted by mechanism: `[runs]` int64 list positions and lengths per class.
+
+    `copy`: long joint runs (batched DMA straight to their device slots). `staged`:
+    host runs of at least `staged_min_bytes` made of short joint runs (their device
+    slots are scattered), as whole host runs. `kernel`: every other joint run.
+    """
+
+    copy: tuple[np.ndarray, np.ndarray]
+    staged: tuple[np.ndarray, np.ndarray]
+    kernel: tuple[np.ndarray, np.ndarray]
+
+    @classmethod
+    def of(
+        cls,
+        starts: np.ndarray,
+        lens: np.ndarray,
+        host_break: np.ndarray,
+        step: int,
+        widest: int,
+        costs: PathCosts,
+    ) -> _Stretches:
+        """Classify joint runs (`starts`, `lens` in list positions); `host_break` per `step` slots."""
+        long = lens * widest >= costs.copy_min_bytes
+        s, n = starts[~long], lens[~long]
+        # A short joint run continues the previous one on the host side: same host run.
+        cont = np.zeros(len(s), dtype=bool)
+        if len(s) > 1:
+            cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~host_break[s[1:] // step]
+        heads = np.flatnonzero(~cont)
+        rows = np.add.reduceat(n, heads) if len(heads) else n
+        staged_run = rows * widest >= costs.staged_min_bytes
+        staged = np.repeat(staged_run, np.diff(np.append(heads, len(s))))
+        return cls(
+            copy=(starts[long], lens[long]),
+            staged=(s[heads][staged_run], rows[staged_run]),
+            kernel=(s[~staged], n[~staged]),
+        )
+
+    def parts(
+        self,
+        direction: Direction,
+        host_pool: HostPool,
+        hn: np.ndarray,
+        dn: np.ndarray,
+        kernel: KernelOptions,
+        cap: int,
+        batched: bool,
+        streams: int,
+        up: _Uploader,
+    ) -> tuple[Part, ...]:
+        out = []
+        if len(self.copy[0]):
+            s, n = self.copy
+            out.append(_copy_part(host_pool, s, hn[s], dn[s], n, batched, streams))
+        if len(self.staged[0]):
+            out.append(_staged_part(host_pool, hn, dn, *self.staged, cap, batched, streams, up))
+        if len(self.kernel[0]):
+            out.append(_kernel_part(direction, host_pool, hn, dn, *self.kernel, kernel, up))
+        return tuple(out)
+
+
+def _path_of(parts: tuple[Part, ...]) -> TransferPath:
+    """The path a split plan reports: its one mechanism's, or `MIXED`."""
+    if len(parts) != 1:
+        return TransferPath.MIXED
+    (p,) = parts
+    if p.mechanism is Mechanism.COPY:
+        return TransferPath.BATCHED_DMA if p.batched else TransferPath.PER_RUN
+    return TransferPath.STAGED if p.mechanism is Mechanism.STAGED else TransferPath.KERNEL
+
+
+def _staged_part(
+    host_pool: HostPool,
+    hn: np.ndarray,
+    dn: np.ndarray,
+    pos: np.ndarray,
+    lens: np.ndarray,
+    cap: int,
+    batched: bool,
+    streams: int,
+    up: _Uploader,
+) -> Part:
+    """Host runs through the staging buffer of `cap` rows, cut where a window ends.
+
+    `pos`, `lens`: `[runs]` int64 list positions and lengths of host runs (each
+    contiguous in one host segment). The part's rows are the runs' rows in order; the
+    device slots of those rows are uploaded once as `device_index`.
+    """
+    total = int(lens.sum())
+    at = np.cumsum(lens) - lens  # each run's first row in the part
+    cuts = np.union1d(at, np.arange(cap, total, cap))
+    run = np.searchsorted(at, cuts, side="right") - 1
+    off = cuts - at[run]
+    sub_lens = np.diff(np.append(cuts, total))
+    sub_pos = pos[run] + off
+    host_at = hn[pos[run]] + off
+    window = cuts // cap
+    stage_row = cuts - window * cap
+    first = np.flatnonzero(np.diff(window, prepend=-1))
+    ends = np.append(first[1:], len(cuts))
+    windows = tuple(
+        (w * cap, min((w + 1) * cap, total), a, z)
+        for w, a, z in zip(window[first].tolist(), first.tolist(), ends.tolist(), strict=True)
+    )
+    run_bytes = {}
+    for b in host_pool.spec.buffers:
+        region, row = host_pool.locate(b.name, host_at)
+        run_bytes[b.name] = (region, row * b.row_bytes, stage_row * b.row_bytes, sub_lens * b.row_bytes)
+    rows = np.repeat(pos - at, lens) + np.arange(total)
+    return Part(
+        Mechanism.STAGED,
+        total,
+        _pieces(sub_pos, host_at, dn[sub_pos], sub_lens),
+        device_index=up(torch.from_numpy(dn[rows])),
+        batched=batched,
+        run_bytes=run_bytes,
+        streams=streams if batched else 1,
+        windows=windows,
     )
 
 
