@@ -375,7 +375,7 @@ def _run_and_check(plan, host: HostPool, dev: DevicePool, hs, ds, layout: HostLa
 @needs_triton
 @pytest.mark.parametrize("direction", ["load", "backup"])
 @pytest.mark.parametrize("layout", list(HostLayout))
-def test_long_host_runs_onto_scattered_device_slots_go_through_staging(direction, layout, gen):
+def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(direction, layout, gen):
     """A split plan: a long joint run copied, long host runs staged (cut at windows), short rows by kernel."""
     spec = preset("tiny-dsa", 1)
     host, dev = HostPool(spec, 2048, layout), DevicePool(spec, 2048, staging_tokens=100)
@@ -387,7 +387,9 @@ def test_long_host_runs_onto_scattered_device_slots_go_through_staging(direction
     ds = torch.cat([torch.arange(1500, 1800), scattered[:440]])
     costs = PathCosts(copy_min_bytes=200 * 132, staged_min_bytes=100 * 132)
     plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
-    if layout is HostLayout.LAYER_FIRST:
+    if layout is HostLayout.LAYER_FIRST and direction == "backup":  # backups keep the kernel's scatter
+        assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 440}
+    elif layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
         assert plan.rows_by_mechanism() == {"copy": 300, "staged": 380, "kernel": 60}
         (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
@@ -495,8 +497,10 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
     fanned = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
     start = int(torch.randint(0, 20, (1,), generator=gen))
     cases[TransferPath.BATCHED_DMA, 4] = (fanned, start + torch.arange(3072))
-    # The same host runs onto scattered device slots: staged in 4 windows, each window's runs fanned out.
-    cases[TransferPath.STAGED, 4] = (fanned, torch.randperm(8192, generator=gen)[:3072])
+    # The same host runs onto scattered device slots: a load is staged in 4 windows, each window's
+    # runs fanned out; a backup scatters them with the kernel.
+    staged = TransferPath.STAGED if direction == "load" else TransferPath.KERNEL
+    cases[staged, 4] = (fanned, torch.randperm(8192, generator=gen)[:3072])
     costs = PathCosts(copy_min_bytes=512 * 132)
     for expected, (hs, ds) in cases.items():
         streams = 8

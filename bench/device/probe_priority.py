@@ -41,8 +41,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(5)
     hs = torch.randperm(s.host.num_slots, generator=gen)[:tokens]
     ds = torch.randperm(s.dev.num_slots, generator=gen)[:tokens]
-    low, high = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
-    print(json.dumps({"sms": torch.cuda.get_device_properties(0).multi_processor_count, "priorities": [low, high]}))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(json.dumps({"sms": sms, "priorities": list(torch.cuda.Stream.priority_range())}))
     for priority in (0, -1):
         for sm in (4, 8, 16):
             stream = torch.cuda.Stream(priority=priority)

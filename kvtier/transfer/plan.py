@@ -28,8 +28,8 @@ Mechanisms (a plan is one or more `Part`s, each with one mechanism):
 
 The planner: one joint run is a single copy; a host slab with scattered device
 slots is staged; otherwise, where the kernel can run (CUDA and Triton), long joint
-runs go to batched DMA, long host runs whose device slots are scattered to staging,
-and the remaining rows to the kernel (`MIXED` when more than one of these); without
+runs go to batched DMA, long host runs whose device slots are scattered to staging
+(loads only), and the remaining rows to the kernel (`MIXED` when more than one of these); without
 the kernel it takes the cheapest of per-run copies, staging and the reference path
 by `PathCosts`.
 """
@@ -79,9 +79,10 @@ class PathCosts:
     `index_copy_` of rows; `reference_gbps`: the per-token path through host memory;
     `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
     kernel takes the rest; `staged_min_bytes`: a host run at least this long whose
-    device slots are scattered goes through staging then (the on-device scatter adds
-    a few percent, so its runs must be longer than a direct copy's to beat the
-    kernel); `copy_streams`: batched copies of one layer are spread over
+    device slots are scattered is loaded through staging then (the on-device scatter
+    adds a few percent, so its runs must be longer than a direct copy's to beat the
+    kernel; backups keep the kernel, whose scatter is faster than staging there);
+    `copy_streams`: batched copies of one layer are spread over
     this many streams, so several copy engines overlap their per-copy cost. On an
     H200, runs of 74 KB reach 0.92-0.95 of the line rate that way in either direction
     (8 streams), as much as the kernel's best or more, and take no SMs; runs of 18 KB
@@ -357,7 +358,10 @@ class TransferPlan:
         elif path is TransferPath.KERNEL:
             parts = (_kernel_part(direction, host_pool, hn, dn, joint_starts, joint_lens, kernel, up),)
         elif path is TransferPath.MIXED:
-            split = _Stretches.of(js, jl, host_break, step, widest, costs)
+            # Backups keep the kernel for these rows: on an H200 its scatter reaches 0.95 of
+            # the line rate, staging then copying out 0.92 (bench/NOTES.md).
+            staged_min = costs.staged_min_bytes if direction is Direction.LOAD else None
+            split = _Stretches.of(js, jl, host_break, step, widest, costs.copy_min_bytes, staged_min)
             parts = split.parts(direction, host_pool, hn, dn, kernel, cap, batched, costs.copy_streams, up)
             path = _path_of(parts)
         else:
@@ -528,10 +532,15 @@ class _Stretches:
         host_break: np.ndarray,
         step: int,
         widest: int,
-        costs: PathCosts,
+        copy_min: int,
+        staged_min: int | None,
     ) -> _Stretches:
-        """Classify joint runs (`starts`, `lens` in list positions); `host_break` per `step` slots."""
-        long = lens * widest >= costs.copy_min_bytes
+        """Classify joint runs (`starts`, `lens` in list positions); `host_break` per `step` slots.
+
+        `copy_min`, `staged_min`: the bytes (of the widest buffer) from which a joint run
+        is copied, a host run staged (None: never).
+        """
+        long = lens * widest >= copy_min
         s, n = starts[~long], lens[~long]
         # A short joint run continues the previous one on the host side: same host run.
         cont = np.zeros(len(s), dtype=bool)
@@ -539,7 +548,7 @@ class _Stretches:
             cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~host_break[s[1:] // step]
         heads = np.flatnonzero(~cont)
         rows = np.add.reduceat(n, heads) if len(heads) else n
-        staged_run = rows * widest >= costs.staged_min_bytes
+        staged_run = rows * widest >= staged_min if staged_min is not None else np.zeros(len(rows), bool)
         staged = np.repeat(staged_run, np.diff(np.append(heads, len(s))))
         return cls(
             copy=(starts[long], lens[long]),
