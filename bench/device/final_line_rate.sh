@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/out}; R=/tmp/r; mkdir -p "$OUT" "$R"
 } 2>&1 | tee "$R/env.txt"
 python3 -m pytest -q -x tests/test_transfer.py -k "cuda" -p no:cacheprovider 2>&1 | tail -2 | tee "$R/pytest.txt"
 b="python3 -m kvtier.cli bench"
-$b transfer --json "$R/transfer.json" 2>&1 | tee "$R/transfer.log" | grep -E "planned|stock" | grep -v "^load \|^backup " | tail -60
+$b transfer --json "$R/transfer.json" 2>&1 | tee "$R/transfer.log" | grep "│" | grep -v stock | tail -40
 $b transfer --spec deepseek-v3-fp8-packed --host-sets runs-1 --device-sets scattered --variants planned,stock \
   --kernel-sweep 16x50 --json "$R/fp8.json" 2>&1 | tee "$R/small.log" | tail -8
 $b transfer --spec glm-5-indexer --host-sets runs-1 --device-sets scattered --variants planned,stock \
