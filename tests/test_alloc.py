@@ -162,6 +162,24 @@ def test_alloc_runs_describe_exactly_the_slots_handed_out(cfg: tuple[str, int]) 
     a._check_invariants()
 
 
+@pytest.mark.parametrize("ps", [1, 16])
+def test_one_run_allocations_are_views_of_an_unchanging_id_table(ps: int) -> None:
+    """Contiguous policy: one-run slots are read from a table of ids, never rebuilt, and stay exact."""
+    a = HostSlotAllocator(64 * ps, ps, "contiguous")
+    x = a.alloc(16 * ps)
+    y = a.alloc(8 * ps)
+    assert np.shares_memory(x.numpy(), y.numpy()) is False  # disjoint views of one table
+    assert np.shares_memory(x.numpy(), a._ids) and np.shares_memory(y.numpy(), a._ids)
+    a.free(x)
+    z = a.alloc(40 * ps)  # the free space after y, not the freed head: still one run
+    for t, lo in ((y, 16 * ps), (z, 24 * ps)):
+        assert t.tolist() == list(range(lo, lo + len(t)))
+    a.free(torch.cat([y, z]))
+    w = a.alloc(64 * ps)
+    assert w.tolist() == list(range(64 * ps))
+    a._check_invariants()
+
+
 def test_free_accepts_any_integer_dtype(cfg: tuple[str, int]) -> None:
     policy, ps = cfg
     a = HostSlotAllocator(8 * ps, ps, policy)

@@ -708,3 +708,14 @@ def test_copy_streams_must_be_positive() -> None:
     costs = PathCosts(copy_streams=0)
     with pytest.raises(PlanError, match="copy_streams"):
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), costs=costs)
+
+
+def test_raw_runtime_is_absent_without_a_mapped_libcudart_and_errors_name_the_call() -> None:
+    """On a machine without CUDA no `libcudart` is mapped: every raw path falls back (None)."""
+    from kvtier.transfer import cudart
+
+    if not torch.cuda.is_available():
+        assert cudart.runtime() is None
+    cudart.check(0, "cudaEventRecord")
+    with pytest.raises(cudart.CudaRuntimeError, match="cudaEventRecord failed: CUDA error 400"):
+        cudart.check(400, "cudaEventRecord")

@@ -616,7 +616,7 @@ class CacheController:
     def _after_compute(self, lane: Lane) -> None:
         """Order the lane after the work already queued on the current compute stream."""
         if self.device_pool.device.type == "cuda":
-            lane.wait_for(torch.cuda.current_stream(self.device_pool.device))
+            lane.wait_for_current()
 
     @staticmethod
     def _check_slots(slots: torch.Tensor, limit: int, name: str) -> np.ndarray:

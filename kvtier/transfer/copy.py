@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -106,18 +106,17 @@ def _move(
             _reference(plan, host_pool, dev, b, layer, part)
 
 
-@dataclass(frozen=True)
-class LayerCopies:
+class LayerCopies(NamedTuple):
     """The copy-engine work of one model layer, as raw addresses.
 
     `flat`: `[dst, src, bytes, dst, src, bytes, ...]` Python ints, issued one
     `cudaMemcpyAsync` each (buffers with a few runs); `batches`: `(dst [R], src [R],
     bytes [R])` int64 arrays, one batched call each (buffers with many runs), spread
-    over `streams` streams.
+    over `streams` streams. A tuple, not a dataclass: a reload makes one per layer.
     """
 
-    flat: list[int] = field(default_factory=list)
-    batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    flat: list[int]
+    batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
     streams: int = 1
 
 
@@ -154,7 +153,8 @@ def layer_copies(
     if dma.dma_mode() is dma.DmaMode.TORCH or not all(device_pool.raw_rows(b.name) for b in spec.buffers):
         return None
     streams = max(p.streams for p in plan.parts)
-    work = [LayerCopies(streams=streams) for _ in range(spec.num_layers)]
+    flats: list[list[int]] = [[] for _ in range(spec.num_layers)]
+    batches: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(spec.num_layers)]
     for b in spec.buffers:
         host, dev, nbytes = buffer_runs(plan, host_pool, device_pool, b)
         dst, src = (dev, host) if plan.direction is Direction.LOAD else (host, dev)
@@ -162,11 +162,11 @@ def layer_copies(
             triples = np.empty((*dst.shape, 3), dtype=np.int64)
             triples[..., 0], triples[..., 1], triples[..., 2] = dst, src, nbytes
             for layer, row in zip(b.layers, triples.reshape(len(b.layers), -1).tolist(), strict=True):
-                work[layer].flat.extend(row)
+                flats[layer] += row
         else:
             for j, layer in enumerate(b.layers):
-                work[layer].batches.append((dst[j], src[j], nbytes))
-    return work
+                batches[layer].append((dst[j], src[j], nbytes))
+    return [LayerCopies(f, bt, streams) for f, bt in zip(flats, batches, strict=True)]
 
 
 def submit_copies(work: LayerCopies, issue: dma.Issue, stream: torch.cuda.Stream) -> None:

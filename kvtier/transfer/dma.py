@@ -2,7 +2,7 @@
 
 One `cudaMemcpyBatchAsync` (CUDA 12.8+) submits every run of a layer in a single
 call, so the host cost no longer grows with one Python copy per run. With a CUDA 13
-runtime loaded in the process it is called directly on the arrays' memory (ctypes;
+runtime loaded in the process it is called directly on the arrays' memory (`cudart`;
 0.5 us of host time per copy on an H200 host), else through `cuda.bindings` (1.4 us
 per copy: its list arguments are converted one Python int at a time). Where the
 batch call is missing (older runtime or bindings, or no `cuda.bindings` at all) the
@@ -30,6 +30,8 @@ from enum import Enum
 
 import numpy as np
 import torch
+
+from kvtier.transfer import cudart
 
 log = logging.getLogger(__name__)
 
@@ -166,18 +168,14 @@ def _direct_batch() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
 def _load_direct() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:
     if _attrs is None or not hasattr(_attrs, "getPtr"):
         return None
-    # The libcudart this process already uses (torch's), found by its mapping (Linux).
-    with open("/proc/self/maps") as fh:
-        paths = sorted({ln.split()[-1] for ln in fh.read().splitlines() if "/libcudart.so" in ln})
-    if not paths:
+    rt = cudart.runtime()
+    if rt is None:
         return None
-    lib = ctypes.CDLL(paths[0])
-    version = ctypes.c_int()
     # CUDA 13's signature only (12.8 and 12.9 take a `failIdx` argument too): other
     # runtimes keep the bindings, whose argument conversion is slower but checked.
-    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value // 1000 != 13:
+    if rt.version // 1000 != 13:
         return None
-    fn = lib.cudaMemcpyBatchAsync
+    fn = rt.lib.cudaMemcpyBatchAsync
     fn.restype = ctypes.c_int
     ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
     fn.argtypes = [ptr, ptr, ptr, size_t, ptr, ptr, size_t, ptr]
@@ -187,10 +185,9 @@ def _load_direct() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] 
     def call(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         d, s_, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, sizes))
         err = fn(d.ctypes.data, s_.ctypes.data, n.ctypes.data, len(n), attrs, first, 1, stream)
-        if err != 0:
-            raise RuntimeError(f"cudaMemcpyBatchAsync failed: error {err}")
+        cudart.check(err, "cudaMemcpyBatchAsync")
 
-    log.info("batched DMA through %s (runtime %d)", paths[0], version.value)
+    log.info("batched DMA through %s (runtime %d)", rt.path, rt.version)
     return call
 
 
@@ -201,21 +198,34 @@ def issuer(stream: torch.cuda.Stream) -> Issue:
     """A function that submits `[dst, src, bytes, dst, src, bytes, ...]` on `stream`.
 
     One `cudaMemcpyAsync` per triple (raw addresses and byte counts as Python ints),
-    with the runtime function, copy kind and stream handle looked up once: this is
-    the per-layer submission of a reload, so nothing else happens per call.
+    with the function and stream handle looked up once: this is the per-layer
+    submission of a reload, so nothing else happens per call. Through the loaded
+    runtime where found (`cudart`), else through `cuda.bindings`.
     """
     if _probe() is DmaMode.TORCH:
         raise ValueError("raw copies need cuda.bindings")
     if stream.cuda_stream == 0:
         raise ValueError("batched copies need a stream you created, not the legacy default stream")
+    rt = cudart.runtime()
+    if rt is not None:
+        raw, handle = rt.memcpy_async, stream.cuda_stream
+        kind_default = cudart.MEMCPY_DEFAULT
+
+        def issue_raw(flat: list[int]) -> None:
+            for i in range(0, len(flat), 3):
+                err = raw(flat[i], flat[i + 1], flat[i + 2], kind_default, handle)
+                if err:
+                    cudart.check(err, "cudaMemcpyAsync")
+
+        return issue_raw
     memcpy = _runtime.cudaMemcpyAsync
     kind = _runtime.cudaMemcpyKind.cudaMemcpyDefault
-    handle = _handle(stream)
+    bound = _handle(stream)
     ok = _runtime.cudaError_t.cudaSuccess
 
     def issue(flat: list[int]) -> None:
         for i in range(0, len(flat), 3):
-            (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, handle)
+            (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, bound)
             if err != ok:
                 _check(err, "cudaMemcpyAsync")
 
