@@ -79,10 +79,9 @@ class PathCosts:
     `index_copy_` of rows; `reference_gbps`: the per-token path through host memory;
     `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
     kernel takes the rest; `staged_min_bytes`: a host run at least this long whose
-    device slots are scattered is loaded through staging then (the on-device scatter
-    adds a few percent, so its runs must be longer than a direct copy's to beat the
-    kernel; backups keep the kernel, whose scatter is faster than staging there);
-    `copy_streams`: batched copies of one layer are spread over
+    device slots are scattered is loaded through staging then (runs of 74 KB: 0.95 of
+    the line rate against the kernel's 0.92; backups keep the kernel, whose scatter
+    is faster than staging there); `copy_streams`: batched copies of one layer are spread over
     this many streams, so several copy engines overlap their per-copy cost. On an
     H200, runs of 74 KB reach 0.92-0.95 of the line rate that way in either direction
     (8 streams), as much as the kernel's best or more, and take no SMs; runs of 18 KB
@@ -94,7 +93,7 @@ class PathCosts:
     device_gbps: float = 1200.0
     reference_gbps: float = 3.0
     copy_min_bytes: int = 64 << 10
-    staged_min_bytes: int = 256 << 10
+    staged_min_bytes: int = 64 << 10
     copy_streams: int = 8
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
