@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # Device call 5 of 2026-11-30 (second session), on the final code: every GPU test, the full
 # line-rate table, and the 128k-token reload through match + load_back at page sizes 1 and 16.
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; R=/tmp/r; mkdir -p "$OUT" "$R"
-{
-  nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
-  python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} 2>&1 | tee "$R/env.txt"
+source bench/device/setup.sh
 python3 -m pytest -q -p no:cacheprovider 2>&1 | tail -3 | tee "$R/pytest.txt"
 b="python3 -m kvtier.cli bench"
 $b transfer --json "$R/transfer.json" 2>&1 | tee "$R/transfer.log" | grep "│" | grep planned | tail -30

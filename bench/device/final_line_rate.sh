@@ -3,13 +3,7 @@
 # committed (loads of long host runs onto scattered device slots through staging, backups by the
 # kernel), small rows, duplex and interference; then a per-function profile of the 128k-token
 # match + load_back (issue 4). Everything lands in one archive (the device returns few files).
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; R=/tmp/r; mkdir -p "$OUT" "$R"
-{
-  nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
-  python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} 2>&1 | tee "$R/env.txt"
+source bench/device/setup.sh
 python3 -m pytest -q -x tests/test_transfer.py -k "cuda" -p no:cacheprovider 2>&1 | tail -2 | tee "$R/pytest.txt"
 b="python3 -m kvtier.cli bench"
 $b transfer --json "$R/transfer.json" 2>&1 | tee "$R/transfer.log" | grep "│" | grep -v stock | tail -40

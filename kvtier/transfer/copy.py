@@ -11,6 +11,9 @@ reference path for that buffer alone.
 
 Concurrency contract: the caller orders a load after any backup that writes the
 same host slots (an event), and keeps the plan alive until its stream has run.
+Plans with a `STAGED` part use the device pool's staging buffer of their direction,
+so two of them must not run at once on different streams (the cache runs every
+load on one stream and every backup on another).
 """
 
 from __future__ import annotations
@@ -221,7 +224,7 @@ def _host_ptrs(
     host_pool: HostPool, b: BufferSpec, layer: int, region: np.ndarray, offset: np.ndarray
 ) -> np.ndarray:
     """`[k]` int64 addresses of host rows of `layer`: `offset` bytes into each `region`'s layer rows."""
-    return host_pool.region_ptrs(b.name)[b.layers.index(layer), region] + offset
+    return host_pool.region_ptrs(b.name)[b.local_layer(layer), region] + offset
 
 
 def _staged(
