@@ -1,0 +1,77 @@
+"""Probe: is the matmul's loss beside the gather kernel a matter of SMs, or of power and clocks?
+
+The matmul (bf16 8192^3, every SM) keeps 0.82-0.88 of its rate beside the kernel on 8 of 132
+SMs, more than the SM share (6%) explains; launch priority and 2-CTA clusters changed
+nothing. If the GPU runs the matmul at its power limit, the copy kernel's SMs and its PCIe
+traffic draw power that lowers the clock of every SM. Phases of ~3 s each: matmul alone,
+matmul + kernel reload (8 SMs), matmul + copy-engine reload, matmul alone again; each phase's
+start and end are printed (host clock) with its TFLOP/s, and `nvidia-smi` samples the SM clock
+and power every 50 ms beside it (see power.sh).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import torch
+
+from kvtier.transfer import kernels
+
+ROWS, ROW_WORDS, N = 131072, 144, 8192
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(3)
+    host = torch.randint(-(2**62), 2**62, (2 * ROWS * ROW_WORDS,), generator=gen).pin_memory()
+    dev = torch.empty(2 * ROWS * ROW_WORDS, dtype=torch.int64, device="cuda")
+    src_off = (torch.randperm(2 * ROWS, generator=gen)[:ROWS] * ROW_WORDS).cuda()
+    dst_off = (torch.randperm(2 * ROWS, generator=gen)[:ROWS] * ROW_WORDS).cuda()
+    load_stream, compute = torch.cuda.Stream(), torch.cuda.Stream()
+    kernel_load = functools.partial(
+        kernels._kernel()[(8,)],
+        host, src_off, dev, dst_off, ROWS, ROW_WORDS // 2,
+        ROWS_PER_BLOCK=56, BLOCK=4096, VEC=2, CHECK_ALIGN=False, num_warps=16,
+    )  # fmt: skip
+    flat_h, flat_d = host[: ROWS * ROW_WORDS], dev[: ROWS * ROW_WORDS]
+
+    def copy_engine_load() -> None:
+        flat_d.copy_(flat_h, non_blocking=True)
+
+    a = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+
+    def phase(name: str, load, seconds: float = 3.0) -> None:
+        """Batches of 20 matmuls (timed by events, so waits between batches do not count)."""
+        torch.cuda.synchronize()
+        t0 = time.time()
+        done, gpu_s = 0, 0.0
+        while time.time() - t0 < seconds:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(compute):
+                e0.record()
+                for _ in range(20):
+                    torch.mm(a, b, out=c)
+                e1.record()
+            if load is not None:
+                with torch.cuda.stream(load_stream):
+                    for _ in range(12):  # ~35 ms of reload beside ~30 ms of matmuls
+                        load()
+            torch.cuda.synchronize()
+            done += 20
+            gpu_s += e0.elapsed_time(e1) / 1e3
+        t1 = time.time()
+        tflops = round(done * 2 * N**3 / gpu_s / 1e12, 1)
+        print(json.dumps({"phase": name, "start": round(t0, 3), "end": round(t1, 3), "tflops": tflops}))
+
+    phase("warmup", None, 2.0)
+    for _ in range(2):
+        phase("alone", None)
+        phase("kernel 8 SMs", kernel_load)
+        phase("copy engine", copy_engine_load)
+
+
+if __name__ == "__main__":
+    main()
