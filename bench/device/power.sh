@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call 7 of 2026-11-30 (second session): SM clock and power beside the matmul, alone and
+# Device calls 7-8 of 2026-11-30 (second session): SM clock and power beside the matmul, alone and
 # with a reload through the kernel or the copy engine (probe_power.py); nvidia-smi samples at 50 ms.
 source bench/device/setup.sh
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu \

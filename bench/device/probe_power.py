@@ -4,7 +4,8 @@ The matmul (bf16 8192^3, every SM) keeps 0.82-0.88 of its rate beside the kernel
 SMs, more than the SM share (6%) explains; launch priority and 2-CTA clusters changed
 nothing. If the GPU runs the matmul at its power limit, the copy kernel's SMs and its PCIe
 traffic draw power that lowers the clock of every SM. Phases of ~3 s each: matmul alone,
-matmul + kernel reload (8 SMs), matmul + copy-engine reload, matmul alone again; each phase's
+matmul + kernel reload (8 SMs) queued before or after the matmuls, matmul + copy-engine
+reload; twice. Each phase's
 start and end are printed (host clock) with its TFLOP/s, and `nvidia-smi` samples the SM clock
 and power every 50 ms beside it (see power.sh).
 """
@@ -43,22 +44,33 @@ def main() -> None:
     b = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
 
-    def phase(name: str, load, seconds: float = 3.0) -> None:
-        """Batches of 20 matmuls (timed by events, so waits between batches do not count)."""
+    def phase(name: str, load, seconds: float = 3.0, load_first: bool = True) -> None:
+        """Batches of 20 matmuls (timed by events, so waits between batches do not count).
+
+        `load_first`: the reload is queued before the matmuls, so its programs hold their SMs
+        when the matmuls start (else after, and its programs wait for free SMs).
+        """
         torch.cuda.synchronize()
         t0 = time.time()
         done, gpu_s = 0, 0.0
+
+        def reload() -> None:
+            if load is not None:
+                with torch.cuda.stream(load_stream):
+                    for _ in range(12):  # ~35 ms of reload beside ~30 ms of matmuls
+                        load()
+
         while time.time() - t0 < seconds:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if load_first:
+                reload()
             with torch.cuda.stream(compute):
                 e0.record()
                 for _ in range(20):
                     torch.mm(a, b, out=c)
                 e1.record()
-            if load is not None:
-                with torch.cuda.stream(load_stream):
-                    for _ in range(12):  # ~35 ms of reload beside ~30 ms of matmuls
-                        load()
+            if not load_first:
+                reload()
             torch.cuda.synchronize()
             done += 20
             gpu_s += e0.elapsed_time(e1) / 1e3
@@ -69,7 +81,8 @@ def main() -> None:
     phase("warmup", None, 2.0)
     for _ in range(2):
         phase("alone", None)
-        phase("kernel 8 SMs", kernel_load)
+        phase("kernel first", kernel_load)
+        phase("kernel after", kernel_load, load_first=False)
         phase("copy engine", copy_engine_load)
 
 
