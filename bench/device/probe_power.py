@@ -52,13 +52,16 @@ def main() -> None:
         """
         torch.cuda.synchronize()
         t0 = time.time()
-        done, gpu_s = 0, 0.0
+        done, gpu_s, load_s, overlap_s = 0, 0.0, 0.0, 0.0
+        l0, l1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
         def reload() -> None:
             if load is not None:
                 with torch.cuda.stream(load_stream):
+                    l0.record()
                     for _ in range(12):  # ~35 ms of reload beside ~30 ms of matmuls
                         load()
+                    l1.record()
 
         while time.time() - t0 < seconds:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -74,9 +77,18 @@ def main() -> None:
             torch.cuda.synchronize()
             done += 20
             gpu_s += e0.elapsed_time(e1) / 1e3
+            if load is not None:
+                load_s += l0.elapsed_time(l1) / 1e3
+                # How long the reload and the matmuls ran at the same time (ms between events).
+                start = max(0.0, e0.elapsed_time(l0))
+                overlap_s += max(0.0, min(e0.elapsed_time(e1), e0.elapsed_time(l1)) - start) / 1e3
         t1 = time.time()
-        tflops = round(done * 2 * N**3 / gpu_s / 1e12, 1)
-        print(json.dumps({"phase": name, "start": round(t0, 3), "end": round(t1, 3), "tflops": tflops}))
+        out = {"phase": name, "start": round(t0, 3), "end": round(t1, 3)}
+        out["tflops"] = round(done * 2 * N**3 / gpu_s / 1e12, 1)
+        if load is not None:
+            out["reload_gbps"] = round(12 * ROWS * ROW_WORDS * 8 * (done // 20) / load_s / 1e9, 1)
+            out["overlap_of_matmul_time"] = round(overlap_s / gpu_s, 2)
+        print(json.dumps(out))
 
     phase("warmup", None, 2.0)
     for _ in range(2):
