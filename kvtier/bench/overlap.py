@@ -5,7 +5,10 @@
 - interference: a bf16 8192 x 8192 matmul loop on the compute stream, alone and with
   a reload running beside it on the load stream, through the copy engine and through
   the gather kernel. Runs with and without the reload alternate and medians are
-  taken, since clocks drift.
+  taken, since clocks drift. Each run lasts `ROUND_S` seconds: the matmul holds an
+  H200 at its power limit, where it settles only after a while; runs of a few dozen
+  milliseconds start at boost clocks and made the kernel look 12-14% costlier than in
+  steady state, where it costs about 1% (bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 from kvtier.bench.transfer import BenchConfig, Setup, setup
 from kvtier.pool.device import Direction
 from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
+
+ROUND_S = 2.0
 
 
 @dataclass
@@ -90,17 +95,22 @@ def _duplex_gbps(s: Setup, load: TransferPlan, back: TransferPlan, rounds: int, 
     return statistics.median(once() for _ in range(rounds))
 
 
-def _interference(s: Setup, load: TransferPlan, rounds: int, matmuls: int = 40) -> tuple[float, float, float]:
-    """`(matmul TFLOP/s alone, beside the reload, reload GB/s beside the matmul)`, medians."""
+def _interference(
+    s: Setup, load: TransferPlan, rounds: int, round_s: float = ROUND_S
+) -> tuple[float, float, float]:
+    """`(matmul TFLOP/s alone, beside the reload, reload GB/s beside the matmul)`, medians.
+
+    Each round runs the matmul loop for about `round_s` seconds, alone or with reloads
+    queued beside it for as long; rounds alternate.
+    """
     n = 8192
     gen = torch.Generator(device=s.dev.device).manual_seed(0)
     a = torch.randn(n, n, device=s.dev.device, dtype=torch.bfloat16, generator=gen)
     b = torch.randn(n, n, device=s.dev.device, dtype=torch.bfloat16, generator=gen)
     c = torch.empty_like(a)
     compute = torch.cuda.Stream(s.dev.device)
-    flops = 2 * n**3 * matmuls
 
-    def matmul_s(with_reload: bool) -> tuple[float, float]:
+    def matmul_s(with_reload: bool, matmuls: int, per_matmul_s: float) -> tuple[float, float]:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         lstart, lend = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -113,9 +123,7 @@ def _interference(s: Setup, load: TransferPlan, rounds: int, matmuls: int = 40) 
         if with_reload:
             lstart.record(s.stream)
             # Keep the load stream busy for about as long as the matmuls run.
-            budget = matmuls * 2 * n**3 / 700e12
-            per_call = s.layer_bytes / 50e9
-            reloads = max(1, int(budget / per_call))
+            reloads = max(1, int(matmuls * per_matmul_s / (s.layer_bytes / 50e9)))
             for _ in range(reloads):
                 load_layer(load, s.host, s.dev, 0, s.stream)
             lend.record(s.stream)
@@ -126,12 +134,15 @@ def _interference(s: Setup, load: TransferPlan, rounds: int, matmuls: int = 40) 
         )
         return mm_s, reload_gbps
 
-    matmul_s(False)
-    matmul_s(True)
+    per_matmul = matmul_s(False, 20, 0.0)[0] / 20
+    matmuls = max(20, int(round_s / per_matmul))
+    matmul_s(False, matmuls, per_matmul)
+    matmul_s(True, matmuls, per_matmul)
+    flops = 2 * n**3 * matmuls
     alone, beside, reload = [], [], []
     for _ in range(rounds):
-        alone.append(flops / matmul_s(False)[0] / 1e12)
-        mm, gbps = matmul_s(True)
+        alone.append(flops / matmul_s(False, matmuls, per_matmul)[0] / 1e12)
+        mm, gbps = matmul_s(True, matmuls, per_matmul)
         beside.append(flops / mm / 1e12)
         reload.append(gbps)
     return statistics.median(alone), statistics.median(beside), statistics.median(reload)
