@@ -5,10 +5,11 @@
 - interference: a bf16 8192 x 8192 matmul loop on the compute stream, alone and with
   a reload running beside it on the load stream, through the copy engine and through
   the gather kernel. Runs with and without the reload alternate and medians are
-  taken, since clocks drift. Each run lasts `ROUND_S` seconds: the matmul holds an
-  H200 at its power limit, where it settles only after a while; runs of a few dozen
-  milliseconds start at boost clocks and made the kernel look 12-14% costlier than in
-  steady state, where it costs about 1% (bench/NOTES.md).
+  taken, since clocks drift: each run with the reload against the runs alone on either
+  side of it. Each run lasts `ROUND_S` seconds after `WARM_S` seconds of matmuls: the
+  matmul holds an H200 at its 700 W limit, where it settles only after a while; runs of
+  a few dozen milliseconds start at boost clocks and made the kernel look 12-14%
+  costlier than in steady state (bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvtier.pool.device import Direction
 from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
 
 ROUND_S = 2.0
+WARM_S = 8.0
 
 
 @dataclass
@@ -69,9 +71,9 @@ def run(cfg: BenchConfig, progress: Callable[[str], None], rounds: int = 5) -> t
 
     for name, load in loads.items():
         progress(f"interference via {name}")
-        alone, beside, reload_gbps = _interference(s, load, rounds)
+        alone, beside, reload_gbps, kept = _interference(s, load, rounds)
         sms = load.sms_used
-        rows.append(OverlapRow("matmul beside reload", name, sms, beside, "TFLOP/s", alone, beside / alone))
+        rows.append(OverlapRow("matmul beside reload", name, sms, beside, "TFLOP/s", alone, kept))
         rows.append(
             OverlapRow("reload beside matmul", name, sms, reload_gbps, "GB/s", ceiling, reload_gbps / ceiling)
         )
@@ -97,11 +99,12 @@ def _duplex_gbps(s: Setup, load: TransferPlan, back: TransferPlan, rounds: int, 
 
 def _interference(
     s: Setup, load: TransferPlan, rounds: int, round_s: float = ROUND_S
-) -> tuple[float, float, float]:
-    """`(matmul TFLOP/s alone, beside the reload, reload GB/s beside the matmul)`, medians.
+) -> tuple[float, float, float, float]:
+    """Medians of `(matmul TFLOP/s alone, beside the reload, reload GB/s, share of the rate kept)`.
 
     Each round runs the matmul loop for about `round_s` seconds, alone or with reloads
-    queued beside it for as long; rounds alternate.
+    queued beside it for as long; rounds alternate, and each round with the reload is
+    compared with the rounds alone on either side of it.
     """
     n = 8192
     gen = torch.Generator(device=s.dev.device).manual_seed(0)
@@ -136,13 +139,22 @@ def _interference(
 
     per_matmul = matmul_s(False, 20, 0.0)[0] / 20
     matmuls = max(20, int(round_s / per_matmul))
-    matmul_s(False, matmuls, per_matmul)
-    matmul_s(True, matmuls, per_matmul)
     flops = 2 * n**3 * matmuls
-    alone, beside, reload = [], [], []
+    # Seconds of matmuls first: the GPU reaches its power limit and temperature only then.
+    matmul_s(False, max(20, int(WARM_S / per_matmul)), per_matmul)
+    matmul_s(True, matmuls, per_matmul)
+
+    def alone_tflops() -> float:
+        return flops / matmul_s(False, matmuls, per_matmul)[0] / 1e12
+
+    # alone, beside, alone, beside, ..., alone: each round with the reload against the mean
+    # of the rounds alone on either side of it, so a slow drift of the clock cancels.
+    alone, beside, reload, kept = [alone_tflops()], [], [], []
     for _ in range(rounds):
-        alone.append(flops / matmul_s(False, matmuls, per_matmul)[0] / 1e12)
         mm, gbps = matmul_s(True, matmuls, per_matmul)
         beside.append(flops / mm / 1e12)
         reload.append(gbps)
-    return statistics.median(alone), statistics.median(beside), statistics.median(reload)
+        alone.append(alone_tflops())
+        kept.append(beside[-1] / ((alone[-2] + alone[-1]) / 2))
+    med = statistics.median
+    return med(alone), med(beside), med(reload), med(kept)
