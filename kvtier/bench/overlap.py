@@ -125,8 +125,10 @@ def _interference(
         reloads = 0
         if with_reload:
             lstart.record(s.stream)
-            # Keep the load stream busy for about as long as the matmuls run.
-            reloads = max(1, int(matmuls * per_matmul_s / (s.layer_bytes / 50e9)))
+            # Reload for ~80% of the matmuls' time, so the round ends with the matmuls in
+            # both kinds of round: a reload running past them would idle the SMs and let the
+            # next round start at boost clocks, favouring whichever round comes next.
+            reloads = max(1, int(0.8 * matmuls * per_matmul_s / (s.layer_bytes / 50e9)))
             for _ in range(reloads):
                 load_layer(load, s.host, s.dev, 0, s.stream)
             lend.record(s.stream)
