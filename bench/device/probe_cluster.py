@@ -26,12 +26,19 @@ ROWS, ROW_WORDS = 131072, 144  # int64 words of 1152 B
 N = 8192
 
 
-def main() -> None:
-    gen = torch.Generator().manual_seed(3)
+def scattered_rows(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(host, dev, src_off, dst_off)`: pinned and device words of 2 * ROWS rows, and the word
+    offsets (on the GPU) of ROWS scattered rows to gather from one into the other."""
+    gen = torch.Generator().manual_seed(seed)
     host = torch.randint(-(2**62), 2**62, (2 * ROWS * ROW_WORDS,), generator=gen).pin_memory()
     dev = torch.empty(2 * ROWS * ROW_WORDS, dtype=torch.int64, device="cuda")
     src_off = (torch.randperm(2 * ROWS, generator=gen)[:ROWS] * ROW_WORDS).cuda()
     dst_off = (torch.randperm(2 * ROWS, generator=gen)[:ROWS] * ROW_WORDS).cuda()
+    return host, dev, src_off, dst_off
+
+
+def main() -> None:
+    host, dev, src_off, dst_off = scattered_rows()
     load_stream, compute = torch.cuda.Stream(), torch.cuda.Stream()
     kernel = kernels._kernel()
     nbytes = ROWS * ROW_WORDS * 8

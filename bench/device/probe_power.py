@@ -17,18 +17,13 @@ import json
 import time
 
 import torch
+from probe_cluster import ROW_WORDS, ROWS, N, scattered_rows  # same folder (run as a script)
 
 from kvtier.transfer import kernels
 
-ROWS, ROW_WORDS, N = 131072, 144, 8192
-
 
 def main() -> None:
-    gen = torch.Generator().manual_seed(3)
-    host = torch.randint(-(2**62), 2**62, (2 * ROWS * ROW_WORDS,), generator=gen).pin_memory()
-    dev = torch.empty(2 * ROWS * ROW_WORDS, dtype=torch.int64, device="cuda")
-    src_off = (torch.randperm(2 * ROWS, generator=gen)[:ROWS] * ROW_WORDS).cuda()
-    dst_off = (torch.randperm(2 * ROWS, generator=gen)[:ROWS] * ROW_WORDS).cuda()
+    host, dev, src_off, dst_off = scattered_rows()
     load_stream, compute = torch.cuda.Stream(), torch.cuda.Stream()
     kernel_load = functools.partial(
         kernels._kernel()[(8,)],
