@@ -8,6 +8,8 @@
 //   graph      a graph of L memcpy nodes and L event-record nodes, instantiated once; per reload
 //              cudaGraphExecMemcpyNodeSetParams1D for every copy, then one cudaGraphLaunch
 //   graph_fix  the same graph launched with no update (the floor of a launch)
+//   loop/batch each layer in k runs (k = 1..16): k cudaMemcpyAsync calls, or one
+//              cudaMemcpyBatchAsync of k copies, then the event record
 // Each variant's destination is poisoned and checked after one reload. Prints one JSON line each.
 //
 // Build and run on the device: nvcc -O3 -o probe_graph probe_graph.cu && ./probe_graph [L] [B]
@@ -68,6 +70,44 @@ int main(int argc, char** argv) {
     }
     printf("{\"variant\": \"direct\", \"layers\": %d, \"bytes\": %zu, \"us_per_layer\": %.3f, \"identical\": %s}\n", L,
            B, median(t), ok ? "true" : "false");
+
+    // a layer in k runs: k cudaMemcpyAsync calls, or one cudaMemcpyBatchAsync of k copies (+ the event)
+    for (int k : {1, 2, 4, 8, 16}) {
+        for (int batch = 0; batch < 2; ++batch) {
+            size_t part = B / k;
+            std::vector<void*> dsts(k), srcs(k);
+            std::vector<size_t> sizes(k, part);
+            cudaMemcpyAttributes a = {};
+            a.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+            a.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+            size_t idx = 0;
+            t.clear();
+            for (int r = 0; r < reps + 2; ++r) {
+                CK(cudaMemsetAsync(dev, 0xAB, L * B, s));
+                CK(cudaStreamSynchronize(s));
+                double t0 = now_us();
+                for (int l = 0; l < L; ++l) {
+                    for (int j = 0; j < k; ++j) {
+                        dsts[j] = dev + l * B + j * part;
+                        srcs[j] = host + l * B + j * part;
+                    }
+                    if (batch)
+                        CK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), k, &a, &idx, 1, s));
+                    else
+                        for (int j = 0; j < k; ++j)
+                            CK(cudaMemcpyAsync(dsts[j], srcs[j], part, cudaMemcpyHostToDevice, s));
+                    CK(cudaEventRecord(ev[l], s));
+                }
+                double t1 = now_us();
+                if (r == 0) ok = verify();
+                CK(cudaStreamSynchronize(s));
+                if (r >= 2) t.push_back((t1 - t0) / L);
+            }
+            printf("{\"variant\": \"%s\", \"runs_per_layer\": %d, \"layers\": %d, \"us_per_layer\": %.3f, "
+                   "\"identical\": %s}\n",
+                   batch ? "batch" : "loop", k, L, median(t), ok ? "true" : "false");
+        }
+    }
 
     // graph: L memcpy nodes chained with L event-record nodes
     cudaGraph_t g;
