@@ -719,3 +719,14 @@ def test_raw_runtime_is_absent_without_a_mapped_libcudart_and_errors_name_the_ca
     cudart.check(0, "cudaEventRecord")
     with pytest.raises(cudart.CudaRuntimeError, match="cudaEventRecord failed: CUDA error 400"):
         cudart.check(400, "cudaEventRecord")
+
+
+def test_batches_start_at_two_copies_only_with_the_direct_batch_call(monkeypatch) -> None:
+    """Through `cuda.bindings` a batch pays per Python int: plain copies up to 4 there, up to 1 direct."""
+    monkeypatch.setattr(dma, "_probe", lambda: dma.DmaMode.BATCH)
+    monkeypatch.setattr(dma, "_direct_batch", lambda: lambda *_a: None)
+    assert dma.small_batch() == dma.SMALL_BATCH_DIRECT == 1
+    monkeypatch.setattr(dma, "_direct_batch", lambda: None)
+    assert dma.small_batch() == dma.SMALL_BATCH == 4
+    monkeypatch.setattr(dma, "_probe", lambda: dma.DmaMode.LOOP)
+    assert dma.small_batch() == dma.SMALL_BATCH

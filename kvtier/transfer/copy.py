@@ -161,7 +161,7 @@ def layer_copies(
     for b in spec.buffers:
         host, dev, nbytes = buffer_runs(plan, host_pool, device_pool, b)
         dst, src = (dev, host) if plan.direction is Direction.LOAD else (host, dev)
-        if len(nbytes) <= dma.SMALL_BATCH:
+        if len(nbytes) <= dma.small_batch():
             triples = np.empty((*dst.shape, 3), dtype=np.int64)
             triples[..., 0], triples[..., 1], triples[..., 2] = dst, src, nbytes
             for layer, row in zip(b.layers, triples.reshape(len(b.layers), -1).tolist(), strict=True):

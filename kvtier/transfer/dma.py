@@ -44,8 +44,13 @@ class DmaMode(str, Enum):
     TORCH = "torch"  # one torch copy per run (no cuda.bindings)
 
 
-# Up to this many copies go out as plain `cudaMemcpyAsync` calls even where batching exists.
+# Up to this many copies go out as plain `cudaMemcpyAsync` calls even where batching exists
+# (through `cuda.bindings`, whose batch call converts its lists one Python int at a time).
 SMALL_BATCH = 4
+# The same with the runtime's batch call made directly: on an H200 host one batch of k copies
+# costs less than k plain calls from k = 2 (2.5 against 4.9 us a layer, 5.5 against 6.7 at 4,
+# in C; bench/NOTES.md).
+SMALL_BATCH_DIRECT = 1
 
 _runtime = None
 _mode: DmaMode | None = None
@@ -73,6 +78,13 @@ def _probe() -> DmaMode:
         _mode = DmaMode.BATCH
     log.info("batched DMA mode: %s", _mode.value)
     return _mode
+
+
+def small_batch() -> int:
+    """Copies up to which a list goes out as plain `cudaMemcpyAsync` calls, not one batch."""
+    if _probe() is not DmaMode.BATCH:
+        return SMALL_BATCH
+    return SMALL_BATCH_DIRECT if _direct_batch() is not None else SMALL_BATCH
 
 
 def dma_mode() -> DmaMode:
@@ -114,7 +126,7 @@ def copy_runs(
         return
     global _mode
     mode = mode or _probe()
-    if mode is DmaMode.BATCH and n <= SMALL_BATCH:
+    if mode is DmaMode.BATCH and n <= small_batch():
         mode = DmaMode.LOOP  # a few plain calls cost less than building one batch
     rt = _runtime
     direct = _direct_batch() if mode is DmaMode.BATCH else None
