@@ -52,24 +52,32 @@ int main(int argc, char** argv) {
     };
     const int reps = 20;
 
-    // direct
-    std::vector<double> t;
+    // Host microseconds per layer to submit one reload (`submit()`), median of `reps`; the
+    // destination is poisoned before each and checked after the first (into `ok`).
     bool ok = true;
-    for (int r = 0; r < reps + 2; ++r) {
-        CK(cudaMemsetAsync(dev, 0xAB, L * B, s));
-        CK(cudaStreamSynchronize(s));
-        double t0 = now_us();
+    auto per_layer = [&](auto submit) {
+        std::vector<double> t;
+        for (int r = 0; r < reps + 2; ++r) {
+            CK(cudaMemsetAsync(dev, 0xAB, L * B, s));
+            CK(cudaStreamSynchronize(s));
+            double t0 = now_us();
+            submit();
+            double t1 = now_us();
+            if (r == 0) ok = verify();
+            CK(cudaStreamSynchronize(s));
+            if (r >= 2) t.push_back((t1 - t0) / L);
+        }
+        return median(t);
+    };
+
+    double us = per_layer([&] {
         for (int l = 0; l < L; ++l) {
             CK(cudaMemcpyAsync(dev + l * B, host + l * B, B, cudaMemcpyHostToDevice, s));
             CK(cudaEventRecord(ev[l], s));
         }
-        double t1 = now_us();
-        if (r == 0) ok = verify();
-        CK(cudaStreamSynchronize(s));
-        if (r >= 2) t.push_back((t1 - t0) / L);
-    }
+    });
     printf("{\"variant\": \"direct\", \"layers\": %d, \"bytes\": %zu, \"us_per_layer\": %.3f, \"identical\": %s}\n", L,
-           B, median(t), ok ? "true" : "false");
+           B, us, ok ? "true" : "false");
 
     // a layer in k runs: k cudaMemcpyAsync calls, or one cudaMemcpyBatchAsync of k copies (+ the event)
     for (int k : {1, 2, 4, 8, 16}) {
@@ -81,11 +89,7 @@ int main(int argc, char** argv) {
             a.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
             a.flags = cudaMemcpyFlagPreferOverlapWithCompute;
             size_t idx = 0;
-            t.clear();
-            for (int r = 0; r < reps + 2; ++r) {
-                CK(cudaMemsetAsync(dev, 0xAB, L * B, s));
-                CK(cudaStreamSynchronize(s));
-                double t0 = now_us();
+            us = per_layer([&] {
                 for (int l = 0; l < L; ++l) {
                     for (int j = 0; j < k; ++j) {
                         dsts[j] = dev + l * B + j * part;
@@ -98,14 +102,10 @@ int main(int argc, char** argv) {
                             CK(cudaMemcpyAsync(dsts[j], srcs[j], part, cudaMemcpyHostToDevice, s));
                     CK(cudaEventRecord(ev[l], s));
                 }
-                double t1 = now_us();
-                if (r == 0) ok = verify();
-                CK(cudaStreamSynchronize(s));
-                if (r >= 2) t.push_back((t1 - t0) / L);
-            }
+            });
             printf("{\"variant\": \"%s\", \"runs_per_layer\": %d, \"layers\": %d, \"us_per_layer\": %.3f, "
                    "\"identical\": %s}\n",
-                   batch ? "batch" : "loop", k, L, median(t), ok ? "true" : "false");
+                   batch ? "batch" : "loop", k, L, us, ok ? "true" : "false");
         }
     }
 
@@ -125,24 +125,16 @@ int main(int argc, char** argv) {
     CK(cudaGraphInstantiate(&ge, g, 0));
     double instantiate = now_us() - i0;
     for (int fixed = 0; fixed < 2; ++fixed) {
-        t.clear();
-        for (int r = 0; r < reps + 2; ++r) {
-            CK(cudaMemsetAsync(dev, 0xAB, L * B, s));
-            CK(cudaStreamSynchronize(s));
-            double t0 = now_us();
+        us = per_layer([&] {
             if (!fixed)
                 for (int l = 0; l < L; ++l)
                     CK(cudaGraphExecMemcpyNodeSetParams1D(ge, cp[l], dev + l * B, host + l * B, B,
                                                           cudaMemcpyHostToDevice));
             CK(cudaGraphLaunch(ge, s));
-            double t1 = now_us();
-            if (r == 0) ok = verify();
-            CK(cudaStreamSynchronize(s));
-            if (r >= 2) t.push_back((t1 - t0) / L);
-        }
+        });
         printf("{\"variant\": \"%s\", \"layers\": %d, \"bytes\": %zu, \"us_per_layer\": %.3f, \"instantiate_us\": %.1f, "
                "\"identical\": %s}\n",
-               fixed ? "graph_fix" : "graph", L, B, median(t), instantiate, ok ? "true" : "false");
+               fixed ? "graph_fix" : "graph", L, B, us, instantiate, ok ? "true" : "false");
     }
     return 0;
 }
