@@ -1,10 +1,11 @@
 """The CUDA runtime this process already uses, called through ctypes on the hot paths.
 
-A reload submits two runtime calls per model layer (a copy and an event record); from
-Python through `cuda.bindings` or torch each costs 2-5 us of host time on an H200 host,
-most of it argument conversion and result objects, not the driver. Here the same
-functions of the `libcudart` that torch loaded (found by its mapping in the process, so
-there is one runtime and one context) are called with raw integers.
+A reload submits two runtime calls per model layer (a copy and an event record). On the
+H200 host the driver's own work for the pair is ~3 us (measured in C); from Python
+through `cuda.bindings` and torch they cost ~8 us more with argument conversion, result
+objects and torch's stream and event wrappers. Here the same functions of the
+`libcudart` that torch loaded (found by its mapping in the process, so there is one
+runtime and one context) are called with raw integers.
 
 `runtime()` is None where that library cannot be found (no CUDA, another platform, a
 statically linked runtime): callers then keep `cuda.bindings` or torch.
