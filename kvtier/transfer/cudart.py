@@ -2,8 +2,8 @@
 
 A reload submits two runtime calls per model layer (a copy and an event record). On the
 H200 host the driver's own work for the pair is ~3 us (measured in C); from Python
-through `cuda.bindings` and torch they cost ~8 us more with argument conversion, result
-objects and torch's stream and event wrappers. Here the same functions of the
+through `cuda.bindings` and torch the pair took 6-9 us (profiled), the rest being
+argument conversion, result objects and torch's event wrapper. Here the same functions of the
 `libcudart` that torch loaded (found by its mapping in the process, so there is one
 runtime and one context) are called with raw integers.
 
