@@ -415,6 +415,15 @@ def test_staging_needs_host_runs_long_enough() -> None:
 
     assert mechanisms(512) == {"staged": 1536}
     assert mechanisms(513) == {"kernel": 1536}
+    # A plan that would stage still refuses a repeated destination before anything is written.
+    poison_device(dev, torch.Generator().manual_seed(4))
+    before = dev.layer("kv", 0).clone()
+    bad = scattered[:1536].clone()
+    bad[700] = bad[3]
+    costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=512 * 48)
+    with pytest.raises(SlotError, match="repeats"):
+        TransferPlan.build("load", host, dev, runs, bad, costs=costs, use_kernel=True)
+    assert same_bytes(dev.layer("kv", 0), before)
 
 
 @needs_triton

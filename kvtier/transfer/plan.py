@@ -495,10 +495,7 @@ def _copy_part(
     in the plan, its first host and device slot, and its length. `streams`: of a
     batched part (see `PathCosts.copy_streams`).
     """
-    run_bytes = {}
-    for b in host_pool.spec.buffers:
-        region, row = host_pool.locate(b.name, host_at)
-        run_bytes[b.name] = (region, row * b.row_bytes, dev_at * b.row_bytes, lens * b.row_bytes)
+    run_bytes = _run_bytes(host_pool, host_at, dev_at, lens)
     pieces = _pieces(pos, host_at, dev_at, lens)
     return Part(
         Mechanism.COPY,
@@ -508,6 +505,21 @@ def _copy_part(
         run_bytes=run_bytes,
         streams=streams if batched else 1,
     )
+
+
+def _run_bytes(
+    host_pool: HostPool, host_at: np.ndarray, dev_at: np.ndarray, lens: np.ndarray
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """`Part.run_bytes` of runs: per buffer, `(host region, byte offset in it, device byte offset, bytes)`.
+
+    `host_at`, `dev_at`, `lens`: `[runs]` int64 first host slot, first device row (a
+    slot, or a row of the staging window) and length of each run.
+    """
+    out = {}
+    for b in host_pool.spec.buffers:
+        region, row = host_pool.locate(b.name, host_at)
+        out[b.name] = (region, row * b.row_bytes, dev_at * b.row_bytes, lens * b.row_bytes)
+    return out
 
 
 @dataclass(frozen=True)
@@ -621,10 +633,7 @@ def _staged_part(
         (w * cap, min((w + 1) * cap, total), a, z)
         for w, a, z in zip(window[first].tolist(), first.tolist(), ends.tolist(), strict=True)
     )
-    run_bytes = {}
-    for b in host_pool.spec.buffers:
-        region, row = host_pool.locate(b.name, host_at)
-        run_bytes[b.name] = (region, row * b.row_bytes, stage_row * b.row_bytes, sub_lens * b.row_bytes)
+    run_bytes = _run_bytes(host_pool, host_at, stage_row, sub_lens)
     rows = np.repeat(pos - at, lens) + np.arange(total)
     return Part(
         Mechanism.STAGED,
