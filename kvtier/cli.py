@@ -109,6 +109,11 @@ def _parser() -> argparse.ArgumentParser:
     o = bench.add_parser("overlap", help="reload and backup at once; a matmul beside a reload (CUDA)")
     _common(o)
     o.add_argument("--rounds", type=int, default=5, help="alternating rounds with and without the reload")
+    o.add_argument(
+        "--rounds-log",
+        type=Path,
+        help="write each interference round (host times, rates) as a JSON line",
+    )
 
     sv = bench.add_parser("served", help="TTFT of a miss, a device hit and a host hit, kvtier vs stock")
     sv.add_argument("--setups", type=_csv, default=("smollm2", "deepseek-v3"), help="smollm2,deepseek-v3")
@@ -147,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--alloc-pairs", type=int, default=2000, help="timed alloc + free pairs per size")
     c.add_argument("--reload-tokens", type=int, default=131072, help="prefix length of the reload")
     c.add_argument("--reload-repeats", type=int, default=5)
+    c.add_argument(
+        "--reload-ids", choices=("int32", "int64"), default="int32", help="dtype of the ids given to match"
+    )
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
     return p
@@ -434,7 +442,19 @@ def _bench_overlap(args: argparse.Namespace) -> int:
     if cfg.device.type != "cuda":
         console.print("[red]error:[/red] kvtier bench overlap needs a CUDA device")
         return 2
-    rows, s = _run_with_progress(lambda report: overlap.run(cfg, report, rounds=args.rounds))
+    log = args.rounds_log.open("w") if args.rounds_log else None
+
+    def on_round(r: dict) -> None:
+        log.write(json.dumps(r) + "\n")
+        log.flush()
+
+    try:
+        rows, s = _run_with_progress(
+            lambda report: overlap.run(cfg, report, rounds=args.rounds, on_round=on_round if log else None)
+        )
+    finally:
+        if log is not None:
+            log.close()
     meta = _metadata(cfg, s.ceilings, s.layer_bytes)
     table = Table(title=f"{meta['spec']}, {cfg.tokens} tokens per layer call, on {meta.get('gpu')}")
     for col in ("test", "mechanism", "SMs", "value", "against", "ratio"):
@@ -487,7 +507,13 @@ def _bench_cache(args: argparse.Namespace) -> int:
             )
         if "reload" in args.parts:
             out["reload"] = bc.run_prefix_reload(
-                spec, args.reload_tokens, device, args.reload_repeats, seed=args.seed, progress=report
+                spec,
+                args.reload_tokens,
+                device,
+                args.reload_repeats,
+                seed=args.seed,
+                progress=report,
+                query_ids=args.reload_ids,
             )
 
     _run_with_progress(run)
@@ -568,7 +594,7 @@ def _bench_cache(args: argparse.Namespace) -> int:
 
         table = Table(
             title=f"match + load_back of a {r.tokens}-token prefix from the host: {r.spec} x {r.layers} "
-            f"layers, {r.loaded_bytes / 1e9:.3f} GB, median of {r.repeats}, on {where}"
+            f"layers, {r.loaded_bytes / 1e9:.3f} GB, {r.query_ids} ids, median of {r.repeats}, on {where}"
         )
         cols = (
             "CPU us",

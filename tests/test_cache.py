@@ -140,6 +140,23 @@ def test_short_host_hits_are_recomputed() -> None:
     c.check_invariants()
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64])
+def test_keys_keep_the_callers_int32_or_int64_ids_and_match_either(dtype) -> None:
+    """int32 keys hold half the bytes; ids of the other width still match exactly (cast as compared)."""
+    c = make()
+    ids = np.arange(100, 108).astype(dtype)
+    fill(c, ids)
+    (node,) = c.match(ids).device_nodes
+    assert node.key.dtype == (np.int32 if dtype is np.int32 else np.int64)
+    for other in (np.int32, np.int64):
+        m = c.match(np.append(ids, 5).astype(other))
+        assert m.tokens == 8 and m.device_nodes == [node]
+    ids_off = ids.astype(np.int64)
+    ids_off[5] += 2**32  # equal to the key's id modulo 2**32: must not match as int32
+    assert c.match(ids_off).tokens == 4
+    c.check_invariants()
+
+
 def test_bad_calls_raise_and_change_nothing() -> None:
     c = make()
     fill(c, tuple(range(8)))
@@ -167,7 +184,7 @@ def test_bad_calls_raise_and_change_nothing() -> None:
 def test_match_takes_lists_tensors_and_arrays_alike() -> None:
     c = make()
     fill(c, tuple(range(8)))
-    for tokens in ([*range(8), 9], torch.arange(9), np.arange(9)):
+    for tokens in ([*range(8), 9], torch.arange(9), np.arange(9), np.arange(9, dtype=np.int32)):
         m = c.match(tokens)
         assert m.tokens == 8 and m.device_tokens == 8
     with pytest.raises(SlotError, match="integer ids"):
@@ -222,8 +239,25 @@ def test_metrics_and_fragmentation() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", list(WritePolicy))
-def test_cuda_round_trip_is_byte_identical(policy) -> None:
-    """On the GPU: insert, back up, evict, load back layer by layer on the cache's streams."""
+@pytest.mark.parametrize("loop", ["compiled", "python"])
+def test_cuda_round_trip_is_byte_identical(policy, loop, monkeypatch) -> None:
+    """On the GPU: insert, back up, evict, load back layer by layer on the cache's streams.
+
+    `loop`: the transfers' runtime calls made from the compiled loop (where it builds here)
+    or from Python.
+    """
+    from kvtier.cache.streams import CudaLane
+    from kvtier.transfer import native
+
+    tapes = []
+    if loop == "python":
+        monkeypatch.setattr(native, "_probed", True)
+        monkeypatch.setattr(native, "_native", None)
+    elif native.library() is None:
+        pytest.skip("no compiled loop here")
+    else:
+        run_tape = CudaLane.run_tape
+        monkeypatch.setattr(CudaLane, "run_tape", lambda *a, **k: tapes.append(1) or run_tape(*a, **k))
     spec = preset("tiny-dsa", 16)
     c = CacheController(
         DevicePool(spec, 8192, "cuda"), HostPool(spec, 8192), CacheConfig(write_policy=policy)
@@ -255,6 +289,8 @@ def test_cuda_round_trip_is_byte_identical(policy) -> None:
         assert torch.equal(got, rows), (name, layer)
     c.flush()
     c.check_invariants()
+    if loop == "compiled":
+        assert len(tapes) >= 2  # the backup and the reload
 
 
 def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch) -> None:

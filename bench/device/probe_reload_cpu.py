@@ -1,7 +1,7 @@
 """Where the CPU time of a cold `match` + `load_back` of 131072 tokens goes, per function (cProfile).
 
-As `kvtier bench cache --parts reload` (61 layers of deepseek-v3, evicted to the host and
-flushed before each call), at page sizes 1 and 16: the medians of the timed calls, then
+As `kvtier bench cache --parts reload` (61 layers of deepseek-v3, int32 ids, evicted to the host
+and flushed before each call), at page sizes 1 and 16: the medians of the timed calls, then
 the functions by own time per call, in microseconds (cProfile inflates small calls, so
 read the shares, not the sums).
 """
@@ -22,7 +22,7 @@ tokens, reps = 131072, 12
 for ps in (1, 16):
     spec = preset("deepseek-v3", ps)
     c = CacheController(DevicePool(spec, tokens, "cuda"), HostPool(spec, tokens), CacheConfig())
-    seq = np.random.default_rng(0).integers(1, 50000, tokens)
+    seq = np.random.default_rng(0).integers(1, 50000, tokens).astype(np.int32)
     c.insert(seq, c.alloc_device(tokens))
     plain, prof = [], cProfile.Profile()
     for i in range(2 * reps):

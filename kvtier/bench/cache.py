@@ -406,6 +406,7 @@ class ReloadRow:
     tokens: int
     loaded_bytes: int  # per reload, from the controller's counters
     repeats: int
+    query_ids: str  # dtype of the ids passed to match (engines commonly hold int32)
     cpu_us: float  # median process time (all threads) of match + load_back submission
     thread_us: float  # median CPU time of the calling thread alone, same calls
     wall_us: float  # median wall time of the same
@@ -430,8 +431,12 @@ def run_prefix_reload(
     policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
     seed: int = 0,
     progress: Progress = _quiet,
+    query_ids: str = "int32",
 ) -> ReloadRow:
-    """Insert a `tokens`-long sequence, evict it to the host, then time match + load_back `repeats` times."""
+    """Insert a `tokens`-long sequence, evict it to the host, then time match + load_back `repeats` times.
+
+    `query_ids`: the dtype of the ids given to `match` (`int32` or `int64`).
+    """
     device = torch.device(device)
     cuda = device.type == "cuda"
     ps = spec.page_size
@@ -444,15 +449,15 @@ def run_prefix_reload(
         CacheConfig(write_policy=WritePolicy(policy)),
     )
     rng = np.random.default_rng(seed)
-    seq = tuple(rng.integers(1, VOCAB, tokens).tolist())
+    # The ids as an engine holds them, in one dtype for insert and match.
+    ids = rng.integers(1, VOCAB, tokens).astype(query_ids)
     slots = cache.alloc_device(tokens)
     _write_kv(cache.device_pool, slots, torch.Generator(device=device).manual_seed(seed))
-    cache.insert(seq, slots)
+    cache.insert(ids, slots)
     ceiling = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
 
     samples = []
     loaded_bytes = 0
-    ids = np.array(seq, dtype=np.int64)
     for r in range(repeats):
         progress(f"reload: repeat {r + 1}/{repeats}")
         # A new request's ids, as an engine holds them when it calls match (made before the
@@ -495,6 +500,7 @@ def run_prefix_reload(
         tokens=tokens,
         loaded_bytes=loaded_bytes,
         repeats=repeats,
+        query_ids=query_ids,
         cpu_us=med("cpu_us"),
         thread_us=med("thread_us"),
         wall_us=med("wall_us"),

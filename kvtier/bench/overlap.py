@@ -40,7 +40,14 @@ class OverlapRow:
     ratio: float
 
 
-def run(cfg: BenchConfig, progress: Callable[[str], None], rounds: int = 5) -> tuple[list[OverlapRow], Setup]:
+def run(
+    cfg: BenchConfig,
+    progress: Callable[[str], None],
+    rounds: int = 5,
+    on_round: Callable[[dict], None] | None = None,
+) -> tuple[list[OverlapRow], Setup]:
+    """The duplex and interference rows; `on_round` gets each interference round's host
+    start and end times (`time.time()`) and rates, to line them up with clock samples."""
     s = setup(cfg, progress)
     rows = []
     t = cfg.tokens
@@ -71,7 +78,8 @@ def run(cfg: BenchConfig, progress: Callable[[str], None], rounds: int = 5) -> t
 
     for name, load in loads.items():
         progress(f"interference via {name}")
-        alone, beside, reload_gbps, kept = _interference(s, load, rounds)
+        report = (lambda r, name=name: on_round({"mechanism": name, **r})) if on_round else None
+        alone, beside, reload_gbps, kept = _interference(s, load, rounds, on_round=report)
         sms = load.sms_used
         rows.append(OverlapRow("matmul beside reload", name, sms, beside, "TFLOP/s", alone, kept))
         rows.append(
@@ -98,7 +106,11 @@ def _duplex_gbps(s: Setup, load: TransferPlan, back: TransferPlan, rounds: int, 
 
 
 def _interference(
-    s: Setup, load: TransferPlan, rounds: int, round_s: float = ROUND_S
+    s: Setup,
+    load: TransferPlan,
+    rounds: int,
+    round_s: float = ROUND_S,
+    on_round: Callable[[dict], None] | None = None,
 ) -> tuple[float, float, float, float]:
     """Medians of `(matmul TFLOP/s alone, beside the reload, reload GB/s, share of the rate kept)`.
 
@@ -115,6 +127,7 @@ def _interference(
 
     def matmul_s(with_reload: bool, matmuls: int, per_matmul_s: float) -> tuple[float, float]:
         torch.cuda.synchronize()
+        t0 = time.time()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         lstart, lend = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(compute):
@@ -137,6 +150,17 @@ def _interference(
         reload_gbps = (
             reloads * s.layer_bytes / (lstart.elapsed_time(lend) / 1e3) / 1e9 if with_reload else 0.0
         )
+        if on_round is not None:
+            tflops = 2 * n**3 * matmuls / mm_s / 1e12
+            on_round(
+                {
+                    "reload": with_reload,
+                    "start": t0,
+                    "end": time.time(),
+                    "tflops": tflops,
+                    "gbps": reload_gbps,
+                }
+            )
         return mm_s, reload_gbps
 
     per_matmul = matmul_s(False, 20, 0.0)[0] / 20

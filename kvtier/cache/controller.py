@@ -46,8 +46,17 @@ from kvtier.cache.streams import Lane, Signal, make_lane
 from kvtier.errors import CacheFullError, CacheStateError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
-from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan, backup, dma, load_layer
-from kvtier.transfer.copy import layer_copies, submit_copies
+from kvtier.transfer import (
+    KernelOptions,
+    PathCosts,
+    TransferPath,
+    TransferPlan,
+    backup,
+    dma,
+    load_layer,
+    native,
+)
+from kvtier.transfer.copy import layer_copies, submit_copies, tape_copies
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +205,10 @@ class CacheController:
     def match(self, tokens: Sequence[int] | torch.Tensor | np.ndarray) -> Match:
         """The longest cached prefix of `tokens` (whole pages); counts hits, refreshes LRU order.
 
-        `tokens`: `[n]` integer ids; an int64 array or CPU tensor is matched without a copy.
+        `tokens`: `[n]` integer ids; an int32 or int64 array or CPU tensor is matched without a
+        copy. Keys keep the dtype they were inserted with: ids held as int32 compare half the
+        bytes of int64 (a cold 128k-token match is bound by memory), and a caller should keep
+        one dtype (int32 keys against int64 ids compare correctly but cast as they go, slower).
         """
         self.poll()
         key = self.tree.whole_pages(token_ids(tokens))
@@ -379,14 +391,14 @@ class CacheController:
             self.tree.lock_path(nodes[-1], -1)
             raise
         # Both sides are allocator pages (host: from backups, device: just allocated).
-        plan, jobs = self._transfer(
+        plan, signals = self._transfer(
             Direction.LOAD,
             _concat([n.host_slots for n in nodes]),
             dev,
             whole_pages=True,
             runs=_runs_of(nodes, dev_runs),
+            per_layer=True,
         )
-        signals = self.load_lane.run_each(jobs)
         at = 0
         for n in nodes:
             n.device_slots = dev[at : at + len(n)]
@@ -527,11 +539,7 @@ class CacheController:
             self.metrics.backups_skipped += 1
             return False
         slots, runs = got
-        lane = self.backup_lane
-        _, jobs = self._transfer(Direction.BACKUP, slots, n.device_slots)
-        for job in jobs:
-            lane.submit(job)
-        signal = lane.signal()
+        _, (signal,) = self._transfer(Direction.BACKUP, slots, n.device_slots)
         n.host_slots, n.host_runs = slots, runs
         n.state = NodeState.BACKING_UP
         n.signal = signal
@@ -547,11 +555,13 @@ class CacheController:
         dev: torch.Tensor,
         whole_pages: bool = False,
         runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
-    ) -> tuple[TransferPlan, list[Callable[[], None]]]:
-        """Plan one operation on its lane (ordered after the compute stream) and its per-layer jobs.
+        per_layer: bool = False,
+    ) -> tuple[TransferPlan, list[Signal]]:
+        """Plan one operation and submit it on its lane, ordered after the compute stream.
 
         `host`, `dev`: `[n]` int64 CPU slots from this cache's allocators and tree;
-        `whole_pages`, `runs`: what is known of them (see `TransferPlan.build`).
+        `whole_pages`, `runs`: what is known of them (see `TransferPlan.build`). Returns
+        the plan and a signal after each layer (`per_layer`), else one after the last.
         """
         lane = self.load_lane if direction is Direction.LOAD else self.backup_lane
         plan = TransferPlan.build(
@@ -569,28 +579,40 @@ class CacheController:
             runs=runs,
         )
         self._after_compute(lane)
-        return plan, self._layer_jobs(plan, lane.stream)
+        return plan, self._submit(plan, lane, per_layer)
 
-    def _layer_jobs(self, plan: TransferPlan, stream: torch.cuda.Stream | None) -> list[Callable[[], None]]:
-        """The work of each layer of `plan` on its lane: raw copies where the plan allows, else views."""
+    def _submit(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> list[Signal]:
+        """Every layer of `plan` on `lane`: raw copies from a compiled loop or Python where the plan
+        allows (`layer_copies`), else through the plan's views."""
+        stream = lane.stream
         work = layer_copies(plan, self.host_pool, self.device_pool) if stream is not None else None
         if work is not None:
+            lib = native.library()
+            if lib is not None and (lib.has_batch or not any(w.batches for w in work)):
+                adds = [functools.partial(tape_copies, work=w, stream=stream) for w in work]
+                return lane.run_tape(lib, adds, per_layer)
             issue = dma.issuer(stream)
-            return [
+            jobs = [
                 functools.partial(issue, w.flat)
                 if not w.batches
                 else functools.partial(submit_copies, w, issue, stream)
                 for w in work
             ]
-        if plan.direction is Direction.LOAD:
-            return [
+        elif plan.direction is Direction.LOAD:
+            jobs = [
                 functools.partial(load_layer, plan, self.host_pool, self.device_pool, layer, stream)
                 for layer in range(self.spec.num_layers)
             ]
-        return [
-            functools.partial(backup, plan, self.device_pool, self.host_pool, [layer], stream)
-            for layer in range(self.spec.num_layers)
-        ]
+        else:
+            jobs = [
+                functools.partial(backup, plan, self.device_pool, self.host_pool, [layer], stream)
+                for layer in range(self.spec.num_layers)
+            ]
+        if per_layer:
+            return lane.run_each(jobs)
+        for job in jobs:
+            lane.submit(job)
+        return [lane.signal()]
 
     def _free_host(self, n: Node) -> None:
         if n.host_slots is not None:
@@ -676,11 +698,12 @@ def _concat(slots: list[torch.Tensor]) -> torch.Tensor:
 
 
 def token_ids(tokens: Sequence[int] | torch.Tensor | np.ndarray, copy: bool = False) -> np.ndarray:
-    """Token ids as a `[n]` int64 array; SlotError unless they are 1-D integers.
+    """Token ids as a `[n]` int32 or int64 array; SlotError unless they are 1-D integers.
 
-    Arrays and CPU tensors pass without a copy (unless `copy`); a list costs about
-    10 ns per id. Keys are compared as arrays, so matching a 131072-token prompt is
-    one vectorised comparison instead of 131072 Python int comparisons.
+    int32 and int64 arrays and CPU tensors pass without a copy (unless `copy`) and keep
+    their dtype, other integers become int64; a list costs about 10 ns per id. Keys are
+    compared as arrays, so matching a 131072-token prompt is one vectorised comparison
+    instead of 131072 Python int comparisons.
     """
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().cpu().numpy()
@@ -691,4 +714,6 @@ def token_ids(tokens: Sequence[int] | torch.Tensor | np.ndarray, copy: bool = Fa
         return np.empty(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":
         raise SlotError(f"tokens must be integer ids, got {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    if arr.dtype in (np.int32, np.int64):
+        return arr
+    return arr.astype(np.int64)

@@ -50,7 +50,7 @@ _ids = itertools.count(1)
 
 @dataclass(eq=False)
 class Node:
-    """A stretch of tokens (`key`: `[whole pages]` int64, read-only) under `parent`.
+    """A stretch of tokens (`key`: `[whole pages]` int32 or int64, read-only) under `parent`.
 
     `children` are keyed by the first page of their key (`RadixTree.page_key`).
     `device_slots` / `host_slots`: `[len(key)]` int64 CPU tensors, or None where the

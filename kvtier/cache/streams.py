@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.transfer import cudart
+from kvtier.transfer import cudart, native
 
 
 class Signal:
@@ -65,6 +65,12 @@ class Lane:
             self.submit(job)
             signals.append(self.signal())
         return signals
+
+    def run_tape(
+        self, lib: native.Native, layers: list[Callable[[native.Tape], None]], per_layer: bool
+    ) -> list[Signal]:
+        """Submit layers from a compiled loop (CUDA lanes only; see `CudaLane.run_tape`)."""
+        raise TypeError(f"{type(self).__name__} has no stream to submit a tape on")
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -153,6 +159,31 @@ class CudaLane(Lane):
 
     def drain(self) -> None:
         self._stream.synchronize()
+
+    def run_tape(
+        self, lib: native.Native, layers: list[Callable[[native.Tape], None]], per_layer: bool
+    ) -> list[Signal]:
+        """Submit every layer's calls from one compiled loop; a signal after each layer, or after the last.
+
+        `layers`: functions that add one layer's calls on this lane's stream to a tape.
+        """
+        events = self._take_events(len(layers) if per_layer else 1)
+        tape, main = native.Tape(), self._stream.cuda_stream
+        for i, add in enumerate(layers):
+            add(tape)
+            if per_layer or i == len(layers) - 1:
+                tape.record(events[i if per_layer else 0].cuda_event, main)
+        tape.run(lib)
+        return [CudaSignal(e, self._events) for e in events]
+
+    def _take_events(self, k: int) -> list[torch.cuda.Event]:
+        """`k` events with CUDA handles: pooled ones first, new ones recorded once to make theirs."""
+        out = [self._events.pop() for _ in range(min(k, len(self._events)))]
+        while len(out) < k:
+            event = torch.cuda.Event()
+            event.record(self._stream)  # recorded again by the tape, after the layer's copies
+            out.append(event)
+        return out
 
     def run_each(self, jobs: list[Callable[[], None]]) -> list[Signal]:
         # One stream context for all jobs and events from the pool: this loop is the per-layer

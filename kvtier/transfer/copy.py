@@ -29,7 +29,7 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
-from kvtier.transfer import dma, kernels
+from kvtier.transfer import dma, kernels, native
 from kvtier.transfer.plan import Mechanism, Part, TransferPlan
 
 
@@ -178,6 +178,14 @@ def submit_copies(work: LayerCopies, issue: dma.Issue, stream: torch.cuda.Stream
         issue(work.flat)
     for dst, src, nbytes in work.batches:
         dma.copy_runs(dst, src, nbytes, stream, streams=work.streams)
+
+
+def tape_copies(tape: native.Tape, work: LayerCopies, stream: torch.cuda.Stream) -> None:
+    """Add the calls of `submit_copies(work, ..., stream)` to `tape` (made later by `Tape.run`)."""
+    if work.flat:
+        tape.copies(work.flat, stream.cuda_stream)
+    for dst, src, nbytes in work.batches:
+        dma.tape_runs(tape, dst, src, nbytes, stream, streams=work.streams)
 
 
 def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kvtier.transfer import cudart
+from kvtier.transfer.native import Tape
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,7 @@ def copy_runs(
         raise ValueError("batched copies need a stream you created, not the legacy default stream")
     if streams > 1 and n >= 2 * streams:
         fan = _fan_out(stream, streams)
-        # Equal bytes per stream, not equal counts: runs after churn differ widely in length.
-        ends = np.cumsum(sizes)
-        cuts = np.searchsorted(ends, ends[-1] * np.arange(1, streams) / streams, side="right")
-        bounds = [0, *cuts.tolist(), n]
+        bounds = _shares(sizes, streams)
         fan.fork()
         for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
             copy_runs(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st, mode)
@@ -158,6 +156,47 @@ def copy_runs(
         raise ValueError("DmaMode.TORCH copies tensors, not raw pointers: use the torch path")
 
 
+def tape_runs(
+    tape: Tape,
+    dst_ptrs: np.ndarray,
+    src_ptrs: np.ndarray,
+    sizes: np.ndarray,
+    stream: torch.cuda.Stream,
+    streams: int = 1,
+) -> None:
+    """Add the calls of `copy_runs(dst_ptrs, src_ptrs, sizes, stream, streams=streams)` to `tape`.
+
+    The same copies, streams, fork and join as `copy_runs` with the runtime's batch call
+    made directly (the tape's loop must have it: `Native.has_batch`), made later by
+    `Tape.run`.
+    """
+    n = len(sizes)
+    if n == 0:
+        return
+    if stream.cuda_stream == 0:
+        raise ValueError("batched copies need a stream you created, not the legacy default stream")
+    if streams > 1 and n >= 2 * streams:
+        fan = _fan_out(stream, streams)
+        bounds = _shares(sizes, streams)
+        fan.fork(tape)
+        for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
+            tape_runs(tape, dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st)
+        fan.join(tape)
+    elif n <= small_batch():
+        for d, s, k in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist(), strict=True):
+            tape.copy(d, s, k, stream.cuda_stream)
+    else:
+        tape.batch(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
+
+
+def _shares(sizes: np.ndarray, streams: int) -> list[int]:
+    """Bounds of `streams` contiguous shares of about equal bytes (not counts: runs after churn
+    differ widely in length): `[0, cut, ..., len(sizes)]`."""
+    ends = np.cumsum(sizes)
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, streams) / streams, side="right")
+    return [0, *cuts.tolist(), len(sizes)]
+
+
 # The runtime's own cudaMemcpyBatchAsync, called with the arrays' memory (no conversion of
 # Python ints): on an H200 host 0.5 us per copy against 1.4 us through cuda.bindings, whose
 # list arguments made a 2048-run layer cost 2.9 ms of submission, more than its transfer.
@@ -178,29 +217,38 @@ def _direct_batch() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
 
 
 def _load_direct() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:
-    if _attrs is None or not hasattr(_attrs, "getPtr"):
+    found = direct_batch_fn()
+    if found is None:
         return None
-    rt = cudart.runtime()
-    if rt is None:
-        return None
-    # CUDA 13's signature only (12.8 and 12.9 take a `failIdx` argument too): other
-    # runtimes keep the bindings, whose argument conversion is slower but checked.
-    if rt.version // 1000 != 13:
-        return None
-    fn = rt.lib.cudaMemcpyBatchAsync
-    fn.restype = ctypes.c_int
-    ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
-    fn.argtypes = [ptr, ptr, ptr, size_t, ptr, ptr, size_t, ptr]
-    attrs = _attrs.getPtr()
-    first = (size_t * 1)(0)
+    fn, attrs = found
+    first = (ctypes.c_size_t * 1)(0)
 
     def call(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         d, s_, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, sizes))
         err = fn(d.ctypes.data, s_.ctypes.data, n.ctypes.data, len(n), attrs, first, 1, stream)
         cudart.check(err, "cudaMemcpyBatchAsync")
 
-    log.info("batched DMA through %s (runtime %d)", rt.path, rt.version)
     return call
+
+
+def direct_batch_fn() -> tuple[Callable[..., int], int] | None:
+    """The loaded runtime's `cudaMemcpyBatchAsync` (typed) and the address of our copy attributes.
+
+    None unless `cuda.bindings` made the attributes and the runtime is CUDA 13 (12.8
+    and 12.9 take a `failIdx` argument too: other runtimes keep the bindings, whose
+    argument conversion is slower but checked).
+    """
+    if _probe() is not DmaMode.BATCH or _attrs is None or not hasattr(_attrs, "getPtr"):
+        return None
+    rt = cudart.runtime()
+    if rt is None or rt.version // 1000 != 13:
+        return None
+    fn = rt.lib.cudaMemcpyBatchAsync
+    fn.restype = ctypes.c_int
+    ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
+    fn.argtypes = [ptr, ptr, ptr, size_t, ptr, ptr, size_t, ptr]
+    log.info("batched DMA through %s (runtime %d)", rt.path, rt.version)
+    return fn, _attrs.getPtr()
 
 
 Issue = Callable[[list[int]], None]
@@ -245,7 +293,10 @@ def issuer(stream: torch.cuda.Stream) -> Issue:
 
 
 class _FanOut:
-    """A stream and `k - 1` side streams that fork from it and join back into it (events reused)."""
+    """A stream and `k - 1` side streams that fork from it and join back into it (events reused).
+
+    `fork` and `join` make their calls at once, or add them to a `Tape` to be made later.
+    """
 
     def __init__(self, stream: torch.cuda.Stream, k: int) -> None:
         self.main = stream
@@ -253,18 +304,31 @@ class _FanOut:
         self.streams = [stream, *side]
         self.forked = torch.cuda.Event()
         self.joined = [torch.cuda.Event() for _ in side]
+        # Record each event once now so it has its CUDA handle for tapes (torch makes it lazily).
+        self.forked.record(stream)
+        for st, ev in zip(side, self.joined, strict=True):
+            ev.record(st)
 
-    def fork(self) -> None:
+    def fork(self, tape: Tape | None = None) -> None:
         """Side streams start after everything queued on the main stream so far."""
+        if tape is not None:
+            tape.record(self.forked.cuda_event, self.main.cuda_stream)
+            for st in self.streams[1:]:
+                tape.wait(st.cuda_stream, self.forked.cuda_event)
+            return
         self.forked.record(self.main)
         for st in self.streams[1:]:
             st.wait_event(self.forked)
 
-    def join(self) -> None:
+    def join(self, tape: Tape | None = None) -> None:
         """Work queued on the main stream from now on waits for every side stream."""
         for st, ev in zip(self.streams[1:], self.joined, strict=True):
-            ev.record(st)
-            self.main.wait_event(ev)
+            if tape is not None:
+                tape.record(ev.cuda_event, st.cuda_stream)
+                tape.wait(self.main.cuda_stream, ev.cuda_event)
+            else:
+                ev.record(st)
+                self.main.wait_event(ev)
 
 
 # Recording an event again is safe: a wait takes the event's state when it is enqueued.

@@ -1,0 +1,203 @@
+"""The compiled submission loop: its calls against what a tape says, with stand-in runtime functions."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import poison_device, poison_host, same_bytes
+
+from kvtier.pool import DevicePool, HostPool
+from kvtier.spec import preset
+from kvtier.transfer import PathCosts, TransferPath, TransferPlan, dma, load_layer, native
+from kvtier.transfer.copy import LayerCopies, layer_copies, tape_copies
+from kvtier.transfer.cudart import MEMCPY_DEFAULT, CudaRuntimeError
+
+needs_cc = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
+)
+
+VP, SZ = ctypes.c_void_p, ctypes.c_size_t
+COPY_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP, SZ, ctypes.c_int, VP)
+BATCH_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP, VP, SZ, VP, VP, SZ, VP)
+RECORD_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
+WAIT_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP, ctypes.c_uint)
+ATTRS = 0xA77
+
+
+class FakeRuntime:
+    """Runtime entry points that log their calls; `fail_at`: the call (0-based) that returns 700."""
+
+    def __init__(self, fail_at: int | None = None, batch: bool = True) -> None:
+        self.calls: list[tuple] = []
+        self.fail_at = fail_at
+
+        def log(*call) -> int:
+            self.calls.append(call)
+            return 700 if len(self.calls) - 1 == self.fail_at else 0
+
+        def batch_call(dsts, srcs, sizes, count, attrs, idx, nattrs, stream) -> int:
+            read = [
+                np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)), (count,)).tolist()
+                for p in (dsts, srcs, sizes)
+            ]
+            index = ctypes.cast(idx, ctypes.POINTER(ctypes.c_size_t))[0]
+            return log("batch", *read, count, attrs, index, nattrs, stream)
+
+        # Kept on the object: the loop calls them through raw pointers.
+        self.fns = (
+            COPY_T(lambda d, s, n, kind, st: log("copy", d, s, n, kind, st)),
+            BATCH_T(batch_call) if batch else None,
+            RECORD_T(lambda e, st: log("record", e, st)),
+            WAIT_T(lambda st, e, flags: log("wait", st, e, flags)),
+        )
+
+    def native(self, lib: ctypes.CDLL) -> native.Native:
+        addr = [ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0 for f in self.fns]
+        return native.Native(lib, *addr, attrs=ATTRS)
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("needs a C compiler")
+    built = native.compile_library(tmp_path_factory.mktemp("native"))
+    assert built is not None
+    return built
+
+
+@needs_cc
+def test_a_tape_makes_its_calls_in_order_with_their_arguments(lib) -> None:
+    rt = FakeRuntime()
+    tape = native.Tape()
+    tape.copy(0x1000, 0x2000, 4096, 7)
+    tape.batch(np.array([10, 20]), np.array([30, 40]), np.array([5, 6]), 8)
+    tape.record(0xE1, 7)
+    tape.wait(8, 0xE1)
+    tape.copies([1, 2, 3, 4, 5, 6], 9)
+    assert len(tape) == 6
+    tape.run(rt.native(lib))
+    assert rt.calls == [
+        ("copy", 0x1000, 0x2000, 4096, MEMCPY_DEFAULT, 7),
+        ("batch", [10, 20], [30, 40], [5, 6], 2, ATTRS, 0, 1, 8),
+        ("record", 0xE1, 7),
+        ("wait", 8, 0xE1, 0),
+        ("copy", 1, 2, 3, MEMCPY_DEFAULT, 9),
+        ("copy", 4, 5, 6, MEMCPY_DEFAULT, 9),
+    ]
+
+
+@needs_cc
+def test_the_first_failing_call_stops_the_tape_and_is_named(lib) -> None:
+    rt = FakeRuntime(fail_at=2)
+    tape = native.Tape()
+    for i in range(5):
+        tape.record(i + 1, 3)
+    with pytest.raises(CudaRuntimeError, match=r"tape row 2 \(RECORD\) failed: CUDA error 700"):
+        tape.run(rt.native(lib))
+    assert [c[1] for c in rt.calls] == [1, 2, 3]  # nothing after the failure
+
+
+@needs_cc
+def test_a_batch_row_without_a_batch_call_fails_instead_of_copying_nothing(lib) -> None:
+    rt = FakeRuntime(batch=False)
+    tape = native.Tape()
+    tape.batch(np.array([1]), np.array([2]), np.array([3]), 4)
+    with pytest.raises(CudaRuntimeError, match=r"row 0 \(BATCH\)"):
+        tape.run(rt.native(lib))
+    assert rt.calls == []
+
+
+def test_an_empty_tape_makes_no_call() -> None:
+    native.Tape().run(None)  # no library needed: nothing to run
+
+
+@needs_cc
+def test_tape_copies_add_the_same_calls_as_submitting_a_layer(lib, monkeypatch) -> None:
+    """Flat copies one call each; a list of many runs one batch (fan-out needs CUDA: GPU test)."""
+    monkeypatch.setattr(dma, "small_batch", lambda: 2)
+    stream = SimpleNamespace(cuda_stream=5)
+    many = (np.arange(3) * 100, np.arange(3) * 100 + 1, np.full(3, 64))
+    tape = native.Tape()
+    tape_copies(tape, LayerCopies([11, 12, 13], [many]), stream)
+    rt = FakeRuntime()
+    tape.run(rt.native(lib))
+    assert rt.calls == [
+        ("copy", 11, 12, 13, MEMCPY_DEFAULT, 5),
+        ("batch", [0, 100, 200], [1, 101, 201], [64, 64, 64], 3, ATTRS, 0, 1, 5),
+    ]
+    few = (np.array([7, 8]), np.array([9, 10]), np.array([1, 2]))
+    tape = native.Tape()
+    tape_copies(tape, LayerCopies([], [few]), stream)
+    rt = FakeRuntime()
+    tape.run(rt.native(lib))
+    assert rt.calls == [("copy", 7, 9, 1, MEMCPY_DEFAULT, 5), ("copy", 8, 10, 2, MEMCPY_DEFAULT, 5)]
+
+
+def test_without_a_compiler_or_when_disabled_there_is_no_library(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.compile_library(tmp_path / "cache") is None
+    monkeypatch.setattr(native, "_probed", False)
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
+    assert native.library() is None
+    monkeypatch.setattr(native, "_probed", False)
+    monkeypatch.delenv("KVTIER_NATIVE")
+    if not torch.cuda.is_available():
+        assert native.library() is None  # no CUDA runtime in the process
+
+
+@needs_cc
+def test_the_library_is_built_once_and_reused(tmp_path) -> None:
+    first = native.compile_library(tmp_path)
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert first is not None and len(built) == 1 and built[0].endswith(".so")
+    mtime = (tmp_path / built[0]).stat().st_mtime_ns
+    assert native.compile_library(tmp_path) is not None
+    assert (tmp_path / built[0]).stat().st_mtime_ns == mtime
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tape_submission_is_byte_identical_with_fan_out(gen) -> None:
+    """Many long runs over 4 streams and per-layer events, submitted from the loop, against the host rows."""
+    from kvtier.cache.streams import CudaLane
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no compiled loop here (no C compiler or no libcudart)")
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 8192), DevicePool(spec, 8192, "cuda")
+    lane = CudaLane(dev.device)
+    hs = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
+    ds = 7 + torch.arange(3072)
+    costs = PathCosts(copy_min_bytes=96 * 132, copy_streams=4)
+    plan = TransferPlan.build("load", host, dev, hs, ds, costs=costs, stream=lane.stream)
+    assert plan.path is TransferPath.BATCHED_DMA
+    work = layer_copies(plan, host, dev)
+    assert work is not None and all(w.batches and w.streams == 4 for w in work if w.batches)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
+    adds = [lambda t, w=w: tape_copies(t, w, lane.stream) for w in work]
+    signals = lane.run_tape(lib, adds, per_layer=True)
+    assert len(signals) == spec.num_layers
+    for s in signals:
+        s.make_current_wait()
+    torch.cuda.current_stream().synchronize()
+    for b in spec.buffers:
+        for layer in b.layers:
+            want = before[(b.name, layer)].clone()
+            want[ds] = host.gather(b.name, layer, hs)
+            assert same_bytes(dev.layer(b.name, layer).cpu(), want), (b.name, layer)
+    # The Python path, for comparison, writes the same bytes.
+    poison_device(dev, gen)
+    for layer in range(spec.num_layers):
+        load_layer(plan, host, dev, layer, lane.stream)
+    lane.stream.synchronize()
+    for b in spec.buffers:
+        for layer in b.layers:
+            assert same_bytes(dev.layer(b.name, layer)[ds].cpu(), host.gather(b.name, layer, hs))
