@@ -14,7 +14,7 @@ from conftest import poison_device, poison_host, same_bytes
 from kvtier.pool import DevicePool, HostPool
 from kvtier.spec import preset
 from kvtier.transfer import PathCosts, TransferPath, TransferPlan, dma, load_layer, native
-from kvtier.transfer.copy import LayerCopies, layer_copies, tape_copies
+from kvtier.transfer.copy import LayerCopies, copy_table, layer_copies, tape_copies, tape_layers
 from kvtier.transfer.cudart import MEMCPY_DEFAULT, CudaRuntimeError
 
 needs_cc = pytest.mark.skipif(
@@ -138,6 +138,60 @@ def test_tape_copies_add_the_same_calls_as_submitting_a_layer(lib, monkeypatch) 
     assert rt.calls == [("copy", 7, 9, 1, MEMCPY_DEFAULT, 5), ("copy", 8, 10, 2, MEMCPY_DEFAULT, 5)]
 
 
+@needs_cc
+def test_layer_rows_get_a_record_after_each_layer_or_one_after_all(lib) -> None:
+    rows = np.array([[native.Op.COPY, 10 + i, 20 + i, 30 + i, 5, 0] for i in range(4)], dtype=np.int64)
+    table = native.LayerRows(rows, np.array([0, 0, 2, 3]))
+    tape = native.Tape()
+    tape.record(0xF0, 5)  # rows added before stay first
+    tape.layers(table, [0xE0, 0xE1, 0xE2, 0xE3], 5)
+    rt = FakeRuntime()
+    tape.run(rt.native(lib))
+    copy = [("copy", 10 + i, 20 + i, 30 + i, MEMCPY_DEFAULT, 5) for i in range(4)]
+    rec = [("record", 0xE0 + i, 5) for i in range(4)]
+    # Layer 1 has no rows: its event is still recorded, in order.
+    assert rt.calls == [("record", 0xF0, 5), *copy[:2], rec[0], rec[1], copy[2], rec[2], copy[3], rec[3]]
+    tape = native.Tape()
+    tape.layers(table, [0xEE], 5)
+    rt = FakeRuntime()
+    tape.run(rt.native(lib))
+    assert rt.calls == [*copy, ("record", 0xEE, 5)]
+
+
+@needs_cc
+@pytest.mark.parametrize("small", [1, 8])
+def test_the_copy_table_makes_the_calls_of_the_per_layer_path(lib, small, monkeypatch) -> None:
+    """Vectorised rows against the layer-by-layer tape of the same plan: the same calls, in order."""
+    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    monkeypatch.setattr(dma, "small_batch", lambda: small)
+    spec = preset("tiny-dsa", 4)  # the indexer on layers 0 and 2 only
+    host, dev = HostPool(spec, 512), DevicePool(spec, 512)
+    hs = torch.cat([torch.arange(40, 120), torch.arange(300, 380), torch.arange(8, 16)])
+    ds = torch.cat([torch.arange(0, 80), torch.arange(200, 280), torch.arange(400, 408)])
+    plan = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
+    stream = SimpleNamespace(cuda_stream=5)
+    events = [0xE0 + i for i in range(spec.num_layers)]
+    calls = []
+    for build in ("table", "layers"):
+        tape = native.Tape()
+        if build == "table":
+            table = copy_table(plan, host, dev, 5, batch=True)
+            assert (
+                table is not None
+                and (table.rows[:, 0] == (native.Op.BATCH if small == 1 else native.Op.COPY)).any()
+            )
+            tape.layers(table, events, 5)
+        else:
+            tape_layers(tape, layer_copies(plan, host, dev), stream, events)
+        rt = FakeRuntime()
+        tape.run(rt.native(lib))
+        calls.append(rt.calls)
+    assert calls[0] == calls[1]
+    assert sum(c[0] == "record" for c in calls[0]) == spec.num_layers
+    if small == 1:
+        assert copy_table(plan, host, dev, 5, batch=False) is None  # a batch the loop cannot make
+
+
 def test_without_a_compiler_or_when_disabled_there_is_no_library(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert native.compile_library(tmp_path / "cache") is None
@@ -182,8 +236,7 @@ def test_cuda_tape_submission_is_byte_identical_with_fan_out(gen) -> None:
     poison_host(host, gen)
     poison_device(dev, gen)
     before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
-    adds = [lambda t, w=w: tape_copies(t, w, lane.stream) for w in work]
-    signals = lane.run_tape(lib, adds, per_layer=True)
+    signals = lane.run_tape(lib, lambda t, events: tape_layers(t, work, lane.stream, events), spec.num_layers)
     assert len(signals) == spec.num_layers
     for s in signals:
         s.make_current_wait()

@@ -3,7 +3,10 @@
 # and int32 ids. GPU tests of transfers, cache and the loop; the 128k-token reload's CPU cost at pages
 # 1 and 16 with int32 and int64 ids, and with the loop turned off (KVTIER_NATIVE=0); its profile;
 # then the overlap bench with nvidia-smi clock and power samples per interference round.
+# Call 2: the same without the overlap bench (OVERLAP=0), after the copy table (rows of every layer
+# built at once). CALL names the archive.
 source bench/device/setup.sh
+CALL=${CALL:-call1}
 cc --version | head -1 | tee -a "$R/env.txt"
 python3 -m pytest -q tests/test_native.py tests/test_cache.py tests/test_transfer.py \
   -k "cuda or native or tape or raw" -p no:cacheprovider 2>&1 | tail -3 | tee "$R/pytest.txt"
@@ -17,11 +20,13 @@ for ps in 1 16; do
 done
 KVTIER_NATIVE=0 reload page1_int32_python --page-size 1 --reload-ids int32
 python3 bench/device/probe_reload_cpu.py 2>&1 | tee "$R/reload_cpu_profile.txt"
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu \
-  --format=csv,noheader -lms 50 > "$R/smi.csv" &
-smi=$!
-python3 -m kvtier.cli bench overlap --rounds 5 --rounds-log "$R/rounds.jsonl" --json "$R/overlap.json" 2>&1 \
-  | grep -v "^\[" | tail -12
-kill $smi
-python3 bench/device/smi_by_phase.py "$R/smi.csv" "$R/rounds.jsonl" | tee "$R/rounds_clock.txt"
-tar czf "$OUT/call1.tgz" -C "$R" .
+if [ "${OVERLAP:-1}" = 1 ]; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu \
+    --format=csv,noheader -lms 50 > "$R/smi.csv" &
+  smi=$!
+  python3 -m kvtier.cli bench overlap --rounds 5 --rounds-log "$R/rounds.jsonl" --json "$R/overlap.json" \
+    2>&1 | grep -v "^\[" | tail -12
+  kill $smi
+  python3 bench/device/smi_by_phase.py "$R/smi.csv" "$R/rounds.jsonl" | tee "$R/rounds_clock.txt"
+fi
+tar czf "$OUT/$CALL.tgz" -C "$R" .

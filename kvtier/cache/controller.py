@@ -56,7 +56,7 @@ from kvtier.transfer import (
     load_layer,
     native,
 )
-from kvtier.transfer.copy import layer_copies, submit_copies, tape_copies
+from kvtier.transfer.copy import copy_table, layer_copies, submit_copies, tape_layers
 
 log = logging.getLogger(__name__)
 
@@ -582,15 +582,22 @@ class CacheController:
         return plan, self._submit(plan, lane, per_layer)
 
     def _submit(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> list[Signal]:
-        """Every layer of `plan` on `lane`: raw copies from a compiled loop or Python where the plan
-        allows (`layer_copies`), else through the plan's views."""
+        """Every layer of `plan` on `lane`: raw copies where the plan allows, from the compiled loop
+        where it is built (else from Python), else through the plan's views."""
         stream = lane.stream
+        signals = self.spec.num_layers if per_layer else 1
+        lib = native.library() if stream is not None else None
+        if lib is not None:
+            handle = stream.cuda_stream
+            table = copy_table(plan, self.host_pool, self.device_pool, handle, batch=lib.has_batch)
+            if table is not None:
+                return lane.run_tape(lib, lambda tape, events: tape.layers(table, events, handle), signals)
         work = layer_copies(plan, self.host_pool, self.device_pool) if stream is not None else None
         if work is not None:
-            lib = native.library()
-            if lib is not None and (lib.has_batch or not any(w.batches for w in work)):
-                adds = [functools.partial(tape_copies, work=w, stream=stream) for w in work]
-                return lane.run_tape(lib, adds, per_layer)
+            if lib is not None and lib.has_batch:  # runs fanned out over streams, layer by layer
+                return lane.run_tape(
+                    lib, lambda tape, events: tape_layers(tape, work, stream, events), signals
+                )
             issue = dma.issuer(stream)
             jobs = [
                 functools.partial(issue, w.flat)

@@ -67,9 +67,9 @@ class Lane:
         return signals
 
     def run_tape(
-        self, lib: native.Native, layers: list[Callable[[native.Tape], None]], per_layer: bool
+        self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
     ) -> list[Signal]:
-        """Submit layers from a compiled loop (CUDA lanes only; see `CudaLane.run_tape`)."""
+        """Submit calls from a compiled loop (CUDA lanes only; see `CudaLane.run_tape`)."""
         raise TypeError(f"{type(self).__name__} has no stream to submit a tape on")
 
     @property
@@ -161,18 +161,17 @@ class CudaLane(Lane):
         self._stream.synchronize()
 
     def run_tape(
-        self, lib: native.Native, layers: list[Callable[[native.Tape], None]], per_layer: bool
+        self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
     ) -> list[Signal]:
-        """Submit every layer's calls from one compiled loop; a signal after each layer, or after the last.
+        """Submit one operation from a compiled loop; returns `signals` signals.
 
-        `layers`: functions that add one layer's calls on this lane's stream to a tape.
+        `fill(tape, events)` adds the operation's calls on this lane's stream to the
+        tape, recording the given raw event handles where the signals belong (after
+        each layer, or once at the end).
         """
-        events = self._take_events(len(layers) if per_layer else 1)
-        tape, main = native.Tape(), self._stream.cuda_stream
-        for i, add in enumerate(layers):
-            add(tape)
-            if per_layer or i == len(layers) - 1:
-                tape.record(events[i if per_layer else 0].cuda_event, main)
+        events = self._take_events(signals)
+        tape = native.Tape()
+        fill(tape, [e.cuda_event for e in events])
         tape.run(lib)
         return [CudaSignal(e, self._events) for e in events]
 

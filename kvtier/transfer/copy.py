@@ -140,6 +140,15 @@ def buffer_runs(
     return host, dev, nbytes
 
 
+def _raw_copies(plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool) -> bool:
+    """Whether the plan is copy-engine only and every buffer can take raw copies here."""
+    if not plan.parts or any(p.mechanism is not Mechanism.COPY for p in plan.parts):
+        return False
+    return dma.dma_mode() is not dma.DmaMode.TORCH and all(
+        device_pool.raw_rows(b.name) for b in host_pool.spec.buffers
+    )
+
+
 def layer_copies(
     plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool
 ) -> list[LayerCopies] | None:
@@ -150,11 +159,9 @@ def layer_copies(
     available here (no `cuda.bindings`). Submitting a layer is then a few runtime
     calls (`submit_copies`), with no tensor views or address arithmetic per layer.
     """
-    if not plan.parts or any(p.mechanism is not Mechanism.COPY for p in plan.parts):
+    if not _raw_copies(plan, host_pool, device_pool):
         return None
     spec = host_pool.spec
-    if dma.dma_mode() is dma.DmaMode.TORCH or not all(device_pool.raw_rows(b.name) for b in spec.buffers):
-        return None
     streams = max(p.streams for p in plan.parts)
     flats: list[list[int]] = [[] for _ in range(spec.num_layers)]
     batches: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(spec.num_layers)]
@@ -186,6 +193,62 @@ def tape_copies(tape: native.Tape, work: LayerCopies, stream: torch.cuda.Stream)
         tape.copies(work.flat, stream.cuda_stream)
     for dst, src, nbytes in work.batches:
         dma.tape_runs(tape, dst, src, nbytes, stream, streams=work.streams)
+
+
+def copy_table(
+    plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool, stream: int, batch: bool
+) -> native.LayerRows | None:
+    """Every layer's calls of a copy-engine-only plan as tape rows on `stream`, without a loop per layer.
+
+    A buffer with up to `dma.small_batch()` runs takes one `COPY` row per run and
+    layer, one with more one `BATCH` row per layer (pointing into its address
+    arrays): the calls `submit_copies` makes. None where `layer_copies` is None, a
+    layer's runs would fan out over several streams (`tape_copies` adds those), or a
+    batch would be needed and `batch` (the loop has the batch call) is False.
+    """
+    if not _raw_copies(plan, host_pool, device_pool):
+        return None
+    streams = max(p.streams for p in plan.parts)
+    small = dma.small_batch()
+    blocks, layers, keep = [], [], []
+    for b in host_pool.spec.buffers:
+        host, dev, nbytes = buffer_runs(plan, host_pool, device_pool, b)
+        dst, src = (dev, host) if plan.direction is Direction.LOAD else (host, dev)
+        (n_layers, runs), on = dst.shape, np.asarray(b.layers, dtype=np.int64)
+        if runs <= small:
+            rows = np.zeros((n_layers, runs, 6), dtype=np.int64)
+            rows[..., 0] = native.Op.COPY
+            rows[..., 1], rows[..., 2], rows[..., 3], rows[..., 4] = dst, src, nbytes, stream
+            blocks.append(rows.reshape(-1, 6))
+            layers.append(np.repeat(on, runs))
+        elif not batch or dma.fans_out(runs, streams):
+            return None
+        else:
+            d, s, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, nbytes))
+            keep += (d, s, n)
+            rows = np.zeros((n_layers, 6), dtype=np.int64)
+            step = np.arange(n_layers, dtype=np.int64) * runs * 8  # one row of [L, R] int64 per layer
+            rows[:, 0] = native.Op.BATCH
+            rows[:, 1], rows[:, 2], rows[:, 3] = d.ctypes.data + step, s.ctypes.data + step, n.ctypes.data
+            rows[:, 4], rows[:, 5] = runs, stream
+            blocks.append(rows)
+            layers.append(on)
+    layer = np.concatenate(layers)
+    order = np.argsort(layer, kind="stable")  # by layer; buffers and runs keep their order within one
+    return native.LayerRows(np.concatenate(blocks)[order], layer[order], tuple(keep))
+
+
+def tape_layers(
+    tape: native.Tape, work: list[LayerCopies], stream: torch.cuda.Stream, events: list[int]
+) -> None:
+    """Add every layer of `work` to `tape`, recording `events[i]` after layer i (or one event after all)."""
+    per_layer = len(events) == len(work)
+    for i, w in enumerate(work):
+        tape_copies(tape, w, stream)
+        if per_layer:
+            tape.record(events[i], stream.cuda_stream)
+    if not per_layer:
+        tape.record(events[0], stream.cuda_stream)
 
 
 def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:

@@ -114,7 +114,7 @@ def copy_runs(
         return
     if stream.cuda_stream == 0:
         raise ValueError("batched copies need a stream you created, not the legacy default stream")
-    if streams > 1 and n >= 2 * streams:
+    if fans_out(n, streams):
         fan = _fan_out(stream, streams)
         bounds = _shares(sizes, streams)
         fan.fork()
@@ -175,7 +175,7 @@ def tape_runs(
         return
     if stream.cuda_stream == 0:
         raise ValueError("batched copies need a stream you created, not the legacy default stream")
-    if streams > 1 and n >= 2 * streams:
+    if fans_out(n, streams):
         fan = _fan_out(stream, streams)
         bounds = _shares(sizes, streams)
         fan.fork(tape)
@@ -187,6 +187,11 @@ def tape_runs(
             tape.copy(d, s, k, stream.cuda_stream)
     else:
         tape.batch(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
+
+
+def fans_out(n: int, streams: int) -> bool:
+    """Whether `n` copies asked to use `streams` streams are spread over them (two or more each)."""
+    return streams > 1 and n >= 2 * streams
 
 
 def _shares(sizes: np.ndarray, streams: int) -> list[int]:

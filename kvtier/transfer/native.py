@@ -32,6 +32,7 @@ import subprocess
 import tempfile
 from enum import IntEnum
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -88,15 +89,25 @@ int kvtier_run_tape(const int64_t *rows, int64_t n, copy_fn copy, batch_fn batch
 """
 
 
+class LayerRows(NamedTuple):
+    """Tape rows of every layer at once: `rows` `[N, 6]` int64 grouped by `layer` `[N]` (ascending),
+    and the arrays their `BATCH` rows point into (`keep`, alive as long as the rows)."""
+
+    rows: np.ndarray
+    layer: np.ndarray
+    keep: tuple[np.ndarray, ...] = ()
+
+
 class Tape:
     """Runtime calls to make in order (see the module docstring); build, then `run` once."""
 
     def __init__(self) -> None:
-        self._rows: list[tuple[int, int, int, int, int, int]] = []
+        self._blocks: list[np.ndarray] = []
+        self._rows: list[tuple[int, int, int, int, int, int]] = []  # not yet in a block
         self._keep: list[np.ndarray] = []
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return sum(len(b) for b in self._blocks) + len(self._rows)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._rows.append((Op.COPY, dst, src, nbytes, stream, 0))
@@ -118,15 +129,48 @@ class Tape:
     def wait(self, stream: int, event: int) -> None:
         self._rows.append((Op.WAIT, stream, event, 0, 0, 0))
 
+    def layers(self, table: LayerRows, events: list[int], stream: int) -> None:
+        """`table`'s rows with an event record on `stream` after each layer's rows.
+
+        `events`: one handle per layer (`layer` in `[0, len(events))`), or a single one
+        recorded after every row. No Python loop per layer or row.
+        """
+        self._flush()
+        self._keep += table.keep
+        n = len(table.rows)
+        if len(events) == 1:
+            self._blocks += [table.rows, np.array([[Op.RECORD, events[0], stream, 0, 0, 0]], dtype=np.int64)]
+            return
+        count = len(events)
+        records = np.zeros((count, 6), dtype=np.int64)
+        records[:, 0], records[:, 1], records[:, 2] = Op.RECORD, events, stream
+        # Layer i's record goes after every row of layers <= i and the i records before it.
+        at = np.searchsorted(table.layer, np.arange(count), side="right") + np.arange(count)
+        out = np.empty((n + count, 6), dtype=np.int64)
+        is_record = np.zeros(n + count, dtype=bool)
+        is_record[at] = True
+        out[at], out[~is_record] = records, table.rows
+        self._blocks.append(out)
+
     def rows(self) -> np.ndarray:
         """`[n, 6]` int64: the rows as the compiled loop reads them."""
-        return np.array(self._rows, dtype=np.int64).reshape(-1, 6)
+        self._flush()
+        if not self._blocks:
+            return np.empty((0, 6), dtype=np.int64)
+        return self._blocks[0] if len(self._blocks) == 1 else np.concatenate(self._blocks)
 
-    def run(self, lib: Native) -> None:
+    def _flush(self) -> None:
+        if self._rows:
+            self._blocks.append(np.array(self._rows, dtype=np.int64).reshape(-1, 6))
+            self._rows = []
+
+    def run(self, lib: Native | None) -> None:
         """Make every call in order (no host sync); `CudaRuntimeError` on the first failure."""
-        if not self._rows:
-            return
         rows = self.rows()
+        if not len(rows):
+            return
+        if lib is None:
+            raise ValueError("a tape with calls needs the compiled loop (`library()`)")
         failed = ctypes.c_int64(-1)
         err = lib.run(rows.ctypes.data, len(rows), ctypes.byref(failed))
         if err:
