@@ -578,12 +578,12 @@ class CacheController:
             whole_pages=whole_pages,
             runs=runs,
         )
-        self._after_compute(lane)
         return plan, self._submit(plan, lane, per_layer)
 
     def _submit(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> list[Signal]:
-        """Every layer of `plan` on `lane`: raw copies where the plan allows, from the compiled loop
-        where it is built (else from Python), else through the plan's views."""
+        """Every layer of `plan` on `lane`, after the compute stream's queued work: raw copies where
+        the plan allows, from the compiled loop where it is built (else from Python), else through
+        the plan's views."""
         stream = lane.stream
         signals = self.spec.num_layers if per_layer else 1
         lib = native.library() if stream is not None else None
@@ -593,11 +593,10 @@ class CacheController:
             if table is not None:
                 return lane.run_tape(lib, lambda tape, events: tape.layers(table, events, handle), signals)
         work = layer_copies(plan, self.host_pool, self.device_pool) if stream is not None else None
+        if work is not None and lib is not None and lib.has_batch:  # runs fanned out, layer by layer
+            return lane.run_tape(lib, lambda tape, events: tape_layers(tape, work, stream, events), signals)
+        self._after_compute(lane)
         if work is not None:
-            if lib is not None and lib.has_batch:  # runs fanned out over streams, layer by layer
-                return lane.run_tape(
-                    lib, lambda tape, events: tape_layers(tape, work, stream, events), signals
-                )
             issue = dma.issuer(stream)
             jobs = [
                 functools.partial(issue, w.flat)

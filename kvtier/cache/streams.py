@@ -69,7 +69,7 @@ class Lane:
     def run_tape(
         self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
     ) -> list[Signal]:
-        """Submit calls from a compiled loop (CUDA lanes only; see `CudaLane.run_tape`)."""
+        """Submit an operation from a compiled loop (CUDA lanes only; see `CudaLane.run_tape`)."""
         raise TypeError(f"{type(self).__name__} has no stream to submit a tape on")
 
     @property
@@ -163,16 +163,25 @@ class CudaLane(Lane):
     def run_tape(
         self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
     ) -> list[Signal]:
-        """Submit one operation from a compiled loop; returns `signals` signals.
+        """Submit one operation from a compiled loop, after the work queued on the current stream.
 
         `fill(tape, events)` adds the operation's calls on this lane's stream to the
         tape, recording the given raw event handles where the signals belong (after
-        each layer, or once at the end).
+        each layer, or once at the end). The tape starts with `wait_for_current`'s two
+        calls. Returns `signals` signals.
         """
-        events = self._take_events(signals)
+        order, *events = self._take_events(signals + 1)
         tape = native.Tape()
+        current = (
+            self._current_raw(self._device_index)
+            if self._current_raw is not None
+            else torch.cuda.current_stream(self._stream.device).cuda_stream
+        )
+        tape.record(order.cuda_event, current)
+        tape.wait(self._stream.cuda_stream, order.cuda_event)
         fill(tape, [e.cuda_event for e in events])
         tape.run(lib)
+        self._events.append(order)  # the wait is enqueued: a later record cannot change it
         return [CudaSignal(e, self._events) for e in events]
 
     def _take_events(self, k: int) -> list[torch.cuda.Event]:

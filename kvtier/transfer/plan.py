@@ -266,7 +266,8 @@ class TransferPlan:
         direction = Direction(direction)
         costs = costs or PathCosts()
         kernel = kernel or KernelOptions()
-        if _shape_of(host_pool.spec) != _shape_of(device_pool.spec):
+        hspec, dspec = host_pool.spec, device_pool.spec
+        if hspec is not dspec and _shape_of(hspec) != _shape_of(dspec):
             raise PlanError(
                 f"host pool spec {host_pool.spec.name!r} and device pool spec {device_pool.spec.name!r} "
                 "have different buffers, layers or row shapes"
