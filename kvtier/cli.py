@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--reload-tokens", type=int, default=131072, help="prefix length of the reload")
     c.add_argument("--reload-repeats", type=int, default=5)
     c.add_argument(
+        "--reload-host-runs", type=int, default=1, help="runs the prefix's host copy lies in (as after churn)"
+    )
+    c.add_argument(
         "--reload-ids", choices=("int32", "int64"), default="int32", help="dtype of the ids given to match"
     )
     c.add_argument("--seed", type=int, default=0)
@@ -514,6 +517,7 @@ def _bench_cache(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 progress=report,
                 query_ids=args.reload_ids,
+                host_runs=args.reload_host_runs,
             )
 
     _run_with_progress(run)
@@ -594,7 +598,8 @@ def _bench_cache(args: argparse.Namespace) -> int:
 
         table = Table(
             title=f"match + load_back of a {r.tokens}-token prefix from the host: {r.spec} x {r.layers} "
-            f"layers, {r.loaded_bytes / 1e9:.3f} GB, {r.query_ids} ids, median of {r.repeats}, on {where}"
+            f"layers, {r.loaded_bytes / 1e9:.3f} GB in {r.host_runs} host runs, {r.query_ids} ids, "
+            f"median of {r.repeats}, on {where}"
         )
         cols = (
             "CPU us",

@@ -103,9 +103,11 @@ def test_allocator_rows() -> None:
 
 
 @pytest.mark.parametrize("policy", [WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK])
-def test_prefix_reload_on_cpu(policy: WritePolicy) -> None:
+@pytest.mark.parametrize("host_runs", [1, 8])
+def test_prefix_reload_on_cpu(policy: WritePolicy, host_runs: int) -> None:
     spec = preset("tiny-mla", 4)
-    row = run_prefix_reload(spec, tokens=4096, device="cpu", repeats=2, policy=policy)
+    row = run_prefix_reload(spec, tokens=4096, device="cpu", repeats=2, policy=policy, host_runs=host_runs)
+    assert row.host_runs == host_runs  # the bench checks the node's runs before timing
     assert row.tokens == 4096 and row.layers == spec.num_layers
     assert row.loaded_bytes == 4096 * spec.bytes_per_token()
     assert len(row.samples) == 2 and row.cpu_us > 0 and row.wall_us >= row.match_us > 0

@@ -4,7 +4,8 @@
 # 1 and 16 with int32 and int64 ids, and with the loop turned off (KVTIER_NATIVE=0); its profile;
 # then the overlap bench with nvidia-smi clock and power samples per interference round.
 # Call 2: the same without the overlap bench (OVERLAP=0), after the copy table (rows of every layer
-# built at once). CALL names the archive.
+# built at once). Call 3: the same after ordering the load from the tape, 15 repeats (REPEATS), and
+# prefixes whose host copy lies in 8 and 64 runs (HOST_RUNS). CALL names the archive.
 source bench/device/setup.sh
 CALL=${CALL:-call1}
 cc --version | head -1 | tee -a "$R/env.txt"
@@ -12,12 +13,13 @@ python3 -m pytest -q tests/test_native.py tests/test_cache.py tests/test_transfe
   -k "cuda or native or tape or raw" -p no:cacheprovider 2>&1 | tail -3 | tee "$R/pytest.txt"
 reload() {  # name, then extra arguments
   local name=$1; shift
-  python3 -m kvtier.cli bench cache --parts reload --reload-repeats 9 "$@" \
+  python3 -m kvtier.cli bench cache --parts reload --reload-repeats "${REPEATS:-9}" "$@" \
     --json "$R/reload_$name.json" 2>&1 | grep -v "^reload:" | tail -4
 }
 for ps in 1 16; do
   for ids in int32 int64; do reload "page${ps}_$ids" --page-size $ps --reload-ids $ids; done
 done
+for runs in ${HOST_RUNS:-}; do reload "page1_int32_runs$runs" --page-size 1 --reload-host-runs "$runs"; done
 KVTIER_NATIVE=0 reload page1_int32_python --page-size 1 --reload-ids int32
 python3 bench/device/probe_reload_cpu.py 2>&1 | tee "$R/reload_cpu_profile.txt"
 if [ "${OVERLAP:-1}" = 1 ]; then

@@ -407,6 +407,7 @@ class ReloadRow:
     loaded_bytes: int  # per reload, from the controller's counters
     repeats: int
     query_ids: str  # dtype of the ids passed to match (engines commonly hold int32)
+    host_runs: int  # runs the prefix's host copy lies in
     cpu_us: float  # median process time (all threads) of match + load_back submission
     thread_us: float  # median CPU time of the calling thread alone, same calls
     wall_us: float  # median wall time of the same
@@ -432,28 +433,35 @@ def run_prefix_reload(
     seed: int = 0,
     progress: Progress = _quiet,
     query_ids: str = "int32",
+    host_runs: int = 1,
 ) -> ReloadRow:
     """Insert a `tokens`-long sequence, evict it to the host, then time match + load_back `repeats` times.
 
-    `query_ids`: the dtype of the ids given to `match` (`int32` or `int64`).
+    `query_ids`: the dtype of the ids given to `match` (`int32` or `int64`). `host_runs`:
+    the host copy of the prefix lies in this many runs (the host pool is fragmented
+    before the write-through backup, as after churn), so every layer loads in as many
+    copies.
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
     ps = spec.page_size
-    if tokens <= 0 or tokens % ps:
-        raise ValueError(f"tokens {tokens} must be a positive multiple of the page size {ps}")
+    if tokens <= 0 or host_runs < 1 or tokens % (ps * host_runs):
+        raise ValueError(
+            f"tokens {tokens} must be a positive multiple of the page size {ps} times host_runs {host_runs}"
+        )
     progress(f"reload: pools of {tokens} slots ({tokens * spec.bytes_per_token() / 1e9:.2f} GB per tier)")
     cache = CacheController(
         DevicePool(spec, tokens, device),
-        HostPool(spec, tokens),
+        HostPool(spec, tokens + (host_runs - 1) * ps),
         CacheConfig(write_policy=WritePolicy(policy)),
     )
+    _fragment(cache.host_alloc, tokens // host_runs, host_runs, ps)
     rng = np.random.default_rng(seed)
     # The ids as an engine holds them, in one dtype for insert and match.
     ids = rng.integers(1, VOCAB, tokens).astype(query_ids)
     slots = cache.alloc_device(tokens)
     _write_kv(cache.device_pool, slots, torch.Generator(device=device).manual_seed(seed))
-    cache.insert(ids, slots)
+    node = cache.insert(ids, slots)
     ceiling = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
 
     samples = []
@@ -465,6 +473,8 @@ def run_prefix_reload(
         query = ids.copy()
         cache.flush()  # the write-through backup (or the last reload) completes
         cache.evict_device(tokens)
+        if node.host_runs is None or len(node.host_runs) != host_runs:
+            raise AssertionError(f"the prefix's host copy is in {node.host_runs} runs, not {host_runs}")
         before = cache.metrics.bytes_h2d
         if cuda:
             torch.cuda.synchronize(device)
@@ -501,6 +511,7 @@ def run_prefix_reload(
         loaded_bytes=loaded_bytes,
         repeats=repeats,
         query_ids=query_ids,
+        host_runs=host_runs,
         cpu_us=med("cpu_us"),
         thread_us=med("thread_us"),
         wall_us=med("wall_us"),
@@ -517,6 +528,17 @@ def run_prefix_reload(
         row.ratio = round(row.reload_ms / row.ideal_ms, 3)
         row.ratio_met = row.ratio <= RELOAD_RATIO_TARGET
     return row
+
+
+def _fragment(host_alloc, piece: int, runs: int, gap: int) -> None:
+    """Leave the free host slots as `runs` runs of `piece` slots, one `gap` held between each two."""
+    pieces = []
+    for i in range(runs):
+        pieces.append(host_alloc.alloc(piece))
+        if i < runs - 1:
+            host_alloc.alloc(gap)  # held for the rest of the bench
+    for p in pieces:
+        host_alloc.free(p)
 
 
 def _poll_layers(h) -> tuple[float, float]:
