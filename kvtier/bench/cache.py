@@ -462,6 +462,7 @@ def run_prefix_reload(
     slots = cache.alloc_device(tokens)
     _write_kv(cache.device_pool, slots, torch.Generator(device=device).manual_seed(seed))
     node = cache.insert(ids, slots)
+    cache.flush()  # the write-through backup, which would share the link with the ceiling's copies
     ceiling = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
 
     samples = []

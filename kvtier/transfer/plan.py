@@ -85,7 +85,9 @@ class PathCosts:
     this many streams, so several copy engines overlap their per-copy cost. On an
     H200, runs of 74 KB reach 0.92-0.95 of the line rate that way in either direction
     (8 streams), as much as the kernel's best or more, and take no SMs; runs of 18 KB
-    only 0.41 (bench/NOTES.md).
+    only 0.41 (bench/NOTES.md). `fan_out_below_bytes`: joint runs averaging at least
+    this long stay on one stream: a copy's fixed cost (under 1 us) is then a few
+    percent of it, while fanning out costs two event calls per side stream and layer.
     """
 
     copy_issue_s: float = 11e-6
@@ -95,6 +97,7 @@ class PathCosts:
     copy_min_bytes: int = 64 << 10
     staged_min_bytes: int = 64 << 10
     copy_streams: int = 8
+    fan_out_below_bytes: int = 1 << 20
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
         """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""
@@ -321,7 +324,7 @@ class TransferPlan:
                 return cls(
                     direction=direction,
                     path=path,
-                    parts=(_copy_part(host_pool, pos, host_at, dev_at, lens, use_batch, costs.copy_streams),),
+                    parts=(_copy_part(host_pool, pos, host_at, dev_at, lens, use_batch, costs),),
                     host_slots=h,
                     device_slots=d,
                     host_runs=joint.host_runs,
@@ -350,7 +353,7 @@ class TransferPlan:
         cap = device_pool.staging_tokens
         if path in _COPY_PATHS:
             use_batch = batched and path is not TransferPath.PER_RUN
-            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch, costs.copy_streams),)
+            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch, costs),)
         elif path is TransferPath.STAGED:
             parts = (
                 _staged_part(host_pool, hn, dn, host_starts, host_lens, cap, batched, costs.copy_streams, up),
@@ -362,7 +365,7 @@ class TransferPlan:
             # the line rate, staging then copying out 0.92 (bench/NOTES.md).
             staged_min = costs.staged_min_bytes if direction is Direction.LOAD else None
             split = _Stretches.of(js, jl, host_break, step, widest, costs.copy_min_bytes, staged_min)
-            parts = split.parts(direction, host_pool, hn, dn, kernel, cap, batched, costs.copy_streams, up)
+            parts = split.parts(direction, host_pool, hn, dn, kernel, cap, batched, costs, up)
             path = _path_of(parts)
         else:
             parts = (Part(Mechanism.REFERENCE, len(hn), positions=torch.arange(len(hn)), device_index=up(d)),)
@@ -488,23 +491,27 @@ def _copy_part(
     dev_at: np.ndarray,
     lens: np.ndarray,
     batched: bool,
-    streams: int = 1,
+    costs: PathCosts | None = None,
 ) -> Part:
     """Copy-engine copies of joint runs, with their byte addresses per buffer (for raw submission).
 
     `pos`, `host_at`, `dev_at`, `lens`: `[runs]` int64, where each joint run starts
-    in the plan, its first host and device slot, and its length. `streams`: of a
-    batched part (see `PathCosts.copy_streams`).
+    in the plan, its first host and device slot, and its length. A batched part's
+    copies of one layer go over `costs.copy_streams` streams when its runs are short
+    (`PathCosts.fan_out_below_bytes`), else over one.
     """
-    run_bytes = _run_bytes(host_pool, host_at, dev_at, lens)
-    pieces = _pieces(pos, host_at, dev_at, lens)
+    streams = 1
+    if batched and costs is not None:
+        widest = max(b.row_bytes for b in host_pool.spec.buffers)
+        if lens.mean() * widest < costs.fan_out_below_bytes:
+            streams = costs.copy_streams
     return Part(
         Mechanism.COPY,
         int(lens.sum()),
-        pieces,
+        _pieces(pos, host_at, dev_at, lens),
         batched=batched,
-        run_bytes=run_bytes,
-        streams=streams if batched else 1,
+        run_bytes=_run_bytes(host_pool, host_at, dev_at, lens),
+        streams=streams,
     )
 
 
@@ -577,15 +584,15 @@ class _Stretches:
         kernel: KernelOptions,
         cap: int,
         batched: bool,
-        streams: int,
+        costs: PathCosts,
         up: _Uploader,
     ) -> tuple[Part, ...]:
         out = []
         if len(self.copy[0]):
             s, n = self.copy
-            out.append(_copy_part(host_pool, s, hn[s], dn[s], n, batched, streams))
+            out.append(_copy_part(host_pool, s, hn[s], dn[s], n, batched, costs))
         if len(self.staged[0]):
-            out.append(_staged_part(host_pool, hn, dn, *self.staged, cap, batched, streams, up))
+            out.append(_staged_part(host_pool, hn, dn, *self.staged, cap, batched, costs.copy_streams, up))
         if len(self.kernel[0]):
             out.append(_kernel_part(direction, host_pool, hn, dn, *self.kernel, kernel, up))
         return tuple(out)
