@@ -401,7 +401,7 @@ class CacheController:
         )
         at = 0
         for n in nodes:
-            n.device_slots = dev[at : at + len(n)]
+            n.device_slots = dev if len(nodes) == 1 else dev[at : at + len(n)]
             n.state = NodeState.LOADING
             n.signal = signals[-1]
             at += len(n)

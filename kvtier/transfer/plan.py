@@ -290,7 +290,7 @@ class TransferPlan:
             dst_name, dst = ("device_slots", d) if direction is Direction.LOAD else ("host_slots", h)
             _check_distinct(dst_name, dst)
 
-        hn, dn = h.numpy(), d.numpy()
+        n = h.numel()
         widest = max(b.row_bytes for b in host_pool.spec.buffers)
         cuda = device_pool.device.type == "cuda"
         batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
@@ -300,10 +300,10 @@ class TransferPlan:
                 return _forced(TransferPath(force), joint_runs, device_pool.device)
             return _choose(
                 costs,
-                nbytes=len(hn) * widest,
+                nbytes=n * widest,
                 host_runs=host_runs,
                 joint_runs=joint_runs,
-                windows=-(-len(hn) // device_pool.staging_tokens),
+                windows=-(-n // device_pool.staging_tokens),
                 kernel_ok=(cuda if use_kernel is None else use_kernel)
                 and kernels.runs_on(device_pool.device),
                 long_runs=long_runs,
@@ -312,8 +312,8 @@ class TransferPlan:
         if runs is not None:
             # O(runs) planning: enough whenever the copy engine moves every run.
             joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
-            if sum(joint.lens) != len(hn):
-                raise PlanError(f"the runs cover {sum(joint.lens)} slots, the plan has {len(hn)}")
+            if sum(joint.lens) != n:
+                raise PlanError(f"the runs cover {sum(joint.lens)} slots, the plan has {n}")
             long_runs = sum(n * widest >= costs.copy_min_bytes for n in joint.lens)
             path = decide(joint.host_runs, len(joint.lens), long_runs)
             if path in _COPY_PATHS:
@@ -335,7 +335,8 @@ class TransferPlan:
                 )
 
         ps = host_pool.spec.page_size
-        step = ps if whole_pages and len(hn) % ps == 0 else 1
+        hn, dn = h.numpy(), d.numpy()
+        step = ps if whole_pages and n % ps == 0 else 1
         host_break, dev_break = (
             _breaks(hn, step, host_pool.segment_slots, host_pool.num_slots),
             _breaks(dn, step),
