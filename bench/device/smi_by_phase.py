@@ -14,9 +14,12 @@ import sys
 
 
 def main(smi_csv: str, phases_jsonl: str) -> None:
-    phases = [json.loads(ln) for ln in open(phases_jsonl) if ln.startswith("{")]
+    with open(phases_jsonl) as fh:
+        phases = [json.loads(ln) for ln in fh if ln.startswith("{")]
+    with open(smi_csv) as fh:
+        lines = list(csv.reader(fh))
     rows = []
-    for line in csv.reader(open(smi_csv)):
+    for line in lines:
         try:
             t = datetime.datetime.strptime(line[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
             rows.append((t, float(line[1].split()[0]), float(line[3].split()[0]), line[4].strip()))
