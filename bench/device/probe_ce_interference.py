@@ -5,6 +5,7 @@ nvidia-smi sampled too sparsely during the copy-engine rounds to say whether clo
 the SM clock and power are sampled in-process through NVML (ctypes, every 20 ms) and rounds of
 ~2 s alternate, after 8 s of matmuls, between: the matmuls alone; beside host -> device copies
 queued after the matmuls (as in the bench); the same queued before them; device -> host copies.
+Then alone and beside host -> device copies with the matmuls replayed from a CUDA graph.
 One line of JSON per round.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import statistics
+import sys
 import threading
 import time
 
@@ -48,7 +50,8 @@ class Nvml:
         return statistics.median(s[1] for s in inside), statistics.median(s[2] for s in inside), len(inside)
 
 
-def main() -> None:
+def main(eager_pairs: int = 3) -> None:
+    """`eager_pairs`: repetitions of the eager rounds (call 5: 3, call 6: 1, before the graph rounds)."""
     nvml = Nvml()
     a = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
@@ -61,8 +64,14 @@ def main() -> None:
         "d2h": lambda: host.copy_(dev, non_blocking=True),
     }
 
+    graph, per_graph = None, 50
+
     def matmuls(k: int) -> None:
         with torch.cuda.stream(compute):
+            if graph is not None:
+                for _ in range(k // per_graph):
+                    graph.replay()
+                return
             for _ in range(k):
                 torch.mm(a, b, out=c)
 
@@ -114,7 +123,7 @@ def main() -> None:
     while time.time() - t < 8:
         matmuls(50)
         torch.cuda.synchronize()
-    for _ in range(3):
+    for _ in range(eager_pairs):
         round_("alone")
         round_("h2d after", copies["h2d"])
         round_("alone")
@@ -122,8 +131,21 @@ def main() -> None:
         round_("alone")
         round_("d2h after", copies["d2h"])
     round_("alone")
+    # The same with the matmuls replayed from a CUDA graph of 50 (launched by the GPU, not fetched
+    # one by one from the host's command buffers over the link the copies fill).
+    with torch.cuda.stream(compute):
+        torch.mm(a, b, out=c)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=compute):
+            for _ in range(per_graph):
+                torch.mm(a, b, out=c)
+    k = k // per_graph * per_graph
+    for _ in range(3):
+        round_("graph alone")
+        round_("graph h2d after", copies["h2d"])
+    round_("graph alone")
     nvml.stop = True
 
 
 if __name__ == "__main__":
-    main()
+    main(*(int(x) for x in sys.argv[1:2]))
