@@ -3,7 +3,7 @@
 # NVML clock and power samples (probe_ce_interference.py); then the 128k-token reload's CPU cost in
 # two more processes per page size (how much it varies between processes on one machine).
 source bench/device/setup.sh
-python3 bench/device/probe_ce_interference.py 2>&1 | tee "$R/ce_interference.jsonl"
+python3 bench/device/probe_ce_interference.py 3 0 0 2>&1 | tee "$R/ce_interference.jsonl"
 tar czf "$OUT/call5.tgz" -C "$R" .
 for i in 1 2; do
   for ps in 1 16; do

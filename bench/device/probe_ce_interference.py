@@ -5,7 +5,8 @@ nvidia-smi sampled too sparsely during the copy-engine rounds to say whether clo
 the SM clock and power are sampled in-process through NVML (ctypes, every 20 ms) and rounds of
 ~2 s alternate, after 8 s of matmuls, between: the matmuls alone; beside host -> device copies
 queued after the matmuls (as in the bench); the same queued before them; device -> host copies.
-Then alone and beside host -> device copies with the matmuls replayed from a CUDA graph.
+Then host -> device copies paced to 3/4 and 1/2 of the time by GPU sleeps between them; then
+alone and beside host -> device copies with the matmuls replayed from a CUDA graph.
 One line of JSON per round.
 """
 
@@ -50,8 +51,9 @@ class Nvml:
         return statistics.median(s[1] for s in inside), statistics.median(s[2] for s in inside), len(inside)
 
 
-def main(eager_pairs: int = 3) -> None:
-    """`eager_pairs`: repetitions of the eager rounds (call 5: 3, call 6: 1, before the graph rounds)."""
+def main(eager_pairs: int = 3, pacing_pairs: int = 0, graph_pairs: int = 3) -> None:
+    """Repetitions of the eager rounds, the paced ones, and the graph ones (call 5: 3, 0, 0 (the
+    graph rounds came later); call 6: 1, 0, 3; call 7: 1, 2, 0)."""
     nvml = Nvml()
     a = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
@@ -63,6 +65,16 @@ def main(eager_pairs: int = 3) -> None:
         "h2d": lambda: dev.copy_(host, non_blocking=True),
         "d2h": lambda: host.copy_(dev, non_blocking=True),
     }
+
+    def paced(duty: float):
+        """Host -> device copies at `duty` of the time: each followed by a GPU sleep (one SM)."""
+        cycles = int(LAYER / 55e9 * (1 / duty - 1) * 1.98e9)
+
+        def copy() -> None:
+            dev.copy_(host, non_blocking=True)
+            torch.cuda._sleep(cycles)
+
+        return copy
 
     graph, per_graph = None, 50
 
@@ -131,21 +143,26 @@ def main(eager_pairs: int = 3) -> None:
         round_("alone")
         round_("d2h after", copies["d2h"])
     round_("alone")
+    for _ in range(pacing_pairs):
+        for duty in (0.75, 0.5):
+            round_(f"h2d paced {duty}", paced(duty), gbps=55 * duty)
+            round_("alone")
     # The same with the matmuls replayed from a CUDA graph of 50 (launched by the GPU, not fetched
     # one by one from the host's command buffers over the link the copies fill).
-    with torch.cuda.stream(compute):
-        torch.mm(a, b, out=c)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=compute):
-            for _ in range(per_graph):
-                torch.mm(a, b, out=c)
-    k = k // per_graph * per_graph
-    for _ in range(3):
+    if graph_pairs:
+        with torch.cuda.stream(compute):
+            torch.mm(a, b, out=c)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=compute):
+                for _ in range(per_graph):
+                    torch.mm(a, b, out=c)
+        k = k // per_graph * per_graph
+        for _ in range(graph_pairs):
+            round_("graph alone")
+            round_("graph h2d after", copies["h2d"])
         round_("graph alone")
-        round_("graph h2d after", copies["h2d"])
-    round_("graph alone")
     nvml.stop = True
 
 
 if __name__ == "__main__":
-    main(*(int(x) for x in sys.argv[1:2]))
+    main(*(int(x) for x in sys.argv[1:4]))
