@@ -193,6 +193,8 @@ class CacheController:
         self.host_alloc = HostSlotAllocator(host_pool.num_slots, ps, self.config.host_alloc_policy)
         self.load_lane: Lane = make_lane(device_pool.device)
         self.backup_lane: Lane = make_lane(device_pool.device)
+        if device_pool.device.type == "cuda":
+            native.library()  # compiled (or found in the cache) now, not inside the first transfer
         self._held = np.zeros(device_pool.num_slots, dtype=bool)  # device slots held by requests
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
