@@ -676,11 +676,11 @@ def test_copy_runs_fans_out_over_side_streams_that_fork_and_join(monkeypatch) ->
         def __init__(self, k: int) -> None:
             self.streams = [SimpleNamespace(cuda_stream=i + 1, name=f"s{i}") for i in range(k)]
 
-        def fork(self) -> None:
-            events.append(("fork", None))
+        def fork(self, tape=None) -> None:
+            events.append(("fork", tape))
 
-        def join(self) -> None:
-            events.append(("join", None))
+        def join(self, tape=None) -> None:
+            events.append(("join", tape))
 
     class Main:
         cuda_stream = 1234

@@ -109,19 +109,10 @@ def copy_runs(
     over that many streams forked from and joined into `stream`, in contiguous shares
     of about equal bytes (when there are at least two copies per stream).
     """
+    share = lambda d, s, z, st: copy_runs(d, s, z, st, mode)  # noqa: E731
+    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, None, share):
+        return
     n = len(sizes)
-    if n == 0:
-        return
-    if stream.cuda_stream == 0:
-        raise ValueError("batched copies need a stream you created, not the legacy default stream")
-    if fans_out(n, streams):
-        fan = _fan_out(stream, streams)
-        bounds = _shares(sizes, streams)
-        fan.fork()
-        for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
-            copy_runs(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st, mode)
-        fan.join()
-        return
     global _mode
     mode = mode or _probe()
     if mode is DmaMode.BATCH and n <= small_batch():
@@ -170,23 +161,41 @@ def tape_runs(
     made directly (the tape's loop must have it: `Native.has_batch`), made later by
     `Tape.run`.
     """
-    n = len(sizes)
-    if n == 0:
+    share = lambda d, s, z, st: tape_runs(tape, d, s, z, st)  # noqa: E731
+    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, tape, share):
         return
-    if stream.cuda_stream == 0:
-        raise ValueError("batched copies need a stream you created, not the legacy default stream")
-    if fans_out(n, streams):
-        fan = _fan_out(stream, streams)
-        bounds = _shares(sizes, streams)
-        fan.fork(tape)
-        for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
-            tape_runs(tape, dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st)
-        fan.join(tape)
-    elif n <= small_batch():
+    if len(sizes) <= small_batch():
         for d, s, k in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist(), strict=True):
             tape.copy(d, s, k, stream.cuda_stream)
     else:
         tape.batch(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
+
+
+def _spread(
+    dst_ptrs: np.ndarray,
+    src_ptrs: np.ndarray,
+    sizes: np.ndarray,
+    stream: torch.cuda.Stream,
+    streams: int,
+    tape: Tape | None,
+    share: Callable[[np.ndarray, np.ndarray, np.ndarray, torch.cuda.Stream], None],
+) -> bool:
+    """Whether the list is dealt with here: True when it is empty, or when it fans out (then fork,
+    `share` each stream's contiguous part on it and join, on `tape` when given); refuses the
+    legacy default stream."""
+    if not len(sizes):
+        return True
+    if stream.cuda_stream == 0:
+        raise ValueError("batched copies need a stream you created, not the legacy default stream")
+    if not fans_out(len(sizes), streams):
+        return False
+    fan = _fan_out(stream, streams)
+    bounds = _shares(sizes, streams)
+    fan.fork(tape)
+    for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
+        share(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st)
+    fan.join(tape)
+    return True
 
 
 def fans_out(n: int, streams: int) -> bool:
