@@ -179,9 +179,14 @@ class CudaLane(Lane):
         )
         tape.record(order.cuda_event, current)
         tape.wait(self._stream.cuda_stream, order.cuda_event)
-        fill(tape, [e.cuda_event for e in events])
-        tape.run(lib)
-        self._events.append(order)  # the wait is enqueued: a later record cannot change it
+        try:
+            fill(tape, [e.cuda_event for e in events])
+            tape.run(lib)
+        except BaseException:
+            self._events += events  # no signal holds them
+            raise
+        finally:
+            self._events.append(order)  # the wait is enqueued: a later record cannot change it
         return [CudaSignal(e, self._events) for e in events]
 
     def _take_events(self, k: int) -> list[torch.cuda.Event]:

@@ -314,7 +314,7 @@ class TransferPlan:
             joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
             if sum(joint.lens) != n:
                 raise PlanError(f"the runs cover {sum(joint.lens)} slots, the plan has {n}")
-            long_runs = sum(n * widest >= costs.copy_min_bytes for n in joint.lens)
+            long_runs = sum(k * widest >= costs.copy_min_bytes for k in joint.lens)
             path = decide(joint.host_runs, len(joint.lens), long_runs)
             if path in _COPY_PATHS:
                 pos, host_at, dev_at, lens = (
