@@ -157,6 +157,46 @@ def test_keys_keep_the_callers_int32_or_int64_ids_and_match_either(dtype) -> Non
     c.check_invariants()
 
 
+def test_a_transfer_that_fails_to_submit_leaves_the_cache_as_it_was(monkeypatch) -> None:
+    """A runtime error while a load or backup is submitted: slots back, locks undone, nothing lost."""
+    c = make()
+    tokens = tuple(range(8))
+    slots = fill(c, tokens)
+    want = {
+        (b.name, lay): as_words(c.device_pool.layer(b.name, lay))[slots].clone()
+        for b in c.spec.buffers
+        for lay in b.layers
+    }
+    c.flush()
+    c.evict_device(8)
+    before = (c.device_alloc.available(), c.host_alloc.available())
+    real = CacheController._submit
+
+    def fail(*a, **k):
+        raise RuntimeError("submission failed")
+
+    monkeypatch.setattr(CacheController, "_submit", fail)
+    m = c.match(tokens)
+    with pytest.raises(RuntimeError, match="submission failed"):
+        c.load_back(m)
+    assert all(n.state is NodeState.HOST and n.lock == 0 for n in m.host_nodes)
+    assert (c.device_alloc.available(), c.host_alloc.available()) == before
+    c.check_invariants()
+    # A backup that fails: the inserted node stays on the device only, its host slots come back.
+    with pytest.raises(RuntimeError, match="submission failed"):
+        fill(c, tuple(range(100, 108)))
+    (node,) = c.match(tuple(range(100, 108))).device_nodes
+    assert node.state is NodeState.DEVICE and node.host_slots is None
+    assert c.host_alloc.available() == before[1]
+    c.check_invariants()
+    monkeypatch.setattr(CacheController, "_submit", real)
+    h = c.load_back(c.match(tokens))  # the same load goes through once submission works
+    h.wait()
+    for (name, lay), rows in want.items():
+        assert torch.equal(as_words(c.device_pool.layer(name, lay))[h.device_slots], rows), (name, lay)
+    c.check_invariants()
+
+
 def test_bad_calls_raise_and_change_nothing() -> None:
     c = make()
     fill(c, tuple(range(8)))

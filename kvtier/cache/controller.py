@@ -393,14 +393,19 @@ class CacheController:
             self.tree.lock_path(nodes[-1], -1)
             raise
         # Both sides are allocator pages (host: from backups, device: just allocated).
-        plan, signals = self._transfer(
-            Direction.LOAD,
-            _concat([n.host_slots for n in nodes]),
-            dev,
-            whole_pages=True,
-            runs=_runs_of(nodes, dev_runs),
-            per_layer=True,
-        )
+        try:
+            plan, signals = self._transfer(
+                Direction.LOAD,
+                _concat([n.host_slots for n in nodes]),
+                dev,
+                whole_pages=True,
+                runs=_runs_of(nodes, dev_runs),
+                per_layer=True,
+            )
+        except BaseException:
+            self._abandon(self.load_lane, self.device_alloc, dev)
+            self.tree.lock_path(nodes[-1], -1)
+            raise
         at = 0
         for n in nodes:
             n.device_slots = dev if len(nodes) == 1 else dev[at : at + len(n)]
@@ -541,7 +546,11 @@ class CacheController:
             self.metrics.backups_skipped += 1
             return False
         slots, runs = got
-        _, (signal,) = self._transfer(Direction.BACKUP, slots, n.device_slots)
+        try:
+            _, (signal,) = self._transfer(Direction.BACKUP, slots, n.device_slots)
+        except BaseException:
+            self._abandon(self.backup_lane, self.host_alloc, slots)
+            raise
         n.host_slots, n.host_runs = slots, runs
         n.state = NodeState.BACKING_UP
         n.signal = signal
@@ -621,6 +630,15 @@ class CacheController:
         for job in jobs:
             lane.submit(job)
         return [lane.signal()]
+
+    @staticmethod
+    def _abandon(lane: Lane, alloc: HostSlotAllocator, slots: torch.Tensor) -> None:
+        """Undo a transfer whose submission failed: let the lane finish what it already took (it may
+        write `slots`), then give `slots` back; the tree stays as it was before the call."""
+        try:
+            lane.drain()
+        finally:
+            alloc.free(slots)
 
     def _free_host(self, n: Node) -> None:
         if n.host_slots is not None:
