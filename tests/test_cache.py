@@ -353,3 +353,25 @@ def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch
     assert h.plan is not None and h.plan.path is TransferPath.SINGLE_COPY
     c.flush()
     c.check_invariants()
+
+
+def test_event_signals_are_made_once_and_every_event_goes_back_to_the_pool() -> None:
+    """A reload's per-layer signals: one object per layer, made on first use; no event is lost."""
+    import gc
+
+    from kvtier.cache.streams import EventSignals
+
+    events = [object() for _ in range(4)]  # stand-ins: nothing here touches CUDA
+    pool: list[object] = []
+    signals = EventSignals(events, pool)
+    assert len(signals) == 4
+    last = signals[-1]
+    assert signals[3] is last and signals[-1] is last and last.event is events[3]
+    assert [s.event for s in signals[1:3]] == events[1:3]
+    del signals
+    gc.collect()
+    # Only the signal still held keeps its event; every other event is back (made or not).
+    assert sorted(map(id, pool)) == sorted(map(id, events[:3]))
+    del last
+    gc.collect()
+    assert sorted(map(id, pool)) == sorted(map(id, events))

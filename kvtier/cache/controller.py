@@ -129,7 +129,7 @@ class LoadHandle:
     nodes: list[Node]
     tokens: int
     device_slots: torch.Tensor
-    layer_signals: list[Signal]
+    layer_signals: Sequence[Signal]
     recompute: bool = False
     plan: TransferPlan | None = None
     submitted_at: float = 0.0
@@ -567,7 +567,7 @@ class CacheController:
         whole_pages: bool = False,
         runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
         per_layer: bool = False,
-    ) -> tuple[TransferPlan, list[Signal]]:
+    ) -> tuple[TransferPlan, Sequence[Signal]]:
         """Plan one operation and submit it on its lane, ordered after the compute stream.
 
         `host`, `dev`: `[n]` int64 CPU slots from this cache's allocators and tree;
@@ -591,7 +591,7 @@ class CacheController:
         )
         return plan, self._submit(plan, lane, per_layer)
 
-    def _submit(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> list[Signal]:
+    def _submit(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> Sequence[Signal]:
         """Every layer of `plan` on `lane`, after the compute stream's queued work: raw copies where
         the plan allows, from the compiled loop where it is built (else from Python), else through
         the plan's views."""

@@ -12,7 +12,8 @@ data instead of passing by luck.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import overload
 
 import torch
 
@@ -68,7 +69,7 @@ class Lane:
 
     def run_tape(
         self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
-    ) -> list[Signal]:
+    ) -> Sequence[Signal]:
         """Submit an operation from a compiled loop (CUDA lanes only; see `CudaLane.run_tape`)."""
         raise TypeError(f"{type(self).__name__} has no stream to submit a tape on")
 
@@ -162,7 +163,7 @@ class CudaLane(Lane):
 
     def run_tape(
         self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
-    ) -> list[Signal]:
+    ) -> Sequence[Signal]:
         """Submit one operation from a compiled loop, after the work queued on the current stream.
 
         `fill(tape, events)` adds the operation's calls on this lane's stream to the
@@ -187,11 +188,13 @@ class CudaLane(Lane):
             raise
         finally:
             self._events.append(order)  # the wait is enqueued: a later record cannot change it
-        return [CudaSignal(e, self._events) for e in events]
+        return EventSignals(events, self._events)
 
     def _take_events(self, k: int) -> list[torch.cuda.Event]:
         """`k` events with CUDA handles: pooled ones first, new ones recorded once to make theirs."""
-        out = [self._events.pop() for _ in range(min(k, len(self._events)))]
+        pool = self._events
+        out = pool[len(pool) - min(k, len(pool)) :]
+        del pool[len(pool) - len(out) :]
         while len(out) < k:
             event = torch.cuda.Event()
             event.record(self._stream)  # recorded again by the tape, after the layer's copies
@@ -207,6 +210,39 @@ class CudaLane(Lane):
                 job()
                 signals.append(self._record())
         return signals
+
+
+class EventSignals(Sequence[Signal]):
+    """A signal per recorded event, each made when first asked for (a reload records one per layer).
+
+    Events whose signal was never made go back to `pool` with this object; a signal that was
+    made gives its own event back when it is dropped. `signals[i]` is the same object each time.
+    """
+
+    def __init__(self, events: list[torch.cuda.Event], pool: list[torch.cuda.Event]) -> None:
+        self._events = events
+        self._made: list[CudaSignal | None] = [None] * len(events)
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    @overload
+    def __getitem__(self, i: int) -> Signal: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Signal]: ...
+
+    def __getitem__(self, i: int | slice) -> Signal | list[Signal]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        made = self._made[i]
+        if made is None:
+            made = self._made[i] = CudaSignal(self._events[i], self._pool)
+        return made
+
+    def __del__(self) -> None:
+        self._pool.extend(e for e, made in zip(self._events, self._made, strict=True) if made is None)
 
 
 class DeferredSignal(Signal):

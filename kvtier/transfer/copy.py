@@ -132,9 +132,12 @@ def buffer_runs(
     and `R` the plan's runs (every part must be a copy-engine part).
     """
     bases = host_pool.region_ptrs(b.name)
-    regions, host_off, dev_off, nbytes = (
-        np.concatenate(x) for x in zip(*(p.run_bytes[b.name] for p in plan.parts), strict=True)
-    )
+    if len(plan.parts) == 1:
+        regions, host_off, dev_off, nbytes = plan.parts[0].run_bytes[b.name]
+    else:
+        regions, host_off, dev_off, nbytes = (
+            np.concatenate(x) for x in zip(*(p.run_bytes[b.name] for p in plan.parts), strict=True)
+        )
     host = bases[:, regions] + host_off[None, :]
     dev = device_pool.layer_ptrs(b.name)[:, None] + dev_off[None, :]
     return host, dev, nbytes
@@ -233,6 +236,8 @@ def copy_table(
             rows[:, 4], rows[:, 5] = runs, stream
             blocks.append(rows)
             layers.append(on)
+    if len(blocks) == 1:  # one buffer: its rows are in layer order already
+        return native.LayerRows(blocks[0], layers[0], tuple(keep))
     layer = np.concatenate(layers)
     order = np.argsort(layer, kind="stable")  # by layer; buffers and runs keep their order within one
     return native.LayerRows(np.concatenate(blocks)[order], layer[order], tuple(keep))

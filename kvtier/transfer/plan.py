@@ -317,8 +317,8 @@ class TransferPlan:
             long_runs = sum(k * widest >= costs.copy_min_bytes for k in joint.lens)
             path = decide(joint.host_runs, len(joint.lens), long_runs)
             if path in _COPY_PATHS:
-                pos, host_at, dev_at, lens = (
-                    np.array(x, dtype=np.int64) for x in (joint.pos, joint.host, joint.dev, joint.lens)
+                pos, host_at, dev_at, lens = np.array(
+                    (joint.pos, joint.host, joint.dev, joint.lens), dtype=np.int64
                 )
                 use_batch = batched and path is not TransferPath.PER_RUN
                 return cls(
