@@ -5,10 +5,5 @@
 source bench/device/setup.sh
 python3 bench/device/probe_ce_interference.py 3 0 0 2>&1 | tee "$R/ce_interference.jsonl"
 tar czf "$OUT/call5.tgz" -C "$R" .
-for i in 1 2; do
-  for ps in 1 16; do
-    python3 -m kvtier.cli bench cache --parts reload --reload-repeats 15 --page-size $ps \
-      --json "$R/reload_page${ps}_proc$i.json" 2>&1 | grep "│" | tail -1
-  done
-done
+reload_in_processes
 tar czf "$OUT/call5.tgz" -C "$R" .

@@ -4,10 +4,5 @@
 source bench/device/setup.sh
 python3 -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_cache.py tests/test_transfer.py \
   -k "cuda or native or tape or raw or signals" 2>&1 | tail -2 | tee "$R/pytest.txt"
-for i in 1 2; do
-  for ps in 1 16; do
-    python3 -m kvtier.cli bench cache --parts reload --reload-repeats 15 --page-size $ps \
-      --json "$R/reload_page${ps}_proc$i.json" 2>&1 | grep "│" | tail -1
-  done
-done
+reload_in_processes
 tar czf "$OUT/call11.tgz" -C "$R" .
