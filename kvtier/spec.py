@@ -143,6 +143,11 @@ class KVSpec:
             raise SpecError(f"spec {self.name!r}: layer {layer} is outside [0, {self.num_layers})")
         return tuple(b for b in self.buffers if layer in b._layer_index)
 
+    @property
+    def widest_row_bytes(self) -> int:
+        """Bytes of the widest buffer's row (what a staging row or a kernel unit is sized by)."""
+        return max(b.row_bytes for b in self.buffers)
+
     def bytes_per_token(self, buffer: str | None = None) -> int:
         """Bytes of one token over all layers: of one buffer, or of all buffers."""
         if buffer is not None:

@@ -154,9 +154,15 @@ class CudaLane(Lane):
             return
         event = self._events.pop()  # pooled: it has its handle
         handle = event.cuda_event
-        cudart.check(self._raw_record(handle, self._current_raw(self._device_index)), "cudaEventRecord")
+        cudart.check(self._raw_record(handle, self._current_handle()), "cudaEventRecord")
         cudart.check(self._raw_wait(self._stream.cuda_stream, handle, 0), "cudaStreamWaitEvent")
         self._events.append(event)
+
+    def _current_handle(self) -> int:
+        """The raw handle of the current stream of the lane's device."""
+        if self._current_raw is not None:
+            return self._current_raw(self._device_index)
+        return torch.cuda.current_stream(self._stream.device).cuda_stream
 
     def drain(self) -> None:
         self._stream.synchronize()
@@ -173,12 +179,7 @@ class CudaLane(Lane):
         """
         order, *events = self._take_events(signals + 1)
         tape = native.Tape()
-        current = (
-            self._current_raw(self._device_index)
-            if self._current_raw is not None
-            else torch.cuda.current_stream(self._stream.device).cuda_stream
-        )
-        tape.record(order.cuda_event, current)
+        tape.record(order.cuda_event, self._current_handle())
         tape.wait(self._stream.cuda_stream, order.cuda_event)
         try:
             fill(tape, [e.cuda_event for e in events])

@@ -64,7 +64,7 @@ class DevicePool:
         if staging_tokens <= 0:
             raise SpecError(f"device pool: staging_tokens {staging_tokens} must be positive")
         self.staging_tokens = staging_tokens
-        widest = max(b.row_bytes for b in spec.buffers)
+        widest = spec.widest_row_bytes
         self._staging = {
             d: torch.empty(staging_tokens * widest, dtype=torch.uint8, device=self.device) for d in Direction
         }

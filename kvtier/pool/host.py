@@ -158,7 +158,7 @@ class HostPool:
 
     def _layer_first_span(self) -> int:
         """Slots per segment: the whole pool unless one layer of a buffer exceeds a chunk."""
-        widest = max(b.row_bytes for b in self.spec.buffers)
+        widest = self.spec.widest_row_bytes
         if widest * self.num_slots <= self.chunk_bytes:
             return self.num_slots
         ps = self.spec.page_size

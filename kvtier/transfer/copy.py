@@ -143,6 +143,14 @@ def buffer_runs(
     return host, dev, nbytes
 
 
+def _directed_runs(
+    plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool, b: BufferSpec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`buffer_runs` in the plan's direction: `(dst [L, R], src [L, R], bytes [R])` int64."""
+    host, dev, nbytes = buffer_runs(plan, host_pool, device_pool, b)
+    return (dev, host, nbytes) if plan.direction is Direction.LOAD else (host, dev, nbytes)
+
+
 def _raw_copies(plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool) -> bool:
     """Whether the plan is copy-engine only and every buffer can take raw copies here."""
     if not plan.parts or any(p.mechanism is not Mechanism.COPY for p in plan.parts):
@@ -169,8 +177,7 @@ def layer_copies(
     flats: list[list[int]] = [[] for _ in range(spec.num_layers)]
     batches: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(spec.num_layers)]
     for b in spec.buffers:
-        host, dev, nbytes = buffer_runs(plan, host_pool, device_pool, b)
-        dst, src = (dev, host) if plan.direction is Direction.LOAD else (host, dev)
+        dst, src, nbytes = _directed_runs(plan, host_pool, device_pool, b)
         if len(nbytes) <= dma.small_batch():
             triples = np.empty((*dst.shape, 3), dtype=np.int64)
             triples[..., 0], triples[..., 1], triples[..., 2] = dst, src, nbytes
@@ -215,8 +222,7 @@ def copy_table(
     small = dma.small_batch()
     blocks, layers, keep = [], [], []
     for b in host_pool.spec.buffers:
-        host, dev, nbytes = buffer_runs(plan, host_pool, device_pool, b)
-        dst, src = (dev, host) if plan.direction is Direction.LOAD else (host, dev)
+        dst, src, nbytes = _directed_runs(plan, host_pool, device_pool, b)
         (n_layers, runs), on = dst.shape, np.asarray(b.layers, dtype=np.int64)
         if runs <= small:
             rows = np.zeros((n_layers, runs, 6), dtype=np.int64)

@@ -185,8 +185,7 @@ def _spread(
     legacy default stream."""
     if not len(sizes):
         return True
-    if stream.cuda_stream == 0:
-        raise ValueError("batched copies need a stream you created, not the legacy default stream")
+    _own_stream(stream)
     if not fans_out(len(sizes), streams):
         return False
     fan = _fan_out(stream, streams)
@@ -196,6 +195,12 @@ def _spread(
         share(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st)
     fan.join(tape)
     return True
+
+
+def _own_stream(stream: torch.cuda.Stream) -> None:
+    """Refuse the legacy default stream (the batch call rejects it, and it would serialise the device)."""
+    if stream.cuda_stream == 0:
+        raise ValueError("batched copies need a stream you created, not the legacy default stream")
 
 
 def fans_out(n: int, streams: int) -> bool:
@@ -278,8 +283,7 @@ def issuer(stream: torch.cuda.Stream) -> Issue:
     """
     if _probe() is DmaMode.TORCH:
         raise ValueError("raw copies need cuda.bindings")
-    if stream.cuda_stream == 0:
-        raise ValueError("batched copies need a stream you created, not the legacy default stream")
+    _own_stream(stream)
     rt = cudart.runtime()
     if rt is not None:
         raw, handle = rt.memcpy_async, stream.cuda_stream

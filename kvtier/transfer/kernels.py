@@ -251,7 +251,7 @@ def _validate_disjoint(offsets: torch.Tensor, row_words: int, name: str) -> None
         )
 
 
-def _word_size(row_bytes: int, aligns: list[int]) -> int:
+def word_size(row_bytes: int, aligns: list[int]) -> int:
     """The widest word size (8, 4, 2, 1) dividing `row_bytes` and every value of `aligns`."""
     bits = row_bytes
     for a in aligns:
@@ -406,7 +406,7 @@ def copy_rows(
     else:
         known = None  # Unseen offsets: whole words of the given width, vectors checked per tile.
     aligns = [src.data_ptr(), dst.data_ptr(), src.storage_offset() * size, dst.storage_offset() * size]
-    width = _word_size(row_words * size, [*aligns, known or size])
+    width = word_size(row_words * size, [*aligns, known or size])
     src_w, dst_w = flat_words(src, width), flat_words(dst, width)
     row_w = row_words * size // width
     src_off = _to_kernel_device(_rescale(src_offsets, size, width), device)

@@ -291,7 +291,7 @@ class TransferPlan:
             _check_distinct(dst_name, dst)
 
         n = h.numel()
-        widest = max(b.row_bytes for b in host_pool.spec.buffers)
+        widest = host_pool.spec.widest_row_bytes
         cuda = device_pool.device.type == "cuda"
         batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
 
@@ -501,11 +501,12 @@ def _copy_part(
     copies of one layer go over `costs.copy_streams` streams when its runs are short
     (`PathCosts.fan_out_below_bytes`), else over one.
     """
-    streams = 1
-    if batched and costs is not None:
-        widest = max(b.row_bytes for b in host_pool.spec.buffers)
-        if lens.mean() * widest < costs.fan_out_below_bytes:
-            streams = costs.copy_streams
+    fan_out = (
+        batched
+        and costs is not None
+        and lens.mean() * host_pool.spec.widest_row_bytes < costs.fan_out_below_bytes
+    )
+    streams = costs.copy_streams if fan_out else 1
     return Part(
         Mechanism.COPY,
         int(lens.sum()),
@@ -673,7 +674,7 @@ def _kernel_part(
     the kernel moves fewer, wider rows when runs allow it: page-granular slots move
     whole pages.
     """
-    widest = max(b.row_bytes for b in host_pool.spec.buffers)
+    widest = host_pool.spec.widest_row_bytes
     unit = _unit(lens, max(1, opts.max_unit_bytes // widest))
     in_run = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
     rows = np.repeat(starts, lens) + in_run
@@ -688,7 +689,7 @@ def _kernel_part(
             dev_off = dn[rows][mask] * b.row_bytes
             src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
             align = kernels.common_alignment(src, dst)  # bytes
-            word = next(w for w in (8, 4, 2, 1) if (b.row_bytes * unit) % w == 0 and align % w == 0)
+            word = kernels.word_size(b.row_bytes * unit, [align])
             src, dst = src // word, dst // word
             entries.append(
                 KernelRows(
