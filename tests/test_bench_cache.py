@@ -112,3 +112,10 @@ def test_prefix_reload_on_cpu(policy: WritePolicy, host_runs: int) -> None:
     assert row.loaded_bytes == 4096 * spec.bytes_per_token()
     assert len(row.samples) == 2 and row.cpu_us > 0 and row.wall_us >= row.match_us > 0
     assert row.reload_ms is None and row.ratio is None and row.ceiling_gbps is None
+
+
+@pytest.mark.parametrize(("tokens", "host_runs"), [(4096, 0), (4096, 3), (4098, 1)])
+def test_prefix_reload_refuses_a_shape_it_cannot_lay_out(tokens: int, host_runs: int) -> None:
+    """Runs that do not split the prefix into whole pages are refused before any pool is made."""
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        run_prefix_reload(preset("tiny-mla", 4), tokens=tokens, device="cpu", repeats=1, host_runs=host_runs)
