@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import shutil
 from types import SimpleNamespace
 
@@ -11,11 +12,24 @@ import pytest
 import torch
 from conftest import poison_device, poison_host, same_bytes
 
+from kvtier.cache import CacheConfig, CacheController, NodeState
+from kvtier.cache.streams import DeferredLane, Signal
 from kvtier.pool import DevicePool, HostPool
+from kvtier.pool.device import Direction
 from kvtier.spec import preset
 from kvtier.transfer import PathCosts, TransferPath, TransferPlan, dma, load_layer, native
-from kvtier.transfer.copy import LayerCopies, copy_table, layer_copies, tape_copies, tape_layers
+from kvtier.transfer.copy import (
+    LayerCopies,
+    copy_table,
+    layer_copies,
+    loop_takes,
+    run_buffers,
+    run_layers,
+    tape_copies,
+    tape_layers,
+)
 from kvtier.transfer.cudart import MEMCPY_DEFAULT, CudaRuntimeError
+from kvtier.transfer.plan import Planner
 
 needs_cc = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
@@ -254,3 +268,153 @@ def test_cuda_tape_submission_is_byte_identical_with_fan_out(gen) -> None:
     for b in spec.buffers:
         for layer in b.layers:
             assert same_bytes(dev.layer(b.name, layer)[ds].cpu(), host.gather(b.name, layer, hs))
+
+
+def _tape_of_table(plan, host, dev, events, order, small_batch: bool = True) -> native.Tape:
+    """What the tape path submits for `plan`: the ordering record and wait, then `copy_table`'s rows."""
+    table = copy_table(plan, host, dev, 5, batch=small_batch)
+    assert table is not None
+    tape = native.Tape()
+    tape.record(order, 9)
+    tape.wait(5, order)
+    tape.layers(table, events, 5)
+    return tape
+
+
+@needs_cc
+@pytest.mark.parametrize("small", [1, 8])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("direction", ["load", "backup"])
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_run_layers_makes_the_calls_of_the_copy_table(lib, small, layout, direction, per_layer, monkeypatch):
+    """Addresses computed in the loop against the table built in numpy for the same runs: same calls.
+
+    A DSA spec (the indexer on some layers only), both host layouts (page-first cuts runs at
+    every page), host runs over several regions (a small chunk size), batched and plain calls.
+    """
+    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    monkeypatch.setattr(dma, "small_batch", lambda: small)
+    spec = preset("tiny-dsa", 4)
+    host = HostPool(spec, 1024, layout, chunk_bytes=16 << 10)
+    assert host.num_segments() > 1
+    dev = DevicePool(spec, 512)
+    runs = ([(40, 80), (300, 80), (1000, 8)], [(0, 80), (200, 80), (400, 8)])
+    n = sum(k for _, k in runs[0])
+    copies = Planner(host, dev, force="per_run").copies(n, runs)
+    assert copies is not None and copies.joint.shape[1] > 3  # cut at segment edges
+    slots = torch.arange(n)  # not read: a plan from runs
+    plan = TransferPlan.build(direction, host, dev, slots, slots, force="per_run", trusted=True, runs=runs)
+    assert plan.parts[0].pieces[1].host == copies.joint[1, 1]
+    events = [0xE0 + i for i in range(spec.num_layers)] if per_layer else [0xEE]
+    want = FakeRuntime()
+    _tape_of_table(plan, host, dev, events, 0xF0).run(want.native(lib))
+    got = FakeRuntime()
+    buffers = run_buffers(host, dev)
+    assert buffers is not None
+    run_layers(got.native(lib), copies, buffers, Direction(direction), 5, 9, 0xF0, events)
+    assert got.calls == want.calls
+    assert sum(c[0] == "record" for c in got.calls) == len(events) + 1
+
+
+@needs_cc
+def test_run_layers_names_the_failing_layer_and_stops(lib, monkeypatch) -> None:
+    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    spec = preset("tiny-mla", 4)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    copies = Planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
+    buffers = run_buffers(host, dev)
+    events = list(range(1, spec.num_layers + 1))
+    assert len(events) == 3
+    rt = FakeRuntime(fail_at=2 + 2 * 2)  # order record, wait, then (copy, record) per layer: layer 2's copy
+    with pytest.raises(CudaRuntimeError, match="at layer 2: CUDA error 700"):
+        run_layers(rt.native(lib), copies, buffers, Direction.LOAD, 5, 9, 0xF0, events)
+    assert len(rt.calls) == 7
+    rt = FakeRuntime(fail_at=1)
+    with pytest.raises(CudaRuntimeError, match="ordering after the compute stream"):
+        run_layers(rt.native(lib), copies, buffers, Direction.LOAD, 5, 9, 0xF0, events)
+    with pytest.raises(ValueError, match="2 events for 3 layers"):
+        run_layers(FakeRuntime().native(lib), copies, buffers, Direction.LOAD, 5, 9, 0xF0, events[:2])
+
+
+@needs_cc
+def test_the_loop_does_not_take_runs_that_fan_out_or_need_a_missing_batch_call(lib, monkeypatch) -> None:
+    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    monkeypatch.setattr(dma, "small_batch", lambda: 2)
+    spec = preset("tiny-mla", 4)
+    host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
+    runs = ([(i * 64, 32) for i in range(20)], [(0, 640)])
+    copies = Planner(host, dev, force="per_run").copies(640, runs)
+    with_batch, without = FakeRuntime().native(lib), FakeRuntime(batch=False).native(lib)
+    assert loop_takes(with_batch, copies) and not loop_takes(without, copies)
+    fanned = dataclasses.replace(copies, streams=4)
+    assert not loop_takes(with_batch, fanned)
+    few = Planner(host, dev, force="per_run").copies(64, ([(0, 32), (64, 32)], [(0, 64)]))
+    assert loop_takes(without, dataclasses.replace(few, streams=4))  # plain copies: one stream
+
+
+class _Done(Signal):
+    def query(self) -> bool:
+        return True
+
+    def wait_host(self) -> None:
+        pass
+
+    def make_current_wait(self) -> None:
+        pass
+
+
+class _LoopLane(DeferredLane):
+    """A CPU lane with a stand-in stream (5) whose compiled submissions go to a fake runtime.
+
+    The current stream is 9, the ordering event 0xF0 and the signals' events 0xE0 + i; nothing
+    moves, and every signal reads as done."""
+
+    stream = SimpleNamespace(cuda_stream=5)
+
+    def run_native(self, submit, signals: int):
+        submit(9, 0xF0, [0xE0 + i for i in range(signals)])
+        return [_Done() for _ in range(signals)]
+
+
+@needs_cc
+def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(lib, monkeypatch) -> None:
+    """The cache's reload of nodes whose runs it knows: one loop call making the table path's calls
+    for the plan (built only when asked for); a failing call leaves the tree as it was."""
+    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    spec = preset("tiny-dsa", 2)
+    c = CacheController(DevicePool(spec, 64), HostPool(spec, 64), CacheConfig())
+    tokens = tuple(range(16))
+    c.insert(tokens, c.alloc_device(16))
+    c.insert((*range(8), 99, 99), torch.cat([c.match(tokens).device_slots[:8], c.alloc_device(2)]))
+    c.flush()
+    c.evict_device(64)
+    c._run_buffers = run_buffers(c.host_pool, c.device_pool)
+    c.load_lane = _LoopLane()
+    rt = FakeRuntime()
+    monkeypatch.setattr(native, "_probed", True)
+    monkeypatch.setattr(native, "_native", rt.native(lib))
+    built = []
+    build = TransferPlan.build
+    monkeypatch.setattr(TransferPlan, "build", lambda *a, **k: built.append(1) or build(*a, **k))
+
+    m = c.match(tokens)
+    assert len(m.host_nodes) == 2  # split after 8 tokens: two nodes, host runs from both
+    h = c.load_back(m)
+    assert built == []  # submitted from the runs alone
+    assert h.plan is not None and h.plan.path in (TransferPath.SINGLE_COPY, TransferPath.PER_RUN) and built
+    want = FakeRuntime()
+    events = [0xE0 + i for i in range(spec.num_layers)]
+    _tape_of_table(h.plan, c.host_pool, c.device_pool, events, 0xF0).run(want.native(lib))
+    assert rt.calls == want.calls and rt.calls[:2] == [("record", 0xF0, 9), ("wait", 5, 0xF0, 0)]
+    c.poll()
+    c.check_invariants(compare_bytes=False)  # the stand-in runtime moved nothing
+
+    c.evict_device(64)
+    before = (c.device_alloc.available(), c.host_alloc.available())
+    monkeypatch.setattr(native, "_native", FakeRuntime(fail_at=3).native(lib))
+    m = c.match(tokens)
+    with pytest.raises(CudaRuntimeError, match="layer 0"):
+        c.load_back(m)
+    assert all(n.state is NodeState.HOST and n.lock == 0 for n in m.host_nodes)
+    assert (c.device_alloc.available(), c.host_alloc.available()) == before
+    c.check_invariants(compare_bytes=False)

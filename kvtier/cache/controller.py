@@ -56,7 +56,16 @@ from kvtier.transfer import (
     load_layer,
     native,
 )
-from kvtier.transfer.copy import copy_table, layer_copies, submit_copies, tape_layers
+from kvtier.transfer.copy import (
+    copy_table,
+    layer_copies,
+    loop_takes,
+    run_buffers,
+    run_layers,
+    submit_copies,
+    tape_layers,
+)
+from kvtier.transfer.plan import Planner
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +140,18 @@ class LoadHandle:
     device_slots: torch.Tensor
     layer_signals: Sequence[Signal]
     recompute: bool = False
-    plan: TransferPlan | None = None
+    plan_source: TransferPlan | Callable[[], TransferPlan] | None = None
     submitted_at: float = 0.0
     submit_s: float = 0.0
     done: bool = False
+
+    @property
+    def plan(self) -> TransferPlan | None:
+        """The load's transfer plan (built when first asked for where the load went out from its runs
+        alone: the cache's own reloads do not need the plan's per-run objects)."""
+        if callable(self.plan_source):
+            self.plan_source = self.plan_source()
+        return self.plan_source
 
     def wait_layer(self, layer: int) -> None:
         """Make the current stream wait until layer `layer` is loaded (no host wait on CUDA)."""
@@ -187,14 +204,18 @@ class CacheController:
             raise CacheStateError(f"bad cache config {self.config}")
         self.spec = device_pool.spec
         self.device_pool, self.host_pool = device_pool, host_pool
+        # The transfer options, checked now; plans from run lists reuse what it works out once.
+        cfg = self.config
+        self._planner = Planner(host_pool, device_pool, cfg.costs, cfg.kernel, cfg.force_path)
         ps = self.spec.page_size
         self.tree = RadixTree(ps)
         self.device_alloc = HostSlotAllocator(device_pool.num_slots, ps, AllocPolicy.CONTIGUOUS)
         self.host_alloc = HostSlotAllocator(host_pool.num_slots, ps, self.config.host_alloc_policy)
         self.load_lane: Lane = make_lane(device_pool.device)
         self.backup_lane: Lane = make_lane(device_pool.device)
-        if device_pool.device.type == "cuda":
-            native.library()  # compiled (or found in the cache) now, not inside the first transfer
+        # The compiled loop is built (or found in the cache) now, not inside the first transfer.
+        cuda = device_pool.device.type == "cuda" and native.library() is not None
+        self._run_buffers = run_buffers(host_pool, device_pool) if cuda else None
         self._held = np.zeros(device_pool.num_slots, dtype=bool)  # device slots held by requests
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -393,15 +414,18 @@ class CacheController:
             self.tree.lock_path(nodes[-1], -1)
             raise
         # Both sides are allocator pages (host: from backups, device: just allocated).
+        runs = _runs_of(nodes, dev_runs)
+        host = functools.partial(_concat, [n.host_slots for n in nodes])
+        plan: TransferPlan | Callable[[], TransferPlan]
         try:
-            plan, signals = self._transfer(
-                Direction.LOAD,
-                _concat([n.host_slots for n in nodes]),
-                dev,
-                whole_pages=True,
-                runs=_runs_of(nodes, dev_runs),
-                per_layer=True,
-            )
+            sent = self._copy_runs(Direction.LOAD, total, runs, per_layer=True)
+            if sent is not None:
+                signals = sent
+                plan = lambda: self._plan(Direction.LOAD, host(), dev, whole_pages=True, runs=runs)  # noqa: E731
+            else:
+                plan, signals = self._transfer(
+                    Direction.LOAD, host(), dev, whole_pages=True, runs=runs, per_layer=True
+                )
         except BaseException:
             self._abandon(self.load_lane, self.device_alloc, dev)
             self.tree.lock_path(nodes[-1], -1)
@@ -412,7 +436,7 @@ class CacheController:
             n.state = NodeState.LOADING
             n.signal = signals[-1]
             at += len(n)
-        handle = LoadHandle(nodes, total, dev, signals, plan=plan, submitted_at=t0)
+        handle = LoadHandle(nodes, total, dev, signals, plan_source=plan, submitted_at=t0)
         handle.submit_s = time.perf_counter() - t0
         self._inflight[id(signals[-1])] = (signals[-1], list(nodes), handle)
         m = self.metrics
@@ -574,8 +598,21 @@ class CacheController:
         `whole_pages`, `runs`: what is known of them (see `TransferPlan.build`). Returns
         the plan and a signal after each layer (`per_layer`), else one after the last.
         """
-        lane = self.load_lane if direction is Direction.LOAD else self.backup_lane
-        plan = TransferPlan.build(
+        plan = self._plan(direction, host, dev, whole_pages, runs)
+        return plan, self._submit(plan, self._lane(direction), per_layer)
+
+    def _lane(self, direction: Direction) -> Lane:
+        return self.load_lane if direction is Direction.LOAD else self.backup_lane
+
+    def _plan(
+        self,
+        direction: Direction,
+        host: torch.Tensor,
+        dev: torch.Tensor,
+        whole_pages: bool = False,
+        runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
+    ) -> TransferPlan:
+        return TransferPlan.build(
             direction,
             self.host_pool,
             self.device_pool,
@@ -584,12 +621,33 @@ class CacheController:
             costs=self.config.costs,
             kernel=self.config.kernel,
             force=self.config.force_path,
-            stream=lane.stream,
+            stream=self._lane(direction).stream,
             trusted=True,
             whole_pages=whole_pages,
             runs=runs,
         )
-        return plan, self._submit(plan, lane, per_layer)
+
+    def _copy_runs(
+        self,
+        direction: Direction,
+        n: int,
+        runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None,
+        per_layer: bool,
+    ) -> Sequence[Signal] | None:
+        """Submit an operation of `n` slots given as `runs` from the compiled loop, planned from the
+        runs alone, after the compute stream's queued work; its signals as `_transfer`'s. None,
+        with nothing submitted, where the planner moves some row another way than by the copy
+        engine, the loop cannot take the runs (`copy.loop_takes`), or there is no loop here."""
+        lib = native.library() if self._run_buffers is not None else None
+        if runs is None or lib is None:
+            return None
+        copies = self._planner.copies(n, runs)
+        if copies is None or not loop_takes(lib, copies):
+            return None
+        lane = self._lane(direction)
+        stream = lane.stream.cuda_stream
+        submit = functools.partial(run_layers, lib, copies, self._run_buffers, direction, stream)
+        return lane.run_native(submit, self.spec.num_layers if per_layer else 1)
 
     def _submit(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> Sequence[Signal]:
         """Every layer of `plan` on `lane`, after the compute stream's queued work: raw copies where

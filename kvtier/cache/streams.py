@@ -67,11 +67,24 @@ class Lane:
             signals.append(self.signal())
         return signals
 
+    def run_native(self, submit: Callable[[int, int, list[int]], None], signals: int) -> Sequence[Signal]:
+        """Submit an operation from compiled code (CUDA lanes only; see `CudaLane.run_native`)."""
+        raise TypeError(f"{type(self).__name__} has no stream to submit compiled calls on")
+
     def run_tape(
         self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
     ) -> Sequence[Signal]:
-        """Submit an operation from a compiled loop (CUDA lanes only; see `CudaLane.run_tape`)."""
-        raise TypeError(f"{type(self).__name__} has no stream to submit a tape on")
+        """Submit an operation as a tape of runtime calls run by `lib`'s loop: the ordering record
+        and wait of `run_native`, then the calls `fill(tape, events)` adds."""
+
+        def submit(current: int, order: int, events: list[int]) -> None:
+            tape = native.Tape()
+            tape.record(order, current)
+            tape.wait(self.stream.cuda_stream, order)
+            fill(tape, events)
+            tape.run(lib)
+
+        return self.run_native(submit, signals)
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -167,23 +180,18 @@ class CudaLane(Lane):
     def drain(self) -> None:
         self._stream.synchronize()
 
-    def run_tape(
-        self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
-    ) -> Sequence[Signal]:
-        """Submit one operation from a compiled loop, after the work queued on the current stream.
+    def run_native(self, submit: Callable[[int, int, list[int]], None], signals: int) -> Sequence[Signal]:
+        """Submit one operation from compiled code, after the work queued on the current stream.
 
-        `fill(tape, events)` adds the operation's calls on this lane's stream to the
-        tape, recording the given raw event handles where the signals belong (after
-        each layer, or once at the end). The tape starts with `wait_for_current`'s two
-        calls. Returns `signals` signals.
+        `submit(current, order, events)` makes the operation's calls on this lane's stream,
+        first recording the raw event `order` on the raw stream `current` (the current
+        stream) and making the lane's stream wait for it, then recording the raw event
+        handles `events` where the signals belong (after each layer, or once at the end).
+        Returns `signals` signals; if `submit` raises, the events go back to the pool.
         """
         order, *events = self._take_events(signals + 1)
-        tape = native.Tape()
-        tape.record(order.cuda_event, self._current_handle())
-        tape.wait(self._stream.cuda_stream, order.cuda_event)
         try:
-            fill(tape, [e.cuda_event for e in events])
-            tape.run(lib)
+            submit(self._current_handle(), order.cuda_event, [e.cuda_event for e in events])
         except BaseException:
             self._events += events  # no signal holds them
             raise

@@ -259,17 +259,25 @@ class HostPool:
         address is `region_words(buffer, layer, region)[row * W : (row + 1) * W]`
         for every layer alike.
         """
+        region_slots, page, page_rows = self.row_map(buffer)
+        region = slots // region_slots
+        rel = slots - region * region_slots
+        if page == region_slots:
+            return region, rel
+        return region, (rel // page) * page_rows + rel % page
+
+    def row_map(self, buffer: str) -> tuple[int, int, int]:
+        """`(region slots, page, page rows)`: how `locate` maps a slot to its region and row.
+
+        region = slot // region slots; within it, slot r is row (r // page) * page rows
+        + r % page (layer-first: page = region slots, so the row is r).
+        """
         b = self.spec.buffer(buffer)
-        chunks = self._chunks_of(buffer)
         if self.layout is HostLayout.LAYER_FIRST:
-            span = self.segment_slots
-            region = slots // span
-            return region, slots - region * span
+            return self.segment_slots, self.segment_slots, self.segment_slots
+        chunk = self._chunks_of(buffer)[0]
         ps = self.spec.page_size
-        per_chunk = chunks[0].slot_hi - chunks[0].slot_lo
-        region = slots // per_chunk
-        rel = slots - region * per_chunk
-        return region, (rel // ps) * len(b.layers) * ps + rel % ps
+        return chunk.slot_hi - chunk.slot_lo, ps, len(b.layers) * ps
 
     def _build_region_ptrs(self, b: BufferSpec) -> np.ndarray:
         chunks = self._chunks[b.name]

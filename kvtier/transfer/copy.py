@@ -30,7 +30,7 @@ from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
 from kvtier.transfer import dma, kernels, native
-from kvtier.transfer.plan import Mechanism, Part, TransferPlan
+from kvtier.transfer.plan import Mechanism, Part, RunCopies, TransferPlan
 
 
 def load_layer(
@@ -155,9 +155,61 @@ def _raw_copies(plan: TransferPlan, host_pool: HostPool, device_pool: DevicePool
     """Whether the plan is copy-engine only and every buffer can take raw copies here."""
     if not plan.parts or any(p.mechanism is not Mechanism.COPY for p in plan.parts):
         return False
+    return _raw_buffers(host_pool, device_pool)
+
+
+def _raw_buffers(host_pool: HostPool, device_pool: DevicePool) -> bool:
     return dma.dma_mode() is not dma.DmaMode.TORCH and all(
         device_pool.raw_rows(b.name) for b in host_pool.spec.buffers
     )
+
+
+def run_buffers(host_pool: HostPool, device_pool: DevicePool) -> native.Buffers | None:
+    """The pools' buffers as `Native.run_layers` addresses them, or None where some buffer cannot
+    take raw copies here (computed once per pool pair: the pools never move)."""
+    if not _raw_buffers(host_pool, device_pool):
+        return None
+    spec = host_pool.spec
+    return native.Buffers(
+        [
+            (
+                b.row_bytes,
+                host_pool.row_map(b.name),
+                host_pool.region_ptrs(b.name),
+                device_pool.layer_ptrs(b.name),
+                list(b.layers),
+            )
+            for b in spec.buffers
+        ],
+        spec.num_layers,
+    )
+
+
+def loop_takes(lib: native.Native, copies: RunCopies) -> bool:
+    """Whether `run_layers` can submit `copies`: not where one layer's runs would fan out over
+    several streams, nor where they need the batched call and the loop lacks it."""
+    runs = copies.joint.shape[1]
+    return runs <= dma.small_batch() or (lib.has_batch and not dma.fans_out(runs, copies.streams))
+
+
+def run_layers(
+    lib: native.Native,
+    copies: RunCopies,
+    buffers: native.Buffers,
+    direction: Direction,
+    stream: int,
+    current: int,
+    order: int,
+    events: list[int],
+) -> None:
+    """Submit `copies` on every layer from the compiled loop, which computes the addresses.
+
+    The calls are those of `copy_table`'s rows for the same plan (where `loop_takes`
+    them), after ordering the raw stream `stream` behind `current` with the raw event
+    `order`; `events` as in `Tape.layers`.
+    """
+    load = direction is Direction.LOAD
+    lib.run_layers(copies.joint[1:], buffers, load, events, stream, (order, current), dma.small_batch())
 
 
 def layer_copies(

@@ -23,6 +23,7 @@ runtime reads them during the call.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import logging
@@ -53,6 +54,7 @@ class Op(IntEnum):
 SOURCE = r"""
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 typedef int (*copy_fn)(void *, const void *, size_t, int, void *);
 typedef int (*batch_fn)(void **, void **, size_t *, size_t, void *, size_t *, size_t, void *);
@@ -85,6 +87,70 @@ int kvtier_run_tape(const int64_t *rows, int64_t n, copy_fn copy, batch_fn batch
         }
     }
     return 0;
+}
+
+/* One buffer of a pool pair, as `kvtier_run_layers` addresses its rows. */
+typedef struct {
+    int64_t row_bytes;     /* bytes of one slot's row */
+    int64_t region_slots;  /* host slots per region: region = slot / region_slots */
+    int64_t page;          /* within a region, slot r is row (r / page) * page_rows + r % page */
+    int64_t page_rows;
+    int64_t regions;       /* columns of `host` */
+    const int64_t *host;   /* [buffer layers, regions]: address of each region's first row per layer */
+    const int64_t *device; /* [buffer layers]: address of each layer's first device row */
+    const int64_t *local;  /* [model layers]: the buffer's layer of each model layer, or -1 */
+} kvtier_buffer;
+
+/* Copy joint runs (`runs` [3, n]: first host slot, first device slot, length) of every buffer
+   on every model layer, on `stream`, recording events[l] after layer l's copies (one event:
+   after the last layer). First, when `order_event` is set, the stream waits for the work
+   queued on `order_stream`. Load: device <- host, else host <- device. A buffer with more than
+   `small` runs takes one batched call per layer. 0, or the first error and its layer (-1: the
+   ordering calls, `layers`: the last record). */
+int kvtier_run_layers(const int64_t *runs, int64_t n, const kvtier_buffer *bufs, int64_t n_bufs,
+                      int64_t layers, int load, const int64_t *events, int64_t n_events, void *stream,
+                      void *order_event, void *order_stream, int64_t small, copy_fn copy,
+                      batch_fn batch, record_fn record, wait_fn wait, void *attrs, int copy_kind,
+                      int64_t *failed_layer) {
+    int err = 0;
+    int64_t *scratch = NULL; /* a batched call's dst [n], src [n], bytes [n] */
+    *failed_layer = -1;
+    if (order_event && ((err = record(order_event, order_stream)) || (err = wait(stream, order_event, 0))))
+        return err;
+    if (n > small) {
+        if (!batch) return -1;
+        if (!(scratch = malloc(3 * n * sizeof(int64_t)))) return -3;
+    }
+    for (int64_t l = 0; l < layers && !err; l++) {
+        *failed_layer = l;
+        for (int64_t b = 0; b < n_bufs && !err; b++) {
+            const kvtier_buffer *f = bufs + b;
+            int64_t j = f->local[l];
+            if (j < 0) continue;
+            const int64_t *host = f->host + j * f->regions;
+            int64_t dev = f->device[j], rb = f->row_bytes;
+            for (int64_t r = 0; r < n && !err; r++) {
+                int64_t h = runs[r], region = h / f->region_slots, rel = h - region * f->region_slots;
+                int64_t ha = host[region] + ((rel / f->page) * f->page_rows + rel % f->page) * rb;
+                int64_t da = dev + runs[n + r] * rb, bytes = runs[2 * n + r] * rb;
+                int64_t dst = load ? da : ha, src = load ? ha : da;
+                if (scratch) {
+                    scratch[r] = dst, scratch[n + r] = src, scratch[2 * n + r] = bytes;
+                } else {
+                    err = copy(P(dst), P(src), (size_t)bytes, copy_kind, stream);
+                }
+            }
+            if (!err && scratch) {
+                size_t attrs_index = 0;
+                err = batch((void **)scratch, (void **)(scratch + n), (size_t *)(scratch + 2 * n), (size_t)n,
+                            attrs, &attrs_index, 1, stream);
+            }
+        }
+        if (!err && n_events == layers) err = record(P(events[l]), stream);
+    }
+    if (!err && n_events == 1 && n_events != layers) err = record(P(events[0]), stream);
+    free(scratch);
+    return err;
 }
 """
 
@@ -179,23 +245,104 @@ class Tape:
             raise CudaRuntimeError(f"tape row {failed.value} ({name}) failed: CUDA error {err}")
 
 
+class Buffers:
+    """Every buffer of a pool pair as `kvtier_run_layers` addresses its rows (built once per pair).
+
+    One entry per buffer: `(row bytes, (region slots, page, page rows), host [layers of the
+    buffer, regions] int64 region addresses, device [layers of the buffer] int64 layer
+    addresses, the buffer's model layers)`; `layers`: the model's layer count.
+    """
+
+    class _Row(ctypes.Structure):
+        _fields_ = [
+            *((f, ctypes.c_int64) for f in ("row_bytes", "region_slots", "page", "page_rows", "regions")),
+            *((f, ctypes.c_void_p) for f in ("host", "device", "local")),
+        ]
+
+    def __init__(
+        self,
+        buffers: list[tuple[int, tuple[int, int, int], np.ndarray, np.ndarray, list[int]]],
+        layers: int,
+    ) -> None:
+        self.layers = layers
+        self._keep: list[np.ndarray] = []
+        self._rows = (self._Row * len(buffers))()
+        for row, (row_bytes, (region_slots, page, page_rows), host, device, on) in zip(
+            self._rows, buffers, strict=True
+        ):
+            host, device = (np.ascontiguousarray(a, dtype=np.int64) for a in (host, device))
+            local = np.full(layers, -1, dtype=np.int64)
+            local[on] = np.arange(len(on))
+            if host.shape[0] != len(on) or device.shape != (len(on),):
+                raise ValueError(f"a buffer on {len(on)} layers has host {host.shape}, device {device.shape}")
+            self._keep += (host, device, local)
+            row.row_bytes, row.regions = row_bytes, host.shape[1]
+            row.region_slots, row.page, row.page_rows = region_slots, page, page_rows
+            row.host, row.device, row.local = host.ctypes.data, device.ctypes.data, local.ctypes.data
+        self.address = ctypes.addressof(self._rows)
+        self.count = len(buffers)
+
+
 class Native:
-    """The compiled loop bound to a runtime's entry points (addresses as ints; 0 for a missing batch)."""
+    """The compiled loops bound to a runtime's entry points (addresses as ints; 0 for a missing batch)."""
 
     def __init__(
         self, lib: ctypes.CDLL, copy: int, batch: int, record: int, wait: int, attrs: int = 0
     ) -> None:
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn = lib.kvtier_run_tape
-        ptr = ctypes.c_void_p
-        fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
         fn.restype = ctypes.c_int
-        self._fn, self._lib = fn, lib
+        layers = lib.kvtier_run_layers
+        layers.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64]
+        layers.argtypes += [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
+        layers.restype = ctypes.c_int
+        self._fn, self._layers, self._lib = fn, layers, lib
         self._args = (copy, batch or None, record, wait, attrs or None, MEMCPY_DEFAULT)
         self.has_batch = bool(batch)
 
     def run(self, rows: int, n: int, failed) -> int:
         copy, batch, record, wait, attrs, kind = self._args
         return self._fn(rows, n, copy, batch, record, wait, attrs, kind, failed)
+
+    def run_layers(
+        self,
+        runs: np.ndarray,
+        buffers: Buffers,
+        load: bool,
+        events: list[int],
+        stream: int,
+        order: tuple[int, int] | None,
+        small: int,
+    ) -> None:
+        """Copy joint runs of every buffer, layer by layer, with `events` recorded (see the C source).
+
+        `runs`: `[3, n]` int64 C-contiguous: first host slot, first device slot and length
+        of each joint run (host runs within one segment). `events`: one raw event handle
+        per model layer, or one for the end. `order`: `(event, stream)` handles; the copies
+        wait for the work queued on that stream first. Buffers with more than `small` runs
+        take one batched call per layer (the runtime's batch call must be bound).
+        No host sync; `CudaRuntimeError` naming the layer on the first failure.
+        """
+        if len(events) not in (1, buffers.layers):
+            raise ValueError(f"{len(events)} events for {buffers.layers} layers (one per layer, or one)")
+        if runs.dtype != np.int64 or runs.ndim != 2 or len(runs) != 3 or not runs.flags.c_contiguous:
+            raise ValueError(f"runs must be [3, n] C-contiguous int64, got {runs.dtype} {runs.shape}")
+        n = runs.shape[1]
+        if n > small and not self.has_batch:
+            raise ValueError(f"{n} runs need the batched copy call, which this runtime lacks")
+        copy, batch, record, wait, attrs, kind = self._args
+        handles = array.array("q", events)  # int64, as the loop reads them
+        order_event, order_stream = order or (None, None)
+        failed = ctypes.c_int64(-1)
+        err = self._layers(
+            runs.ctypes.data, n, buffers.address, buffers.count, buffers.layers, int(load),
+            handles.buffer_info()[0], len(events), stream, order_event, order_stream, small,
+            copy, batch, record, wait, attrs, kind, ctypes.byref(failed),
+        )  # fmt: skip
+        if err:
+            where = "ordering after the compute stream" if failed.value < 0 else f"layer {failed.value}"
+            raise CudaRuntimeError(f"copying runs failed at {where}: CUDA error {err}")
 
 
 def compile_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:

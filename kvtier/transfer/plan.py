@@ -267,18 +267,8 @@ class TransferPlan:
         plan is then built from the runs alone, without a pass over the slots.
         """
         direction = Direction(direction)
-        costs = costs or PathCosts()
-        kernel = kernel or KernelOptions()
-        hspec, dspec = host_pool.spec, device_pool.spec
-        if hspec is not dspec and _shape_of(hspec) != _shape_of(dspec):
-            raise PlanError(
-                f"host pool spec {host_pool.spec.name!r} and device pool spec {device_pool.spec.name!r} "
-                "have different buffers, layers or row shapes"
-            )
-        if kernel.sm_budget < 1 or (kernel.rows_per_program is not None and kernel.rows_per_program < 1):
-            raise PlanError(f"kernel options must be positive, got {kernel}")
-        if costs.copy_streams < 1:
-            raise PlanError(f"copy_streams must be at least 1, got {costs.copy_streams}")
+        planner = Planner(host_pool, device_pool, costs, kernel, force, use_kernel)
+        costs, kernel = planner.costs, planner.kernel
         if trusted:
             h, d = host_slots, device_slots
         else:
@@ -291,45 +281,20 @@ class TransferPlan:
             _check_distinct(dst_name, dst)
 
         n = h.numel()
-        widest = host_pool.spec.widest_row_bytes
-        cuda = device_pool.device.type == "cuda"
-        batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
-
-        def decide(host_runs: int, joint_runs: int, long_runs: int) -> TransferPath:
-            if force is not None:
-                return _forced(TransferPath(force), joint_runs, device_pool.device)
-            return _choose(
-                costs,
-                nbytes=n * widest,
-                host_runs=host_runs,
-                joint_runs=joint_runs,
-                windows=-(-n // device_pool.staging_tokens),
-                kernel_ok=(cuda if use_kernel is None else use_kernel)
-                and kernels.runs_on(device_pool.device),
-                long_runs=long_runs,
-            )
-
+        widest = planner.widest
+        batched = planner.batched
         if runs is not None:
-            # O(runs) planning: enough whenever the copy engine moves every run.
-            joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
-            if sum(joint.lens) != n:
-                raise PlanError(f"the runs cover {sum(joint.lens)} slots, the plan has {n}")
-            long_runs = sum(k * widest >= costs.copy_min_bytes for k in joint.lens)
-            path = decide(joint.host_runs, len(joint.lens), long_runs)
-            if path in _COPY_PATHS:
-                pos, host_at, dev_at, lens = np.array(
-                    (joint.pos, joint.host, joint.dev, joint.lens), dtype=np.int64
-                )
-                use_batch = batched and path is not TransferPath.PER_RUN
+            copies = planner.copies(n, runs)
+            if copies is not None:
                 return cls(
                     direction=direction,
-                    path=path,
-                    parts=(_copy_part(host_pool, pos, host_at, dev_at, lens, use_batch, costs),),
+                    path=copies.path,
+                    parts=(copies.part(host_pool),),
                     host_slots=h,
                     device_slots=d,
-                    host_runs=joint.host_runs,
-                    device_runs=joint.device_runs,
-                    joint_runs=len(joint.lens),
+                    host_runs=copies.host_runs,
+                    device_runs=copies.device_runs,
+                    joint_runs=len(copies.lens),
                     kernel=kernel,
                     ready=None,
                 )
@@ -343,7 +308,8 @@ class TransferPlan:
         )
         host_starts, host_lens = _runs(host_break, step)
         joint_starts, joint_lens = _runs(host_break | dev_break, step)
-        path = decide(
+        path = planner.decide(
+            n,
             len(host_starts),
             len(joint_starts),
             int((joint_lens * widest >= costs.copy_min_bytes).sum()),
@@ -385,6 +351,108 @@ class TransferPlan:
 
 
 _COPY_PATHS = (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA)
+
+
+def _check_options(
+    host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel: KernelOptions
+) -> None:
+    hspec, dspec = host_pool.spec, device_pool.spec
+    if hspec is not dspec and _shape_of(hspec) != _shape_of(dspec):
+        raise PlanError(
+            f"host pool spec {hspec.name!r} and device pool spec {dspec.name!r} "
+            "have different buffers, layers or row shapes"
+        )
+    if kernel.sm_budget < 1 or (kernel.rows_per_program is not None and kernel.rows_per_program < 1):
+        raise PlanError(f"kernel options must be positive, got {kernel}")
+    if costs.copy_streams < 1:
+        raise PlanError(f"copy_streams must be at least 1, got {costs.copy_streams}")
+
+
+class Planner:
+    """The planner's choices for one pool pair and one set of options, checked once.
+
+    `TransferPlan.build` makes one per plan; a caller that plans many operations on the
+    same pools (the cache) keeps one and plans from run lists with `copies`, which then
+    costs O(runs) Python and no re-checking of the options.
+    """
+
+    def __init__(
+        self,
+        host_pool: HostPool,
+        device_pool: DevicePool,
+        costs: PathCosts | None = None,
+        kernel: KernelOptions | None = None,
+        force: TransferPath | str | None = None,
+        use_kernel: bool | None = None,
+    ) -> None:
+        self.costs = costs or PathCosts()
+        self.kernel = kernel or KernelOptions()
+        _check_options(host_pool, device_pool, self.costs, self.kernel)
+        self.host_pool, self.device_pool = host_pool, device_pool
+        self.force = None if force is None else TransferPath(force)
+        cuda = device_pool.device.type == "cuda"
+        self.kernel_ok = (cuda if use_kernel is None else use_kernel) and kernels.runs_on(device_pool.device)
+        # Copy parts go out as batched calls (where a buffer has many runs) on CUDA with raw copies.
+        self.batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
+        self.widest = host_pool.spec.widest_row_bytes
+
+    def decide(self, n: int, host_runs: int, joint_runs: int, long_runs: int) -> TransferPath:
+        """The path of an operation of `n` rows (`force`d, else `_choose`'s)."""
+        if self.force is not None:
+            return _forced(self.force, joint_runs, self.device_pool.device)
+        return _choose(
+            self.costs,
+            nbytes=n * self.widest,
+            host_runs=host_runs,
+            joint_runs=joint_runs,
+            windows=-(-n // self.device_pool.staging_tokens),
+            kernel_ok=self.kernel_ok,
+            long_runs=long_runs,
+        )
+
+    def copies(self, n: int, runs: tuple[list[tuple[int, int]], list[tuple[int, int]]]) -> RunCopies | None:
+        """The copy-engine plan of `n` trusted slots given as `runs` (see `TransferPlan.build`),
+        or None where the planner picks another mechanism for some row."""
+        host_pool = self.host_pool
+        joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
+        lens = joint.lens
+        if sum(lens) != n:
+            raise PlanError(f"the runs cover {sum(lens)} slots, the plan has {n}")
+        long_runs = sum(k * self.widest >= self.costs.copy_min_bytes for k in lens)
+        path = self.decide(n, joint.host_runs, len(lens), long_runs)
+        if path not in _COPY_PATHS:
+            return None
+        table = np.array((joint.pos, joint.host, joint.dev, lens), dtype=np.int64)
+        batched = self.batched and path is not TransferPath.PER_RUN
+        streams = _copy_streams(host_pool.spec, n / len(lens), batched, self.costs)
+        return RunCopies(path, table, joint.host_runs, joint.device_runs, batched, streams, self.costs)
+
+
+@dataclass(frozen=True)
+class RunCopies:
+    """An operation that the copy engine moves whole, planned from run lists alone (`Planner.copies`).
+
+    `joint`: `[4, R]` int64, C-contiguous: where each joint run starts in the plan, its
+    first host slot, first device slot and length (host runs cut at segment edges).
+    `batched`: copies go out as batched calls where a buffer has many runs; `streams`:
+    how many streams one layer's copies are spread over (from `costs`).
+    """
+
+    path: TransferPath
+    joint: np.ndarray
+    host_runs: int
+    device_runs: int
+    batched: bool
+    streams: int
+    costs: PathCosts
+
+    @property
+    def lens(self) -> np.ndarray:
+        return self.joint[3]
+
+    def part(self, host_pool: HostPool) -> Part:
+        """The plan's one part."""
+        return _copy_part(host_pool, *self.joint, self.batched, self.costs)
 
 
 @dataclass(frozen=True)
@@ -501,20 +569,22 @@ def _copy_part(
     copies of one layer go over `costs.copy_streams` streams when its runs are short
     (`PathCosts.fan_out_below_bytes`), else over one.
     """
-    fan_out = (
-        batched
-        and costs is not None
-        and lens.mean() * host_pool.spec.widest_row_bytes < costs.fan_out_below_bytes
-    )
-    streams = costs.copy_streams if fan_out else 1
     return Part(
         Mechanism.COPY,
         int(lens.sum()),
         _pieces(pos, host_at, dev_at, lens),
         batched=batched,
         run_bytes=_run_bytes(host_pool, host_at, dev_at, lens),
-        streams=streams,
+        streams=_copy_streams(host_pool.spec, float(lens.mean()), batched, costs),
     )
+
+
+def _copy_streams(spec: KVSpec, mean_run: float, batched: bool, costs: PathCosts | None) -> int:
+    """Streams a copy part's copies of one layer go over (see `_copy_part`), for runs of `mean_run`
+    slots on average."""
+    if batched and costs is not None and mean_run * spec.widest_row_bytes < costs.fan_out_below_bytes:
+        return costs.copy_streams
+    return 1
 
 
 def _run_bytes(
