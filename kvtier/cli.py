@@ -575,13 +575,25 @@ def _bench_cache(args: argparse.Namespace) -> int:
             title=f"HostSlotAllocator, {args.alloc_slots} slots, page {args.page_size}, "
             f"after {args.alloc_churn} random alloc/free of 1-4096 slots at ~90% full"
         )
-        for col in ("policy", "occupancy", "free runs", "n", "median us", "p99 us", "target", "met"):
+        cols = (
+            "policy",
+            "occupancy",
+            "free runs",
+            "runs of 131072",
+            "n",
+            "median us",
+            "p99 us",
+            "target",
+            "met",
+        )
+        for col in cols:
             table.add_column(col, justify="left" if col == "policy" else "right")
         for r in out["alloc"]:
             table.add_row(
                 r.policy,
                 f"{r.occupancy:.3f}",
                 str(r.free_runs),
+                "no room" if r.prefix_runs is None else str(r.prefix_runs),
                 str(r.n),
                 f"{r.median_us:.1f}",
                 f"{r.p99_us:.1f}",

@@ -92,14 +92,20 @@ def test_trace_refuses_a_pool_smaller_than_one_request() -> None:
 
 
 def test_allocator_rows() -> None:
-    rows = run_allocator(pool_slots=65536, page_size=16, churn_ops=400, pairs=20, sizes=(64, 1024, 4096))
+    rows = run_allocator(
+        pool_slots=65536, page_size=16, churn_ops=400, pairs=20, sizes=(64, 1024, 4096), prefix=4096
+    )
     assert [(r.policy, r.n) for r in rows] == [
         (p, n) for p in ("contiguous", "first_fit") for n in (64, 1024, 4096)
     ]
     for r in rows:
         assert r.pairs == 20 and r.median_us > 0 and r.p99_us >= r.median_us
         assert 0.85 < r.occupancy < 0.95
-        assert r.free_runs > 0
+        assert r.free_runs > 0 and r.prefix_runs is not None and r.prefix_runs >= 1
+    # Best fit keeps large free runs whole, so a long allocation after the same churn comes in
+    # fewer runs than from first fit's FIFO (here 2 against 15).
+    contiguous, first_fit = rows[0].prefix_runs, rows[-1].prefix_runs
+    assert contiguous is not None and first_fit is not None and contiguous < first_fit
 
 
 @pytest.mark.parametrize("policy", [WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK])

@@ -304,6 +304,7 @@ class AllocRow:
     churn_ops: int
     occupancy: float  # share of slots allocated when timing
     free_runs: int
+    prefix_runs: int | None  # runs of one `prefix`-slot allocation after the churn (None: no room)
     n: int
     pairs: int
     median_us: float
@@ -323,8 +324,13 @@ def run_allocator(
     fill: float = 0.9,
     seed: int = 0,
     progress: Progress = _quiet,
+    prefix: int = 131072,
 ) -> list[AllocRow]:
-    """Per policy: churn the allocator at ~`fill` occupancy, then time `alloc(n)` + `free` pairs."""
+    """Per policy: churn the allocator at ~`fill` occupancy, then time `alloc(n)` + `free` pairs.
+
+    Also counts the runs that one `prefix`-slot allocation gets after the churn (then freed):
+    how many host runs a long prefix backed up then would load from.
+    """
     rows = []
     for policy in policies:
         policy = AllocPolicy(policy)
@@ -333,6 +339,10 @@ def run_allocator(
         live = _churn(alloc, churn_ops, max_alloc, fill, random.Random(seed))
         occupancy = 1 - alloc.available() / pool_slots
         runs = alloc.free_runs()
+        got = alloc.alloc_runs(prefix) if prefix <= alloc.available() else None
+        prefix_runs = None if got is None else len(got[1])
+        if got is not None:
+            alloc.free(got[0])
         for n in sizes:
             n = max(page_size, -(-n // page_size) * page_size)
             if n > alloc.available():
@@ -355,6 +365,7 @@ def run_allocator(
                     churn_ops=churn_ops,
                     occupancy=round(occupancy, 4),
                     free_runs=runs,
+                    prefix_runs=prefix_runs,
                     n=n,
                     pairs=pairs,
                     median_us=s.median_us,
