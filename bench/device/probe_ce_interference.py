@@ -6,8 +6,9 @@ the SM clock and power are sampled in-process through NVML (ctypes, every 20 ms)
 ~2 s alternate, after 8 s of matmuls, between: the matmuls alone; beside host -> device copies
 queued after the matmuls (as in the bench); the same queued before them; device -> host copies.
 Then host -> device copies paced to 3/4 and 1/2 of the time by GPU sleeps between them; then
-alone and beside host -> device copies with the matmuls replayed from a CUDA graph.
-One line of JSON per round.
+alone and beside host -> device copies with the matmuls replayed from a CUDA graph; then (fourth
+session) host -> device copies made by cudaMemcpyBatchAsync, one copy per call, with the
+PreferOverlapWithCompute hint and without it. One line of JSON per round.
 """
 
 from __future__ import annotations
@@ -51,9 +52,36 @@ class Nvml:
         return statistics.median(s[1] for s in inside), statistics.median(s[2] for s in inside), len(inside)
 
 
-def main(eager_pairs: int = 3, pacing_pairs: int = 0, graph_pairs: int = 3) -> None:
-    """Repetitions of the eager rounds, the paced ones, and the graph ones (call 5: 3, 0, 0 (the
-    graph rounds came later); call 6: 1, 0, 3; call 7: 1, 2, 0)."""
+def batched_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream, hint: bool):
+    """A copy of all of `src` into `dst` as one cudaMemcpyBatchAsync of one copy on `stream`."""
+    import numpy as np
+    from cuda.bindings import runtime as cr
+
+    from kvtier.transfer import cudart
+
+    fn = cudart.runtime().lib.cudaMemcpyBatchAsync
+    ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
+    fn.argtypes, fn.restype = [ptr, ptr, ptr, size_t, ptr, ptr, size_t, ptr], ctypes.c_int
+    attrs = cr.cudaMemcpyAttributes()
+    attrs.srcAccessOrder = cr.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+    if hint:
+        attrs.flags = cr.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+    arrays = [np.array([x], dtype=np.int64) for x in (dst.data_ptr(), src.data_ptr(), src.numel())]
+    index = (ctypes.c_size_t * 1)(0)
+
+    def copy() -> None:
+        d, s_, n = (a.ctypes.data for a in arrays)
+        err = fn(d, s_, n, 1, attrs.getPtr(), index, 1, stream.cuda_stream)
+        assert err == 0, f"cudaMemcpyBatchAsync: {err}"
+
+    copy.keep = (attrs, arrays, index)  # type: ignore[attr-defined]
+    return copy
+
+
+def main(eager_pairs: int = 3, pacing_pairs: int = 0, graph_pairs: int = 3, batch_pairs: int = 0) -> None:
+    """Repetitions of the eager rounds, the paced ones, the graph ones and the batched-call ones
+    (call 5: 3, 0, 0 (the graph rounds came later); call 6: 1, 0, 3; call 7: 1, 2, 0; fourth
+    session: 1, 0, 0, 3)."""
     nvml = Nvml()
     a = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
@@ -143,6 +171,13 @@ def main(eager_pairs: int = 3, pacing_pairs: int = 0, graph_pairs: int = 3) -> N
         round_("alone")
         round_("d2h after", copies["d2h"])
     round_("alone")
+    if batch_pairs:
+        hinted, plain = (batched_copy(dev, host, side, hint) for hint in (True, False))
+        for _ in range(batch_pairs):
+            round_("h2d batch hint", hinted)
+            round_("alone")
+            round_("h2d batch plain", plain)
+            round_("alone")
     for _ in range(pacing_pairs):
         for duty in (0.75, 0.5):
             round_(f"h2d paced {duty}", paced(duty), gbps=55 * duty)
@@ -165,4 +200,4 @@ def main(eager_pairs: int = 3, pacing_pairs: int = 0, graph_pairs: int = 3) -> N
 
 
 if __name__ == "__main__":
-    main(*(int(x) for x in sys.argv[1:4]))
+    main(*(int(x) for x in sys.argv[1:5]))

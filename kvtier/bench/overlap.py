@@ -6,10 +6,12 @@
   a reload running beside it on the load stream, through the copy engine and through
   the gather kernel. Runs with and without the reload alternate and medians are
   taken, since clocks drift: each run with the reload against the runs alone on either
-  side of it. Each run lasts `ROUND_S` seconds after `WARM_S` seconds of matmuls: the
-  matmul holds an H200 at its 700 W limit, where it settles only after a while; runs of
-  a few dozen milliseconds start at boost clocks and made the kernel look 12-14%
-  costlier than in steady state (bench/NOTES.md).
+  side of it. Each run lasts `ROUND_S` seconds, after matmuls alone until their rate
+  settles (`settle`): the matmul holds an H200 at its 700 W limit, and as the GPU warms
+  its rate alone falls by ~3% over tens of seconds. Runs of a few dozen milliseconds
+  start at boost clocks and made the kernel look 12-14% costlier than in steady state;
+  rounds taken after 8 s of matmuls made the copy engine look 5-6% costlier, against
+  ~1% once settled (bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from kvtier.pool.device import Direction
 from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
 
 ROUND_S = 2.0
-WARM_S = 8.0
+WARM_S = 30.0  # at least this long of matmuls alone before the first measured round
+SETTLE_S = 150.0  # at most this long
+SETTLED = 0.005  # settled: the last three warm rounds' mean within this share of the three before
 
 
 @dataclass
@@ -166,8 +170,7 @@ def _interference(
     per_matmul = matmul_s(False, 20, 0.0)[0] / 20
     matmuls = max(20, int(round_s / per_matmul))
     flops = 2 * n**3 * matmuls
-    # Seconds of matmuls first: the GPU reaches its power limit and temperature only then.
-    matmul_s(False, max(20, int(WARM_S / per_matmul)), per_matmul)
+    settle(lambda: matmul_s(False, matmuls, per_matmul)[0], round_s)
     matmul_s(True, matmuls, per_matmul)
 
     def alone_tflops() -> float:
@@ -184,3 +187,19 @@ def _interference(
         kept.append(beside[-1] / ((alone[-2] + alone[-1]) / 2))
     med = statistics.median
     return med(alone), med(beside), med(reload), med(kept)
+
+
+def settle(round_seconds: Callable[[], float], round_s: float) -> list[float]:
+    """Run rounds alone (`round_seconds()` runs one, returns its seconds) until their rate settles.
+
+    At least `WARM_S` seconds and until the mean of the last three rounds is within `SETTLED`
+    of the three before them, at most `SETTLE_S` seconds. Returns the rounds' seconds.
+    """
+    out: list[float] = []
+    while len(out) * round_s < SETTLE_S:
+        out.append(round_seconds())
+        if len(out) * round_s >= WARM_S and len(out) >= 6:
+            last, before = statistics.mean(out[-3:]), statistics.mean(out[-6:-3])
+            if abs(last - before) <= SETTLED * before:
+                break
+    return out

@@ -101,22 +101,42 @@ typedef struct {
     const int64_t *local;  /* [model layers]: the buffer's layer of each model layer, or -1 */
 } kvtier_buffer;
 
+/* The runtime's entry points, as `Native` binds them once. */
+typedef struct {
+    copy_fn copy;
+    batch_fn batch; /* NULL where the runtime has none */
+    record_fn record;
+    wait_fn wait;
+    void *attrs;
+    int64_t copy_kind;
+} kvtier_runtime;
+
+/* The int64 arguments of kvtier_run_layers, in order (see `Native.run_layers`). */
+enum { RUNS, N, BUFS, N_BUFS, LAYERS, LOAD, EVENTS, N_EVENTS, STREAM, ORDER_EVENT, ORDER_STREAM, SMALL };
+
 /* Copy joint runs (`runs` [3, n]: first host slot, first device slot, length) of every buffer
    on every model layer, on `stream`, recording events[l] after layer l's copies (one event:
    after the last layer). First, when `order_event` is set, the stream waits for the work
    queued on `order_stream`. Load: device <- host, else host <- device. A buffer with more than
    `small` runs takes one batched call per layer. 0, or the first error and its layer (-1: the
    ordering calls, `layers`: the last record). */
-int kvtier_run_layers(const int64_t *runs, int64_t n, const kvtier_buffer *bufs, int64_t n_bufs,
-                      int64_t layers, int load, const int64_t *events, int64_t n_events, void *stream,
-                      void *order_event, void *order_stream, int64_t small, copy_fn copy,
-                      batch_fn batch, record_fn record, wait_fn wait, void *attrs, int copy_kind,
-                      int64_t *failed_layer) {
+int kvtier_run_layers(const kvtier_runtime *rt, const int64_t *args, int64_t *failed_layer) {
+    const int64_t *runs = (const int64_t *)P(args[RUNS]), *events = (const int64_t *)P(args[EVENTS]);
+    const kvtier_buffer *bufs = (const kvtier_buffer *)P(args[BUFS]);
+    int64_t n = args[N], n_bufs = args[N_BUFS], layers = args[LAYERS], n_events = args[N_EVENTS];
+    int64_t small = args[SMALL];
+    int load = (int)args[LOAD];
+    void *stream = P(args[STREAM]), *order_event = P(args[ORDER_EVENT]);
+    void *order_stream = P(args[ORDER_STREAM]);
+    copy_fn copy = rt->copy;
+    batch_fn batch = rt->batch;
+    record_fn record = rt->record;
+    int copy_kind = (int)rt->copy_kind;
     int err = 0;
     int64_t *scratch = NULL; /* a batched call's dst [n], src [n], bytes [n] */
     *failed_layer = -1;
-    if (order_event && ((err = record(order_event, order_stream)) || (err = wait(stream, order_event, 0))))
-        return err;
+    if (order_event && (err = record(order_event, order_stream))) return err;
+    if (order_event && (err = rt->wait(stream, order_event, 0))) return err;
     if (n > small) {
         if (!batch) return -1;
         if (!(scratch = malloc(3 * n * sizeof(int64_t)))) return -3;
@@ -143,7 +163,7 @@ int kvtier_run_layers(const int64_t *runs, int64_t n, const kvtier_buffer *bufs,
             if (!err && scratch) {
                 size_t attrs_index = 0;
                 err = batch((void **)scratch, (void **)(scratch + n), (size_t *)(scratch + 2 * n), (size_t)n,
-                            attrs, &attrs_index, 1, stream);
+                            rt->attrs, &attrs_index, 1, stream);
             }
         }
         if (!err && n_events == layers) err = record(P(events[l]), stream);
@@ -283,6 +303,15 @@ class Buffers:
         self.count = len(buffers)
 
 
+class _Runtime(ctypes.Structure):
+    """`kvtier_runtime`: the runtime's entry points for the loops."""
+
+    _fields_ = [
+        *((f, ctypes.c_void_p) for f in ("copy", "batch", "record", "wait", "attrs")),
+        ("copy_kind", ctypes.c_int64),
+    ]
+
+
 class Native:
     """The compiled loops bound to a runtime's entry points (addresses as ints; 0 for a missing batch)."""
 
@@ -294,11 +323,12 @@ class Native:
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
         fn.restype = ctypes.c_int
         layers = lib.kvtier_run_layers
-        layers.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64]
-        layers.argtypes += [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
+        layers.argtypes = [ptr, ptr, ptr]
         layers.restype = ctypes.c_int
         self._fn, self._layers, self._lib = fn, layers, lib
         self._args = (copy, batch or None, record, wait, attrs or None, MEMCPY_DEFAULT)
+        self._runtime = _Runtime(copy, batch or None, record, wait, attrs or None, MEMCPY_DEFAULT)
+        self._runtime_address = ctypes.addressof(self._runtime)
         self.has_batch = bool(batch)
 
     def run(self, rows: int, n: int, failed) -> int:
@@ -331,15 +361,19 @@ class Native:
         n = runs.shape[1]
         if n > small and not self.has_batch:
             raise ValueError(f"{n} runs need the batched copy call, which this runtime lacks")
-        copy, batch, record, wait, attrs, kind = self._args
         handles = array.array("q", events)  # int64, as the loop reads them
-        order_event, order_stream = order or (None, None)
-        failed = ctypes.c_int64(-1)
-        err = self._layers(
-            runs.ctypes.data, n, buffers.address, buffers.count, buffers.layers, int(load),
-            handles.buffer_info()[0], len(events), stream, order_event, order_stream, small,
-            copy, batch, record, wait, attrs, kind, ctypes.byref(failed),
+        order_event, order_stream = order or (0, 0)
+        # One int64 array of arguments (the loop's `args`): a foreign call with three arguments
+        # costs less than with nineteen, most of all when the process's caches are cold.
+        args = array.array(
+            "q",
+            (
+                runs.ctypes.data, n, buffers.address, buffers.count, buffers.layers, int(load),
+                handles.buffer_info()[0], len(events), stream, order_event, order_stream, small,
+            ),
         )  # fmt: skip
+        failed = ctypes.c_int64(-1)
+        err = self._layers(self._runtime_address, args.buffer_info()[0], ctypes.byref(failed))
         if err:
             where = "ordering after the compute stream" if failed.value < 0 else f"layer {failed.value}"
             raise CudaRuntimeError(f"copying runs failed at {where}: CUDA error {err}")
