@@ -6,12 +6,14 @@
   a reload running beside it on the load stream, through the copy engine and through
   the gather kernel. Runs with and without the reload alternate and medians are
   taken, since clocks drift: each run with the reload against the runs alone on either
-  side of it. Each run lasts `ROUND_S` seconds, after matmuls alone until their rate
-  settles (`settle`): the matmul holds an H200 at its 700 W limit, and as the GPU warms
-  its rate alone falls by ~3% over tens of seconds. Runs of a few dozen milliseconds
-  start at boost clocks and made the kernel look 12-14% costlier than in steady state;
-  rounds taken after 8 s of matmuls made the copy engine look 5-6% costlier, against
-  ~1% once settled (bench/NOTES.md).
+  side of it. Each run times `ROUND_S` seconds after `LEAD_S` seconds in the same
+  conditions, and the runs start after matmuls alone until their rate settles
+  (`settle`): the matmul holds an H200 at its 700 W limit, its clock and temperature
+  follow the load with a lag, and a run timed from its first matmul measured partly its
+  predecessor's conditions. Runs of a few dozen milliseconds start at boost clocks and
+  made the kernel look 12-14% costlier than in steady state; a run alone right after a
+  copy-engine run was ~4% faster than alone in steady state, which made the copy engine
+  look 5-6% costlier (bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvtier.pool.device import Direction
 from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
 
 ROUND_S = 2.0
+LEAD_S = 3.0  # untimed seconds at the start of each round, in the round's own conditions
 WARM_S = 30.0  # at least this long of matmuls alone before the first measured round
 SETTLE_S = 150.0  # at most this long
 SETTLED = 0.005  # settled: the last three warm rounds' mean within this share of the three before
@@ -118,9 +121,12 @@ def _interference(
 ) -> tuple[float, float, float, float]:
     """Medians of `(matmul TFLOP/s alone, beside the reload, reload GB/s, share of the rate kept)`.
 
-    Each round runs the matmul loop for about `round_s` seconds, alone or with reloads
-    queued beside it for as long; rounds alternate, and each round with the reload is
-    compared with the rounds alone on either side of it.
+    Each round runs the matmul loop for about `LEAD_S` + `round_s` seconds, alone or with
+    reloads queued beside it for as long, and times its last `round_s` seconds: the GPU's
+    clock and temperature follow the round's load for a few seconds (a round alone right
+    after one with the copy engine ran ~4% faster than alone in steady state, bench/NOTES.md),
+    so each round's own conditions are measured, not its predecessor's. Rounds alternate,
+    and each round with the reload is compared with the rounds alone on either side of it.
     """
     n = 8192
     gen = torch.Generator(device=s.dev.device).manual_seed(0)
@@ -129,12 +135,15 @@ def _interference(
     c = torch.empty_like(a)
     compute = torch.cuda.Stream(s.dev.device)
 
-    def matmul_s(with_reload: bool, matmuls: int, per_matmul_s: float) -> tuple[float, float]:
+    def matmul_s(with_reload: bool, matmuls: int, per_matmul_s: float, lead: int = 0) -> tuple[float, float]:
+        """Seconds of the last `matmuls` of `lead + matmuls`, and the reloads' GB/s beside them."""
         torch.cuda.synchronize()
         t0 = time.time()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         lstart, lend = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(compute):
+            for _ in range(lead):
+                torch.mm(a, b, out=c)
             start.record(compute)
             for _ in range(matmuls):
                 torch.mm(a, b, out=c)
@@ -142,10 +151,10 @@ def _interference(
         reloads = 0
         if with_reload:
             lstart.record(s.stream)
-            # Reload for ~80% of the matmuls' time, so the round ends with the matmuls in
-            # both kinds of round: a reload running past them would idle the SMs and let the
-            # next round start at boost clocks, favouring whichever round comes next.
-            reloads = max(1, int(0.8 * matmuls * per_matmul_s / (s.layer_bytes / 50e9)))
+            # Reload through the lead-in and ~80% of the timed matmuls, so the round ends with
+            # the matmuls in both kinds of round: a reload running past them would idle the SMs
+            # and let the next round start at boost clocks, favouring whichever comes next.
+            reloads = max(1, int((lead + 0.8 * matmuls) * per_matmul_s / (s.layer_bytes / 50e9)))
             for _ in range(reloads):
                 load_layer(load, s.host, s.dev, 0, s.stream)
             lend.record(s.stream)
@@ -169,18 +178,22 @@ def _interference(
 
     per_matmul = matmul_s(False, 20, 0.0)[0] / 20
     matmuls = max(20, int(round_s / per_matmul))
+    warm = settle(lambda: matmul_s(False, matmuls, per_matmul)[0])
+    # The first 20 matmuls ran cold and short: size the rounds from the settled ones.
+    per_matmul = warm[-1] / matmuls
+    matmuls = max(20, int(round_s / per_matmul))
+    lead = int(LEAD_S / per_matmul)
     flops = 2 * n**3 * matmuls
-    settle(lambda: matmul_s(False, matmuls, per_matmul)[0], round_s)
-    matmul_s(True, matmuls, per_matmul)
+    matmul_s(True, matmuls, per_matmul, lead)
 
     def alone_tflops() -> float:
-        return flops / matmul_s(False, matmuls, per_matmul)[0] / 1e12
+        return flops / matmul_s(False, matmuls, per_matmul, lead)[0] / 1e12
 
     # alone, beside, alone, beside, ..., alone: each round with the reload against the mean
     # of the rounds alone on either side of it, so a slow drift of the clock cancels.
     alone, beside, reload, kept = [alone_tflops()], [], [], []
     for _ in range(rounds):
-        mm, gbps = matmul_s(True, matmuls, per_matmul)
+        mm, gbps = matmul_s(True, matmuls, per_matmul, lead)
         beside.append(flops / mm / 1e12)
         reload.append(gbps)
         alone.append(alone_tflops())
@@ -189,16 +202,16 @@ def _interference(
     return med(alone), med(beside), med(reload), med(kept)
 
 
-def settle(round_seconds: Callable[[], float], round_s: float) -> list[float]:
+def settle(round_seconds: Callable[[], float]) -> list[float]:
     """Run rounds alone (`round_seconds()` runs one, returns its seconds) until their rate settles.
 
     At least `WARM_S` seconds and until the mean of the last three rounds is within `SETTLED`
     of the three before them, at most `SETTLE_S` seconds. Returns the rounds' seconds.
     """
     out: list[float] = []
-    while len(out) * round_s < SETTLE_S:
+    while sum(out) < SETTLE_S:
         out.append(round_seconds())
-        if len(out) * round_s >= WARM_S and len(out) >= 6:
+        if sum(out) >= WARM_S and len(out) >= 6:
             last, before = statistics.mean(out[-3:]), statistics.mean(out[-6:-3])
             if abs(last - before) <= SETTLED * before:
                 break
