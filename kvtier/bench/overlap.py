@@ -31,6 +31,7 @@ from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
 
 ROUND_S = 2.0
 LEAD_S = 3.0  # untimed seconds at the start of each round, in the round's own conditions
+CHUNKS = 50  # a round's matmuls and reloads are issued interleaved in this many steps
 WARM_S = 30.0  # at least this long of matmuls alone before the first measured round
 SETTLE_S = 150.0  # at most this long
 SETTLED = 0.005  # settled: the last three warm rounds' mean within this share of the three before
@@ -136,27 +137,37 @@ def _interference(
     compute = torch.cuda.Stream(s.dev.device)
 
     def matmul_s(with_reload: bool, matmuls: int, per_matmul_s: float, lead: int = 0) -> tuple[float, float]:
-        """Seconds of the last `matmuls` of `lead + matmuls`, and the reloads' GB/s beside them."""
+        """Seconds of the last `matmuls` of `lead + matmuls`, and the reloads' GB/s beside them.
+
+        The reloads are sized at the ceiling to last through the lead-in and ~90% of the
+        timed matmuls (longer where they run slower), and issued interleaved with the
+        matmuls in `CHUNKS` steps: the host blocks once a stream's queue is full, so issuing
+        either all first would start the other late, and the reloads would cover only part
+        of the timed window.
+        """
         torch.cuda.synchronize()
         t0 = time.time()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         lstart, lend = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(compute):
-            for _ in range(lead):
-                torch.mm(a, b, out=c)
-            start.record(compute)
-            for _ in range(matmuls):
-                torch.mm(a, b, out=c)
-            end.record(compute)
+        total = lead + matmuls
         reloads = 0
         if with_reload:
+            gbps = s.ceilings[Direction.LOAD]
+            reloads = max(1, int((lead + 0.9 * matmuls) * per_matmul_s * gbps * 1e9 / s.layer_bytes))
             lstart.record(s.stream)
-            # Reload through the lead-in and ~80% of the timed matmuls, so the round ends with
-            # the matmuls in both kinds of round: a reload running past them would idle the SMs
-            # and let the next round start at boost clocks, favouring whichever comes next.
-            reloads = max(1, int((lead + 0.8 * matmuls) * per_matmul_s / (s.layer_bytes / 50e9)))
-            for _ in range(reloads):
+        done_mm = done_rl = 0
+        for k in range(1, CHUNKS + 1):
+            while done_rl < reloads * k // CHUNKS:
                 load_layer(load, s.host, s.dev, 0, s.stream)
+                done_rl += 1
+            with torch.cuda.stream(compute):
+                while done_mm < total * k // CHUNKS:
+                    if done_mm == lead:
+                        start.record(compute)
+                    torch.mm(a, b, out=c)
+                    done_mm += 1
+        end.record(compute)
+        if with_reload:
             lend.record(s.stream)
         torch.cuda.synchronize()
         mm_s = start.elapsed_time(end) / 1e3
