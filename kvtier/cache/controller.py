@@ -65,7 +65,7 @@ from kvtier.transfer.copy import (
     submit_copies,
     tape_layers,
 )
-from kvtier.transfer.plan import Planner
+from kvtier.transfer.plan import Planner, RunPair
 
 log = logging.getLogger(__name__)
 
@@ -589,7 +589,7 @@ class CacheController:
         host: torch.Tensor,
         dev: torch.Tensor,
         whole_pages: bool = False,
-        runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
+        runs: RunPair | None = None,
         per_layer: bool = False,
     ) -> tuple[TransferPlan, Sequence[Signal]]:
         """Plan one operation and submit it on its lane, ordered after the compute stream.
@@ -610,7 +610,7 @@ class CacheController:
         host: torch.Tensor,
         dev: torch.Tensor,
         whole_pages: bool = False,
-        runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
+        runs: RunPair | None = None,
     ) -> TransferPlan:
         return TransferPlan.build(
             direction,
@@ -631,7 +631,7 @@ class CacheController:
         self,
         direction: Direction,
         n: int,
-        runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None,
+        runs: RunPair | None,
         per_layer: bool,
     ) -> Sequence[Signal] | None:
         """Submit an operation of `n` slots given as `runs` from the compiled loop, planned from the
@@ -754,9 +754,7 @@ class CacheController:
         check(self, compare_bytes)
 
 
-def _runs_of(
-    nodes: list[Node], dev_runs: list[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+def _runs_of(nodes: list[Node], dev_runs: list[tuple[int, int]]) -> RunPair | None:
     """`(host runs, device runs)` of a load of `nodes`, or None where a node lacks its runs."""
     if any(n.host_runs is None for n in nodes):
         return None

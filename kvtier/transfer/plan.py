@@ -48,6 +48,11 @@ from kvtier.pool.host import HostPool
 from kvtier.spec import KVSpec
 from kvtier.transfer import dma, kernels
 
+# `(first slot, length)` runs of slots, in plan order (as the allocators hand them out).
+Runs = list[tuple[int, int]]
+# `(host runs, device runs)` of one operation.
+RunPair = tuple[Runs, Runs]
+
 
 class TransferPath(str, Enum):
     """What a plan does as a whole (for logs, benchmarks and `force`)."""
@@ -248,7 +253,7 @@ class TransferPlan:
         stream: torch.cuda.Stream | None = None,
         trusted: bool = False,
         whole_pages: bool = False,
-        runs: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
+        runs: RunPair | None = None,
     ) -> TransferPlan:
         """Validate the pairs and plan the operation; raises before anything is written.
 
@@ -410,7 +415,7 @@ class Planner:
             long_runs=long_runs,
         )
 
-    def copies(self, n: int, runs: tuple[list[tuple[int, int]], list[tuple[int, int]]]) -> RunCopies | None:
+    def copies(self, n: int, runs: RunPair) -> RunCopies | None:
         """The copy-engine plan of `n` trusted slots given as `runs` (see `TransferPlan.build`),
         or None where the planner picks another mechanism for some row."""
         host_pool = self.host_pool
@@ -424,7 +429,7 @@ class Planner:
             return None
         table = np.array((joint.pos, joint.host, joint.dev, lens), dtype=np.int64)
         batched = self.batched and path is not TransferPath.PER_RUN
-        streams = _copy_streams(host_pool.spec, n / len(lens), batched, self.costs)
+        streams = _copy_streams(host_pool.spec, n, len(lens), batched, self.costs)
         return RunCopies(path, table, joint.host_runs, joint.device_runs, batched, streams, self.costs)
 
 
@@ -467,9 +472,7 @@ class _JointRuns:
     device_runs: int
 
 
-def _joint_runs(
-    host: list[tuple[int, int]], dev: list[tuple[int, int]], segment: int, num_slots: int
-) -> _JointRuns:
+def _joint_runs(host: Runs, dev: Runs, segment: int, num_slots: int) -> _JointRuns:
     """The joint runs of two run lists (`(first slot, length)` in plan order), as a slot scan finds them.
 
     Adjacent runs merge; host runs also break at segment edges when the pool has
@@ -496,7 +499,7 @@ def _joint_runs(
     return _JointRuns(*out, host_runs=len(h), device_runs=len(d))
 
 
-def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _merged(runs: Runs) -> Runs:
     out: list[tuple[int, int]] = []
     for start, n in runs:
         if out and out[-1][0] + out[-1][1] == start:
@@ -575,14 +578,18 @@ def _copy_part(
         _pieces(pos, host_at, dev_at, lens),
         batched=batched,
         run_bytes=_run_bytes(host_pool, host_at, dev_at, lens),
-        streams=_copy_streams(host_pool.spec, float(lens.mean()), batched, costs),
+        streams=_copy_streams(host_pool.spec, int(lens.sum()), len(lens), batched, costs),
     )
 
 
-def _copy_streams(spec: KVSpec, mean_run: float, batched: bool, costs: PathCosts | None) -> int:
-    """Streams a copy part's copies of one layer go over (see `_copy_part`), for runs of `mean_run`
-    slots on average."""
-    if batched and costs is not None and mean_run * spec.widest_row_bytes < costs.fan_out_below_bytes:
+def _copy_streams(spec: KVSpec, rows: int, runs: int, batched: bool, costs: PathCosts | None) -> int:
+    """Streams a copy part's copies of one layer go over (see `_copy_part`): `rows` in `runs`."""
+    if (
+        batched
+        and costs is not None
+        and runs
+        and rows * spec.widest_row_bytes < costs.fan_out_below_bytes * runs
+    ):
         return costs.copy_streams
     return 1
 
