@@ -7,7 +7,8 @@ the host and the cache flushed before each call), at page sizes 1 and 16, altern
 (Call 2 also had `layers_spun`: the thread busy for 20 ms before the call; it was no faster.)
 Prints per form the median wall time of match + load_back (no wrappers), then, in a second pass
 with perf_counter wrappers, the median time of each stage; and the loop call alone (the driver's
-share: 61 copies and 62 records, the wait). Writes JSON lines to argv[1].
+share: 61 copies and 62 records, the wait). Writes JSON lines to argv[1]. (Calls 1-3 timed
+`_transfer`, the plan and its submission, since split into `_plan` and `_submit`.)
 """
 
 import functools
@@ -83,7 +84,7 @@ for ps in (1, 16):
     timed(ctl.CacheController, "match")
     timed(ctl.CacheController, "_alloc_device")
     timed(ctl.CacheController, "_copy_runs")
-    timed(ctl.CacheController, "_transfer")
+    timed(ctl.CacheController, "_submit")
     timed(streams.CudaLane, "run_native")
     timed(native.Native, "run_layers")
     timed(native.Tape, "run")
@@ -116,7 +117,7 @@ for ps in (1, 16):
         (ctl.CacheController, "match"),
         (ctl.CacheController, "_alloc_device"),
         (ctl.CacheController, "_copy_runs"),
-        (ctl.CacheController, "_transfer"),
+        (ctl.CacheController, "_submit"),
         (streams.CudaLane, "run_native"),
         (native.Native, "run_layers"),
         (native.Tape, "run"),

@@ -415,17 +415,15 @@ class CacheController:
             raise
         # Both sides are allocator pages (host: from backups, device: just allocated).
         runs = _runs_of(nodes, dev_runs)
-        host = functools.partial(_concat, [n.host_slots for n in nodes])
-        plan: TransferPlan | Callable[[], TransferPlan]
+        make_plan = functools.partial(
+            self._plan, Direction.LOAD, [n.host_slots for n in nodes], dev, whole_pages=True, runs=runs
+        )
         try:
-            sent = self._copy_runs(Direction.LOAD, total, runs, per_layer=True)
-            if sent is not None:
-                signals = sent
-                plan = lambda: self._plan(Direction.LOAD, host(), dev, whole_pages=True, runs=runs)  # noqa: E731
-            else:
-                plan, signals = self._transfer(
-                    Direction.LOAD, host(), dev, whole_pages=True, runs=runs, per_layer=True
-                )
+            signals = self._copy_runs(Direction.LOAD, total, runs, per_layer=True)
+            plan: TransferPlan | Callable[[], TransferPlan] = make_plan  # built when read
+            if signals is None:
+                plan = make_plan()
+                signals = self._submit(plan, self.load_lane, per_layer=True)
         except BaseException:
             self._abandon(self.load_lane, self.device_alloc, dev)
             self.tree.lock_path(nodes[-1], -1)
@@ -571,7 +569,8 @@ class CacheController:
             return False
         slots, runs = got
         try:
-            _, (signal,) = self._transfer(Direction.BACKUP, slots, n.device_slots)
+            plan = self._plan(Direction.BACKUP, slots, n.device_slots)
+            (signal,) = self._submit(plan, self.backup_lane, per_layer=False)
         except BaseException:
             self._abandon(self.backup_lane, self.host_alloc, slots)
             raise
@@ -583,40 +582,25 @@ class CacheController:
         self.metrics.bytes_d2h += len(n) * self.bytes_per_token
         return True
 
-    def _transfer(
-        self,
-        direction: Direction,
-        host: torch.Tensor,
-        dev: torch.Tensor,
-        whole_pages: bool = False,
-        runs: RunPair | None = None,
-        per_layer: bool = False,
-    ) -> tuple[TransferPlan, Sequence[Signal]]:
-        """Plan one operation and submit it on its lane, ordered after the compute stream.
-
-        `host`, `dev`: `[n]` int64 CPU slots from this cache's allocators and tree;
-        `whole_pages`, `runs`: what is known of them (see `TransferPlan.build`). Returns
-        the plan and a signal after each layer (`per_layer`), else one after the last.
-        """
-        plan = self._plan(direction, host, dev, whole_pages, runs)
-        return plan, self._submit(plan, self._lane(direction), per_layer)
-
     def _lane(self, direction: Direction) -> Lane:
         return self.load_lane if direction is Direction.LOAD else self.backup_lane
 
     def _plan(
         self,
         direction: Direction,
-        host: torch.Tensor,
+        host: torch.Tensor | list[torch.Tensor],
         dev: torch.Tensor,
         whole_pages: bool = False,
         runs: RunPair | None = None,
     ) -> TransferPlan:
+        """Plan one operation on this cache's pools with its options. `host`, `dev`: `[n]` int64
+        CPU slots from this cache's allocators and tree (`host` may come as the nodes' slots, in
+        order); `whole_pages`, `runs`: what is known of them (see `TransferPlan.build`)."""
         return TransferPlan.build(
             direction,
             self.host_pool,
             self.device_pool,
-            host,
+            _concat(host) if isinstance(host, list) else host,
             dev,
             costs=self.config.costs,
             kernel=self.config.kernel,
@@ -635,7 +619,7 @@ class CacheController:
         per_layer: bool,
     ) -> Sequence[Signal] | None:
         """Submit an operation of `n` slots given as `runs` from the compiled loop, planned from the
-        runs alone, after the compute stream's queued work; its signals as `_transfer`'s. None,
+        runs alone, after the compute stream's queued work; its signals as `_submit`'s. None,
         with nothing submitted, where the planner moves some row another way than by the copy
         engine, the loop cannot take the runs (`copy.loop_takes`), or there is no loop here."""
         lib = native.library() if self._run_buffers is not None else None
