@@ -20,3 +20,16 @@ def test_the_overlap_bench_measures_only_once_the_matmul_rate_alone_has_settled(
     drifting = [1.02**i for i in range(200)]  # never settles: stops after SETTLE_S seconds
     got = overlap.settle(rounds(drifting))
     assert sum(got) >= overlap.SETTLE_S > sum(got[:-1])
+
+
+def test_reloads_and_matmuls_are_issued_together_in_proportion() -> None:
+    """Neither stream's work is queued all first: after each step both have issued their share."""
+    log: list[tuple[str, int]] = []
+    overlap.interleave(103, 31, lambda: log.append(("r", 0)), lambda i: log.append(("m", i)), chunks=10)
+    assert [i for kind, i in log if kind == "m"] == list(range(103))  # every matmul, in order
+    assert sum(kind == "r" for kind, _ in log) == 31
+    mm = rl = 0
+    for kind, _ in log:  # at any point, neither has run more than a step ahead of the other
+        mm, rl = mm + (kind == "m"), rl + (kind == "r")
+        assert abs(mm / 103 - rl / 31) <= 0.1 + 1 / 31
+    assert log[0][0] == "r"  # a step's reloads first: the copies start with the matmuls

@@ -155,17 +155,14 @@ def _interference(
             gbps = s.ceilings[Direction.LOAD]
             reloads = max(1, int((lead + 0.9 * matmuls) * per_matmul_s * gbps * 1e9 / s.layer_bytes))
             lstart.record(s.stream)
-        done_mm = done_rl = 0
-        for k in range(1, CHUNKS + 1):
-            while done_rl < reloads * k // CHUNKS:
-                load_layer(load, s.host, s.dev, 0, s.stream)
-                done_rl += 1
+
+        def matmul(i: int) -> None:
+            if i == lead:
+                start.record(compute)
             with torch.cuda.stream(compute):
-                while done_mm < total * k // CHUNKS:
-                    if done_mm == lead:
-                        start.record(compute)
-                    torch.mm(a, b, out=c)
-                    done_mm += 1
+                torch.mm(a, b, out=c)
+
+        interleave(total, reloads, lambda: load_layer(load, s.host, s.dev, 0, s.stream), matmul)
         end.record(compute)
         if with_reload:
             lend.record(s.stream)
@@ -211,6 +208,25 @@ def _interference(
         kept.append(beside[-1] / ((alone[-2] + alone[-1]) / 2))
     med = statistics.median
     return med(alone), med(beside), med(reload), med(kept)
+
+
+def interleave(
+    matmuls: int,
+    reloads: int,
+    reload: Callable[[], None],
+    matmul: Callable[[int], None],
+    chunks: int = CHUNKS,
+) -> None:
+    """Issue `reloads` calls of `reload()` and `matmuls` of `matmul(i)` (i = 0, 1, ...) in `chunks`
+    steps, each step the reloads' share of it first, so both streams' queues are fed together."""
+    done_mm = done_rl = 0
+    for k in range(1, chunks + 1):
+        while done_rl < reloads * k // chunks:
+            reload()
+            done_rl += 1
+        while done_mm < matmuls * k // chunks:
+            matmul(done_mm)
+            done_mm += 1
 
 
 def settle(round_seconds: Callable[[], float]) -> list[float]:
