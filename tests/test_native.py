@@ -337,6 +337,22 @@ def test_run_layers_names_the_failing_layer_and_stops(lib, monkeypatch) -> None:
 
 
 @needs_cc
+def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, monkeypatch) -> None:
+    """The loop's own check (behind the Python one): nothing submitted, not even the ordering."""
+    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    spec = preset("tiny-mla", 4)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    copies = Planner(host, dev, force="per_run").copies(64, ([(0, 32), (128, 32)], [(0, 64)]))
+    rt = FakeRuntime(batch=False)
+    loop = rt.native(lib)
+    loop.has_batch = True  # past the Python check, into the C one
+    events = list(range(1, spec.num_layers + 1))
+    with pytest.raises(CudaRuntimeError, match="before any call: the runs need the batched copy call"):
+        loop.run_layers(copies.joint[1:], run_buffers(host, dev), True, events, 5, (0xF0, 9), small=1)
+    assert rt.calls == []
+
+
+@needs_cc
 def test_the_loop_does_not_take_runs_that_fan_out_or_need_a_missing_batch_call(lib, monkeypatch) -> None:
     monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
     monkeypatch.setattr(dma, "small_batch", lambda: 2)

@@ -5,7 +5,11 @@ says the layer is in place). On an H200 host the driver's own work for the pair 
 ~3 us; from Python through ctypes it cost ~8 us, most of a 128k-token reload's
 submission (bench/NOTES.md). A `Tape` collects the calls as rows of integers and
 `run` hands the whole tape to a small C loop that makes them in order, so Python
-pays one foreign call per operation instead of two or more per layer.
+pays one foreign call per operation instead of two or more per layer. For an
+operation that the copy engine moves whole, `Native.run_layers` goes further: given
+its joint runs and each buffer's addresses (`Buffers`, once per pool pair), the C
+code computes every layer's addresses itself and makes the same calls as the tape of
+that operation would, so Python builds no rows either.
 
 The loop is compiled on first use with the system C compiler (the one Triton uses
 for its launchers), from the source below, into the user's cache directory
@@ -18,7 +22,8 @@ Contract: rows run in tape order on the streams they name, exactly as the same
 calls made one by one; the first failing call stops the tape and raises
 `CudaRuntimeError` naming the row (the rows before it are submitted). Arrays that
 a `BATCH` row points to are kept alive by the tape until `run` returns: the
-runtime reads them during the call.
+runtime reads them during the call. `run_layers` likewise stops at the first failing
+call and names its layer.
 """
 
 from __future__ import annotations
@@ -113,6 +118,8 @@ typedef struct {
 
 /* The int64 arguments of kvtier_run_layers, in order (see `Native.run_layers`). */
 enum { RUNS, N, BUFS, N_BUFS, LAYERS, LOAD, EVENTS, N_EVENTS, STREAM, ORDER_EVENT, ORDER_STREAM, SMALL };
+/* Its own failures, before any runtime call (runtime errors are positive). */
+enum { NO_BATCH = -1, NO_MEMORY = -3 };
 
 /* Copy joint runs (`runs` [3, n]: first host slot, first device slot, length) of every buffer
    on every model layer, on `stream`, recording events[l] after layer l's copies (one event:
@@ -135,11 +142,14 @@ int kvtier_run_layers(const kvtier_runtime *rt, const int64_t *args, int64_t *fa
     int err = 0;
     int64_t *scratch = NULL; /* a batched call's dst [n], src [n], bytes [n] */
     *failed_layer = -1;
-    if (order_event && (err = record(order_event, order_stream))) return err;
-    if (order_event && (err = rt->wait(stream, order_event, 0))) return err;
-    if (n > small) {
-        if (!batch) return -1;
-        if (!(scratch = malloc(3 * n * sizeof(int64_t)))) return -3;
+    if (n > small) { /* before any call, so a failure here submits nothing */
+        if (!batch) return NO_BATCH;
+        if (!(scratch = malloc(3 * n * sizeof(int64_t)))) return NO_MEMORY;
+    }
+    if (order_event && !(err = record(order_event, order_stream))) err = rt->wait(stream, order_event, 0);
+    if (err) {
+        free(scratch);
+        return err;
     }
     for (int64_t l = 0; l < layers && !err; l++) {
         *failed_layer = l;
@@ -303,6 +313,10 @@ class Buffers:
         self.count = len(buffers)
 
 
+# `kvtier_run_layers`' own failures (the C enum), made before any runtime call.
+_LOOP_ERRORS = {-1: "the runs need the batched copy call, which the runtime lacks", -3: "out of host memory"}
+
+
 class _Runtime(ctypes.Structure):
     """`kvtier_runtime`: the runtime's entry points for the loops."""
 
@@ -374,6 +388,8 @@ class Native:
         )  # fmt: skip
         failed = ctypes.c_int64(-1)
         err = self._layers(self._runtime_address, args.buffer_info()[0], ctypes.byref(failed))
+        if err in _LOOP_ERRORS:
+            raise CudaRuntimeError(f"copying runs failed before any call: {_LOOP_ERRORS[err]}")
         if err:
             where = "ordering after the compute stream" if failed.value < 0 else f"layer {failed.value}"
             raise CudaRuntimeError(f"copying runs failed at {where}: CUDA error {err}")
