@@ -78,7 +78,9 @@ class FakeRuntime:
 
     def native(self, lib: ctypes.CDLL) -> native.Native:
         addr = [ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0 for f in self.fns]
-        return native.Native(lib, *addr, attrs=ATTRS)
+        loop = native.Native(lib, *addr, attrs=ATTRS)
+        loop.keep_alive = self  # type: ignore[attr-defined]  # the loop calls into self.fns
+        return loop
 
 
 @pytest.fixture(scope="module")
