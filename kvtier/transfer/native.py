@@ -68,22 +68,31 @@ typedef int (*wait_fn)(void *, void *, unsigned int);
 
 #define P(x) ((void *)(intptr_t)(x))
 
+/* The runtime's entry points, as `Native` binds them once. */
+typedef struct {
+    copy_fn copy;
+    batch_fn batch; /* NULL where the runtime has none */
+    record_fn record;
+    wait_fn wait;
+    void *attrs;
+    int64_t copy_kind;
+} kvtier_runtime;
+
 /* Run `n` rows of 6 int64 (op, a, b, c, d, e) in order; 0, or the first error with its row. */
-int kvtier_run_tape(const int64_t *rows, int64_t n, copy_fn copy, batch_fn batch, record_fn record,
-                    wait_fn wait, void *attrs, int copy_kind, int64_t *failed_row) {
+int kvtier_run_tape(const kvtier_runtime *rt, const int64_t *rows, int64_t n, int64_t *failed_row) {
     size_t attrs_index = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t *r = rows + 6 * i;
         int err;
         switch (r[0]) {
-        case 1: err = copy(P(r[1]), P(r[2]), (size_t)r[3], copy_kind, P(r[4])); break;
+        case 1: err = rt->copy(P(r[1]), P(r[2]), (size_t)r[3], (int)rt->copy_kind, P(r[4])); break;
         case 2:
-            err = batch ? batch((void **)P(r[1]), (void **)P(r[2]), (size_t *)P(r[3]), (size_t)r[4],
-                                attrs, &attrs_index, 1, P(r[5]))
-                        : -1;
+            err = rt->batch ? rt->batch((void **)P(r[1]), (void **)P(r[2]), (size_t *)P(r[3]), (size_t)r[4],
+                                        rt->attrs, &attrs_index, 1, P(r[5]))
+                            : -1;
             break;
-        case 3: err = record(P(r[1]), P(r[2])); break;
-        case 4: err = wait(P(r[1]), P(r[2]), 0); break;
+        case 3: err = rt->record(P(r[1]), P(r[2])); break;
+        case 4: err = rt->wait(P(r[1]), P(r[2]), 0); break;
         default: err = -2;
         }
         if (err) {
@@ -105,16 +114,6 @@ typedef struct {
     const int64_t *device; /* [buffer layers]: address of each layer's first device row */
     const int64_t *local;  /* [model layers]: the buffer's layer of each model layer, or -1 */
 } kvtier_buffer;
-
-/* The runtime's entry points, as `Native` binds them once. */
-typedef struct {
-    copy_fn copy;
-    batch_fn batch; /* NULL where the runtime has none */
-    record_fn record;
-    wait_fn wait;
-    void *attrs;
-    int64_t copy_kind;
-} kvtier_runtime;
 
 /* The int64 arguments of kvtier_run_layers, in order (see `Native.run_layers`). */
 enum { RUNS, N, BUFS, N_BUFS, LAYERS, LOAD, EVENTS, N_EVENTS, STREAM, ORDER_EVENT, ORDER_STREAM, SMALL };
@@ -318,7 +317,7 @@ _LOOP_ERRORS = {-1: "the runs need the batched copy call, which the runtime lack
 
 
 class _Runtime(ctypes.Structure):
-    """`kvtier_runtime`: the runtime's entry points for the loops."""
+    """`kvtier_runtime`: the runtime's entry points, bound once and read by both loops."""
 
     _fields_ = [
         *((f, ctypes.c_void_p) for f in ("copy", "batch", "record", "wait", "attrs")),
@@ -334,20 +333,18 @@ class Native:
     ) -> None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn = lib.kvtier_run_tape
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
+        fn.argtypes = [ptr, ptr, i64, ptr]
         fn.restype = ctypes.c_int
         layers = lib.kvtier_run_layers
         layers.argtypes = [ptr, ptr, ptr]
         layers.restype = ctypes.c_int
         self._fn, self._layers, self._lib = fn, layers, lib
-        self._args = (copy, batch or None, record, wait, attrs or None, MEMCPY_DEFAULT)
         self._runtime = _Runtime(copy, batch or None, record, wait, attrs or None, MEMCPY_DEFAULT)
         self._runtime_address = ctypes.addressof(self._runtime)
         self.has_batch = bool(batch)
 
     def run(self, rows: int, n: int, failed) -> int:
-        copy, batch, record, wait, attrs, kind = self._args
-        return self._fn(rows, n, copy, batch, record, wait, attrs, kind, failed)
+        return self._fn(self._runtime_address, rows, n, failed)
 
     def run_layers(
         self,
