@@ -758,3 +758,21 @@ def test_batches_start_at_two_copies_only_with_the_direct_batch_call(monkeypatch
     assert dma.small_batch() == dma.SMALL_BATCH == 4
     monkeypatch.setattr(dma, "_probe", lambda: dma.DmaMode.LOOP)
     assert dma.small_batch() == dma.SMALL_BATCH
+
+
+def test_a_kept_planner_plans_as_its_options_do_and_only_for_its_pools() -> None:
+    """`TransferPlan.build(planner=...)`: the same plan as the options given directly; refused with
+    options as well, or for other pools, before anything is planned."""
+    from kvtier.transfer.plan import Planner
+
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    hs, ds = torch.arange(0, 64), torch.arange(64, 128)
+    planner = Planner(host, dev, force="per_run")
+    kept = TransferPlan.build("load", host, dev, hs, ds, planner=planner)
+    direct = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
+    assert (kept.path, kept.parts[0].pieces) == (direct.path, direct.parts[0].pieces)
+    with pytest.raises(PlanError, match="not both"):
+        TransferPlan.build("load", host, dev, hs, ds, planner=planner, force="per_run")
+    with pytest.raises(PlanError, match="other pools"):
+        TransferPlan.build("load", HostPool(spec, 256), dev, hs, ds, planner=planner)

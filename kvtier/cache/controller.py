@@ -204,7 +204,7 @@ class CacheController:
             raise CacheStateError(f"bad cache config {self.config}")
         self.spec = device_pool.spec
         self.device_pool, self.host_pool = device_pool, host_pool
-        # The transfer options, checked now; plans from run lists reuse what it works out once.
+        # The transfer options, checked now; every plan of this cache reuses what it works out once.
         cfg = self.config
         self._planner = Planner(host_pool, device_pool, cfg.costs, cfg.kernel, cfg.force_path)
         ps = self.spec.page_size
@@ -602,9 +602,7 @@ class CacheController:
             self.device_pool,
             _concat(host) if isinstance(host, list) else host,
             dev,
-            costs=self.config.costs,
-            kernel=self.config.kernel,
-            force=self.config.force_path,
+            planner=self._planner,
             stream=self._lane(direction).stream,
             trusted=True,
             whole_pages=whole_pages,

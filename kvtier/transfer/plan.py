@@ -250,6 +250,7 @@ class TransferPlan:
         kernel: KernelOptions | None = None,
         force: TransferPath | str | None = None,
         use_kernel: bool | None = None,
+        planner: Planner | None = None,
         stream: torch.cuda.Stream | None = None,
         trusted: bool = False,
         whole_pages: bool = False,
@@ -262,7 +263,9 @@ class TransferPlan:
         `kernel` tune the planner; `force` picks one path instead (benchmarks and
         tests; `MIXED` cannot be forced, `SINGLE_COPY` only on one joint run, `KERNEL`
         needs Triton). `use_kernel` lets the planner use the kernel (default: on CUDA
-        with Triton). On CUDA the device indices are uploaded on `stream`. `trusted`:
+        with Triton). `planner`: those options already checked for these two pools (a
+        caller planning many operations keeps one), given instead of them. On CUDA the
+        device indices are uploaded on `stream`. `trusted`:
         the slots come from this library's allocators and tree (int64 CPU tensors, in
         range, destinations distinct), so the O(n log n) checks are skipped.
         `whole_pages`: both sides are whole allocator pages (each page's slots
@@ -272,7 +275,12 @@ class TransferPlan:
         plan is then built from the runs alone, without a pass over the slots.
         """
         direction = Direction(direction)
-        planner = Planner(host_pool, device_pool, costs, kernel, force, use_kernel)
+        if planner is None:
+            planner = Planner(host_pool, device_pool, costs, kernel, force, use_kernel)
+        elif (costs, kernel, force, use_kernel) != (None, None, None, None):
+            raise PlanError("give the planner's options either to the Planner or here, not both")
+        elif planner.host_pool is not host_pool or planner.device_pool is not device_pool:
+            raise PlanError("the planner was made for other pools")
         costs, kernel = planner.costs, planner.kernel
         if trusted:
             h, d = host_slots, device_slots
