@@ -24,14 +24,15 @@ from kvtier.transfer import KernelOptions
 console = Console(width=None if sys.stdout.isatty() else 140)
 
 
-def _kernel_shape(text: str) -> tuple[int, int]:
+def _kernel_shape(text: str) -> tuple[int, int | None]:
+    """`PROGRAMSxROWS` (8x32), or `PROGRAMS` alone (4) for rows chosen by row size and budget."""
     try:
-        sm, rows = (int(x) for x in text.lower().split("x"))
+        sm, *rows = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected PROGRAMSxROWS such as 8x32, got {text!r}") from None
-    if sm < 1 or rows < 1:
-        raise argparse.ArgumentTypeError(f"kernel shape {text!r} must be positive")
-    return sm, rows
+    if len(rows) > 1 or sm < 1 or (rows and rows[0] < 1):
+        raise argparse.ArgumentTypeError(f"kernel shape {text!r} must be one or two positive numbers")
+    return sm, (rows[0] if rows else None)
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -51,7 +52,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--kernel",
         type=_kernel_shape,
         default=None,
-        help="gather kernel PROGRAMSxROWS (default 8 x by row size)",
+        help="gather kernel PROGRAMSxROWS, or PROGRAMS with rows by row size (default 8)",
     )
     p.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
 

@@ -423,7 +423,50 @@ def test_rows_in_flight_follows_the_row_size() -> None:
     assert rows_in_flight(1 << 20) == 1
 
 
-def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:
-    """A row of more than 16384 chunks cannot sit in one tile: a clear error, nothing written."""
-    src, src_off, dst, dst_off, row_words = scattered_case(16384 * 16 + 8, 2, slots=3, gen=gen)
-    refused(ValueError, src, src_off, dst, dst_off, row_words, match="wider than one tile")
+def test_rows_in_flight_keeps_the_grid_s_bytes_in_flight_on_fewer_programs() -> None:
+    from kvtier.transfer.kernels import rows_in_flight, tile_bytes, warps_for
+
+    # ~512 KiB across the grid: 64 KiB per program from 8 programs, 128 KiB up to 4.
+    assert [tile_bytes(p) for p in (1, 2, 4, 5, 8, 16)] == [131072, 131072, 131072, 104857, 65536, 65536]
+    assert rows_in_flight(1152, 16) == rows_in_flight(1152, 8) == 56
+    assert rows_in_flight(1152, 4) == 113
+    assert rows_in_flight(656, 4) == 199
+    assert rows_in_flight(132, 4) == 512
+    assert rows_in_flight(1 << 20, 4) == 1
+    # One warp per 4 KiB of tile: 16 for 64 KiB, 32 (1024 threads) from 128 KiB.
+    assert [warps_for(b) for b in (512, 4096, 65536, 131072, 262144)] == [1, 1, 16, 32, 32]
+
+
+def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
+    from kvtier.transfer import KernelOptions
+
+    lean, full = KernelOptions(), KernelOptions(lean=False)
+    # Rows of 1 KiB or more: 4 programs of 128 KiB; shorter rows: the whole budget at 64 KiB.
+    assert (lean.programs_for(1152), lean.rows_for(1152)) == (4, 113)
+    assert (lean.programs_for(1023), lean.rows_for(656)) == (8, 99)
+    assert (full.programs_for(1152), full.rows_for(1152)) == (8, 56)
+    assert (KernelOptions(sm_budget=2).programs_for(1152), KernelOptions(sm_budget=2).rows_for(1152)) == (
+        2,
+        113,
+    )
+    assert KernelOptions(sm_budget=16).programs_for(132) == 16
+    # A shape given whole is taken as it is.
+    assert (
+        KernelOptions(rows_per_program=7).programs_for(1152),
+        KernelOptions(rows_per_program=7).rows_for(1),
+    ) == (
+        8,
+        7,
+    )
+
+
+def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
+    import argparse
+
+    from kvtier.cli import _kernel_shape
+
+    assert _kernel_shape("8x32") == (8, 32)
+    assert _kernel_shape("4") == (4, None)
+    for bad in ("0", "4x0", "4x8x2", "x", "four"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _kernel_shape(bad)

@@ -448,6 +448,54 @@ def test_kernel_moves_page_granular_runs_as_whole_pages(ps, gen):
 
 
 @needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_kernel_on_a_small_budget_moves_larger_tiles_byte_identically(direction, gen) -> None:
+    """sm_budget 4: each program holds twice the rows (128 KiB tiles), and loops over many tiles."""
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 8192, "layer_first"), DevicePool(spec, 8192)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    hs, ds = torch.randperm(8192, generator=gen)[:7000], torch.randperm(8192, generator=gen)[:7000]
+    opts = KernelOptions(sm_budget=4)
+    plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel", kernel=opts)
+    (part,) = plan.parts
+    assert part.mechanism is Mechanism.KERNEL and plan.sms_used == 4
+    for b in spec.buffers:
+        rows = opts.rows_for(b.row_bytes)
+        assert rows == 2 * KernelOptions(sm_budget=8).rows_for(b.row_bytes)
+        assert len(hs) > 4 * rows  # every program copies more than one tile
+    _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypatch) -> None:
+    """glm-5: 1152-byte rows on 4 programs of 113 rows, its 132-byte indexer rows on all 8."""
+    spec = preset("glm-5", 1).with_layers(1)
+    host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    hs, ds = torch.randperm(4096, generator=gen)[:3000], torch.randperm(4096, generator=gen)[:3000]
+    launches = []
+    real = kernels.copy_rows
+
+    def spy(src, src_off, dst, dst_off, row_words, **kw):
+        launches.append((row_words * src.element_size(), kw["sm_budget"], kw["rows_per_program"]))
+        real(src, src_off, dst, dst_off, row_words, **kw)
+
+    monkeypatch.setattr(kernels, "copy_rows", spy)
+    plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
+    assert plan.sms_used == 8 and plan.parts[0].programs == 8
+    _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
+    assert sorted(launches) == [(132, 8, 256), (1152, 4, 113)]
+    v3 = preset("deepseek-v3", 1).with_layers(1)
+    pools = HostPool(v3, 4096), DevicePool(v3, 4096)
+    assert TransferPlan.build(direction, *pools, hs, ds, force="kernel").sms_used == 4
+    full = KernelOptions(lean=False)
+    assert TransferPlan.build(direction, *pools, hs, ds, force="kernel", kernel=full).sms_used == 8
+
+
+@needs_triton
 @pytest.mark.parametrize(("ps", "word"), [(1, 4), (16, 8)])
 def test_kernel_offsets_come_in_the_widest_words_the_rows_allow(ps, word, gen) -> None:
     """132-byte indexer rows: 4-byte words one by one (scattered slots), 8-byte words as 16-row pages."""

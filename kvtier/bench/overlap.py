@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,7 +55,12 @@ def run(
     on_round: Callable[[dict], None] | None = None,
 ) -> tuple[list[OverlapRow], Setup]:
     """The duplex and interference rows; `on_round` gets each interference round's host
-    start and end times (`time.time()`) and rates, to line them up with clock samples."""
+    start and end times (`time.time()`) and rates, to line them up with clock samples.
+
+    Where the kernel takes fewer SMs than its budget (`KernelOptions.lean`), the matmul is
+    also timed beside the kernel on the whole budget: each SM the kernel holds costs the
+    matmul about 1% of its rate (bench/NOTES.md).
+    """
     s = setup(cfg, progress)
     rows = []
     t = cfg.tokens
@@ -84,12 +89,22 @@ def run(
         gbps = _duplex_gbps(s, load, back, rounds)
         rows.append(OverlapRow("duplex", name, load.sms_used * 2, gbps, "GB/s", ceiling, gbps / ceiling))
 
-    for name, load in loads.items():
-        progress(f"interference via {name}")
-        report = (lambda r, name=name: on_round({"mechanism": name, **r})) if on_round else None
-        alone, beside, reload_gbps, kept = _interference(s, load, rounds, on_round=report)
+    beside = list(loads.items())
+    if loads["kernel"].sms_used < cfg.kernel.sm_budget:
+        lh, ld = slot_sets["kernel"][:2]
+        whole = replace(cfg.kernel, lean=False)
+        load = TransferPlan.build(
+            "load", s.host, s.dev, lh, ld, force=paths["kernel"], kernel=whole, stream=s.stream
+        )
+        beside.append(("kernel", load))
+    for name, load in beside:
         sms = load.sms_used
-        rows.append(OverlapRow("matmul beside reload", name, sms, beside, "TFLOP/s", alone, kept))
+        progress(f"interference via {name}" + (f" on {sms} SMs" if sms else ""))
+        report = None
+        if on_round is not None:
+            report = lambda r, name=name, sms=sms: on_round({"mechanism": name, "sms": sms, **r})  # noqa: E731
+        alone, beside_tflops, reload_gbps, kept = _interference(s, load, rounds, on_round=report)
+        rows.append(OverlapRow("matmul beside reload", name, sms, beside_tflops, "TFLOP/s", alone, kept))
         rows.append(
             OverlapRow("reload beside matmul", name, sms, reload_gbps, "GB/s", ceiling, reload_gbps / ceiling)
         )

@@ -56,7 +56,7 @@ class BenchConfig:
     directions: tuple[Direction, ...] = (Direction.LOAD, Direction.BACKUP)
     kernel: KernelOptions = field(default_factory=KernelOptions)
     # Extra kernel shapes `(sm_budget, rows_per_program)` timed on the fully scattered set.
-    kernel_sweep: tuple[tuple[int, int], ...] = ()
+    kernel_sweep: tuple[tuple[int, int | None], ...] = ()
     seed: int = 0
 
 
@@ -234,7 +234,7 @@ def _variants(
         out.append((v, path, STOCK_KERNEL if v == "stock" else cfg.kernel))
     if host_label == "runs-1" and kernel_ok:
         for sm, rpp in cfg.kernel_sweep:
-            out.append((f"kernel-{sm}x{rpp}", TransferPath.KERNEL, KernelOptions(sm, rpp)))
+            out.append((f"kernel-{sm}x{rpp or 'auto'}", TransferPath.KERNEL, KernelOptions(sm, rpp)))
     return out
 
 

@@ -424,7 +424,7 @@ def _kernel(
             dst,
             rows.dst,
             unit_bytes // rows.word,
-            sm_budget=opts.sm_budget,
+            sm_budget=opts.programs_for(unit_bytes),
             rows_per_program=opts.rows_for(unit_bytes),
             validate=False,
             offsets_align=rows.align,

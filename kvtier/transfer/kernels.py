@@ -20,10 +20,12 @@ takes on the order of a microsecond to come back, so reaching ~50 GB/s needs on
 the order of 512 KiB in flight across the GPU at any time (measured). Many
 programs are not the way to get there; many outstanding loads per program are.
 Each program therefore loads a whole tile of rows (`rows_per_program` rows, flattened
-into 16-byte chunks, one per lane, ~64 KiB by default) before it stores any of it,
-and the grid is persistent and small: exactly `min(sm_budget, number of row
-blocks)` programs, each looping over the row blocks `pid, pid + num_programs, ...`.
-The copy takes `sm_budget` SMs (default 8) from the model running beside it, and no more.
+into 16-byte chunks, one per lane; by default 64 KiB on 8 programs, 128 KiB on 4, see
+`rows_in_flight`) before it stores any of it, and the grid is persistent and small:
+exactly `min(sm_budget, number of row blocks)` programs, each looping over the row
+blocks `pid, pid + num_programs, ...`. The copy takes `sm_budget` SMs (default 8) from
+the model running beside it, and no more; each SM it holds cost a bf16 matmul beside
+it about 1% of its rate on an H200 (bench/NOTES.md), so a budget of 4 halves that cost.
 
 Contract
 --------
@@ -68,17 +70,39 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-__all__ = ["copy_rows", "rows_in_flight", "runs_on", "triton_available"]
+__all__ = [
+    "LEAN_PROGRAMS",
+    "LEAN_ROW_BYTES",
+    "copy_rows",
+    "programs_for",
+    "rows_in_flight",
+    "runs_on",
+    "tile_bytes",
+    "triton_available",
+    "warps_for",
+]
 
 _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WORD_SIZES: dict[torch.dtype, int] = {dtype: size for size, dtype in _WORD_DTYPES.items()}
 
-# Bytes in flight per program by default (`rows_in_flight`): 8 programs x 64 KiB keep
-# ~512 KiB of reads outstanding, which a gather of host rows needs to fill the link.
+# Bytes in flight per program by default (`rows_in_flight`): a gather of host rows needs
+# ~512 KiB of reads outstanding across the grid to fill the link, so a program takes
+# `_GRID_BYTES / programs`, from 64 KiB (8 programs or more) to 128 KiB (4 or fewer).
+_GRID_BYTES = 512 * 1024
 _TILE_BYTES = 64 * 1024
-_MAX_DEFAULT_ROWS = 256
-# Lanes of one tile at most (one chunk of up to 16 bytes each); 16 warps hold 32 each.
+_MAX_TILE_BYTES = 128 * 1024
+_MAX_DEFAULT_ROWS = 256  # per 64 KiB of tile
+# Lanes of one tile at most (one chunk of up to 16 bytes each); 32 warps hold 16 each.
 _MAX_TILE_CHUNKS = 16384
+# Rows of at least LEAN_ROW_BYTES fill the link from LEAN_PROGRAMS programs of 128 KiB as
+# from 8 of 64 KiB (0.92 of the ceiling for 1152-byte rows on an H200), and each SM the
+# kernel holds costs a matmul beside it ~1% of its rate; shorter rows need more programs
+# (656-byte rows: 0.83 on 4, 0.85 on 8; 132-byte rows: 0.34 on 4, 0.52 on 8).
+LEAN_ROW_BYTES = 1024
+LEAN_PROGRAMS = 4
+# One warp per this many bytes of tile, at most `_MAX_WARPS` (1024 threads).
+_WARP_BYTES = 4096
+_MAX_WARPS = 32
 # Widest access per thread the hardware has (a 16-byte vector load/store).
 _VECTOR_BYTES = 16
 
@@ -92,15 +116,38 @@ def runs_on(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or _interpreting())
 
 
-def rows_in_flight(row_bytes: int) -> int:
-    """Rows per program for rows of `row_bytes`: 56 for 1152-byte rows, 99 for 656, 256 for 132.
+def tile_bytes(programs: int) -> int:
+    """Bytes in flight per program of a grid of `programs`: 64 KiB from 8 programs, 128 KiB up to 4."""
+    return max(_TILE_BYTES, min(_MAX_TILE_BYTES, _GRID_BYTES // max(1, programs)))
 
-    As many whole rows as fit in `_TILE_BYTES` (at most `_MAX_DEFAULT_ROWS`): what
-    matters for a gather over PCIe is bytes in flight, and a CUDA probe on an H200
-    (bench/NOTES.md) reached the SM read plateau (~51 GB/s) once ~512 KiB were
-    outstanding across the grid, and fell to 0.66-0.75 of it with half that.
+
+def programs_for(row_bytes: int, sm_budget: int) -> int:
+    """Programs for rows of `row_bytes` within `sm_budget`: `LEAN_PROGRAMS` for long rows, else the budget."""
+    return min(sm_budget, LEAN_PROGRAMS) if row_bytes >= LEAN_ROW_BYTES else sm_budget
+
+
+def rows_in_flight(row_bytes: int, programs: int = 8) -> int:
+    """Rows per program for rows of `row_bytes` on a grid of `programs`.
+
+    As many whole rows as fit in `tile_bytes(programs)` (and at most `_MAX_DEFAULT_ROWS`
+    per 64 KiB of it): with 8 programs 56 for 1152-byte rows, 99 for 656, 256 for 132;
+    with 4 programs 113, 199 and 512. What matters for a gather over PCIe is bytes in
+    flight: a CUDA probe on an H200 (bench/NOTES.md) reached the SM read plateau (~51
+    GB/s) once ~512 KiB were outstanding across the grid, with 8 blocks of 64 KiB as with
+    4 of 128 KiB, and fell to 0.66-0.75 of it with half that.
     """
-    return max(1, min(_MAX_DEFAULT_ROWS, _TILE_BYTES // row_bytes))
+    tile = tile_bytes(programs)
+    return max(1, min(_MAX_DEFAULT_ROWS * tile // _TILE_BYTES, tile // row_bytes))
+
+
+def warps_for(tile_bytes: int) -> int:
+    """Warps of a program whose tile is `tile_bytes`: one per 4 KiB, 1 to 32.
+
+    A 64 KiB tile runs on 16 warps (8 lanes of 16 bytes per thread, no spills); a 128 KiB
+    tile on 32 (on 16 it spilled 56 registers, and beside a matmul on an H200 it cost the
+    matmul 7% of its rate on 4 SMs where 32 warps cost 4%; bench/NOTES.md).
+    """
+    return max(1, min(_MAX_WARPS, tile_bytes // _WARP_BYTES))
 
 
 def triton_available() -> bool:
@@ -429,8 +476,7 @@ def copy_rows(
     # A tile holds at most _MAX_TILE_CHUNKS lanes: fewer rows in flight than asked when wide.
     rows_per_program = min(rows_per_program, _MAX_TILE_CHUNKS // row_vecs)
     block = _next_power_of_2(rows_per_program * row_vecs)
-    tile_bytes = block * vec * width
-    num_warps = max(1, min(16, tile_bytes // 4096))
+    num_warps = warps_for(block * vec * width)
 
     num_blocks = -(-n // rows_per_program)
     grid = (min(sm_budget, num_blocks),)

@@ -118,18 +118,28 @@ class PathCosts:
 class KernelOptions:
     """The gather/scatter kernel's budget and shape.
 
-    `sm_budget` programs with `rows_per_program` rows in flight each (None: chosen
-    per buffer from its row size, see `kernels.rows_in_flight`); runs are moved in
-    units of up to `max_unit_bytes` (one "row" of the kernel).
+    Up to `sm_budget` programs with `rows_per_program` rows in flight each (None: chosen
+    per buffer from its row size and the programs, see `kernels.rows_in_flight`); runs are
+    moved in units of up to `max_unit_bytes` (one "row" of the kernel). With `lean` (and
+    rows chosen by size), rows of `kernels.LEAN_ROW_BYTES` or more take only
+    `kernels.LEAN_PROGRAMS` programs of twice the tile: they fill the link as 8 programs
+    do, and the model beside keeps the other SMs (`kernels.programs_for`).
     """
 
     sm_budget: int = 8
     rows_per_program: int | None = None
     max_unit_bytes: int = 16 << 10
+    lean: bool = True
+
+    def programs_for(self, row_bytes: int) -> int:
+        """Programs (SMs) of the kernel's grid for rows of `row_bytes`: the budget at most."""
+        if self.rows_per_program is not None or not self.lean:
+            return self.sm_budget
+        return kernels.programs_for(row_bytes, self.sm_budget)
 
     def rows_for(self, row_bytes: int) -> int:
-        """Rows in flight per program for rows of `row_bytes` (by row size unless set)."""
-        return self.rows_per_program or kernels.rows_in_flight(row_bytes)
+        """Rows in flight per program for rows of `row_bytes` (by row size and programs unless set)."""
+        return self.rows_per_program or kernels.rows_in_flight(row_bytes, self.programs_for(row_bytes))
 
 
 @dataclass(frozen=True)
@@ -192,6 +202,7 @@ class Part:
     unit: int = 1
     streams: int = 1
     windows: tuple[tuple[int, int, int, int], ...] = ()
+    programs: int = 0
 
 
 @dataclass(frozen=True)
@@ -219,8 +230,8 @@ class TransferPlan:
 
     @property
     def sms_used(self) -> int:
-        """SMs the plan takes from the model while it runs (the kernel's grid)."""
-        return self.kernel.sm_budget if any(p.mechanism is Mechanism.KERNEL for p in self.parts) else 0
+        """SMs the plan takes from the model while it runs: the largest grid of its kernel launches."""
+        return max((p.programs for p in self.parts if p.mechanism is Mechanism.KERNEL), default=0)
 
     def rows_by_mechanism(self) -> dict[str, int]:
         """Rows each mechanism moves (multiply by a layer's row bytes for bytes)."""
@@ -788,6 +799,7 @@ def _kernel_part(
         positions=torch.from_numpy(rows),
         kernel_rows=per_buffer,
         unit=unit,
+        programs=max(opts.programs_for(b.row_bytes * unit) for b in host_pool.spec.buffers),
     )
 
 
