@@ -320,6 +320,18 @@ def _rows(words: torch.Tensor, b) -> torch.Tensor:
     return words.view(torch.uint8).view(b.dtype).view(words.shape[0], *b.row_shape)
 
 
+def _kernel_text(opts: KernelOptions) -> str:
+    """The kernel's shape in words: `8 programs x 56 rows`, or how it is chosen."""
+    if opts.rows_per_program is not None:
+        return f"{opts.sm_budget} programs x {opts.rows_per_program} rows"
+    if opts.lean and opts.sm_budget > kernels.LEAN_PROGRAMS:
+        return (
+            f"{opts.sm_budget} programs ({kernels.LEAN_PROGRAMS} for rows of {kernels.LEAN_ROW_BYTES} bytes "
+            "or more) x rows by size"
+        )
+    return f"{opts.sm_budget} programs x rows by size"
+
+
 def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: int) -> dict:
     return {
         **environment(cfg.device),
@@ -330,7 +342,7 @@ def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: i
         "tokens": cfg.tokens,
         "layer_bytes": layer_bytes,
         "churn_cycles": cfg.cycles,
-        "kernel": f"{cfg.kernel.sm_budget} programs x {cfg.kernel.rows_per_program or 'auto'} rows",
+        "kernel": _kernel_text(cfg.kernel),
         "stock_kernel": f"{STOCK_KERNEL.sm_budget} programs x {STOCK_KERNEL.rows_per_program} rows",
         "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (slow variants: 3 x 1)"
         + ("; the stream held by a GPU sleep while they are issued" if cfg.device.type == "cuda" else ""),
