@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -100,15 +101,17 @@ def run(
     for name, load in beside:
         sms = load.sms_used
         progress(f"interference via {name}" + (f" on {sms} SMs" if sms else ""))
-        report = None
-        if on_round is not None:
-            report = lambda r, name=name, sms=sms: on_round({"mechanism": name, "sms": sms, **r})  # noqa: E731
+        report = functools.partial(_tagged, on_round, {"mechanism": name, "sms": sms}) if on_round else None
         alone, beside_tflops, reload_gbps, kept = _interference(s, load, rounds, on_round=report)
         rows.append(OverlapRow("matmul beside reload", name, sms, beside_tflops, "TFLOP/s", alone, kept))
         rows.append(
             OverlapRow("reload beside matmul", name, sms, reload_gbps, "GB/s", ceiling, reload_gbps / ceiling)
         )
     return rows, s
+
+
+def _tagged(on_round: Callable[[dict], None], tags: dict, r: dict) -> None:
+    on_round({**tags, **r})
 
 
 def _duplex_gbps(s: Setup, load: TransferPlan, back: TransferPlan, rounds: int, calls: int = 8) -> float:

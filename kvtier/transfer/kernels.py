@@ -24,8 +24,9 @@ into 16-byte chunks, one per lane; by default 64 KiB on 8 programs, 128 KiB on 4
 `rows_in_flight`) before it stores any of it, and the grid is persistent and small:
 exactly `min(sm_budget, number of row blocks)` programs, each looping over the row
 blocks `pid, pid + num_programs, ...`. The copy takes `sm_budget` SMs (default 8) from
-the model running beside it, and no more; each SM it holds cost a bf16 matmul beside
-it about 1% of its rate on an H200 (bench/NOTES.md), so a budget of 4 halves that cost.
+the model running beside it, and no more. Each SM it holds cost a bf16 matmul beside it
+about 1% of its rate on an H200 (bench/NOTES.md), so rows that fill the link from fewer
+programs get fewer (`programs_for`, used by `KernelOptions` unless told otherwise).
 
 Contract
 --------
@@ -140,14 +141,14 @@ def rows_in_flight(row_bytes: int, programs: int = 8) -> int:
     return max(1, min(_MAX_DEFAULT_ROWS * tile // _TILE_BYTES, tile // row_bytes))
 
 
-def warps_for(tile_bytes: int) -> int:
-    """Warps of a program whose tile is `tile_bytes`: one per 4 KiB, 1 to 32.
+def warps_for(nbytes: int) -> int:
+    """Warps of a program whose tile is `nbytes`: one per 4 KiB, 1 to 32.
 
     A 64 KiB tile runs on 16 warps (8 lanes of 16 bytes per thread, no spills); a 128 KiB
     tile on 32 (on 16 it spilled 56 registers, and beside a matmul on an H200 it cost the
     matmul 7% of its rate on 4 SMs where 32 warps cost 4%; bench/NOTES.md).
     """
-    return max(1, min(_MAX_WARPS, tile_bytes // _WARP_BYTES))
+    return max(1, min(_MAX_WARPS, nbytes // _WARP_BYTES))
 
 
 def triton_available() -> bool:

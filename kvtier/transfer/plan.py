@@ -188,7 +188,8 @@ class Part:
     int64 numpy arrays; for `STAGED` the device offset is into the staging window).
     `windows`: `STAGED` only, `(first row, end row, first piece, end piece)` of each
     staging window, in the part's row order. `streams`: how many streams a batched
-    part's copies of one layer are spread over.
+    part's copies of one layer are spread over. `programs`: `KERNEL` only, the largest
+    grid of the part's launches (SMs held while it runs).
     """
 
     mechanism: Mechanism
