@@ -470,3 +470,25 @@ def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
     for bad in ("0", "4x0", "4x8x2", "x", "four"):
         with pytest.raises(argparse.ArgumentTypeError):
             _kernel_shape(bad)
+
+
+@pytest.mark.parametrize(("sm_budget", "rows", "warps"), [(8, 56, 16), (4, 113, 32)])
+def test_rows_in_flight_default_to_the_row_size_and_grid(
+    sm_budget: int, rows: int, warps: int, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
+) -> None:
+    """Without `rows_per_program`, a tile of ~512 KiB / programs (1152-byte rows), byte-identical."""
+    launches = []
+    real = kernels._kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((grid, kw["ROWS_PER_BLOCK"], kw["num_warps"]))
+                return real()[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "_kernel", Spy)
+    case = scattered_case(1152, 1000, 1200, gen)
+    run_and_check(*case, GATHER, sm_budget=sm_budget)
+    assert launches == [((sm_budget,), rows, warps)]

@@ -367,7 +367,7 @@ def copy_rows(
     row_words: int,
     *,
     sm_budget: int = 8,
-    rows_per_program: int = 16,
+    rows_per_program: int | None = None,
     validate: bool = True,
     offsets_align: int | None = None,
 ) -> None:
@@ -387,8 +387,9 @@ def copy_rows(
         sm_budget: number of programs of the persistent grid (at most; fewer when there
             are fewer row blocks).
         rows_per_program: rows each program has in flight per iteration (the tile;
-            fewer when that many would exceed 16384 chunks); 1 gives a
-            one-row-at-a-time baseline.
+            fewer when that many would exceed 16384 chunks); None (the default): by
+            row size for a grid of `sm_budget` (`rows_in_flight`, ~512 KiB across the
+            grid); 1 gives a one-row-at-a-time baseline.
         validate: check every row's bounds and that destination rows do not overlap,
             on the host, before launching. Needs CPU offsets; pass False when the
             offsets live on the GPU and were validated on the CPU beforehand.
@@ -421,8 +422,8 @@ def copy_rows(
         raise ValueError(f"sm_budget must be a positive int, got {sm_budget!r}")
     if offsets_align is not None and (not isinstance(offsets_align, int) or offsets_align < 1):
         raise ValueError(f"offsets_align must be a positive int, got {offsets_align!r}")
-    if not isinstance(rows_per_program, int) or rows_per_program < 1:
-        raise ValueError(f"rows_per_program must be a positive int, got {rows_per_program!r}")
+    if rows_per_program is not None and (not isinstance(rows_per_program, int) or rows_per_program < 1):
+        raise ValueError(f"rows_per_program must be a positive int or None, got {rows_per_program!r}")
     if src_offsets.device != dst_offsets.device:
         raise ValueError(f"offsets on different devices: {src_offsets.device} and {dst_offsets.device}")
 
@@ -460,6 +461,8 @@ def copy_rows(
     src_off = _to_kernel_device(_rescale(src_offsets, size, width), device)
     dst_off = _to_kernel_device(_rescale(dst_offsets, size, width), device)
 
+    if rows_per_program is None:
+        rows_per_program = rows_in_flight(row_words * size, sm_budget)
     # Tile: rows_per_program whole rows, one VEC-word chunk (at most 16 bytes) per lane.
     vec = 1
     while (
