@@ -445,19 +445,18 @@ def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
     assert (lean.programs_for(1152), lean.rows_for(1152)) == (4, 113)
     assert (lean.programs_for(1023), lean.rows_for(656)) == (8, 99)
     assert (full.programs_for(1152), full.rows_for(1152)) == (8, 56)
-    assert (KernelOptions(sm_budget=2).programs_for(1152), KernelOptions(sm_budget=2).rows_for(1152)) == (
-        2,
-        113,
-    )
+    small = KernelOptions(sm_budget=2)
+    assert (small.programs_for(1152), small.rows_for(1152)) == (2, 113)
     assert KernelOptions(sm_budget=16).programs_for(132) == 16
     # A shape given whole is taken as it is.
-    assert (
-        KernelOptions(rows_per_program=7).programs_for(1152),
-        KernelOptions(rows_per_program=7).rows_for(1),
-    ) == (
-        8,
-        7,
-    )
+    given = KernelOptions(rows_per_program=7)
+    assert (given.programs_for(1152), given.rows_for(1152)) == (8, 7)
+
+
+def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:
+    """A row of more than 16384 chunks cannot sit in one tile: a clear error, nothing written."""
+    src, src_off, dst, dst_off, row_words = scattered_case(16384 * 16 + 8, 2, slots=3, gen=gen)
+    refused(ValueError, src, src_off, dst, dst_off, row_words, match="wider than one tile")
 
 
 def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
