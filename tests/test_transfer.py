@@ -761,21 +761,18 @@ def test_direct_batch_call_needs_the_bindings_attributes(monkeypatch) -> None:
 
 def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
     """Runs averaging `fan_out_below_bytes` or more stay on one stream (no fork and join per layer)."""
-    from kvtier.transfer.plan import _copy_part
+    from kvtier.transfer.plan import _copy_streams
 
     spec = preset("tiny-mla", 1)  # 48-byte rows
-    host = HostPool(spec, 4096)
-    starts = np.arange(0, 4096, 256, dtype=np.int64)
+    runs = 16
 
-    def streams(run: int, **kw) -> int:
-        lens = np.full(len(starts), run, dtype=np.int64)
-        return _copy_part(host, starts, starts, starts, lens, True, PathCosts(copy_streams=4, **kw)).streams
+    def streams(run: int, batched: bool = True, **kw) -> int:
+        return _copy_streams(spec, run * runs, runs, batched, PathCosts(copy_streams=4, **kw))
 
     assert streams(200) == 4  # 9.6 KB runs
     assert streams(200, fan_out_below_bytes=200 * 48) == 1
     assert streams(199, fan_out_below_bytes=200 * 48) == 4
-    lens = np.full(len(starts), 8, dtype=np.int64)
-    assert _copy_part(host, starts, starts, starts, lens, False, PathCosts(copy_streams=4)).streams == 1
+    assert streams(8, batched=False) == 1
 
 
 def test_copy_streams_must_be_positive() -> None:

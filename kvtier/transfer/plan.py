@@ -345,7 +345,8 @@ class TransferPlan:
         cap = device_pool.staging_tokens
         if path in _COPY_PATHS:
             use_batch = batched and path is not TransferPath.PER_RUN
-            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch, costs),)
+            streams = _copy_streams(host_pool.spec, n, len(jl), use_batch, costs)
+            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch, streams),)
         elif path is TransferPath.STAGED:
             parts = (
                 _staged_part(host_pool, hn, dn, host_starts, host_lens, cap, batched, costs.copy_streams, up),
@@ -450,7 +451,7 @@ class Planner:
         table = np.array((joint.pos, joint.host, joint.dev, lens), dtype=np.int64)
         batched = self.batched and path is not TransferPath.PER_RUN
         streams = _copy_streams(host_pool.spec, n, len(lens), batched, self.costs)
-        return RunCopies(path, table, joint.host_runs, joint.device_runs, batched, streams, self.costs)
+        return RunCopies(path, table, joint.host_runs, joint.device_runs, batched, streams)
 
 
 @dataclass(frozen=True)
@@ -469,7 +470,6 @@ class RunCopies:
     device_runs: int
     batched: bool
     streams: int
-    costs: PathCosts
 
     @property
     def lens(self) -> np.ndarray:
@@ -477,7 +477,7 @@ class RunCopies:
 
     def part(self, host_pool: HostPool) -> Part:
         """The plan's one part."""
-        return _copy_part(host_pool, *self.joint, self.batched, self.costs)
+        return _copy_part(host_pool, *self.joint, self.batched, self.streams)
 
 
 @dataclass(frozen=True)
@@ -583,14 +583,13 @@ def _copy_part(
     dev_at: np.ndarray,
     lens: np.ndarray,
     batched: bool,
-    costs: PathCosts | None = None,
+    streams: int,
 ) -> Part:
     """Copy-engine copies of joint runs, with their byte addresses per buffer (for raw submission).
 
     `pos`, `host_at`, `dev_at`, `lens`: `[runs]` int64, where each joint run starts
-    in the plan, its first host and device slot, and its length. A batched part's
-    copies of one layer go over `costs.copy_streams` streams when its runs are short
-    (`PathCosts.fan_out_below_bytes`), else over one.
+    in the plan, its first host and device slot, and its length. `streams`: how many
+    streams a batched part's copies of one layer go over (`_copy_streams`).
     """
     return Part(
         Mechanism.COPY,
@@ -598,18 +597,17 @@ def _copy_part(
         _pieces(pos, host_at, dev_at, lens),
         batched=batched,
         run_bytes=_run_bytes(host_pool, host_at, dev_at, lens),
-        streams=_copy_streams(host_pool.spec, int(lens.sum()), len(lens), batched, costs),
+        streams=streams,
     )
 
 
-def _copy_streams(spec: KVSpec, rows: int, runs: int, batched: bool, costs: PathCosts | None) -> int:
-    """Streams a copy part's copies of one layer go over (see `_copy_part`): `rows` in `runs`."""
-    if (
-        batched
-        and costs is not None
-        and runs
-        and rows * spec.widest_row_bytes < costs.fan_out_below_bytes * runs
-    ):
+def _copy_streams(spec: KVSpec, rows: int, runs: int, batched: bool, costs: PathCosts) -> int:
+    """Streams a copy part's copies of one layer go over: `rows` in `runs`.
+
+    `costs.copy_streams` for batched copies of runs shorter on average than
+    `PathCosts.fan_out_below_bytes`, else one.
+    """
+    if batched and runs and rows * spec.widest_row_bytes < costs.fan_out_below_bytes * runs:
         return costs.copy_streams
     return 1
 
@@ -689,7 +687,8 @@ class _Stretches:
         out = []
         if len(self.copy[0]):
             s, n = self.copy
-            out.append(_copy_part(host_pool, s, hn[s], dn[s], n, batched, costs))
+            streams = _copy_streams(host_pool.spec, int(n.sum()), len(n), batched, costs)
+            out.append(_copy_part(host_pool, s, hn[s], dn[s], n, batched, streams))
         if len(self.staged[0]):
             out.append(_staged_part(host_pool, hn, dn, *self.staged, cap, batched, costs.copy_streams, up))
         if len(self.kernel[0]):
