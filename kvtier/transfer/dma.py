@@ -24,6 +24,7 @@ a stream they created; `copy_runs` refuses the default stream up front.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections.abc import Callable
 from enum import Enum
@@ -109,8 +110,7 @@ def copy_runs(
     over that many streams forked from and joined into `stream`, in contiguous shares
     of about equal bytes (when there are at least two copies per stream).
     """
-    share = lambda d, s, z, st: copy_runs(d, s, z, st, mode)  # noqa: E731
-    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, None, share):
+    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, None, functools.partial(copy_runs, mode=mode)):
         return
     n = len(sizes)
     global _mode
@@ -161,8 +161,7 @@ def tape_runs(
     made directly (the tape's loop must have it: `Native.has_batch`), made later by
     `Tape.run`.
     """
-    share = lambda d, s, z, st: tape_runs(tape, d, s, z, st)  # noqa: E731
-    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, tape, share):
+    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, tape, functools.partial(tape_runs, tape)):
         return
     if len(sizes) <= small_batch():
         for d, s, k in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist(), strict=True):

@@ -453,10 +453,10 @@ def library() -> Native | None:
     batch = dma.direct_batch_fn()
     _native = Native(
         lib,
-        addr(rt.lib.cudaMemcpyAsync),
+        addr(rt.memcpy_async),
         addr(batch[0]) if batch is not None else 0,
-        addr(rt.lib.cudaEventRecord),
-        addr(rt.lib.cudaStreamWaitEvent),
+        addr(rt.event_record),
+        addr(rt.stream_wait_event),
         batch[1] if batch is not None else 0,
     )
     log.info("transfers submitted from a compiled loop (%s)", lib._name)
