@@ -16,7 +16,7 @@ from kvtier.errors import (
 )
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.spec import BufferKind, BufferSpec, KVSpec, preset
-from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
+from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer, load_layers
 
 __version__ = "0.1.0"
 
@@ -40,5 +40,6 @@ __all__ = [
     "TransferPlan",
     "backup",
     "load_layer",
+    "load_layers",
     "preset",
 ]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import host_row, poison_device, poison_host, random_rows, same_bytes
 
-from kvtier.errors import PlanError, SlotError
+from kvtier.errors import PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
@@ -21,8 +21,10 @@ from kvtier.transfer import (
     TransferPlan,
     backup,
     dma,
+    groups,
     kernels,
     load_layer,
+    load_layers,
 )
 from kvtier.transfer.copy import buffer_runs, layer_copies
 
@@ -335,13 +337,17 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
     _run_and_check(plan, host, dev, hs, ds, layout)
 
 
-def _run_and_check(plan, host: HostPool, dev: DevicePool, hs, ds, layout: HostLayout) -> None:
-    """Run `plan` on CPU pools; every pair moved, no other row of the destination touched."""
+def _run_and_check(plan, host: HostPool, dev: DevicePool, hs, ds, layout: HostLayout, grouped=False) -> None:
+    """Run `plan` on CPU pools; every pair moved, no other row of the destination touched.
+
+    Loads run layer by layer, or with `grouped` all layers in one `load_layers` call."""
     spec, direction = host.spec, plan.direction.value
     n_dev = dev.num_slots
     before_dev = {(b.name, lay): dev.layer(b.name, lay).clone() for b in spec.buffers for lay in b.layers}
     before_host = {b.name: [c.clone() for c in host.chunks(b.name)] for b in spec.buffers}
-    if direction == "load":
+    if direction == "load" and grouped:
+        load_layers(plan, host, dev, range(spec.num_layers))
+    elif direction == "load":
         for layer in range(spec.num_layers):
             load_layer(plan, host, dev, layer)
     else:
@@ -445,6 +451,57 @@ def test_kernel_moves_page_granular_runs_as_whole_pages(ps, gen):
         for layer in b.layers:
             for i in range(len(hs)):
                 assert same_bytes(dev.layer(b.name, layer)[int(ds[i])], host_row(host, b, layer, int(hs[i])))
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("spec_name", ["tiny-dsa", "tiny-mla-fp8", "tiny-mha"])
+def test_page_first_kernel_rows_move_several_layers_per_launch(spec_name, ps, direction, gen, monkeypatch):
+    """page_first keeps a page's layers together: one launch per buffer moves them all, byte for byte."""
+    spec = preset(spec_name, ps)
+    host, dev = HostPool(spec, 512, "page_first"), DevicePool(spec, 512)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    pages = 100 // ps
+    hs = (torch.randperm(512 // ps, generator=gen)[:pages, None] * ps + torch.arange(ps)).flatten()
+    ds = (torch.randperm(512 // ps, generator=gen)[:pages, None] * ps + torch.arange(ps)).flatten()
+    plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel", kernel=KernelOptions(2, 3))
+    (part,) = plan.parts
+    assert part.unit == ps and set(part.layer_tables) == {b.name for b in spec.buffers}
+    assert plan.sms_used == 2
+    launches = []
+    copy_groups = groups.copy_groups
+
+    def spy(*args, **kwargs) -> None:
+        launches.append(len(args[2]))  # the layers moved by this launch
+        copy_groups(*args, **kwargs)
+
+    monkeypatch.setattr(groups, "copy_groups", spy)
+    _run_and_check(plan, host, dev, hs, ds, HostLayout.PAGE_FIRST, grouped=True)
+    assert sorted(launches) == sorted(len(b.layers) for b in spec.buffers)
+
+
+@needs_triton
+def test_layer_first_kernel_rows_move_layer_by_layer(gen) -> None:
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 256, "layer_first"), DevicePool(spec, 256)
+    hs, ds = torch.randperm(256, generator=gen)[:50], torch.randperm(256, generator=gen)[:50]
+    plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel")
+    assert plan.parts[0].layer_tables == {}
+    _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST, grouped=True)
+
+
+@needs_triton
+def test_load_layers_refuses_a_layer_outside_the_model_before_moving_any(gen) -> None:
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 64, "page_first"), DevicePool(spec, 64)
+    poison_host(host, gen)
+    before = dev.layer("kv", 0).clone()
+    plan = TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), force="kernel")
+    with pytest.raises(SpecError):
+        load_layers(plan, host, dev, [0, 7])
+    assert same_bytes(dev.layer("kv", 0), before)
 
 
 @needs_triton

@@ -1,6 +1,6 @@
 """Moving KV rows between a `HostPool` and a `DevicePool`: plans (decide once) and copies (run per layer)."""
 
-from kvtier.transfer.copy import backup, load_layer
+from kvtier.transfer.copy import backup, load_layer, load_layers
 from kvtier.transfer.plan import (
     KernelOptions,
     Mechanism,
@@ -19,4 +19,5 @@ __all__ = [
     "TransferPlan",
     "backup",
     "load_layer",
+    "load_layers",
 ]

@@ -29,7 +29,7 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
-from kvtier.transfer import dma, kernels, native
+from kvtier.transfer import dma, groups, kernels, native
 from kvtier.transfer.plan import Mechanism, Part, RunCopies, TransferPlan
 
 
@@ -41,10 +41,24 @@ def load_layer(
     stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Copy every buffer of model layer `layer` from the plan's host slots to its device slots."""
+    load_layers(plan, host_pool, device_pool, [layer], stream)
+
+
+def load_layers(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    layers: Iterable[int],
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy every buffer of `layers` from the plan's host slots to its device slots.
+
+    Where the host keeps a unit's layers together (`page_first`, whole pages), the
+    kernel's rows of consecutive layers move in one launch per buffer; loading a few
+    layers at once then reads longer stretches of host memory than one layer's rows.
+    """
     _expect(plan, Direction.LOAD)
-    with _on_stream(plan, device_pool, stream) as s:
-        for b in host_pool.spec.buffers_on(layer):
-            _move(plan, host_pool, device_pool, b, layer, s)
+    _move_layers(plan, host_pool, device_pool, list(layers), stream)
 
 
 def backup(
@@ -57,10 +71,7 @@ def backup(
     """Copy every buffer of `layers` (all by default) from the plan's device slots to its host slots."""
     _expect(plan, Direction.BACKUP)
     layers = range(host_pool.spec.num_layers) if layers is None else layers
-    with _on_stream(plan, device_pool, stream) as s:
-        for layer in layers:
-            for b in host_pool.spec.buffers_on(layer):
-                _move(plan, host_pool, device_pool, b, layer, s)
+    _move_layers(plan, host_pool, device_pool, list(layers), stream)
 
 
 def _expect(plan: TransferPlan, direction: Direction) -> None:
@@ -82,6 +93,33 @@ def _on_stream(
         yield stream
 
 
+def _move_layers(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    layers: list[int],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Every buffer of `layers`, layer by layer, except kernel rows that move several layers at once."""
+    spec = host_pool.spec
+    for layer in layers:
+        spec.buffers_on(layer)  # a layer outside the model raises here, before anything moves
+    with _on_stream(plan, device_pool, stream) as s:
+        if len(layers) == 1:
+            for b in spec.buffers_on(layers[0]):
+                _move(plan, host_pool, device_pool, b, layers[0], s)
+            return
+        for layer in layers:
+            for b in spec.buffers_on(layer):
+                _move(plan, host_pool, device_pool, b, layer, s, grouped=True)
+        for b in spec.buffers:
+            on = set(b.layers)
+            mine = [b.local_layer(layer) for layer in layers if layer in on]
+            for part in plan.parts:
+                if b.name in part.layer_tables and device_pool.raw_rows(b.name):
+                    _kernel_groups(plan, part, host_pool, device_pool, b, mine)
+
+
 def _move(
     plan: TransferPlan,
     host_pool: HostPool,
@@ -89,7 +127,10 @@ def _move(
     b: BufferSpec,
     layer: int,
     stream: torch.cuda.Stream | None,
+    grouped: bool = False,
 ) -> None:
+    """Buffer `b` of one layer, every part of the plan; with `grouped`, not the kernel parts that
+    have a layer table for `b` (the caller moves those several layers at once)."""
     dev = device_pool.layer(b.name, layer)
     if not device_pool.raw_rows(b.name):
         _reference(plan, host_pool, dev, b, layer, None)
@@ -104,7 +145,8 @@ def _move(
         elif part.mechanism is Mechanism.STAGED:
             _staged(plan, part, host_pool, device_pool, dev_w, b, layer, stream)
         elif part.mechanism is Mechanism.KERNEL:
-            _kernel(plan, part, host_pool, dev_w, b, layer)
+            if not (grouped and b.name in part.layer_tables):
+                _kernel(plan, part, host_pool, dev_w, b, layer)
         else:
             _reference(plan, host_pool, dev, b, layer, part)
 
@@ -429,6 +471,61 @@ def _kernel(
             validate=False,
             offsets_align=rows.align,
         )
+
+
+def _kernel_groups(
+    plan: TransferPlan,
+    part: Part,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    b: BufferSpec,
+    local: list[int],
+) -> None:
+    """The kernel's rows of buffer `b` on local layers `local`: each run of consecutive layers (up to
+    `groups.GROUP_TILE_BYTES` of a unit's stretch) in one launch per host region."""
+    word, table = part.layer_tables[b.name]
+    unit_bytes = b.row_bytes * part.unit
+    most = max(1, groups.GROUP_TILE_BYTES // unit_bytes)
+    first = flat_words(as_words(device_pool.layer(b.name, b.layers[0])).view(-1), word)
+    load = plan.direction is Direction.LOAD
+    for lo, hi in _layer_runs(local, most):
+        if hi - lo == 1:
+            dev_w = as_words(device_pool.layer(b.name, b.layers[lo]))
+            _kernel(plan, part, host_pool, dev_w, b, b.layers[lo])
+            continue
+        layers = [
+            flat_words(as_words(device_pool.layer(b.name, b.layers[j])).view(-1), word) for j in range(lo, hi)
+        ]
+        for rows in part.kernel_rows[b.name]:
+            # Units' host offsets count from a region's first row of a layer: from the first
+            # layer's (the region's start), shifted by `lo` layers of a page (one unit each).
+            packed = flat_words(host_pool.region_words(b.name, b.layers[0], rows.region), word)
+            shift = lo * (unit_bytes // word)
+            packed_off, split_off = (rows.src, rows.dst) if load else (rows.dst, rows.src)
+            groups.copy_groups(
+                packed,
+                packed_off,
+                layers,
+                split_off,
+                unit_bytes // word,
+                plan.direction,
+                packed_shift=shift,
+                table=(first, table[lo:hi]),
+                sm_budget=plan.kernel.sm_budget,
+                validate=False,
+                offsets_align=rows.align,
+            )
+
+
+def _layer_runs(local: list[int], most: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` runs of consecutive values of `local` (ascending), each at most `most` long."""
+    out: list[tuple[int, int]] = []
+    for j in local:
+        if out and out[-1][1] == j and j - out[-1][0] < most:
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out
 
 
 def _reference(

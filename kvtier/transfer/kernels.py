@@ -108,13 +108,13 @@ _MAX_WARPS = 32
 _VECTOR_BYTES = 16
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def runs_on(device: torch.device) -> bool:
     """Whether `copy_rows` can run with its device-side tensor on `device` here."""
-    return triton is not None and (device.type == "cuda" or _interpreting())
+    return triton is not None and (device.type == "cuda" or interpreting())
 
 
 def tile_bytes(programs: int) -> int:
@@ -153,7 +153,7 @@ def warps_for(nbytes: int) -> int:
 
 def triton_available() -> bool:
     """Whether `copy_rows` can run here: Triton imports, and CUDA or Triton's CPU interpreter is on."""
-    return triton is not None and (torch.cuda.is_available() or _interpreting())
+    return triton is not None and (torch.cuda.is_available() or interpreting())
 
 
 # ---------------------------------------------------------------------------
@@ -236,7 +236,7 @@ _kernel_interpreted: bool | None = None
 def _kernel() -> Any:
     """The Triton kernel for the current mode (compiled, or Triton's CPU interpreter)."""
     global _copy_chunks_jit, _kernel_jit, _kernel_interpreted
-    mode = _interpreting()
+    mode = interpreting()
     if _kernel_jit is None or _kernel_interpreted != mode:
         _copy_chunks_jit = triton.jit(_copy_chunks)
         # n_rows changes with every call: one compiled kernel serves all of them.
@@ -250,11 +250,11 @@ def _kernel() -> Any:
 # ---------------------------------------------------------------------------
 
 
-def _next_power_of_2(x: int) -> int:
+def next_power_of_2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def _check_words(t: torch.Tensor, name: str) -> None:
+def check_words(t: torch.Tensor, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _WORD_SIZES:
@@ -263,14 +263,14 @@ def _check_words(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 1-D and contiguous, got shape {tuple(t.shape)} stride {t.stride()}")
 
 
-def _check_offsets(offsets: torch.Tensor, name: str) -> None:
+def check_offsets(offsets: torch.Tensor, name: str) -> None:
     if not isinstance(offsets, torch.Tensor):
         raise SlotError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dim() != 1 or offsets.dtype != torch.int64:
         raise SlotError(f"{name} must be 1-D int64, got shape {tuple(offsets.shape)} dtype {offsets.dtype}")
 
 
-def _validate_rows(offsets: torch.Tensor, row_words: int, numel: int, name: str) -> None:
+def validate_rows(offsets: torch.Tensor, row_words: int, numel: int, name: str) -> None:
     """Every row `[offset, offset + row_words)` lies inside `[0, numel)`."""
     lo = int(offsets.min())
     hi = int(offsets.max())
@@ -282,7 +282,7 @@ def _validate_rows(offsets: torch.Tensor, row_words: int, numel: int, name: str)
         )
 
 
-def _validate_disjoint(offsets: torch.Tensor, row_words: int, name: str) -> None:
+def validate_disjoint(offsets: torch.Tensor, row_words: int, name: str) -> None:
     """No two rows `[offset, offset + row_words)` overlap (repeated offsets included)."""
     if offsets.numel() < 2:
         return
@@ -335,13 +335,13 @@ def _offsets_alignment(offsets: list[torch.Tensor], word_size: int) -> int:
     return min(_VECTOR_BYTES, common_alignment(*(o.numpy() for o in offsets)) * word_size)
 
 
-def _kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
+def kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
     devices = {t.device for t in (src, dst) if t.device.type == "cuda"}
     if len(devices) > 1:
         raise ValueError(f"src and dst are on different GPUs: {src.device} and {dst.device}")
     if devices:
         return devices.pop()
-    if not _interpreting():
+    if not interpreting():
         raise RuntimeError(
             "copy_rows needs src or dst on a CUDA device (the other pinned on the host), "
             "or TRITON_INTERPRET=1 to run the kernel on CPU tensors"
@@ -349,7 +349,7 @@ def _kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
     return torch.device("cpu")
 
 
-def _to_kernel_device(offsets: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_kernel_device(offsets: torch.Tensor, device: torch.device) -> torch.Tensor:
     if offsets.device == device:
         return offsets
     if device.type == "cuda" and offsets.device.type == "cpu":
@@ -407,12 +407,12 @@ def copy_rows(
             offsets on a CUDA device.
         RuntimeError: Triton is not installed, or neither CUDA nor its interpreter is on.
     """
-    _check_words(src, "src")
-    _check_words(dst, "dst")
+    check_words(src, "src")
+    check_words(dst, "dst")
     if src.dtype != dst.dtype:
         raise SlotError(f"src and dst must have the same words dtype, got {src.dtype} and {dst.dtype}")
-    _check_offsets(src_offsets, "src_offsets")
-    _check_offsets(dst_offsets, "dst_offsets")
+    check_offsets(src_offsets, "src_offsets")
+    check_offsets(dst_offsets, "dst_offsets")
     n = src_offsets.numel()
     if dst_offsets.numel() != n:
         raise SlotError(f"src_offsets has {n} rows but dst_offsets has {dst_offsets.numel()}")
@@ -436,14 +436,14 @@ def copy_rows(
                 "uploading them and pass validate=False."
             )
         if n:
-            _validate_rows(src_offsets, row_words, src.numel(), "src_offsets")
-            _validate_rows(dst_offsets, row_words, dst.numel(), "dst_offsets")
-            _validate_disjoint(dst_offsets, row_words, "dst_offsets")
+            validate_rows(src_offsets, row_words, src.numel(), "src_offsets")
+            validate_rows(dst_offsets, row_words, dst.numel(), "dst_offsets")
+            validate_disjoint(dst_offsets, row_words, "dst_offsets")
     if n == 0:
         return
     if triton is None:
         raise RuntimeError("copy_rows needs Triton, which is not installed (pip install 'kvtier[triton]')")
-    device = _kernel_device(src, dst)
+    device = kernel_device(src, dst)
 
     # Widest words the data allows: the row size, both base addresses, and (when they
     # can be read without waiting for the GPU) every offset must be multiples of it.
@@ -458,8 +458,8 @@ def copy_rows(
     width = word_size(row_words * size, [*aligns, known or size])
     src_w, dst_w = flat_words(src, width), flat_words(dst, width)
     row_w = row_words * size // width
-    src_off = _to_kernel_device(_rescale(src_offsets, size, width), device)
-    dst_off = _to_kernel_device(_rescale(dst_offsets, size, width), device)
+    src_off = to_kernel_device(_rescale(src_offsets, size, width), device)
+    dst_off = to_kernel_device(_rescale(dst_offsets, size, width), device)
 
     if rows_per_program is None:
         rows_per_program = rows_in_flight(row_words * size, sm_budget)
@@ -479,7 +479,7 @@ def copy_rows(
         )
     # A tile holds at most _MAX_TILE_CHUNKS lanes: fewer rows in flight than asked when wide.
     rows_per_program = min(rows_per_program, _MAX_TILE_CHUNKS // row_vecs)
-    block = _next_power_of_2(rows_per_program * row_vecs)
+    block = next_power_of_2(rows_per_program * row_vecs)
     num_warps = warps_for(block * vec * width)
 
     num_blocks = -(-n // rows_per_program)

@@ -44,7 +44,7 @@ import torch
 
 from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
-from kvtier.pool.host import HostPool
+from kvtier.pool.host import HostLayout, HostPool
 from kvtier.spec import KVSpec
 from kvtier.transfer import dma, kernels
 
@@ -189,7 +189,11 @@ class Part:
     `windows`: `STAGED` only, `(first row, end row, first piece, end piece)` of each
     staging window, in the part's row order. `streams`: how many streams a batched
     part's copies of one layer are spread over. `programs`: `KERNEL` only, the largest
-    grid of the part's launches (SMs held while it runs).
+    grid of the part's launches (SMs held while it runs). `layer_tables`: `KERNEL` only,
+    per buffer whose units are contiguous across layers on the host (`page_first`,
+    whole pages), `(word, [layers] int64 on the device)`: each layer tensor's offset in
+    words of `word` bytes from the first layer's, so that several layers move in one
+    launch (`groups.copy_groups`).
     """
 
     mechanism: Mechanism
@@ -204,6 +208,7 @@ class Part:
     streams: int = 1
     windows: tuple[tuple[int, int, int, int], ...] = ()
     programs: int = 0
+    layer_tables: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -352,13 +357,15 @@ class TransferPlan:
                 _staged_part(host_pool, hn, dn, host_starts, host_lens, cap, batched, costs.copy_streams, up),
             )
         elif path is TransferPath.KERNEL:
-            parts = (_kernel_part(direction, host_pool, hn, dn, joint_starts, joint_lens, kernel, up),)
+            parts = (
+                _kernel_part(direction, host_pool, device_pool, hn, dn, joint_starts, joint_lens, kernel, up),
+            )
         elif path is TransferPath.MIXED:
             # Backups keep the kernel for these rows: on an H200 its scatter reaches 0.95 of
             # the line rate, staging then copying out 0.92 (bench/NOTES.md).
             staged_min = costs.staged_min_bytes if direction is Direction.LOAD else None
             split = _Stretches.of(js, jl, host_break, step, widest, costs.copy_min_bytes, staged_min)
-            parts = split.parts(direction, host_pool, hn, dn, kernel, cap, batched, costs, up)
+            parts = split.parts(direction, host_pool, device_pool, hn, dn, kernel, cap, batched, costs, up)
             path = _path_of(parts)
         else:
             parts = (Part(Mechanism.REFERENCE, len(hn), positions=torch.arange(len(hn)), device_index=up(d)),)
@@ -676,6 +683,7 @@ class _Stretches:
         self,
         direction: Direction,
         host_pool: HostPool,
+        device_pool: DevicePool,
         hn: np.ndarray,
         dn: np.ndarray,
         kernel: KernelOptions,
@@ -692,7 +700,7 @@ class _Stretches:
         if len(self.staged[0]):
             out.append(_staged_part(host_pool, hn, dn, *self.staged, cap, batched, costs.copy_streams, up))
         if len(self.kernel[0]):
-            out.append(_kernel_part(direction, host_pool, hn, dn, *self.kernel, kernel, up))
+            out.append(_kernel_part(direction, host_pool, device_pool, hn, dn, *self.kernel, kernel, up))
         return tuple(out)
 
 
@@ -756,6 +764,7 @@ def _staged_part(
 def _kernel_part(
     direction: Direction,
     host_pool: HostPool,
+    device_pool: DevicePool,
     hn: np.ndarray,
     dn: np.ndarray,
     starts: np.ndarray,
@@ -768,7 +777,8 @@ def _kernel_part(
     Joint runs are cut into units of `unit` rows (the largest divisor of every run
     length within `KernelOptions.max_unit_bytes`), each contiguous on both sides, so
     the kernel moves fewer, wider rows when runs allow it: page-granular slots move
-    whole pages.
+    whole pages. In the `page_first` layout, units of whole pages are also contiguous
+    across layers on the host: such buffers get a layer table (see `Part`).
     """
     widest = host_pool.spec.widest_row_bytes
     unit = _unit(lens, max(1, opts.max_unit_bytes // widest))
@@ -793,14 +803,41 @@ def _kernel_part(
                 )
             )
         per_buffer[b.name] = tuple(entries)
+    tables = {}
+    if host_pool.layout is HostLayout.PAGE_FIRST and unit == host_pool.spec.page_size:
+        for b in host_pool.spec.buffers:
+            table = _layer_table(device_pool, b.name, per_buffer[b.name])
+            if table is not None:
+                tables[b.name] = (table[0], up(table[1]))
+    programs = max(opts.programs_for(b.row_bytes * unit) for b in host_pool.spec.buffers)
     return Part(
         Mechanism.KERNEL,
         int(lens.sum()),
         positions=torch.from_numpy(rows),
         kernel_rows=per_buffer,
         unit=unit,
-        programs=max(opts.programs_for(b.row_bytes * unit) for b in host_pool.spec.buffers),
+        programs=max(programs, opts.sm_budget) if tables else programs,
+        layer_tables=tables,
     )
+
+
+def _layer_table(
+    device_pool: DevicePool, buffer: str, entries: tuple[KernelRows, ...]
+) -> tuple[int, torch.Tensor] | None:
+    """`(word, [layers] int64)`: each layer tensor's offset from the first in words, or None.
+
+    None where layers cannot move together: a single layer, rows the raw paths cannot
+    address, regions in words of different widths, or tensors not whole words apart.
+    """
+    ptrs = device_pool.layer_ptrs(buffer)
+    words = {e.word for e in entries}
+    if len(ptrs) < 2 or not device_pool.raw_rows(buffer) or len(words) != 1:
+        return None
+    word = words.pop()
+    deltas = ptrs - ptrs[0]
+    if np.any(deltas % word):
+        return None
+    return word, torch.from_numpy(deltas // word)
 
 
 def _unit(lens: np.ndarray, cap: int) -> int:
