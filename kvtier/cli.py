@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         default=(),
         help="extra kernel shapes timed on the fully scattered set, e.g. 4x32,8x64",
     )
+    t.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="layers each timed call moves (page_first kernel rows then move in layer groups)",
+    )
 
     o = bench.add_parser("overlap", help="reload and backup at once; a matmul beside a reload (CUDA)")
     _common(o)
@@ -354,7 +360,7 @@ def _config(args: argparse.Namespace, **extra):
 
     device = _device(args.device)
     cuda = device.type == "cuda"
-    spec = preset(args.spec or "deepseek-v3", args.page_size).with_layers(1)
+    spec = preset(args.spec or "deepseek-v3", args.page_size).with_layers(getattr(args, "layers", 1) or 1)
     tokens = args.tokens or (131072 if cuda else 16384)
     if tokens <= 0 or tokens % spec.page_size:
         raise SystemExit(f"--tokens {tokens} must be a positive multiple of --page-size")
@@ -400,13 +406,15 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         device_sets=args.device_sets,
         variants=args.variants,
         kernel_sweep=args.kernel_sweep,
+        layers=args.layers,
     )
     rows, meta = _run_with_progress(lambda report: run(cfg, progress=report))
 
     where = meta.get("gpu") or meta.get("cpu")
     buffers = ", ".join(f"{n} {b} B" for n, b in meta["buffers"].items())
     title = (
-        f"{meta['spec']} ({buffers}), one layer of {cfg.tokens} tokens ({meta['layer_bytes'] / 1e6:.0f} MB), "
+        f"{meta['spec']} ({buffers}), {_layers_text(cfg.layers)} of {cfg.tokens} tokens "
+        f"({meta['layer_bytes'] / 1e6:.0f} MB per call), "
         f"{cfg.layout.value}, page {cfg.spec.page_size}, on {where}; ceiling "
         + ", ".join(f"{d} {g} GB/s" for d, g in meta["ceiling_gbps"].items())
     )
@@ -436,6 +444,10 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows_as_dicts(rows)}, indent=1))
         console.print(f"wrote {args.json}")
     return 0 if all(r.identical for r in rows) else 1
+
+
+def _layers_text(layers: int) -> str:
+    return "one layer" if layers == 1 else f"{layers} layers per call"
 
 
 def _bench_overlap(args: argparse.Namespace) -> int:

@@ -27,7 +27,15 @@ from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.pool.rows import as_words
 from kvtier.spec import KVSpec
-from kvtier.transfer import KernelOptions, TransferPath, TransferPlan, backup, kernels, load_layer
+from kvtier.transfer import (
+    KernelOptions,
+    TransferPath,
+    TransferPlan,
+    backup,
+    kernels,
+    load_layer,
+    load_layers,
+)
 
 # Issuing more copies than this from Python takes seconds; such a row says nothing new.
 MAX_TIMED_COPIES = 4096
@@ -58,6 +66,9 @@ class BenchConfig:
     # Extra kernel shapes `(sm_budget, rows_per_program)` timed on the fully scattered set.
     kernel_sweep: tuple[tuple[int, int | None], ...] = ()
     seed: int = 0
+    # Layers each timed call moves (`load_layers` / `backup` of layers 0..layers-1); the spec
+    # must have that many. With more than one, page_first kernel rows move in layer groups.
+    layers: int = 1
 
 
 @dataclass
@@ -147,7 +158,10 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     _fill_random(host, dev, gen)
     stream = torch.cuda.Stream(cfg.device) if cfg.device.type == "cuda" else None
     timer = Timer(cfg.device, stream)
-    layer_bytes = cfg.tokens * spec.layer_bytes_per_token(0)
+    if not 1 <= cfg.layers <= spec.num_layers:
+        raise ValueError(f"layers {cfg.layers} must be in [1, {spec.num_layers}] for spec {spec.name!r}")
+    # Bytes of one timed call: every buffer of the layers it moves.
+    layer_bytes = cfg.tokens * sum(spec.layer_bytes_per_token(layer) for layer in range(cfg.layers))
     ceilings = {
         d: ceiling_gbps(cfg.device, layer_bytes, d, cfg.repeats, cfg.warmup, cfg.batch)
         for d in cfg.directions
@@ -242,7 +256,7 @@ def _time(
     s: Setup, plan: TransferPlan, variant: str, planned: TransferPlan, host_label: str, dev_label: str
 ) -> Row:
     identical = _check(s, plan)
-    op = _op(plan, s.host, s.dev, s.stream)
+    op = _op(plan, s.host, s.dev, s.stream, s.cfg.layers)
     once = s.timer.median_ms(op, 1, 0) / 1e3
     if once > SLOW_CALL_S:
         ms = s.timer.median_ms(op, 3, 0)
@@ -269,10 +283,12 @@ def _time(
     )
 
 
-def _op(plan: TransferPlan, host: HostPool, dev: DevicePool, stream) -> Callable[[], None]:
-    if plan.direction is Direction.LOAD:
+def _op(plan: TransferPlan, host: HostPool, dev: DevicePool, stream, layers: int = 1) -> Callable[[], None]:
+    if plan.direction is Direction.LOAD and layers == 1:
         return lambda: load_layer(plan, host, dev, 0, stream)
-    return lambda: backup(plan, dev, host, [0], stream)
+    if plan.direction is Direction.LOAD:
+        return lambda: load_layers(plan, host, dev, range(layers), stream)
+    return lambda: backup(plan, dev, host, range(layers), stream)
 
 
 def _fill_random(host: HostPool, dev: DevicePool, gen: torch.Generator) -> None:
@@ -286,33 +302,38 @@ def _fill_random(host: HostPool, dev: DevicePool, gen: torch.Generator) -> None:
 
 
 def _check(s: Setup, plan: TransferPlan) -> bool:
-    """Run the plan once; the destination layer must change in exactly the target rows, to the sources.
+    """Run the plan once; each destination layer must change in exactly the target rows, to the sources.
 
     Target rows are first set to the complement of their source, so a row the plan
     fails to write cannot pass by holding the right bytes already.
     """
     host, dev = s.host, s.dev
     hs, ds = plan.host_slots, plan.device_slots
-    ok = True
-    for b in host.spec.buffers_on(0):
-        dev_w = as_words(dev.layer(b.name, 0))
+    targets = [(b, layer) for layer in range(s.cfg.layers) for b in host.spec.buffers_on(layer)]
+    every = torch.arange(host.num_slots)
+    expect = []
+    for b, layer in targets:
+        dev_w = as_words(dev.layer(b.name, layer))
         if plan.direction is Direction.LOAD:
-            src = as_words(host.gather(b.name, 0, hs)).to(dev_w.device)
+            src = as_words(host.gather(b.name, layer, hs)).to(dev_w.device)
             dev_w[ds.to(dev_w.device)] = ~src
             before = dev_w.clone()
+            before[ds.to(dev_w.device)] = src
         else:
             src = dev_w[ds.to(dev_w.device)].cpu()
-            host.scatter(b.name, 0, hs, _rows(~src, b))
-            before = as_words(host.gather(b.name, 0, torch.arange(host.num_slots)))
-        _op(plan, host, dev, s.stream)()
-        if dev.device.type == "cuda":
-            torch.cuda.synchronize(dev.device)
-        if plan.direction is Direction.LOAD:
-            before[ds.to(dev_w.device)] = src
-            ok &= torch.equal(dev_w, before)
-        else:
+            host.scatter(b.name, layer, hs, _rows(~src, b))
+            before = as_words(host.gather(b.name, layer, every))
             before[hs] = src
-            ok &= torch.equal(as_words(host.gather(b.name, 0, torch.arange(host.num_slots))), before)
+        expect.append(before)
+    _op(plan, host, dev, s.stream, s.cfg.layers)()
+    if dev.device.type == "cuda":
+        torch.cuda.synchronize(dev.device)
+    ok = True
+    for (b, layer), want in zip(targets, expect, strict=True):
+        if plan.direction is Direction.LOAD:
+            ok &= torch.equal(as_words(dev.layer(b.name, layer)), want)
+        else:
+            ok &= torch.equal(as_words(host.gather(b.name, layer, every)), want)
     return bool(ok)
 
 
@@ -340,6 +361,7 @@ def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: i
         "page_size": cfg.spec.page_size,
         "layout": cfg.layout.value,
         "tokens": cfg.tokens,
+        "layers": cfg.layers,
         "layer_bytes": layer_bytes,
         "churn_cycles": cfg.cycles,
         "kernel": _kernel_text(cfg.kernel),

@@ -1,0 +1,59 @@
+"""`kvtier bench transfer` on the CPU: its byte check, and calls that move several layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.bench import transfer
+from kvtier.pool import HostLayout
+from kvtier.spec import preset
+from kvtier.transfer import kernels
+
+needs_triton = pytest.mark.skipif(
+    not kernels.runs_on(torch.device("cpu")), reason="needs Triton's CPU interpreter"
+)
+
+
+def _config(layers: int, **kw) -> transfer.BenchConfig:
+    return transfer.BenchConfig(
+        spec=preset("tiny-dsa", 1),
+        tokens=64,
+        layout=HostLayout.PAGE_FIRST,
+        device=torch.device("cpu"),
+        repeats=1,
+        warmup=0,
+        cycles=1,
+        batch=1,
+        host_sets=("runs-1",),
+        device_sets=("scattered",),
+        variants=("planned", "kernel"),
+        layers=layers,
+        **kw,
+    )
+
+
+@needs_triton
+def test_calls_over_several_layers_are_checked_on_every_layer() -> None:
+    rows, meta = transfer.run(_config(3))
+    spec = preset("tiny-dsa", 1)
+    assert meta["layers"] == 3
+    assert meta["layer_bytes"] == 64 * sum(spec.layer_bytes_per_token(layer) for layer in range(3))
+    assert rows and all(r.identical for r in rows)
+    assert {r.path for r in rows} >= {"kernel"}
+
+
+@needs_triton
+def test_a_layer_the_call_skips_fails_the_check(monkeypatch) -> None:
+    """The check covers every layer of the call: a load that drops the last one is caught."""
+    real = transfer.load_layers
+    monkeypatch.setattr(
+        transfer, "load_layers", lambda plan, host, dev, layers, s: real(plan, host, dev, [0, 1], s)
+    )
+    rows, _ = transfer.run(_config(3, directions=(transfer.Direction.LOAD,)))
+    assert rows and not any(r.identical for r in rows)
+
+
+def test_more_layers_than_the_spec_has_are_refused() -> None:
+    with pytest.raises(ValueError, match="layers 4"):
+        transfer.run(_config(4))
