@@ -41,16 +41,27 @@ def on_device(t: torch.Tensor) -> torch.Tensor:
 class Case:
     """`slots` host slots of `L` layers of `row_bytes`-byte rows; `G` device layers of `dev_slots` rows."""
 
-    def __init__(self, row_bytes: int, L: int, lo: int, hi: int, n: int, gen: torch.Generator) -> None:
+    def __init__(
+        self, row_bytes: int, L: int, lo: int, hi: int, n: int, gen: torch.Generator, one_allocation=False
+    ) -> None:
         self.dtype = word_dtype(row_bytes)
         self.rw = row_bytes // torch.empty((), dtype=self.dtype).element_size()
         self.L, self.lo, self.hi, self.n = L, lo, hi, n
         slots, dev_slots = 3 * n, 2 * n + 1
         self.host = on_host(self._random(slots * L * self.rw, gen))
-        # One allocation per layer, in an order unrelated to the layers' (negative offsets too).
-        allocated = [on_device(self._random(dev_slots * self.rw, gen)) for _ in range(hi - lo)]
-        order = torch.randperm(hi - lo, generator=gen).tolist()
-        self.layers = [allocated[i] for i in order]
+        if one_allocation:  # as DevicePool makes them: evenly spaced, addressed by a stride
+            self.layers = list(
+                on_device(self._random((hi - lo) * dev_slots * self.rw, gen)).view(hi - lo, -1)
+            )
+        else:
+            # One allocation per layer, of unequal sizes, in an order unrelated to the layers'
+            # (negative offsets too): addressed through a table.
+            allocated = [
+                on_device(self._random((dev_slots + 7 * j) * self.rw, gen))[: dev_slots * self.rw]
+                for j in range(hi - lo)
+            ]
+            order = torch.randperm(hi - lo, generator=gen).tolist()
+            self.layers = [allocated[i] for i in order]
         self.hs = torch.randperm(slots, generator=gen)[:n]
         self.ds = torch.randperm(dev_slots, generator=gen)[:n]
 
@@ -85,8 +96,9 @@ ROWS = [132, 656, 1152, 6, 1]
 @pytest.mark.parametrize("row_bytes", ROWS)
 @pytest.mark.parametrize(("L", "lo", "hi"), [(5, 0, 5), (7, 2, 6), (3, 1, 2)])
 @pytest.mark.parametrize("units", [None, 3])
-def test_load_matches_indexing(row_bytes, L, lo, hi, units, gen) -> None:
-    c = Case(row_bytes, L, lo, hi, 37, gen)
+@pytest.mark.parametrize("one_allocation", [False, True])
+def test_load_matches_indexing(row_bytes, L, lo, hi, units, one_allocation, gen) -> None:
+    c = Case(row_bytes, L, lo, hi, 37, gen, one_allocation)
     before = [t.clone() for t in c.layers]
     c.run(Direction.LOAD, units_per_program=units)
     expect = c.host_rows()[c.hs][:, lo:hi]  # [n, G, rw]
@@ -99,14 +111,36 @@ def test_load_matches_indexing(row_bytes, L, lo, hi, units, gen) -> None:
 @pytest.mark.parametrize("row_bytes", ROWS)
 @pytest.mark.parametrize(("L", "lo", "hi"), [(5, 0, 5), (7, 2, 6), (3, 1, 2)])
 @pytest.mark.parametrize("units", [None, 3])
-def test_backup_matches_indexing(row_bytes, L, lo, hi, units, gen) -> None:
-    c = Case(row_bytes, L, lo, hi, 37, gen)
+@pytest.mark.parametrize("one_allocation", [False, True])
+def test_backup_matches_indexing(row_bytes, L, lo, hi, units, one_allocation, gen) -> None:
+    c = Case(row_bytes, L, lo, hi, 37, gen, one_allocation)
     want = c.host_rows().clone()
     for j, t in enumerate(c.layers):
         want[c.hs, lo + j] = t.view(-1, c.rw)[on_device(c.ds)].cpu()
     c.run(Direction.BACKUP, units_per_program=units)
     # Every other host word, the neighbours of each stretch included, keeps its bytes.
     assert torch.equal(c.host_rows(), want)
+
+
+@pytest.mark.parametrize("one_allocation", [False, True])
+def test_layers_of_one_allocation_go_by_a_stride_others_by_a_table(one_allocation, gen, monkeypatch) -> None:
+    c = Case(132, 6, 0, 5, 9, gen, one_allocation)
+    seen = []
+    kernel = groups._kernel
+
+    def spy():
+        launch = kernel()
+
+        def grid(g):
+            return lambda *args, **kwargs: seen.append(kwargs) or launch[g](*args, **kwargs)
+
+        return type("Spy", (), {"__getitem__": lambda self, g: grid(g)})()
+
+    monkeypatch.setattr(groups, "_kernel", spy)
+    c.run(Direction.LOAD)
+    (kwargs,) = seen
+    assert kwargs["STRIDED"] is one_allocation
+    assert kwargs["ALIGNED"] is False  # 132-byte rows: 33 words, not whole 16-byte chunks
 
 
 def test_offsets_on_the_device_with_a_table_uploaded_once(gen) -> None:

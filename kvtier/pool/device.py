@@ -1,5 +1,8 @@
 """The device tier: one `[num_slots, *row]` tensor per buffer per layer, plus staging.
 
+A pool it builds holds each buffer's layers in one allocation (the layers are views,
+evenly spaced); a wrapped engine's tensors may lie anywhere.
+
 `DevicePool` owns the tensors the model reads (or wraps tensors an engine already
 has) and two staging buffers, one per transfer direction, so a reload and a backup
 running on two streams never share one. Staging is sized when the pool is built and
@@ -50,11 +53,12 @@ class DevicePool:
         self.num_slots = num_slots
         self.device = torch.device(device)
         if tensors is None:
+            # One allocation per buffer, its layers evenly spaced: kernels that move several
+            # layers at once then address them by a stride (`transfer.groups`).
             self._tensors = {
-                b.name: [
-                    torch.zeros((num_slots, *b.row_shape), dtype=b.dtype, device=self.device)
-                    for _ in b.layers
-                ]
+                b.name: list(
+                    torch.zeros((len(b.layers), num_slots, *b.row_shape), dtype=b.dtype, device=self.device)
+                )
                 for b in spec.buffers
             }
         else:

@@ -71,6 +71,8 @@ def _copy_groups_kernel(
     split_ptr,
     split_off_ptr,
     layer_off_ptr,
+    layer_first,
+    layer_stride,
     packed_shift,
     n_units,
     UNIT_WORDS: tl.constexpr,
@@ -80,11 +82,15 @@ def _copy_groups_kernel(
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
     ALIGNED: tl.constexpr,
+    STRIDED: tl.constexpr,
     LOAD: tl.constexpr,
 ):
     """Persistent grid over blocks of `UNITS_PER_BLOCK` units, `CHUNKS` lanes of `VEC` words per unit.
 
-    `layer_off_ptr[j]`: word offset of layer `j`'s tensor from `split_ptr` (any sign).
+    Layer `j`'s tensor starts `layer_first + j * layer_stride` words from `split_ptr` when
+    `STRIDED` (layers of one allocation, as `DevicePool` makes them), else
+    `layer_off_ptr[j]` words (any sign): a table read per word, which costs the gather
+    time (0.67 of the ceiling against 0.85 with a stride, 132-byte rows on an H200).
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -101,7 +107,10 @@ def _copy_groups_kernel(
         if ALIGNED:
             # The chunk lies in one layer's row, aligned on both sides.
             w = c * VEC
-            lo = tl.load(layer_off_ptr + w // UNIT_WORDS, mask=live, other=0)
+            if STRIDED:
+                lo = layer_first + (w // UNIT_WORDS) * layer_stride
+            else:
+                lo = tl.load(layer_off_ptr + w // UNIT_WORDS, mask=live, other=0)
             pa = packed_ptr + (tl.multiple_of(p + w, VEC)[:, None] + k[None, :])
             sa = split_ptr + (tl.multiple_of(s + lo + w % UNIT_WORDS, VEC)[:, None] + k[None, :])
             m = live[:, None]
@@ -117,7 +126,10 @@ def _copy_groups_kernel(
             whole = tl.broadcast_to((live & (start >= 0) & (start + VEC <= span))[:, None], (BLOCK, VEC))
             edge = inside & ~whole
             r = tl.where(inside, r, 0)
-            lo = tl.load(layer_off_ptr + r // UNIT_WORDS, mask=inside, other=0)
+            if STRIDED:
+                lo = layer_first + (r // UNIT_WORDS) * layer_stride
+            else:
+                lo = tl.load(layer_off_ptr + r // UNIT_WORDS, mask=inside, other=0)
             sa = split_ptr + (s[:, None] + lo + r % UNIT_WORDS)
             pa = packed_ptr + (tl.multiple_of(p - head + c * VEC, VEC)[:, None] + k[None, :])
             if LOAD:
@@ -139,7 +151,9 @@ def _kernel() -> Any:
     global _kernel_jit, _kernel_interpreted
     mode = kernels.interpreting()
     if _kernel_jit is None or _kernel_interpreted != mode:
-        _kernel_jit = triton.jit(_copy_groups_kernel, do_not_specialize=["n_units", "packed_shift"])
+        _kernel_jit = triton.jit(
+            _copy_groups_kernel, do_not_specialize=["n_units", "packed_shift", "layer_first", "layer_stride"]
+        )
         _kernel_interpreted = mode
     return _kernel_jit
 
@@ -283,13 +297,18 @@ def copy_groups(
         units_per_program = units_in_flight(span * size)
     units_per_program = min(units_per_program, _MAX_CHUNKS // chunks)
     block = kernels.next_power_of_2(units_per_program * chunks)
-    if table is None:
+    if table is not None and (table[1].numel() != g or table[1].device != device):
+        got = f"{tuple(table[1].shape)} on {table[1].device}"
+        raise SlotError(f"table: [{g}] offsets on {device} expected, got {got}")
+    # Layers evenly spaced (one allocation): a stride, no table.
+    stride = deltas[1] - deltas[0] if g > 1 else 0
+    strided = all(d == deltas[0] + j * stride for j, d in enumerate(deltas))
+    if strided:
+        offsets = None
+    elif table is None:
         offsets = kernels.to_kernel_device(torch.tensor(deltas, dtype=torch.int64), device)
     else:
         offsets = table[1]
-        if offsets.numel() != g or offsets.device != device:
-            got = f"{tuple(offsets.shape)} on {offsets.device}"
-            raise SlotError(f"table: [{g}] offsets on {device} expected, got {got}")
     packed_off = kernels.to_kernel_device(packed_offsets, device)
     split_off = kernels.to_kernel_device(split_offsets, device)
     grid = (min(sm_budget, -(-n // units_per_program)),)
@@ -301,10 +320,13 @@ def copy_groups(
         "BLOCK": block,
         "VEC": vec,
         "ALIGNED": aligned,
+        "STRIDED": strided,
         "LOAD": direction is Direction.LOAD,
         "num_warps": kernels.warps_for(block * vec * size),
     }
-    args = (packed, packed_off, base, split_off, offsets, packed_shift, n)
+    # Strided: the table argument is never read; any int64 tensor stands in for it.
+    table_arg = split_off if offsets is None else offsets
+    args = (packed, packed_off, base, split_off, table_arg, deltas[0], stride, packed_shift, n)
     if device.type == "cuda":
         with torch.cuda.device(device):
             _kernel()[grid](*args, **launch)
