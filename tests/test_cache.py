@@ -11,7 +11,7 @@ from kvtier.errors import CacheFullError, CacheStateError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.rows import as_words
 from kvtier.spec import preset
-from kvtier.transfer import TransferPath
+from kvtier.transfer import TransferPath, kernels
 
 
 def make(policy=WritePolicy.WRITE_THROUGH, device=32, host=64, ps=2, **kw) -> CacheController:
@@ -380,3 +380,38 @@ def test_event_signals_are_made_once_and_every_event_goes_back_to_the_pool() -> 
     del last
     gc.collect()
     assert sorted(map(id, pool)) == sorted(map(id, events))
+
+
+@pytest.mark.skipif(not kernels.runs_on(torch.device("cpu")), reason="needs Triton's CPU interpreter")
+@pytest.mark.parametrize("per_load", [1, 2, 5])
+def test_loads_in_layer_groups_land_every_layer_and_signal_per_group(per_load) -> None:
+    """`layers_per_load`: page_first kernel rows of a group of layers in one call; every layer's
+    rows byte-identical, each layer's signal its group's."""
+    spec = preset("tiny-dsa", 1)
+    c = CacheController(
+        DevicePool(spec, 32),
+        HostPool(spec, 64, "page_first"),
+        CacheConfig(force_path=TransferPath.KERNEL, layers_per_load=per_load),
+    )
+    tokens = tuple(range(9))
+    slots = fill(c, tokens)
+    want = {(b.name, layer): as_words(c.device_pool.layer(b.name, layer))[slots].clone() for b in spec.buffers
+            for layer in b.layers}  # fmt: skip
+    c.flush()
+    c.evict_device(9)
+    for key in want:  # poison the device
+        w = as_words(c.device_pool.layer(*key))
+        w.copy_(~w)
+    h = c.load_back(c.match(tokens))
+    groups = [range(lo, min(lo + per_load, spec.num_layers)) for lo in range(0, spec.num_layers, per_load)]
+    assert [len({id(h.layer_signals[i]) for i in g}) for g in groups] == [1] * len(groups)
+    assert len({id(s) for s in h.layer_signals}) == len(groups)
+    for layer in range(spec.num_layers):
+        h.wait_layer(layer)
+    for (name, layer), rows_before in want.items():
+        assert torch.equal(as_words(c.device_pool.layer(name, layer))[h.device_slots], rows_before)
+
+
+def test_layers_per_load_must_be_positive() -> None:
+    with pytest.raises(CacheStateError, match="bad cache config"):
+        make(layers_per_load=0)
