@@ -248,7 +248,8 @@ def test_a_stretch_wider_than_a_tile_is_refused(gen) -> None:
 
 
 def test_units_in_flight_fill_a_tile() -> None:
-    assert groups.units_in_flight(16 * 132) == 31
+    assert groups.units_in_flight(16 * 132) == 38  # ~80 KiB per program
+    assert groups.units_in_flight(78 * 132) == 7
     assert groups.units_in_flight(61 * 1152) == 1
     assert groups.units_in_flight(6) == groups.GROUP_TILE_BYTES // 6
 

@@ -32,8 +32,9 @@ the aligned chunks that overlap it; chunks wholly inside move as one vector, the
 edge chunks word by word, masked to the stretch; the split side is written (or read)
 word by word, each word to its layer's row. When every stretch and every split row
 is aligned and a unit is a whole number of chunks (656- and 1152-byte rows), both
-sides move in vectors. The grid is persistent, `sm_budget` programs with ~64 KiB of
-stretches in flight each (128 KiB tiles were slower here: 0.51-0.65 of the ceiling).
+sides move in vectors. The grid is persistent, `sm_budget` programs with ~80 KiB of
+stretches in flight each (`GROUP_TILE_BYTES`; 128 KiB tiles were slower: 0.51-0.65 of the
+ceiling).
 
 Contract: as `kernels.copy_rows` (same word dtypes, launched on the current stream,
 never waits for the GPU, `validate=True` checks every bound and overlap on the host
@@ -54,8 +55,10 @@ from kvtier.transfer.kernels import tl, triton
 
 __all__ = ["GROUP_TILE_BYTES", "copy_groups", "units_in_flight"]
 
-# Bytes of stretches in flight per program by default.
-GROUP_TILE_BYTES = 64 * 1024
+# Bytes of stretches in flight per program by default. For 132-byte rows on an H200 (8
+# programs), loads reached 0.80-0.83 of the ceiling with ~80 KiB at 8, 16, 32 and 78 layers
+# per stretch, but 0.67-0.76 with 64 KiB at 8, 16 and 32 layers (bench/NOTES.md, sixth session).
+GROUP_TILE_BYTES = 80 * 1024
 _VECTOR_BYTES = 16
 _MAX_CHUNKS = 16384
 
