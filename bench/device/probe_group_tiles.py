@@ -11,11 +11,10 @@ One JSON line per shape; argv: output path, groups, units per program (0: the de
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 
 import torch
+from probe_rates import Probe
 
 from kvtier.pool.device import Direction
 from kvtier.transfer import groups
@@ -23,44 +22,16 @@ from kvtier.transfer import groups
 out_path = sys.argv[1]
 GROUPS = [int(x) for x in sys.argv[2].split(",")]
 UNITS = [int(x) for x in sys.argv[3].split(",")]
-N, RW, REPEATS = 65536, 33, 7
-dev = torch.device("cuda")
-stream = torch.cuda.Stream(dev)
-log = open(out_path, "w")  # noqa: SIM115 - kept open for the whole probe
-
-
-def emit(row: dict) -> None:
-    print(json.dumps(row), flush=True)
-    log.write(json.dumps(row) + "\n")
-    log.flush()
-
-
-def timed(fn, nbytes: int) -> float:
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    rates = []
-    for _ in range(REPEATS):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(stream)
-        with torch.cuda.stream(stream):
-            fn()
-        e1.record(stream)
-        e1.synchronize()
-        rates.append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
-    return statistics.median(rates)
-
-
-n = 256 << 20
-h, d = torch.empty(n, dtype=torch.uint8).pin_memory(), torch.empty(n, dtype=torch.uint8, device=dev)
-ceil_load = timed(lambda: d.copy_(h, non_blocking=True), n)
-ceil_back = timed(lambda: h.copy_(d, non_blocking=True), n)
-del h, d
+N, RW = 65536, 33
+probe = Probe(out_path)
+dev, emit, timed = probe.device, probe.emit, probe.timed
+ceil_load, ceil_back = probe.ceilings()
 emit({"ceiling_load": ceil_load, "ceiling_backup": ceil_back})
 gen = torch.Generator().manual_seed(7)
 host_slots, dev_slots = torch.randperm(2 * N, generator=gen)[:N], torch.randperm(2 * N, generator=gen)[:N]
 for g in GROUPS:
-    host = torch.randint(-(2**31), 2**31 - 1, (2 * N * g * RW,), dtype=torch.int32, generator=gen).pin_memory()
+    host = torch.randint(-(2**31), 2**31 - 1, (2 * N * g * RW,), dtype=torch.int32, generator=gen)
+    host = host.pin_memory()
     saved = host.clone()
     layers = list(torch.empty(g, 2 * N * RW, dtype=torch.int32, device=dev))
     packed = (host_slots * g * RW).to(dev)
@@ -68,23 +39,27 @@ for g in GROUPS:
     expect = host.view(2 * N, g, RW)[host_slots].transpose(0, 1).to(dev)
     nbytes = N * g * RW * 4
     for units in UNITS:
-        def run(direction: Direction, units=units) -> None:
-            groups.copy_groups(host, packed, layers, split, RW, direction, validate=False, offsets_align=RW,
-                               units_per_program=units or None)  # fmt: skip
+
+        def run(
+            direction: Direction, units=units, host=host, packed=packed, layers=layers, split=split
+        ) -> None:
+            groups.copy_groups(
+                host, packed, layers, split, RW, direction,
+                validate=False, offsets_align=RW, units_per_program=units or None,
+            )  # fmt: skip
 
         for t in layers:
             t.fill_(-1)
-        with torch.cuda.stream(stream):
-            run(Direction.LOAD)
-        torch.cuda.synchronize()
+        probe.run(lambda run=run: run(Direction.LOAD))
         load_ok = all(torch.equal(t.view(-1, RW)[dev_slots.to(dev)], expect[j]) for j, t in enumerate(layers))
         host.view(2 * N, g, RW)[host_slots] = -1
-        with torch.cuda.stream(stream):
-            run(Direction.BACKUP)
-        torch.cuda.synchronize()
+        probe.run(lambda run=run: run(Direction.BACKUP))
         back_ok = bool(torch.equal(host, saved))
         lg = timed(lambda run=run: run(Direction.LOAD), nbytes)
         bg = timed(lambda run=run: run(Direction.BACKUP), nbytes)
-        emit({"group": g, "units": units or groups.units_in_flight(g * RW * 4), "load_ok": load_ok,
-              "backup_ok": back_ok, "load_frac": round(lg / ceil_load, 3), "backup_frac": round(bg / ceil_back, 3)})  # fmt: skip
+        emit({
+            "group": g, "units": units or groups.units_in_flight(g * RW * 4), "load_ok": load_ok,
+            "backup_ok": back_ok, "load_frac": round(lg / ceil_load, 3),
+            "backup_frac": round(bg / ceil_back, 3),
+        })  # fmt: skip
     del host, saved, layers, expect

@@ -17,11 +17,10 @@ same run. One JSON line per shape; argv: output path, row sizes, groups, sm budg
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 
 import torch
+from probe_rates import Probe
 
 from kvtier.transfer import kernels
 
@@ -30,47 +29,11 @@ ROW_SIZES = [int(x) for x in sys.argv[2].split(",")]
 GROUPS = [int(x) for x in sys.argv[3].split(",")]
 BUDGET = int(sys.argv[4]) if len(sys.argv) > 4 else 8
 N = 131072
-REPEATS = 7
-dev = torch.device("cuda")
-stream = torch.cuda.Stream(dev)
-log = open(out_path, "w")  # noqa: SIM115 - kept open for the whole probe
-
-
-def emit(row: dict) -> None:
-    print(json.dumps(row), flush=True)
-    log.write(json.dumps(row) + "\n")
-    log.flush()
-
-
-def timed(fn, nbytes: int) -> float:
-    """GB/s of `fn` on the probe's stream: median over REPEATS, after one warm-up."""
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    rates = []
-    for _ in range(REPEATS):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(stream)
-        with torch.cuda.stream(stream):
-            fn()
-        e1.record(stream)
-        e1.synchronize()
-        rates.append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
-    return statistics.median(rates)
-
-
-def ceilings() -> tuple[float, float]:
-    """Copy-engine GB/s of one 256 MiB contiguous copy, host -> device and device -> host."""
-    n = 256 << 20
-    h = torch.empty(n, dtype=torch.uint8).pin_memory()
-    d = torch.empty(n, dtype=torch.uint8, device=dev)
-    load = timed(lambda: d.copy_(h, non_blocking=True), n)
-    back = timed(lambda: h.copy_(d, non_blocking=True), n)
-    return load, back
-
+probe = Probe(out_path)
+dev, emit, timed = probe.device, probe.emit, probe.timed
 
 gen = torch.Generator().manual_seed(6)
-ceil_load, ceil_back = ceilings()
+ceil_load, ceil_back = probe.ceilings()
 emit({"ceiling_load": ceil_load, "ceiling_backup": ceil_back, "budget": BUDGET})
 for row_bytes in ROW_SIZES:
     rw = row_bytes // 4  # int32 words
@@ -80,7 +43,9 @@ for row_bytes in ROW_SIZES:
         nbytes = N * g * row_bytes
         if nbytes > 1 << 30:
             continue  # the wide rows need no large groups; keep the probe's memory and time small
-        host = torch.randint(-(2**31), 2**31 - 1, (N * g * rw,), dtype=torch.int32, generator=gen).pin_memory()
+        host = torch.randint(
+            -(2**31), 2**31 - 1, (N * g * rw,), dtype=torch.int32, generator=gen
+        ).pin_memory()
         device = torch.empty(g * N * rw, dtype=torch.int32, device=dev)
         layer = torch.arange(g)
         # Row (t, l), token-major: host [slot, l] <-> device [l, slot].
@@ -89,24 +54,24 @@ for row_bytes in ROW_SIZES:
         src_d, dst_d = src.to(dev), dst.to(dev)
 
         def load(src_d=src_d, dst_d=dst_d, host=host, device=device, rw=rw) -> None:
-            kernels.copy_rows(host, src_d, device, dst_d, rw, sm_budget=BUDGET, validate=False, offsets_align=rw)
+            kernels.copy_rows(
+                host, src_d, device, dst_d, rw, sm_budget=BUDGET, validate=False, offsets_align=rw
+            )
 
         def back(src_d=src_d, dst_d=dst_d, host=host, device=device, rw=rw) -> None:
-            kernels.copy_rows(device, dst_d, host, src_d, rw, sm_budget=BUDGET, validate=False, offsets_align=rw)
+            kernels.copy_rows(
+                device, dst_d, host, src_d, rw, sm_budget=BUDGET, validate=False, offsets_align=rw
+            )
 
         # Byte-identical both ways, destinations poisoned first.
         device.fill_(-1)
-        with torch.cuda.stream(stream):
-            load()
-        torch.cuda.synchronize()
+        probe.run(load)
         expect = host.view(N, g, rw)[host_slots].transpose(0, 1).to(dev)  # [g, N(token order), rw]
         got = device.view(g, N, rw)[:, dev_slots]
         load_ok = bool(torch.equal(got, expect))
         saved = host.clone()
         host.fill_(-1)
-        with torch.cuda.stream(stream):
-            back()
-        torch.cuda.synchronize()
+        probe.run(back)
         back_ok = bool(torch.equal(host, saved))
         load_gbps, back_gbps = timed(load, nbytes), timed(back, nbytes)
         emit({

@@ -11,35 +11,29 @@ One JSON line per shape; argv: output path, groups, "tokens x programs" shapes.
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from probe_rates import Probe
 
 from kvtier.transfer import kernels
 
 out_path = sys.argv[1]
 GROUPS = [int(x) for x in sys.argv[2].split(",")]
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in sys.argv[3].split(",")]
-N, RW, REPEATS = 131072, 33, 7
-dev = torch.device("cuda")
-stream = torch.cuda.Stream(dev)
-log = open(out_path, "w")  # noqa: SIM115 - kept open for the whole probe
-
-
-def emit(row: dict) -> None:
-    print(json.dumps(row), flush=True)
-    log.write(json.dumps(row) + "\n")
-    log.flush()
+N, RW = 131072, 33
+probe = Probe(out_path)
+dev, emit, timed = probe.device, probe.emit, probe.timed
 
 
 @triton.jit
-def split_rows(packed, packed_off, split, split_off, layer_stride, n_tok,
-               G: tl.constexpr, RW: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, LOAD: tl.constexpr):  # fmt: skip
-    """Token t: G*RW words at packed[packed_off[t]:] <-> layer l's row at split[split_off[t] + l*layer_stride:]."""
+def split_rows(
+    packed, packed_off, split, split_off, layer_stride, n_tok,
+    G: tl.constexpr, RW: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, LOAD: tl.constexpr,
+):  # fmt: skip
+    """Token t: G*RW words at packed[packed_off[t]:] <-> layer l's row at split[split_off[t] + l*stride:]."""
     CH: tl.constexpr = G * RW // 4
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
@@ -60,27 +54,7 @@ def split_rows(packed, packed_off, split, split_off, layer_stride, n_tok,
             tl.store(pp, tl.load(sp, mask=m[:, None]), mask=m[:, None])
 
 
-def timed(fn, nbytes: int) -> float:
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    rates = []
-    for _ in range(REPEATS):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(stream)
-        with torch.cuda.stream(stream):
-            fn()
-        e1.record(stream)
-        e1.synchronize()
-        rates.append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
-    return statistics.median(rates)
-
-
-n = 256 << 20
-h, d = torch.empty(n, dtype=torch.uint8).pin_memory(), torch.empty(n, dtype=torch.uint8, device=dev)
-ceil_load = timed(lambda: d.copy_(h, non_blocking=True), n)
-ceil_back = timed(lambda: h.copy_(d, non_blocking=True), n)
-del h, d
+ceil_load, ceil_back = probe.ceilings()
 emit({"ceiling_load": ceil_load, "ceiling_backup": ceil_back})
 gen = torch.Generator().manual_seed(6)
 host_slots, dev_slots = torch.randperm(N, generator=gen), torch.randperm(N, generator=gen)
@@ -95,6 +69,7 @@ for g in GROUPS:
     layer = torch.arange(g)
     row_p = ((host_slots[:, None] * g + layer[None, :]) * RW).reshape(-1).to(dev)
     row_s = ((layer[None, :] * N + dev_slots[:, None]) * RW).reshape(-1).to(dev)
+    bufs = (host, device, tok_p, tok_s, g, row_p, row_s)
     for tok, programs in SHAPES:
         for kind in ("split", "rows"):
             if kind == "split":
@@ -104,31 +79,36 @@ for g in GROUPS:
                 block = triton.next_power_of_2(tok * ch)
                 warps = max(1, min(32, block * 16 // 4096))
 
-                def run(load: bool, tok=tok, block=block, warps=warps, programs=programs) -> None:
-                    split_rows[(programs,)](host, tok_p, device, tok_s, N * RW, N, G=g, RW=RW, TOK=tok,
-                                            BLOCK=block, LOAD=load, num_warps=warps)  # fmt: skip
+                def run(load: bool, tok=tok, block=block, warps=warps, programs=programs, bufs=bufs) -> None:
+                    host, device, tok_p, tok_s, g = bufs[:5]
+                    split_rows[(programs,)](
+                        host, tok_p, device, tok_s, N * RW, N,
+                        G=g, RW=RW, TOK=tok, BLOCK=block, LOAD=load, num_warps=warps,
+                    )  # fmt: skip
             else:
                 rows = max(1, tok * g)
 
-                def run(load: bool, rows=rows, programs=programs) -> None:
-                    if load:
-                        kernels.copy_rows(host, row_p, device, row_s, RW, sm_budget=programs,
-                                          rows_per_program=rows, validate=False, offsets_align=RW)  # fmt: skip
-                    else:
-                        kernels.copy_rows(device, row_s, host, row_p, RW, sm_budget=programs,
-                                          rows_per_program=rows, validate=False, offsets_align=RW)  # fmt: skip
+                def run(load: bool, rows=rows, programs=programs, bufs=bufs) -> None:
+                    host, device, row_p, row_s = bufs[0], bufs[1], bufs[5], bufs[6]
+                    src, src_off, dst, dst_off = (
+                        (host, row_p, device, row_s) if load else (device, row_s, host, row_p)
+                    )
+                    kernels.copy_rows(
+                        src, src_off, dst, dst_off, RW,
+                        sm_budget=programs, rows_per_program=rows, validate=False, offsets_align=RW,
+                    )  # fmt: skip
+
             device.fill_(-1)
-            with torch.cuda.stream(stream):
-                run(True)
-            torch.cuda.synchronize()
+            probe.run(lambda run=run: run(True))
             load_ok = bool(torch.equal(device.view(g, N, RW)[:, dev_slots], expect))
             host.fill_(-1)
-            with torch.cuda.stream(stream):
-                run(False)
-            torch.cuda.synchronize()
+            probe.run(lambda run=run: run(False))
             back_ok = bool(torch.equal(host, saved))
             lg, bg = timed(lambda run=run: run(True), nbytes), timed(lambda run=run: run(False), nbytes)
-            emit({"kind": kind, "group": g, "tokens": tok, "programs": programs, "load_ok": load_ok,
-                  "backup_ok": back_ok, "load_frac": round(lg / ceil_load, 3), "backup_frac": round(bg / ceil_back, 3),
-                  "load_gbps": round(lg, 2), "backup_gbps": round(bg, 2)})  # fmt: skip
-    del host, device, saved, expect
+            emit({
+                "kind": kind, "group": g, "tokens": tok, "programs": programs, "load_ok": load_ok,
+                "backup_ok": back_ok, "load_frac": round(lg / ceil_load, 3),
+                "backup_frac": round(bg / ceil_back, 3), "load_gbps": round(lg, 2),
+                "backup_gbps": round(bg, 2),
+            })  # fmt: skip
+    del host, device, saved, expect, bufs
