@@ -125,18 +125,20 @@ def test_backup_matches_indexing(row_bytes, L, lo, hi, units, one_allocation, ge
 @pytest.mark.parametrize("one_allocation", [False, True])
 def test_layers_of_one_allocation_go_by_a_stride_others_by_a_table(one_allocation, gen, monkeypatch) -> None:
     c = Case(132, 6, 0, 5, 9, gen, one_allocation)
-    seen = []
-    kernel = groups._kernel
+    seen: list[dict] = []
+    real = groups._kernel
 
-    def spy():
-        launch = kernel()
+    class Recorder:
+        """Stands in for the jitted kernel: records each launch's keyword arguments, then launches."""
 
-        def grid(g):
-            return lambda *args, **kwargs: seen.append(kwargs) or launch[g](*args, **kwargs)
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs) -> None:
+                seen.append(kwargs)
+                real()[grid](*args, **kwargs)
 
-        return type("Spy", (), {"__getitem__": lambda self, g: grid(g)})()
+            return launch
 
-    monkeypatch.setattr(groups, "_kernel", spy)
+    monkeypatch.setattr(groups, "_kernel", Recorder)
     c.run(Direction.LOAD)
     (kwargs,) = seen
     assert kwargs["STRIDED"] is one_allocation

@@ -85,11 +85,12 @@ class CacheConfig:
     `recompute_below`: host hits shorter than this many tokens are not loaded back;
     the handle says to recompute them. `force_path`: one transfer path for every load
     and backup instead of the planner's (benchmarks use `reference` for a stock-style
-    configuration). `layers_per_load`: layers a reload moves per call, each layer's
-    signal then set when its group has landed; more than one lets the kernel read
-    `page_first` pages of several layers as one stretch (fully scattered DSA indexer
-    rows at page 1: 0.53 of the line rate one layer at a time, 0.81 in groups of 8 or
-    16 on an H200), at the cost of layer i waiting for its whole group.
+    configuration). `layers_per_load`: layers a reload through the kernel moves per
+    call, each layer's signal then set when its group has landed (copy-engine reloads
+    go layer by layer); more than one lets the kernel read `page_first` pages of
+    several layers as one stretch (fully scattered DSA indexer rows at page 1: 0.53 of
+    the line rate one layer at a time, 0.80-0.83 in groups of 16-78 on an H200), at the
+    cost of layer i waiting for its whole group.
     """
 
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH

@@ -20,9 +20,10 @@ Why
 A gather of scattered small rows is bound by the number of PCIe read requests, not by
 bytes: a 132-byte DSA indexer row needs two whatever its alignment, and one layer's
 scattered indexer rows move at 0.46-0.58 of the link's ceiling on an H200. A stretch
-of 16 layers of one token is 2112 contiguous bytes: read in 16-byte lanes it moved at
-0.85 of the ceiling (loads) and 0.91 (backups) on 8 SMs; 656-byte fp8 MLA rows went
-from 0.78 to 0.88 with 4 layers or more (bench/NOTES.md, sixth session).
+of 16 layers of one token is 2112 contiguous bytes: read in 16-byte lanes by this
+kernel, stretches of 16 to 78 layers move at 0.80-0.83 of the ceiling (loads) and
+0.78-0.84 (backups) on 8 SMs, and 656-byte fp8 MLA rows at 0.92-0.93 from 8 layers
+against 0.85 one layer at a time (bench/NOTES.md, sixth session).
 
 How
 ---
@@ -93,7 +94,7 @@ def _copy_groups_kernel(
     Layer `j`'s tensor starts `layer_first + j * layer_stride` words from `split_ptr` when
     `STRIDED` (layers of one allocation, as `DevicePool` makes them), else
     `layer_off_ptr[j]` words (any sign): a table read per word, which costs the gather
-    time (0.67 of the ceiling against 0.85 with a stride, 132-byte rows on an H200).
+    time (16 layers of 132-byte rows on an H200: 0.67 of the ceiling, 0.79-0.83 strided).
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
