@@ -17,6 +17,16 @@ from kvtier.pool import DevicePool, HostPool
 from kvtier.spec import BufferSpec
 
 
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """The host tier: pinned CPU memory when there is a GPU, plain CPU memory otherwise."""
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    """The device tier: the GPU when there is one, the CPU (interpreter) otherwise."""
+    return t.cuda() if torch.cuda.is_available() else t
+
+
 def random_rows(n: int, b: BufferSpec, gen: torch.Generator) -> torch.Tensor:
     """`[n, *row]` of `b.dtype` with random bit patterns (NaN payloads included)."""
     raw = torch.randint(0, 256, (n, b.row_bytes), dtype=torch.uint8, generator=gen)

@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from conftest import on_device, on_host
+
 from kvtier.errors import SlotError
 from kvtier.pool.device import Direction
 from kvtier.pool.rows import word_dtype
@@ -28,14 +30,6 @@ from kvtier.transfer.kernels import triton_available
 CUDA = torch.cuda.is_available()
 if not triton_available():  # pragma: no cover - depends on the environment
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
-
-
-def on_host(t: torch.Tensor) -> torch.Tensor:
-    return t.pin_memory() if CUDA else t
-
-
-def on_device(t: torch.Tensor) -> torch.Tensor:
-    return t.cuda() if CUDA else t
 
 
 class Case:

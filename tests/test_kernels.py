@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from conftest import on_device, on_host
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,16 +38,6 @@ if not triton_available():  # pragma: no cover - depends on the environment
 # ---------------------------------------------------------------------------
 # Placement and reference.
 # ---------------------------------------------------------------------------
-
-
-def on_host(t: torch.Tensor) -> torch.Tensor:
-    """The host tier: pinned CPU memory when there is a GPU, plain CPU memory otherwise."""
-    return t.pin_memory() if CUDA else t
-
-
-def on_device(t: torch.Tensor) -> torch.Tensor:
-    """The device tier: the GPU when there is one, the CPU (interpreter) otherwise."""
-    return t.cuda() if CUDA else t
 
 
 def place(src: torch.Tensor, dst: torch.Tensor, direction: str) -> tuple[torch.Tensor, torch.Tensor]:
