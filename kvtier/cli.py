@@ -360,7 +360,11 @@ def _config(args: argparse.Namespace, **extra):
 
     device = _device(args.device)
     cuda = device.type == "cuda"
-    spec = preset(args.spec or "deepseek-v3", args.page_size).with_layers(getattr(args, "layers", 1) or 1)
+    full = preset(args.spec or "deepseek-v3", args.page_size)
+    layers = getattr(args, "layers", 1)
+    if not 1 <= layers <= full.num_layers:
+        raise SystemExit(f"--layers {layers} must be in [1, {full.num_layers}], the layers of {full.name}")
+    spec = full.with_layers(layers)
     tokens = args.tokens or (131072 if cuda else 16384)
     if tokens <= 0 or tokens % spec.page_size:
         raise SystemExit(f"--tokens {tokens} must be a positive multiple of --page-size")

@@ -149,6 +149,8 @@ class Setup:
 
 def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     spec = cfg.spec
+    if not 1 <= cfg.layers <= spec.num_layers:  # before any pool is pinned
+        raise ValueError(f"layers {cfg.layers} must be in [1, {spec.num_layers}] for spec {spec.name!r}")
     gen = torch.Generator().manual_seed(cfg.seed)
     host_slots = 2 * cfg.tokens
     dev_slots = 2 * cfg.tokens
@@ -158,8 +160,6 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     _fill_random(host, dev, gen)
     stream = torch.cuda.Stream(cfg.device) if cfg.device.type == "cuda" else None
     timer = Timer(cfg.device, stream)
-    if not 1 <= cfg.layers <= spec.num_layers:
-        raise ValueError(f"layers {cfg.layers} must be in [1, {spec.num_layers}] for spec {spec.name!r}")
     # Bytes of one timed call: every buffer of the layers it moves.
     layer_bytes = cfg.tokens * sum(spec.layer_bytes_per_token(layer) for layer in range(cfg.layers))
     ceilings = {
