@@ -60,8 +60,6 @@ __all__ = ["GROUP_TILE_BYTES", "copy_groups", "units_in_flight"]
 # programs), loads reached 0.80-0.83 of the ceiling with ~80 KiB at 8, 16, 32 and 78 layers
 # per stretch, but 0.67-0.76 with 64 KiB at 8, 16 and 32 layers (bench/NOTES.md, sixth session).
 GROUP_TILE_BYTES = 80 * 1024
-_VECTOR_BYTES = 16
-_MAX_CHUNKS = 16384
 
 
 def units_in_flight(stretch_bytes: int) -> int:
@@ -243,13 +241,10 @@ def copy_groups(
         raise SlotError(f"packed_offsets has {n} units but split_offsets has {split_offsets.numel()}")
     if split_offsets.device != packed_offsets.device:
         raise ValueError(f"offsets on different devices: {packed_offsets.device} and {split_offsets.device}")
-    for name, v in (("unit_words", unit_words), ("sm_budget", sm_budget)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if isinstance(packed_shift, bool) or not isinstance(packed_shift, int) or packed_shift < 0:
-        raise ValueError(f"packed_shift must be a non-negative int, got {packed_shift!r}")
-    if units_per_program is not None and (not isinstance(units_per_program, int) or units_per_program < 1):
-        raise ValueError(f"units_per_program must be a positive int or None, got {units_per_program!r}")
+    kernels.check_count("unit_words", unit_words)
+    kernels.check_count("sm_budget", sm_budget)
+    kernels.check_count("packed_shift", packed_shift, least=0)
+    kernels.check_count("units_per_program", units_per_program, optional=True)
     base = layers[0] if table is None else table[0]
     deltas = layer_offsets([base, *layers])[1:]
     g = len(layers)
@@ -276,8 +271,8 @@ def copy_groups(
         raise RuntimeError("copy_groups needs Triton, which is not installed (pip install 'kvtier[triton]')")
     device = kernels.kernel_device(packed, layers[0])
 
-    vec = max(1, _VECTOR_BYTES // size)
-    if packed.data_ptr() % _VECTOR_BYTES:
+    vec = max(1, kernels.VECTOR_BYTES // size)
+    if packed.data_ptr() % kernels.VECTOR_BYTES:
         vec = 1  # the packed side's chunks could not be aligned: word by word
     if offsets_on_host:
         known = kernels.common_alignment(packed_offsets.numpy(), split_offsets.numpy())
@@ -288,18 +283,18 @@ def copy_groups(
         and unit_words % vec == 0
         and (known | packed_shift) % vec == 0
         and all(d % vec == 0 for d in deltas)
-        and base.data_ptr() % _VECTOR_BYTES == 0
+        and base.data_ptr() % kernels.VECTOR_BYTES == 0
     )
     span = g * unit_words
     chunks = span // vec if aligned else (span + 2 * vec - 2) // vec
-    if chunks > _MAX_CHUNKS:
+    if chunks > kernels.MAX_TILE_CHUNKS:
         raise ValueError(
             f"a stretch of {g} layers x {unit_words * size} bytes is wider than one tile of the kernel "
-            f"({_MAX_CHUNKS} chunks of {vec * size} bytes); move fewer layers at once"
+            f"({kernels.MAX_TILE_CHUNKS} chunks of {vec * size} bytes); move fewer layers at once"
         )
     if units_per_program is None:
         units_per_program = units_in_flight(span * size)
-    units_per_program = min(units_per_program, _MAX_CHUNKS // chunks)
+    units_per_program = min(units_per_program, kernels.MAX_TILE_CHUNKS // chunks)
     block = kernels.next_power_of_2(units_per_program * chunks)
     if table is not None and (table[1].numel() != g or table[1].device != device):
         got = f"{tuple(table[1].shape)} on {table[1].device}"

@@ -94,7 +94,7 @@ _TILE_BYTES = 64 * 1024
 _MAX_TILE_BYTES = 128 * 1024
 _MAX_DEFAULT_ROWS = 256  # per 64 KiB of tile
 # Lanes of one tile at most (one chunk of up to 16 bytes each); 32 warps hold 16 each.
-_MAX_TILE_CHUNKS = 16384
+MAX_TILE_CHUNKS = 16384
 # Rows of at least LEAN_ROW_BYTES fill the link from LEAN_PROGRAMS programs of 128 KiB as
 # from 8 of 64 KiB (0.92 of the ceiling for 1152-byte rows on an H200), and each SM the
 # kernel holds costs a matmul beside it ~1% of its rate; shorter rows need more programs
@@ -105,7 +105,7 @@ LEAN_PROGRAMS = 4
 _WARP_BYTES = 4096
 _MAX_WARPS = 32
 # Widest access per thread the hardware has (a 16-byte vector load/store).
-_VECTOR_BYTES = 16
+VECTOR_BYTES = 16
 
 
 def interpreting() -> bool:
@@ -263,6 +263,15 @@ def check_words(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 1-D and contiguous, got shape {tuple(t.shape)} stride {t.stride()}")
 
 
+def check_count(name: str, value: Any, *, least: int = 1, optional: bool = False) -> None:
+    """`value` is an int (not a bool) of at least `least` (1 or 0), or None where `optional`."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        kind = "a positive int" if least == 1 else "a non-negative int"
+        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+
+
 def check_offsets(offsets: torch.Tensor, name: str) -> None:
     if not isinstance(offsets, torch.Tensor):
         raise SlotError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
@@ -332,7 +341,7 @@ def _offsets_alignment(offsets: list[torch.Tensor], word_size: int) -> int:
 
     `offsets`: `[n]` int64 CPU tensors, in words of `word_size` bytes.
     """
-    return min(_VECTOR_BYTES, common_alignment(*(o.numpy() for o in offsets)) * word_size)
+    return min(VECTOR_BYTES, common_alignment(*(o.numpy() for o in offsets)) * word_size)
 
 
 def kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
@@ -416,14 +425,10 @@ def copy_rows(
     n = src_offsets.numel()
     if dst_offsets.numel() != n:
         raise SlotError(f"src_offsets has {n} rows but dst_offsets has {dst_offsets.numel()}")
-    if isinstance(row_words, bool) or not isinstance(row_words, int) or row_words < 1:
-        raise ValueError(f"row_words must be a positive int, got {row_words!r}")
-    if not isinstance(sm_budget, int) or sm_budget < 1:
-        raise ValueError(f"sm_budget must be a positive int, got {sm_budget!r}")
-    if offsets_align is not None and (not isinstance(offsets_align, int) or offsets_align < 1):
-        raise ValueError(f"offsets_align must be a positive int, got {offsets_align!r}")
-    if rows_per_program is not None and (not isinstance(rows_per_program, int) or rows_per_program < 1):
-        raise ValueError(f"rows_per_program must be a positive int or None, got {rows_per_program!r}")
+    check_count("row_words", row_words)
+    check_count("sm_budget", sm_budget)
+    check_count("offsets_align", offsets_align, optional=True)
+    check_count("rows_per_program", rows_per_program, optional=True)
     if src_offsets.device != dst_offsets.device:
         raise ValueError(f"offsets on different devices: {src_offsets.device} and {dst_offsets.device}")
 
@@ -451,7 +456,7 @@ def copy_rows(
     if offsets_on_host:
         known = _offsets_alignment([src_offsets, dst_offsets], size)
     elif offsets_align is not None:
-        known = min(_VECTOR_BYTES, (offsets_align & -offsets_align) * size)
+        known = min(VECTOR_BYTES, (offsets_align & -offsets_align) * size)
     else:
         known = None  # Unseen offsets: whole words of the given width, vectors checked per tile.
     aligns = [src.data_ptr(), dst.data_ptr(), src.storage_offset() * size, dst.storage_offset() * size]
@@ -466,19 +471,19 @@ def copy_rows(
     # Tile: rows_per_program whole rows, one VEC-word chunk (at most 16 bytes) per lane.
     vec = 1
     while (
-        vec * 2 * width <= _VECTOR_BYTES
+        vec * 2 * width <= VECTOR_BYTES
         and row_w % (vec * 2) == 0
         and (known is None or known % (vec * 2 * width) == 0)
     ):
         vec *= 2
     row_vecs = row_w // vec
-    if row_vecs > _MAX_TILE_CHUNKS:
+    if row_vecs > MAX_TILE_CHUNKS:
         raise ValueError(
             f"rows of {row_w * width} bytes in {row_vecs} chunks of {vec * width} bytes are wider than one "
-            f"tile of the kernel ({_MAX_TILE_CHUNKS} chunks); split them into narrower rows"
+            f"tile of the kernel ({MAX_TILE_CHUNKS} chunks); split them into narrower rows"
         )
-    # A tile holds at most _MAX_TILE_CHUNKS lanes: fewer rows in flight than asked when wide.
-    rows_per_program = min(rows_per_program, _MAX_TILE_CHUNKS // row_vecs)
+    # A tile holds at most MAX_TILE_CHUNKS lanes: fewer rows in flight than asked when wide.
+    rows_per_program = min(rows_per_program, MAX_TILE_CHUNKS // row_vecs)
     block = next_power_of_2(rows_per_program * row_vecs)
     num_warps = warps_for(block * vec * width)
 
