@@ -33,7 +33,6 @@ from kvtier.transfer import (
     TransferPlan,
     backup,
     kernels,
-    load_layer,
     load_layers,
 )
 
@@ -284,8 +283,6 @@ def _time(
 
 
 def _op(plan: TransferPlan, host: HostPool, dev: DevicePool, stream, layers: int = 1) -> Callable[[], None]:
-    if plan.direction is Direction.LOAD and layers == 1:
-        return lambda: load_layer(plan, host, dev, 0, stream)
     if plan.direction is Direction.LOAD:
         return lambda: load_layers(plan, host, dev, range(layers), stream)
     return lambda: backup(plan, dev, host, range(layers), stream)

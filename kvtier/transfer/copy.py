@@ -102,16 +102,15 @@ def _move_layers(
 ) -> None:
     """Every buffer of `layers`, layer by layer, except kernel rows that move several layers at once."""
     spec = host_pool.spec
-    for layer in layers:
-        spec.buffers_on(layer)  # a layer outside the model raises here, before anything moves
+    # A layer outside the model raises here, before anything moves.
+    on = [(layer, spec.buffers_on(layer)) for layer in layers]
+    grouped = len(layers) > 1
     with _on_stream(plan, device_pool, stream) as s:
-        if len(layers) == 1:
-            for b in spec.buffers_on(layers[0]):
-                _move(plan, host_pool, device_pool, b, layers[0], s)
+        for layer, buffers in on:
+            for b in buffers:
+                _move(plan, host_pool, device_pool, b, layer, s, grouped=grouped)
+        if not grouped:
             return
-        for layer in layers:
-            for b in spec.buffers_on(layer):
-                _move(plan, host_pool, device_pool, b, layer, s, grouped=True)
         for b in spec.buffers:
             on = set(b.layers)
             mine = [b.local_layer(layer) for layer in layers if layer in on]
