@@ -24,15 +24,20 @@ from kvtier.transfer import KernelOptions
 console = Console(width=None if sys.stdout.isatty() else 140)
 
 
-def _kernel_shape(text: str) -> tuple[int, int | None]:
-    """`PROGRAMSxROWS` (8x32), or `PROGRAMS` alone (4) for rows chosen by row size and budget."""
+def _kernel_shape(text: str) -> KernelOptions:
+    """`PROGRAMSxROWS` (8x32), or `PROGRAMS` alone (4) for rows chosen by row size and budget;
+    either followed by `sSTAGES` (8s1, 8x32s2) for the tiles each program keeps in flight."""
+    shape, sep, stages = text.lower().partition("s")
     try:
-        sm, *rows = (int(x) for x in text.lower().split("x"))
+        sm, *rows = (int(x) for x in shape.split("x"))
+        depth = int(stages) if sep else None
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected PROGRAMSxROWS such as 8x32, got {text!r}") from None
-    if len(rows) > 1 or sm < 1 or (rows and rows[0] < 1):
+        raise argparse.ArgumentTypeError(
+            f"expected PROGRAMSxROWS such as 8x32 or 8x32s2, got {text!r}"
+        ) from None
+    if len(rows) > 1 or min(sm, *rows, 1 if depth is None else depth) < 1:
         raise argparse.ArgumentTypeError(f"kernel shape {text!r} must be one or two positive numbers")
-    return sm, (rows[0] if rows else None)
+    return KernelOptions(sm_budget=sm, rows_per_program=rows[0] if rows else None, stages=depth)
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -52,7 +57,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--kernel",
         type=_kernel_shape,
         default=None,
-        help="gather kernel PROGRAMSxROWS, or PROGRAMS with rows by row size (default 8)",
+        help="gather kernel PROGRAMSxROWS, or PROGRAMS with rows by row size (default 8); then sSTAGES",
     )
     p.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
 
@@ -104,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         "--kernel-sweep",
         type=lambda s: tuple(_kernel_shape(x) for x in s.split(",") if x),
         default=(),
-        help="extra kernel shapes timed on the fully scattered set, e.g. 4x32,8x64",
+        help="extra kernel shapes timed on the fully scattered set, e.g. 4x32,8x64,8s1",
     )
     t.add_argument(
         "--layers",
@@ -377,7 +382,7 @@ def _config(args: argparse.Namespace, **extra):
         warmup=args.warmup,
         cycles=getattr(args, "cycles", 8),
         batch=args.batch,
-        kernel=KernelOptions(*args.kernel) if args.kernel else KernelOptions(),
+        kernel=args.kernel or KernelOptions(),
         **extra,
     )
 

@@ -373,7 +373,13 @@ def test_offsets_not_1d_int64(case: tuple, bad: str) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "row_words_delta"),
-    [({"sm_budget": 0}, 0), ({"rows_per_program": 0}, 0), ({}, -72)],
+    [
+        ({"sm_budget": 0}, 0),
+        ({"rows_per_program": 0}, 0),
+        ({"stages": 0}, 0),
+        ({"stages": True}, 0),
+        ({}, -72),
+    ],
 )
 def test_bad_launch_arguments(case: tuple, kwargs: dict, row_words_delta: int) -> None:
     src, src_off, dst, dst_off, row_words = case
@@ -414,30 +420,48 @@ def test_rows_in_flight_follows_the_row_size() -> None:
     assert rows_in_flight(1 << 20) == 1
 
 
-def test_rows_in_flight_keeps_the_grid_s_bytes_in_flight_on_fewer_programs() -> None:
-    from kvtier.transfer.kernels import rows_in_flight, tile_bytes, warps_for
+def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
+    from kvtier.transfer.kernels import MAX_STAGES, programs_for, warps_for
 
-    # ~512 KiB across the grid: 64 KiB per program from 8 programs, 128 KiB up to 4.
-    assert [tile_bytes(p) for p in (1, 2, 4, 5, 8, 16)] == [131072, 131072, 131072, 104857, 65536, 65536]
-    assert rows_in_flight(1152, 16) == rows_in_flight(1152, 8) == 56
-    assert rows_in_flight(1152, 4) == 113
-    assert rows_in_flight(656, 4) == 199
-    assert rows_in_flight(132, 4) == 512
-    assert rows_in_flight(1 << 20, 4) == 1
+    # 8 tiles of 64 KiB across the grid: 2 programs of 4 stages, 8 without pipelining.
+    assert MAX_STAGES == 4
+    assert [programs_for(1152, 8, stages) for stages in (4, 3, 2, 1)] == [2, 3, 4, 8]
+    assert programs_for(1024, 8) == 2 and programs_for(1023, 8) == 8
+    assert programs_for(1152, 1) == 1 and programs_for(656, 16) == 16
     # One warp per 4 KiB of tile: 16 for 64 KiB, 32 (1024 threads) from 128 KiB.
     assert [warps_for(b) for b in (512, 4096, 65536, 131072, 262144)] == [1, 1, 16, 32, 32]
+
+
+@pytest.mark.parametrize(
+    ("shared", "stages"),
+    # An H200, an A100, a part of 99 KiB, less, more.
+    [(232448, 4), (166912, 3), (101376, 2), (65536, 1), (1 << 20, 4)],
+)
+def test_stages_are_what_the_device_s_shared_memory_holds(
+    shared: int, stages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.transfer import KernelOptions
+
+    monkeypatch.setattr(kernels, "_shared_bytes", lambda index: shared)
+    gpu = torch.device("cuda", 0)
+    assert kernels.stages_on(gpu) == stages
+    # Planning on the CPU (or under the interpreter) assumes a device that holds them all.
+    assert kernels.stages_on(torch.device("cpu")) == kernels.stages_on(None) == 4
+    opts = KernelOptions()
+    assert opts.programs_for(1152, gpu) == {4: 2, 3: 3, 2: 4, 1: 8}[stages]
+    assert KernelOptions(stages=2).stages_on(gpu) == min(2, stages)
 
 
 def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
     from kvtier.transfer import KernelOptions
 
     lean, full = KernelOptions(), KernelOptions(lean=False)
-    # Rows of 1 KiB or more: 4 programs of 128 KiB; shorter rows: the whole budget at 64 KiB.
-    assert (lean.programs_for(1152), lean.rows_for(1152)) == (4, 113)
+    # Rows of 1 KiB or more: 2 programs of 4 stages; shorter rows the whole budget; tiles of 64 KiB.
+    assert (lean.programs_for(1152), lean.rows_for(1152)) == (2, 56)
     assert (lean.programs_for(1023), lean.rows_for(656)) == (8, 99)
     assert (full.programs_for(1152), full.rows_for(1152)) == (8, 56)
-    small = KernelOptions(sm_budget=2)
-    assert (small.programs_for(1152), small.rows_for(1152)) == (2, 113)
+    assert KernelOptions(stages=1).programs_for(1152) == 8
+    assert KernelOptions(sm_budget=1).programs_for(1152) == 1
     assert KernelOptions(sm_budget=16).programs_for(132) == 16
     # A shape given whole is taken as it is.
     given = KernelOptions(rows_per_program=7)
@@ -454,31 +478,35 @@ def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
     import argparse
 
     from kvtier.cli import _kernel_shape
+    from kvtier.transfer import KernelOptions
 
-    assert _kernel_shape("8x32") == (8, 32)
-    assert _kernel_shape("4") == (4, None)
-    for bad in ("0", "4x0", "4x8x2", "x", "four"):
+    assert _kernel_shape("8x32") == KernelOptions(sm_budget=8, rows_per_program=32)
+    assert _kernel_shape("4") == KernelOptions(sm_budget=4)
+    assert _kernel_shape("8s1") == KernelOptions(sm_budget=8, stages=1)
+    assert _kernel_shape("2x56S3") == KernelOptions(sm_budget=2, rows_per_program=56, stages=3)
+    for bad in ("0", "4x0", "4x8x2", "x", "four", "8s0", "8s", "s2", "8s1s2"):
         with pytest.raises(argparse.ArgumentTypeError):
             _kernel_shape(bad)
 
 
-@pytest.mark.parametrize(("sm_budget", "rows", "warps"), [(8, 56, 16), (4, 113, 32)])
-def test_rows_in_flight_default_to_the_row_size_and_grid(
-    sm_budget: int, rows: int, warps: int, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
+@pytest.mark.parametrize(("sm_budget", "stages", "want"), [(8, None, 4), (2, 1, 1), (4, 3, 3)])
+def test_tiles_default_to_64_kib_of_rows_pipelined_over_stages(
+    sm_budget: int, stages: int | None, want: int, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
 ) -> None:
-    """Without `rows_per_program`, a tile of ~512 KiB / programs (1152-byte rows), byte-identical."""
+    """Without `rows_per_program`, ~64 KiB of 1152-byte rows per tile, `stages` deep, byte-identical."""
     launches = []
     real = kernels._kernel
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                launches.append((grid, kw["ROWS_PER_BLOCK"], kw["num_warps"]))
+                launches.append((grid, kw["ROWS_PER_BLOCK"], kw["ROWS_POW"], kw["num_warps"], kw["STAGES"]))
+                assert kw["num_stages"] == kw["STAGES"]
                 return real()[grid](*args, **kw)
 
             return launch
 
     monkeypatch.setattr(kernels, "_kernel", Spy)
     case = scattered_case(1152, 1000, 1200, gen)
-    run_and_check(*case, GATHER, sm_budget=sm_budget)
-    assert launches == [((sm_budget,), rows, warps)]
+    run_and_check(*case, GATHER, sm_budget=sm_budget, stages=stages)
+    assert launches == [((sm_budget,), 56, 64, 16, want)]

@@ -505,29 +505,41 @@ def test_load_layers_refuses_a_layer_outside_the_model_before_moving_any(gen) ->
 
 
 @needs_triton
+@pytest.mark.parametrize("stages", [None, 1])
 @pytest.mark.parametrize("direction", ["load", "backup"])
-def test_kernel_on_a_small_budget_moves_larger_tiles_byte_identically(direction, gen) -> None:
-    """sm_budget 4: each program holds twice the rows (128 KiB tiles), and loops over many tiles."""
+def test_kernel_on_a_small_budget_loops_over_many_tiles_byte_identically(
+    direction, stages, gen, monkeypatch
+) -> None:
+    """sm_budget 2: each program loops over many ~64 KiB tiles, pipelined or not (`stages`)."""
     spec = preset("tiny-dsa", 1)
     host, dev = HostPool(spec, 8192, "layer_first"), DevicePool(spec, 8192)
     poison_host(host, gen)
     poison_device(dev, gen)
     hs, ds = torch.randperm(8192, generator=gen)[:7000], torch.randperm(8192, generator=gen)[:7000]
-    opts = KernelOptions(sm_budget=4)
+    opts = KernelOptions(sm_budget=2, stages=stages)
     plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel", kernel=opts)
     (part,) = plan.parts
-    assert part.mechanism is Mechanism.KERNEL and plan.sms_used == 4
+    assert part.mechanism is Mechanism.KERNEL and plan.sms_used == 2
     for b in spec.buffers:
         rows = opts.rows_for(b.row_bytes)
-        assert rows == 2 * KernelOptions(sm_budget=8).rows_for(b.row_bytes)
-        assert len(hs) > 4 * rows  # every program copies more than one tile
+        assert rows == kernels.rows_in_flight(b.row_bytes)
+        assert len(hs) > 2 * rows  # every program copies more than one tile
+    seen = []
+    real = kernels.copy_rows
+
+    def spy(*args, **kw):
+        seen.append(kw["stages"])
+        real(*args, **kw)
+
+    monkeypatch.setattr(kernels, "copy_rows", spy)
     _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
+    assert seen and set(seen) == {stages}
 
 
 @needs_triton
 @pytest.mark.parametrize("direction", ["load", "backup"])
 def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypatch) -> None:
-    """glm-5: 1152-byte rows on 4 programs of 113 rows, its 132-byte indexer rows on all 8."""
+    """glm-5: 1152-byte rows on 2 programs (4 tiles of 56 rows in flight each), 132-byte rows on all 8."""
     spec = preset("glm-5", 1).with_layers(1)
     host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
     poison_host(host, gen)
@@ -544,10 +556,10 @@ def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypat
     plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
     assert plan.sms_used == 8 and plan.parts[0].programs == 8
     _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
-    assert sorted(launches) == [(132, 8, 256), (1152, 4, 113)]
+    assert sorted(launches) == [(132, 8, 256), (1152, 2, 56)]
     v3 = preset("deepseek-v3", 1).with_layers(1)
     pools = HostPool(v3, 4096), DevicePool(v3, 4096)
-    assert TransferPlan.build(direction, *pools, hs, ds, force="kernel").sms_used == 4
+    assert TransferPlan.build(direction, *pools, hs, ds, force="kernel").sms_used == 2
     full = KernelOptions(lean=False)
     assert TransferPlan.build(direction, *pools, hs, ds, force="kernel", kernel=full).sms_used == 8
 

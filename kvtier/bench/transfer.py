@@ -40,8 +40,8 @@ from kvtier.transfer import (
 MAX_TIMED_COPIES = 4096
 # A variant slower than this per call is timed 3 times, one call each.
 SLOW_CALL_S = 0.02
-# The stock-style kernel: two blocks, a few rows in flight each (one per warp).
-STOCK_KERNEL = KernelOptions(sm_budget=2, rows_per_program=4, max_unit_bytes=1)
+# The stock-style kernel: two blocks, a few rows in flight each (one per warp), not pipelined.
+STOCK_KERNEL = KernelOptions(sm_budget=2, rows_per_program=4, max_unit_bytes=1, stages=1)
 
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
 VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kernel", "stock", "reference")
@@ -62,8 +62,8 @@ class BenchConfig:
     variants: tuple[str, ...] = VARIANTS
     directions: tuple[Direction, ...] = (Direction.LOAD, Direction.BACKUP)
     kernel: KernelOptions = field(default_factory=KernelOptions)
-    # Extra kernel shapes `(sm_budget, rows_per_program)` timed on the fully scattered set.
-    kernel_sweep: tuple[tuple[int, int | None], ...] = ()
+    # Extra kernel shapes (budget, rows, stages) timed on the fully scattered set.
+    kernel_sweep: tuple[KernelOptions, ...] = ()
     seed: int = 0
     # Layers each timed call moves (`load_layers` / `backup` of layers 0..layers-1); the spec
     # must have that many. With more than one, page_first kernel rows move in layer groups.
@@ -246,8 +246,10 @@ def _variants(
             continue
         out.append((v, path, STOCK_KERNEL if v == "stock" else cfg.kernel))
     if host_label == "runs-1" and kernel_ok:
-        for sm, rpp in cfg.kernel_sweep:
-            out.append((f"kernel-{sm}x{rpp or 'auto'}", TransferPath.KERNEL, KernelOptions(sm, rpp)))
+        for opts in cfg.kernel_sweep:
+            stages = f"s{opts.stages}" if opts.stages else ""
+            name = f"kernel-{opts.sm_budget}x{opts.rows_per_program or 'auto'}{stages}"
+            out.append((name, TransferPath.KERNEL, opts))
     return out
 
 
@@ -338,16 +340,17 @@ def _rows(words: torch.Tensor, b) -> torch.Tensor:
     return words.view(torch.uint8).view(b.dtype).view(words.shape[0], *b.row_shape)
 
 
-def _kernel_text(opts: KernelOptions) -> str:
+def _kernel_text(opts: KernelOptions, device: torch.device) -> str:
     """The kernel's shape in words: `8 programs x 56 rows`, or how it is chosen."""
     if opts.rows_per_program is not None:
         return f"{opts.sm_budget} programs x {opts.rows_per_program} rows"
-    if opts.lean and opts.sm_budget > kernels.LEAN_PROGRAMS:
-        return (
-            f"{opts.sm_budget} programs ({kernels.LEAN_PROGRAMS} for rows of {kernels.LEAN_ROW_BYTES} bytes "
-            "or more) x rows by size"
-        )
-    return f"{opts.sm_budget} programs x rows by size"
+    lean = opts.programs_for(kernels.LEAN_ROW_BYTES, device)
+    if lean < opts.sm_budget:
+        text = f"{opts.sm_budget} programs ({lean} for rows of {kernels.LEAN_ROW_BYTES} bytes or more)"
+        text += " x rows by size"
+    else:
+        text = f"{opts.sm_budget} programs x rows by size"
+    return f"{text}, {opts.stages_on(device)} tiles in flight each"
 
 
 def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: int) -> dict:
@@ -361,7 +364,7 @@ def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: i
         "layers": cfg.layers,
         "layer_bytes": layer_bytes,
         "churn_cycles": cfg.cycles,
-        "kernel": _kernel_text(cfg.kernel),
+        "kernel": _kernel_text(cfg.kernel, cfg.device),
         "stock_kernel": f"{STOCK_KERNEL.sm_budget} programs x {STOCK_KERNEL.rows_per_program} rows",
         "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (slow variants: 3 x 1)"
         + ("; the stream held by a GPU sleep while they are issued" if cfg.device.type == "cuda" else ""),

@@ -465,10 +465,11 @@ def _kernel(
             dst,
             rows.dst,
             unit_bytes // rows.word,
-            sm_budget=opts.programs_for(unit_bytes),
+            sm_budget=opts.programs_for(unit_bytes, dev_w.device),
             rows_per_program=opts.rows_for(unit_bytes),
             validate=False,
             offsets_align=rows.align,
+            stages=opts.stages,
         )
 
 

@@ -20,13 +20,16 @@ takes on the order of a microsecond to come back, so reaching ~50 GB/s needs on
 the order of 512 KiB in flight across the GPU at any time (measured). Many
 programs are not the way to get there; many outstanding loads per program are.
 Each program therefore loads a whole tile of rows (`rows_per_program` rows, flattened
-into 16-byte chunks, one per lane; by default 64 KiB on 8 programs, 128 KiB on 4, see
-`rows_in_flight`) before it stores any of it, and the grid is persistent and small:
-exactly `min(sm_budget, number of row blocks)` programs, each looping over the row
-blocks `pid, pid + num_programs, ...`. The copy takes `sm_budget` SMs (default 8) from
-the model running beside it, and no more. Each SM it holds cost a bf16 matmul beside it
-about 1% of its rate on an H200 (bench/NOTES.md), so rows that fill the link from fewer
-programs get fewer (`programs_for`, used by `KernelOptions` unless told otherwise).
+into 16-byte chunks, one per lane; by default ~64 KiB, see `rows_in_flight`) before it
+stores any of it, and its loop is pipelined: while one tile is stored, the next `stages
+- 1` are already on their way into shared memory (asynchronous copies, which hold no
+registers), so a program keeps up to `MAX_STAGES` tiles (256 KiB) in flight. The grid
+is persistent and small: exactly `min(sm_budget, number of row blocks)` programs, each
+looping over the row blocks `pid, pid + num_programs, ...`. The copy takes `sm_budget`
+SMs (default 8) from the model running beside it, and no more. Each SM it holds cost a
+bf16 matmul beside it about 1% of its rate on an H200 (bench/NOTES.md), so rows that
+fill the link from fewer programs get fewer: 2 for rows of 1 KiB or more (`programs_for`,
+used by `KernelOptions` unless told otherwise).
 
 Contract
 --------
@@ -55,6 +58,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -72,13 +76,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
 
 __all__ = [
-    "LEAN_PROGRAMS",
     "LEAN_ROW_BYTES",
+    "MAX_STAGES",
     "copy_rows",
     "programs_for",
     "rows_in_flight",
     "runs_on",
-    "tile_bytes",
+    "stages_on",
     "triton_available",
     "warps_for",
 ]
@@ -86,21 +90,25 @@ __all__ = [
 _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WORD_SIZES: dict[torch.dtype, int] = {dtype: size for size, dtype in _WORD_DTYPES.items()}
 
-# Bytes in flight per program by default (`rows_in_flight`): a gather of host rows needs
-# ~512 KiB of reads outstanding across the grid to fill the link, so a program takes
-# `_GRID_BYTES / programs`, from 64 KiB (8 programs or more) to 128 KiB (4 or fewer).
-_GRID_BYTES = 512 * 1024
+# Bytes of rows per program per tile by default (`rows_in_flight`), and at most this many rows.
 _TILE_BYTES = 64 * 1024
-_MAX_TILE_BYTES = 128 * 1024
-_MAX_DEFAULT_ROWS = 256  # per 64 KiB of tile
+_MAX_DEFAULT_ROWS = 256
 # Lanes of one tile at most (one chunk of up to 16 bytes each); 32 warps hold 16 each.
 MAX_TILE_CHUNKS = 16384
-# Rows of at least LEAN_ROW_BYTES fill the link from LEAN_PROGRAMS programs of 128 KiB as
-# from 8 of 64 KiB (0.92 of the ceiling for 1152-byte rows on an H200), and each SM the
-# kernel holds costs a matmul beside it ~1% of its rate; shorter rows need more programs
-# (656-byte rows: 0.83 on 4, 0.85 on 8; 132-byte rows: 0.34 on 4, 0.52 on 8).
+# Tiles in flight per program by default: one in registers, up to three more in shared memory
+# (3 x 64 KiB of an H200's 227 KiB per block), as far as the device's shared memory holds them.
+MAX_STAGES = 4
+# Shared memory the kernel needs beside its stages' buffers (the offsets' spreading, layouts).
+_SHARED_SLACK = 8 * 1024
+# A gather of host rows needs ~512 KiB of reads outstanding across the grid to fill the link
+# (an H200, bench/NOTES.md): this many tiles of 64 KiB.
+_GRID_TILES = 8
+# Rows of at least LEAN_ROW_BYTES fill the link from `_GRID_TILES / stages` programs (2 with 4
+# stages: 0.93 of the ceiling for 1152-byte rows on an H200, as on 8 programs), and each SM the
+# kernel holds costs a matmul beside it ~1% of its rate; shorter rows are bound by the reads
+# each SM issues and take the whole budget (656-byte rows: 0.83 on 4 programs, 0.85 on 8;
+# 132-byte rows: 0.34 on 4, 0.52 on 8).
 LEAN_ROW_BYTES = 1024
-LEAN_PROGRAMS = 4
 # One warp per this many bytes of tile, at most `_MAX_WARPS` (1024 threads).
 _WARP_BYTES = 4096
 _MAX_WARPS = 32
@@ -117,28 +125,51 @@ def runs_on(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or interpreting())
 
 
-def tile_bytes(programs: int) -> int:
-    """Bytes in flight per program of a grid of `programs`: 64 KiB from 8 programs, 128 KiB up to 4."""
-    return max(_TILE_BYTES, min(_MAX_TILE_BYTES, _GRID_BYTES // max(1, programs)))
+def programs_for(row_bytes: int, sm_budget: int, stages: int = MAX_STAGES) -> int:
+    """Programs for rows of `row_bytes` within `sm_budget` when each keeps `stages` tiles in flight.
 
-
-def programs_for(row_bytes: int, sm_budget: int) -> int:
-    """Programs for rows of `row_bytes` within `sm_budget`: `LEAN_PROGRAMS` for long rows, else the budget."""
-    return min(sm_budget, LEAN_PROGRAMS) if row_bytes >= LEAN_ROW_BYTES else sm_budget
-
-
-def rows_in_flight(row_bytes: int, programs: int = 8) -> int:
-    """Rows per program for rows of `row_bytes` on a grid of `programs`.
-
-    As many whole rows as fit in `tile_bytes(programs)` (and at most `_MAX_DEFAULT_ROWS`
-    per 64 KiB of it): with 8 programs 56 for 1152-byte rows, 99 for 656, 256 for 132;
-    with 4 programs 113, 199 and 512. What matters for a gather over PCIe is bytes in
-    flight: a CUDA probe on an H200 (bench/NOTES.md) reached the SM read plateau (~51
-    GB/s) once ~512 KiB were outstanding across the grid, with 8 blocks of 64 KiB as with
-    4 of 128 KiB, and fell to 0.66-0.75 of it with half that.
+    Rows of `LEAN_ROW_BYTES` or more take the fewest programs that keep `_GRID_TILES` tiles
+    (~512 KiB) in flight: 2 with 4 stages, 8 without pipelining; shorter rows the budget.
     """
-    tile = tile_bytes(programs)
-    return max(1, min(_MAX_DEFAULT_ROWS * tile // _TILE_BYTES, tile // row_bytes))
+    if row_bytes < LEAN_ROW_BYTES:
+        return sm_budget
+    return min(sm_budget, -(-_GRID_TILES // max(1, stages)))
+
+
+def rows_in_flight(row_bytes: int) -> int:
+    """Rows per tile for rows of `row_bytes`: as many whole rows as fit in 64 KiB, at most 256.
+
+    56 for 1152-byte rows, 99 for 656, 256 for 132. What matters for a gather over PCIe is
+    bytes in flight: a CUDA probe on an H200 (bench/NOTES.md) reached the SM read plateau
+    (~51 GB/s) once ~512 KiB were outstanding across the grid, and fell to 0.66-0.75 of it
+    with half that; a program keeps `stages` tiles in flight (`stages_on`).
+    """
+    return max(1, min(_MAX_DEFAULT_ROWS, _TILE_BYTES // row_bytes))
+
+
+@functools.cache
+def _shared_bytes(index: int) -> int:
+    """Shared memory one program may use on CUDA device `index` (opt-in maximum), in bytes."""
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def stages_on(device: torch.device | None, tile_bytes: int = _TILE_BYTES) -> int:
+    """Tiles of `tile_bytes` a program keeps in flight on `device`: `MAX_STAGES` at most.
+
+    All but one wait in shared memory, so a device with less of it pipelines fewer (an
+    H200's 227 KiB holds three 64 KiB tiles; an A100's 163 KiB two). Off CUDA (Triton's
+    interpreter, or planning on the CPU) the kernel is not pipelined, and plans are made as
+    for a device that holds `MAX_STAGES`.
+    """
+    return min(MAX_STAGES, _stages_fit(device, tile_bytes))
+
+
+def _stages_fit(device: torch.device | None, tile_bytes: int) -> int:
+    """The most stages whose buffers fit in `device`'s shared memory (no limit off CUDA)."""
+    if device is None or device.type != "cuda" or triton is None:
+        return 1 << 30
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, 1 + (_shared_bytes(index) - _SHARED_SLACK) // tile_bytes)
 
 
 def warps_for(nbytes: int) -> int:
@@ -180,9 +211,11 @@ def _copy_rows_kernel(
     n_rows,
     row_vecs,
     ROWS_PER_BLOCK: tl.constexpr,
+    ROWS_POW: tl.constexpr,
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
     CHECK_ALIGN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Persistent grid: program `pid` copies row blocks `pid, pid + num_programs, ...`.
 
@@ -190,20 +223,32 @@ def _copy_rows_kernel(
     flattened into `ROWS_PER_BLOCK * row_vecs` chunks (row-major), one lane each;
     `BLOCK` is that rounded up to a power of two, the lanes past it masked off. So
     a tile holds whole rows back to back with no padding per row, and its bytes in
-    flight are the rows' bytes, whatever the row size.
+    flight are the rows' bytes, whatever the row size. The rows' offsets are loaded once
+    per row (`ROWS_POW`: `ROWS_PER_BLOCK` rounded up to a power of two) and spread over
+    their lanes in registers.
+
+    The loop is pipelined over `STAGES` tiles: on a GPU the loads of the next `STAGES - 1`
+    tiles go out as asynchronous copies into shared memory while the current one is
+    stored, so a program keeps `STAGES` tiles in flight with one tile's registers.
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_blocks = tl.cdiv(n_rows, ROWS_PER_BLOCK)
     lane = tl.arange(0, BLOCK)
+    r = tl.arange(0, ROWS_POW)
     in_block = lane < ROWS_PER_BLOCK * row_vecs
-    for block in range(pid, num_blocks, num_programs):
-        rows = block * ROWS_PER_BLOCK + lane // row_vecs
-        mask = in_block & (rows < n_rows)
-        # Word offset of each lane's chunk within its row: a multiple of VEC.
-        w = (lane % row_vecs) * VEC
-        s = tl.load(src_off_ptr + rows, mask=mask, other=0)
-        d = tl.load(dst_off_ptr + rows, mask=mask, other=0)
+    # Row of each lane within the block (lanes past the rows read the last row, masked off).
+    row_of_lane = tl.minimum(lane // row_vecs, ROWS_POW - 1)
+    # Word offset of each lane's chunk within its row: a multiple of VEC.
+    w = (lane % row_vecs) * VEC
+    for block in tl.range(pid, num_blocks, num_programs, num_stages=STAGES):
+        first = block * ROWS_PER_BLOCK
+        row_mask = (r < ROWS_PER_BLOCK) & (first + r < n_rows)
+        src_rows = tl.load(src_off_ptr + first + r, mask=row_mask, other=0)
+        dst_rows = tl.load(dst_off_ptr + first + r, mask=row_mask, other=0)
+        s = tl.gather(src_rows, row_of_lane, 0)
+        d = tl.gather(dst_rows, row_of_lane, 0)
+        mask = in_block & (first + lane // row_vecs < n_rows)
         if VEC == 1:
             _copy_chunks_jit(src_ptr, dst_ptr, s + w, d + w, mask, VEC)
         elif not CHECK_ALIGN:
@@ -215,8 +260,8 @@ def _copy_rows_kernel(
         else:
             # The offsets are not known on the host (they live on the GPU and no alignment
             # was promised), so the alignment for VEC-word vectors is checked per tile: a
-            # reduction over the tile, after which its warps wait for each other.
-            misaligned = tl.max((s | d) & (VEC - 1), axis=0)
+            # reduction over its rows, after which its warps wait for each other.
+            misaligned = tl.max((src_rows | dst_rows) & (VEC - 1), axis=0)
             if misaligned == 0:
                 # Equal to s + w and d + w here; written so the compiler sees multiples of VEC.
                 s_vec = tl.multiple_of((s // VEC) * VEC + w, VEC)
@@ -379,6 +424,7 @@ def copy_rows(
     rows_per_program: int | None = None,
     validate: bool = True,
     offsets_align: int | None = None,
+    stages: int | None = None,
 ) -> None:
     """Copy `n` rows of `row_words` words each from `src` to `dst` with a persistent Triton kernel.
 
@@ -397,8 +443,7 @@ def copy_rows(
             are fewer row blocks).
         rows_per_program: rows each program has in flight per iteration (the tile;
             fewer when that many would exceed 16384 chunks); None (the default): by
-            row size for a grid of `sm_budget` (`rows_in_flight`, ~512 KiB across the
-            grid); 1 gives a one-row-at-a-time baseline.
+            row size (`rows_in_flight`, ~64 KiB); 1 gives a one-row-at-a-time baseline.
         validate: check every row's bounds and that destination rows do not overlap,
             on the host, before launching. Needs CPU offsets; pass False when the
             offsets live on the GPU and were validated on the CPU beforehand.
@@ -406,6 +451,9 @@ def copy_rows(
             offset (e.g. the row size, for rows of an array): the kernel then uses the
             widest vectors that allows without checking them per tile. Offsets on the
             CPU are inspected instead.
+        stages: tiles each program keeps in flight (its loop pipelined through shared
+            memory); None: `MAX_STAGES`. At most what the device's shared memory holds
+            (`stages_on`); 1 is no pipelining. Triton's interpreter runs tiles one by one.
 
     Raises:
         SlotError: offsets that are not `[n]` int64 of equal lengths, rows outside their
@@ -429,6 +477,7 @@ def copy_rows(
     check_count("sm_budget", sm_budget)
     check_count("offsets_align", offsets_align, optional=True)
     check_count("rows_per_program", rows_per_program, optional=True)
+    check_count("stages", stages, optional=True)
     if src_offsets.device != dst_offsets.device:
         raise ValueError(f"offsets on different devices: {src_offsets.device} and {dst_offsets.device}")
 
@@ -467,7 +516,7 @@ def copy_rows(
     dst_off = to_kernel_device(_rescale(dst_offsets, size, width), device)
 
     if rows_per_program is None:
-        rows_per_program = rows_in_flight(row_words * size, sm_budget)
+        rows_per_program = rows_in_flight(row_words * size)
     # Tile: rows_per_program whole rows, one VEC-word chunk (at most 16 bytes) per lane.
     vec = 1
     while (
@@ -486,16 +535,20 @@ def copy_rows(
     rows_per_program = min(rows_per_program, MAX_TILE_CHUNKS // row_vecs)
     block = next_power_of_2(rows_per_program * row_vecs)
     num_warps = warps_for(block * vec * width)
+    stages = min(stages or MAX_STAGES, _stages_fit(device, block * vec * width))
 
     num_blocks = -(-n // rows_per_program)
     grid = (min(sm_budget, num_blocks),)
     kernel = _kernel()
     launch_kwargs: dict[str, Any] = {
         "ROWS_PER_BLOCK": rows_per_program,
+        "ROWS_POW": next_power_of_2(rows_per_program),
         "BLOCK": block,
         "VEC": vec,
         "CHECK_ALIGN": known is None,
+        "STAGES": stages,
         "num_warps": num_warps,
+        "num_stages": stages,
     }
     if device.type == "cuda":
         with torch.cuda.device(device):

@@ -118,28 +118,36 @@ class PathCosts:
 class KernelOptions:
     """The gather/scatter kernel's budget and shape.
 
-    Up to `sm_budget` programs with `rows_per_program` rows in flight each (None: chosen
-    per buffer from its row size and the programs, see `kernels.rows_in_flight`); runs are
-    moved in units of up to `max_unit_bytes` (one "row" of the kernel). With `lean` (and
-    rows chosen by size), rows of `kernels.LEAN_ROW_BYTES` or more take only
-    `kernels.LEAN_PROGRAMS` programs of twice the tile: they fill the link as 8 programs
-    do, and the model beside keeps the other SMs (`kernels.programs_for`).
+    Up to `sm_budget` programs with `rows_per_program` rows per tile each (None: ~64 KiB
+    of rows, see `kernels.rows_in_flight`) and `stages` tiles in flight each (None: as
+    many as the device's shared memory holds, up to `kernels.MAX_STAGES`; 1: no
+    pipelining); runs are moved in units of up to `max_unit_bytes` (one "row" of the
+    kernel). With `lean` (and rows chosen by size), rows of `kernels.LEAN_ROW_BYTES` or
+    more take only the programs that keep ~512 KiB in flight (2 with 4 stages): they fill
+    the link as 8 programs do, and the model beside keeps the other SMs
+    (`kernels.programs_for`).
     """
 
     sm_budget: int = 8
     rows_per_program: int | None = None
     max_unit_bytes: int = 16 << 10
     lean: bool = True
+    stages: int | None = None
 
-    def programs_for(self, row_bytes: int) -> int:
-        """Programs (SMs) of the kernel's grid for rows of `row_bytes`: the budget at most."""
+    def stages_on(self, device: torch.device | None) -> int:
+        """Tiles in flight per program on `device` (CPU or None: as on a device that holds them all)."""
+        fit = kernels.stages_on(device)
+        return min(self.stages, fit) if self.stages is not None else fit
+
+    def programs_for(self, row_bytes: int, device: torch.device | None = None) -> int:
+        """Programs (SMs) of the kernel's grid for rows of `row_bytes` on `device`: the budget at most."""
         if self.rows_per_program is not None or not self.lean:
             return self.sm_budget
-        return kernels.programs_for(row_bytes, self.sm_budget)
+        return kernels.programs_for(row_bytes, self.sm_budget, self.stages_on(device))
 
     def rows_for(self, row_bytes: int) -> int:
-        """Rows in flight per program for rows of `row_bytes` (by row size and programs unless set)."""
-        return self.rows_per_program or kernels.rows_in_flight(row_bytes, self.programs_for(row_bytes))
+        """Rows per tile for rows of `row_bytes` (~64 KiB of them unless set)."""
+        return self.rows_per_program or kernels.rows_in_flight(row_bytes)
 
 
 @dataclass(frozen=True)
@@ -395,7 +403,7 @@ def _check_options(
             f"host pool spec {hspec.name!r} and device pool spec {dspec.name!r} "
             "have different buffers, layers or row shapes"
         )
-    if kernel.sm_budget < 1 or (kernel.rows_per_program is not None and kernel.rows_per_program < 1):
+    if kernel.sm_budget < 1 or any(v is not None and v < 1 for v in (kernel.rows_per_program, kernel.stages)):
         raise PlanError(f"kernel options must be positive, got {kernel}")
     if costs.copy_streams < 1:
         raise PlanError(f"copy_streams must be at least 1, got {costs.copy_streams}")
@@ -809,7 +817,7 @@ def _kernel_part(
             table = _layer_table(device_pool, b.name, per_buffer[b.name])
             if table is not None:
                 tables[b.name] = (table[0], up(table[1]))
-    programs = max(opts.programs_for(b.row_bytes * unit) for b in host_pool.spec.buffers)
+    programs = max(opts.programs_for(b.row_bytes * unit, device_pool.device) for b in host_pool.spec.buffers)
     return Part(
         Mechanism.KERNEL,
         int(lens.sum()),
