@@ -68,6 +68,16 @@ def reference(
     return dst.view(torch.uint8)
 
 
+def line_aligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of 1-D `t` starting on a 128-byte line (the kernel pipelines only line-aligned rows)."""
+    nbytes = t.numel() * t.element_size()
+    raw = torch.empty(nbytes + 128, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 128
+    out = raw[skip : skip + nbytes].view(t.dtype)
+    out.copy_(t)
+    return out
+
+
 def scattered_case(
     row_bytes: int, n: int, slots: int, gen: torch.Generator, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -208,13 +218,12 @@ def test_offsets_on_the_device_with_and_without_an_alignment_promise(promise, ge
 
 
 def test_offsets_alignment_is_found_on_the_host() -> None:
-    from kvtier.transfer.kernels import _offsets_alignment, common_alignment
+    from kvtier.transfer.kernels import common_alignment
 
-    t = torch.tensor
-    assert _offsets_alignment([t([0, 4, 12]), t([8])], 4) == 16  # 4 words of 4 bytes
-    assert _offsets_alignment([t([0, 6]), t([2])], 2) == 4
-    assert _offsets_alignment([t([0]), t([0])], 8) == 16  # all zero: any width
-    assert _offsets_alignment([t([3]), t([], dtype=torch.int64)], 1) == 1
+    assert common_alignment(np.array([0, 4, 12]), np.array([8])) == 4
+    assert common_alignment(np.array([0, 6]), np.array([2])) == 2
+    assert common_alignment(np.array([0]), np.array([0])) == 1 << 20  # all zero: any width
+    assert common_alignment(np.array([3]), np.array([], dtype=np.int64)) == 1
     assert common_alignment(np.array([144, 288]), np.array([0, 432])) == 16
     assert common_alignment(np.array([], dtype=np.int64)) == 1 << 20
 
@@ -421,15 +430,32 @@ def test_rows_in_flight_follows_the_row_size() -> None:
 
 
 def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
-    from kvtier.transfer.kernels import MAX_STAGES, programs_for, warps_for
+    from kvtier.transfer.kernels import MAX_STAGES, programs_for, rows_in_flight, tile_bytes, warps_for
 
-    # 8 tiles of 64 KiB across the grid: 2 programs of 4 stages, 8 without pipelining.
+    # ~512 KiB across the grid: 2 programs of 4 stages of 64 KiB; unpipelined, 4 of 128 KiB.
     assert MAX_STAGES == 4
-    assert [programs_for(1152, 8, stages) for stages in (4, 3, 2, 1)] == [2, 3, 4, 8]
-    assert programs_for(1024, 8) == 2 and programs_for(1023, 8) == 8
-    assert programs_for(1152, 1) == 1 and programs_for(656, 16) == 16
+    assert [programs_for(1152, 8, stages) for stages in (4, 3, 2, 1)] == [2, 3, 4, 4]
+    assert programs_for(1024, 8) == 4 and programs_for(1023, 8) == 8
+    assert programs_for(1152, 1, 4) == 1 and programs_for(656, 16, 4) == 16
+    # Pipelined tiles are 64 KiB whatever the grid; unpipelined, 512 KiB / programs in [64, 128] KiB.
+    assert [tile_bytes(p, 4) for p in (1, 2, 8)] == [65536] * 3
+    assert [tile_bytes(p) for p in (1, 2, 4, 5, 8, 16)] == [131072, 131072, 131072, 104857, 65536, 65536]
+    assert rows_in_flight(1152, 2, 4) == rows_in_flight(1152, 8) == rows_in_flight(1152, 16) == 56
+    assert (rows_in_flight(1152, 4), rows_in_flight(656, 4), rows_in_flight(132, 4)) == (113, 199, 512)
+    assert rows_in_flight(1 << 20, 4) == 1
     # One warp per 4 KiB of tile: 16 for 64 KiB, 32 (1024 threads) from 128 KiB.
     assert [warps_for(b) for b in (512, 4096, 65536, 131072, 262144)] == [1, 1, 16, 32, 32]
+
+
+def test_only_whole_aligned_lines_are_pipelined() -> None:
+    from kvtier.transfer.kernels import pipelines, stages_for
+
+    assert pipelines(1152, 1152) and pipelines(2048, 128)
+    # 656-byte fp8 rows and 2112-byte indexer pages straddle lines; 1152-byte rows 16 bytes off do too.
+    assert not pipelines(656, 656) and not pipelines(2112, 2112) and not pipelines(1152, 16)
+    cpu = torch.device("cpu")
+    assert [stages_for(1152, 1152, cpu, s) for s in (None, 2, 1)] == [4, 2, 1]
+    assert stages_for(656, 656, cpu) == stages_for(1152, 64, cpu) == 1
 
 
 @pytest.mark.parametrize(
@@ -441,31 +467,39 @@ def test_stages_are_what_the_device_s_shared_memory_holds(
     shared: int, stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvtier.transfer import KernelOptions
+    from kvtier.transfer.plan import _launch
 
     monkeypatch.setattr(kernels, "_shared_bytes", lambda index: shared)
+    _launch.cache_clear()  # launches are kept per device, whose shared memory is patched here
     gpu = torch.device("cuda", 0)
     assert kernels.stages_on(gpu) == stages
     # Planning on the CPU (or under the interpreter) assumes a device that holds them all.
     assert kernels.stages_on(torch.device("cpu")) == kernels.stages_on(None) == 4
-    opts = KernelOptions()
-    assert opts.programs_for(1152, gpu) == {4: 2, 3: 3, 2: 4, 1: 8}[stages]
-    assert KernelOptions(stages=2).stages_on(gpu) == min(2, stages)
+    launch = KernelOptions(sm_budget=7).launch(1152, 1152, gpu)
+    assert (launch.programs, launch.stages) == ({4: 2, 3: 3, 2: 4, 1: 4}[stages], stages)
+    assert launch.rows == (56 if stages > 1 else 113)
+    assert KernelOptions(stages=2, sm_budget=9).launch(1152, 128, gpu).stages == min(2, stages)
+    _launch.cache_clear()
 
 
 def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
     from kvtier.transfer import KernelOptions
+    from kvtier.transfer.plan import KernelLaunch
 
     lean, full = KernelOptions(), KernelOptions(lean=False)
-    # Rows of 1 KiB or more: 2 programs of 4 stages; shorter rows the whole budget; tiles of 64 KiB.
-    assert (lean.programs_for(1152), lean.rows_for(1152)) == (2, 56)
-    assert (lean.programs_for(1023), lean.rows_for(656)) == (8, 99)
-    assert (full.programs_for(1152), full.rows_for(1152)) == (8, 56)
-    assert KernelOptions(stages=1).programs_for(1152) == 8
-    assert KernelOptions(sm_budget=1).programs_for(1152) == 1
-    assert KernelOptions(sm_budget=16).programs_for(132) == 16
+    # Rows of 1 KiB or more: 2 programs of 4 stages of 56 rows when they are whole, aligned lines,
+    # else 4 of 128 KiB unpipelined; shorter rows the whole budget.
+    assert lean.launch(1152) == KernelLaunch(2, 56, 4)
+    assert lean.launch(1152, 16) == KernelLaunch(4, 113, 1)
+    assert lean.launch(2112, 2112) == KernelLaunch(4, 62, 1)
+    assert lean.launch(656, 656) == KernelLaunch(8, 99, 1)
+    assert lean.launch(1023, 1) == KernelLaunch(8, 64, 1)
+    assert full.launch(1152) == KernelLaunch(8, 56, 4)
+    assert KernelOptions(stages=1).launch(1152) == KernelLaunch(4, 113, 1)
+    assert KernelOptions(sm_budget=1).launch(1152) == KernelLaunch(1, 56, 4)
+    assert KernelOptions(sm_budget=16).launch(132, 4).programs == 16
     # A shape given whole is taken as it is.
-    given = KernelOptions(rows_per_program=7)
-    assert (given.programs_for(1152), given.rows_for(1152)) == (8, 7)
+    assert KernelOptions(rows_per_program=7).launch(1152) == KernelLaunch(8, 7, 4)
 
 
 def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:
@@ -489,24 +523,63 @@ def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
             _kernel_shape(bad)
 
 
-@pytest.mark.parametrize(("sm_budget", "stages", "want"), [(8, None, 4), (2, 1, 1), (4, 3, 3)])
+@pytest.mark.parametrize(
+    ("sm_budget", "stages", "want"),
+    # (programs, rows, rows rounded up, warps, stages) of the launch.
+    [(8, None, (8, 56, 64, 16, 4)), (2, 1, (2, 113, 128, 32, 1)), (4, 3, (4, 56, 64, 16, 3))],
+)
 def test_tiles_default_to_64_kib_of_rows_pipelined_over_stages(
-    sm_budget: int, stages: int | None, want: int, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
+    sm_budget: int, stages: int | None, want: tuple, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
 ) -> None:
-    """Without `rows_per_program`, ~64 KiB of 1152-byte rows per tile, `stages` deep, byte-identical."""
+    """Without `rows_per_program`: pipelined, 64 KiB of 1152-byte rows per tile; else 512 KiB / programs."""
     launches = []
     real = kernels._kernel
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                launches.append((grid, kw["ROWS_PER_BLOCK"], kw["ROWS_POW"], kw["num_warps"], kw["STAGES"]))
+                launches.append((*grid, kw["ROWS_PER_BLOCK"], kw["ROWS_POW"], kw["num_warps"], kw["STAGES"]))
                 assert kw["num_stages"] == kw["STAGES"]
                 return real()[grid](*args, **kw)
 
             return launch
 
     monkeypatch.setattr(kernels, "_kernel", Spy)
-    case = scattered_case(1152, 1000, 1200, gen)
+    src, src_off, dst, dst_off, row_words = scattered_case(1152, 1000, 1200, gen)
+    case = line_aligned(src), src_off, line_aligned(dst), dst_off, row_words
     run_and_check(*case, GATHER, sm_budget=sm_budget, stages=stages)
-    assert launches == [((sm_budget,), 56, 64, 16, want)]
+    assert launches == [want]
+
+
+@pytest.mark.parametrize(
+    ("row_bytes", "slot_bytes", "device_offsets", "stages"),
+    [(1152, 1152, False, 4), (656, 656, False, 1), (1152, 1168, False, 1), (1152, 1152, True, 1)],
+)
+def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
+    row_bytes: int, slot_bytes: int, device_offsets: bool, stages: int, monkeypatch, gen: torch.Generator
+) -> None:
+    """656-byte rows, 1152-byte rows in 1168-byte slots, offsets unseen on the device: one stage."""
+    if device_offsets and not CUDA:
+        pytest.skip("under the interpreter the offsets are on the CPU, where copy_rows reads them")
+    launches = []
+    real = kernels._kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(kw["STAGES"])
+                return real()[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "_kernel", Spy)
+    src, src_off, dst, dst_off, _ = scattered_case(slot_bytes, 60, 80, gen, dtype=torch.uint8)
+    src, dst = line_aligned(src), line_aligned(dst)
+    if device_offsets:
+        src_t, dst_t = place(src, dst, GATHER)
+        expected = reference(src, src_off, dst, dst_off, row_bytes)
+        copy_rows(src_t, on_device(src_off), dst_t, on_device(dst_off), row_bytes, validate=False)
+        assert torch.equal(read(dst_t), expected)
+    else:
+        run_and_check(src, src_off, dst, dst_off, row_bytes, GATHER)
+    assert launches == [stages]

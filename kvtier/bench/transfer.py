@@ -344,13 +344,13 @@ def _kernel_text(opts: KernelOptions, device: torch.device) -> str:
     """The kernel's shape in words: `8 programs x 56 rows`, or how it is chosen."""
     if opts.rows_per_program is not None:
         return f"{opts.sm_budget} programs x {opts.rows_per_program} rows"
-    lean = opts.programs_for(kernels.LEAN_ROW_BYTES, device)
-    if lean < opts.sm_budget:
-        text = f"{opts.sm_budget} programs ({lean} for rows of {kernels.LEAN_ROW_BYTES} bytes or more)"
-        text += " x rows by size"
-    else:
-        text = f"{opts.sm_budget} programs x rows by size"
-    return f"{text}, {opts.stages_on(device)} tiles in flight each"
+    lines = opts.launch(kernels.LEAN_ROW_BYTES, kernels.LINE_BYTES, device)
+    other = opts.launch(kernels.LEAN_ROW_BYTES + 16, 16, device)
+    return (
+        f"{opts.sm_budget} programs x rows by size; rows of {kernels.LEAN_ROW_BYTES} bytes or more on "
+        f"{lines.programs} programs of {lines.stages} tiles in flight (whole 128-byte lines) or "
+        f"{other.programs} of {other.stages}"
+    )
 
 
 def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: int) -> dict:

@@ -455,6 +455,7 @@ def _kernel(
     unit_bytes = b.row_bytes * part.unit
     opts = plan.kernel
     for rows in part.kernel_rows[b.name]:
+        launch = opts.launch(unit_bytes, rows.align * rows.word, dev_w.device)
         # Words of the width the plan's offsets are in (no rescaling on the device).
         dev_flat = flat_words(dev_w.view(-1), rows.word)
         host_flat = flat_words(host_pool.region_words(b.name, layer, rows.region), rows.word)
@@ -465,11 +466,11 @@ def _kernel(
             dst,
             rows.dst,
             unit_bytes // rows.word,
-            sm_budget=opts.programs_for(unit_bytes, dev_w.device),
-            rows_per_program=opts.rows_for(unit_bytes),
+            sm_budget=launch.programs,
+            rows_per_program=launch.rows,
             validate=False,
             offsets_align=rows.align,
-            stages=opts.stages,
+            stages=launch.stages,
         )
 
 

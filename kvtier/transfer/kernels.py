@@ -77,12 +77,16 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "LEAN_ROW_BYTES",
+    "LINE_BYTES",
     "MAX_STAGES",
     "copy_rows",
+    "pipelines",
     "programs_for",
     "rows_in_flight",
     "runs_on",
+    "stages_for",
     "stages_on",
+    "tile_bytes",
     "triton_available",
     "warps_for",
 ]
@@ -90,24 +94,30 @@ __all__ = [
 _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WORD_SIZES: dict[torch.dtype, int] = {dtype: size for size, dtype in _WORD_DTYPES.items()}
 
-# Bytes of rows per program per tile by default (`rows_in_flight`), and at most this many rows.
+# Bytes in flight per program by default: a gather of host rows needs ~512 KiB of reads
+# outstanding across the grid to fill the link (an H200, bench/NOTES.md). Unpipelined, a
+# program holds one tile of `_GRID_BYTES / programs`, from 64 KiB (8 programs or more) to 128
+# KiB (4 or fewer, the most its registers hold); pipelined, tiles of 64 KiB, `stages` of them.
+_GRID_BYTES = 512 * 1024
 _TILE_BYTES = 64 * 1024
-_MAX_DEFAULT_ROWS = 256
+_MAX_TILE_BYTES = 128 * 1024
+_MAX_DEFAULT_ROWS = 256  # per 64 KiB of tile
 # Lanes of one tile at most (one chunk of up to 16 bytes each); 32 warps hold 16 each.
 MAX_TILE_CHUNKS = 16384
-# Tiles in flight per program by default: one in registers, up to three more in shared memory
-# (3 x 64 KiB of an H200's 227 KiB per block), as far as the device's shared memory holds them.
+# Tiles in flight per program when pipelined: one in registers, up to three more in shared
+# memory (3 x 64 KiB of an H200's 227 KiB per block), as far as the device's shared memory holds.
 MAX_STAGES = 4
 # Shared memory the kernel needs beside its stages' buffers (the offsets' spreading, layouts).
 _SHARED_SLACK = 8 * 1024
-# A gather of host rows needs ~512 KiB of reads outstanding across the grid to fill the link
-# (an H200, bench/NOTES.md): this many tiles of 64 KiB.
-_GRID_TILES = 8
-# Rows of at least LEAN_ROW_BYTES fill the link from `_GRID_TILES / stages` programs (2 with 4
-# stages: 0.93 of the ceiling for 1152-byte rows on an H200, as on 8 programs), and each SM the
-# kernel holds costs a matmul beside it ~1% of its rate; shorter rows are bound by the reads
-# each SM issues and take the whole budget (656-byte rows: 0.83 on 4 programs, 0.85 on 8;
-# 132-byte rows: 0.34 on 4, 0.52 on 8).
+# Only rows of whole 128-byte lines, at line-aligned offsets, are pipelined: asynchronous copies
+# of host rows that straddle lines ran at half the rate of plain loads (656-byte rows 0.45 of the
+# ceiling against 0.86; 2112-byte pages 0.84 against 0.91; an H200, bench/NOTES.md).
+LINE_BYTES = 128
+# Rows of at least LEAN_ROW_BYTES fill the link from the fewest programs that keep `_GRID_BYTES`
+# in flight (2 pipelined: 0.93 of the ceiling for 1152-byte rows on an H200; 4 unpipelined, 0.92;
+# as on 8), and each SM the kernel holds costs a matmul beside it ~1% of its rate; shorter rows
+# are bound by the reads each SM issues and take the whole budget (656-byte rows: 0.83 on 4
+# programs, 0.85 on 8; 132-byte rows: 0.34 on 4, 0.52 on 8).
 LEAN_ROW_BYTES = 1024
 # One warp per this many bytes of tile, at most `_MAX_WARPS` (1024 threads).
 _WARP_BYTES = 4096
@@ -125,26 +135,55 @@ def runs_on(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or interpreting())
 
 
-def programs_for(row_bytes: int, sm_budget: int, stages: int = MAX_STAGES) -> int:
+def pipelines(row_bytes: int, align_bytes: int) -> bool:
+    """Whether rows of `row_bytes` at offsets that are multiples of `align_bytes` are pipelined."""
+    return row_bytes % LINE_BYTES == 0 and align_bytes % LINE_BYTES == 0
+
+
+def tile_bytes(programs: int, stages: int = 1) -> int:
+    """Bytes of rows per tile: 64 KiB pipelined (`stages` > 1), else `_GRID_BYTES / programs`, 64-128 KiB."""
+    if stages > 1:
+        return _TILE_BYTES
+    return max(_TILE_BYTES, min(_MAX_TILE_BYTES, _GRID_BYTES // max(1, programs)))
+
+
+def programs_for(row_bytes: int, sm_budget: int, stages: int = 1) -> int:
     """Programs for rows of `row_bytes` within `sm_budget` when each keeps `stages` tiles in flight.
 
-    Rows of `LEAN_ROW_BYTES` or more take the fewest programs that keep `_GRID_TILES` tiles
-    (~512 KiB) in flight: 2 with 4 stages, 8 without pipelining; shorter rows the budget.
+    Rows of `LEAN_ROW_BYTES` or more take the fewest programs that keep ~512 KiB in flight:
+    2 with 4 stages of 64 KiB, 4 unpipelined (tiles of 128 KiB); shorter rows the budget.
     """
     if row_bytes < LEAN_ROW_BYTES:
         return sm_budget
-    return min(sm_budget, -(-_GRID_TILES // max(1, stages)))
+    per_program = _TILE_BYTES * stages if stages > 1 else _MAX_TILE_BYTES
+    return min(sm_budget, -(-_GRID_BYTES // per_program))
 
 
-def rows_in_flight(row_bytes: int) -> int:
-    """Rows per tile for rows of `row_bytes`: as many whole rows as fit in 64 KiB, at most 256.
+def rows_in_flight(row_bytes: int, programs: int = 8, stages: int = 1) -> int:
+    """Rows per tile for rows of `row_bytes` on a grid of `programs` keeping `stages` tiles each.
 
-    56 for 1152-byte rows, 99 for 656, 256 for 132. What matters for a gather over PCIe is
-    bytes in flight: a CUDA probe on an H200 (bench/NOTES.md) reached the SM read plateau
-    (~51 GB/s) once ~512 KiB were outstanding across the grid, and fell to 0.66-0.75 of it
-    with half that; a program keeps `stages` tiles in flight (`stages_on`).
+    As many whole rows as fit in `tile_bytes(programs, stages)` (and at most
+    `_MAX_DEFAULT_ROWS` per 64 KiB of it): with 8 programs, or pipelined, 56 for 1152-byte
+    rows, 99 for 656, 256 for 132; unpipelined on 4 programs 113, 199 and 512. What matters
+    for a gather over PCIe is bytes in flight: a CUDA probe on an H200 (bench/NOTES.md)
+    reached the SM read plateau (~51 GB/s) once ~512 KiB were outstanding across the grid,
+    and fell to 0.66-0.75 of it with half that.
     """
-    return max(1, min(_MAX_DEFAULT_ROWS, _TILE_BYTES // row_bytes))
+    tile = tile_bytes(programs, stages)
+    return max(1, min(_MAX_DEFAULT_ROWS * tile // _TILE_BYTES, tile // row_bytes))
+
+
+def stages_for(
+    row_bytes: int, align_bytes: int, device: torch.device | None, stages: int | None = None
+) -> int:
+    """Tiles in flight per program for rows of `row_bytes` at `align_bytes`-aligned offsets on `device`.
+
+    1 (no pipelining) for rows that are not whole, aligned 128-byte lines; else `stages`
+    (default `MAX_STAGES`), at most what the device's shared memory holds (`stages_on`).
+    """
+    if not pipelines(row_bytes, align_bytes):
+        return 1
+    return min(stages or MAX_STAGES, stages_on(device))
 
 
 @functools.cache
@@ -154,12 +193,12 @@ def _shared_bytes(index: int) -> int:
 
 
 def stages_on(device: torch.device | None, tile_bytes: int = _TILE_BYTES) -> int:
-    """Tiles of `tile_bytes` a program keeps in flight on `device`: `MAX_STAGES` at most.
+    """Tiles of `tile_bytes` a program can keep in flight on `device`: `MAX_STAGES` at most.
 
     All but one wait in shared memory, so a device with less of it pipelines fewer (an
     H200's 227 KiB holds three 64 KiB tiles; an A100's 163 KiB two). Off CUDA (Triton's
-    interpreter, or planning on the CPU) the kernel is not pipelined, and plans are made as
-    for a device that holds `MAX_STAGES`.
+    interpreter runs tiles one by one, or planning on the CPU) plans are made as for a
+    device that holds `MAX_STAGES`.
     """
     return min(MAX_STAGES, _stages_fit(device, tile_bytes))
 
@@ -223,32 +262,40 @@ def _copy_rows_kernel(
     flattened into `ROWS_PER_BLOCK * row_vecs` chunks (row-major), one lane each;
     `BLOCK` is that rounded up to a power of two, the lanes past it masked off. So
     a tile holds whole rows back to back with no padding per row, and its bytes in
-    flight are the rows' bytes, whatever the row size. The rows' offsets are loaded once
-    per row (`ROWS_POW`: `ROWS_PER_BLOCK` rounded up to a power of two) and spread over
-    their lanes in registers.
+    flight are the rows' bytes, whatever the row size.
 
-    The loop is pipelined over `STAGES` tiles: on a GPU the loads of the next `STAGES - 1`
-    tiles go out as asynchronous copies into shared memory while the current one is
-    stored, so a program keeps `STAGES` tiles in flight with one tile's registers.
+    With `STAGES` > 1 the loop is pipelined over `STAGES` tiles: on a GPU the loads of the
+    next `STAGES - 1` tiles go out as asynchronous copies into shared memory while the
+    current one is stored, so a program keeps `STAGES` tiles in flight with one tile's
+    registers. The rows' offsets are then loaded once per row (`ROWS_POW`:
+    `ROWS_PER_BLOCK` rounded up to a power of two) and spread over their lanes in
+    registers, so that only the rows' bytes wait in shared memory; unpipelined, each lane
+    loads its row's offsets.
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_blocks = tl.cdiv(n_rows, ROWS_PER_BLOCK)
     lane = tl.arange(0, BLOCK)
-    r = tl.arange(0, ROWS_POW)
     in_block = lane < ROWS_PER_BLOCK * row_vecs
-    # Row of each lane within the block (lanes past the rows read the last row, masked off).
-    row_of_lane = tl.minimum(lane // row_vecs, ROWS_POW - 1)
-    # Word offset of each lane's chunk within its row: a multiple of VEC.
-    w = (lane % row_vecs) * VEC
     for block in tl.range(pid, num_blocks, num_programs, num_stages=STAGES):
-        first = block * ROWS_PER_BLOCK
-        row_mask = (r < ROWS_PER_BLOCK) & (first + r < n_rows)
-        src_rows = tl.load(src_off_ptr + first + r, mask=row_mask, other=0)
-        dst_rows = tl.load(dst_off_ptr + first + r, mask=row_mask, other=0)
-        s = tl.gather(src_rows, row_of_lane, 0)
-        d = tl.gather(dst_rows, row_of_lane, 0)
-        mask = in_block & (first + lane // row_vecs < n_rows)
+        # Row of each lane, and word offset of its chunk within the row (a multiple of VEC):
+        # computed per tile, as holding them across tiles costs registers.
+        rows = block * ROWS_PER_BLOCK + lane // row_vecs
+        mask = in_block & (rows < n_rows)
+        w = (lane % row_vecs) * VEC
+        if STAGES > 1:
+            first = block * ROWS_PER_BLOCK
+            r = first + tl.arange(0, ROWS_POW)
+            row_mask = (r < first + ROWS_PER_BLOCK) & (r < n_rows)
+            src_rows = tl.load(src_off_ptr + r, mask=row_mask, other=0)
+            dst_rows = tl.load(dst_off_ptr + r, mask=row_mask, other=0)
+            # Lanes past the rows read the last row's offsets, masked off.
+            spread = tl.minimum(lane // row_vecs, ROWS_POW - 1)
+            s = tl.gather(src_rows, spread, 0)
+            d = tl.gather(dst_rows, spread, 0)
+        else:
+            s = tl.load(src_off_ptr + rows, mask=mask, other=0)
+            d = tl.load(dst_off_ptr + rows, mask=mask, other=0)
         if VEC == 1:
             _copy_chunks_jit(src_ptr, dst_ptr, s + w, d + w, mask, VEC)
         elif not CHECK_ALIGN:
@@ -260,8 +307,8 @@ def _copy_rows_kernel(
         else:
             # The offsets are not known on the host (they live on the GPU and no alignment
             # was promised), so the alignment for VEC-word vectors is checked per tile: a
-            # reduction over its rows, after which its warps wait for each other.
-            misaligned = tl.max((src_rows | dst_rows) & (VEC - 1), axis=0)
+            # reduction over the tile, after which its warps wait for each other.
+            misaligned = tl.max((s | d) & (VEC - 1), axis=0)
             if misaligned == 0:
                 # Equal to s + w and d + w here; written so the compiler sees multiples of VEC.
                 s_vec = tl.multiple_of((s // VEC) * VEC + w, VEC)
@@ -381,14 +428,6 @@ def common_alignment(*offsets: np.ndarray) -> int:
     return acc & -acc if acc else 1 << 20
 
 
-def _offsets_alignment(offsets: list[torch.Tensor], word_size: int) -> int:
-    """The common alignment of every offset, in bytes, capped at one vector (16 bytes).
-
-    `offsets`: `[n]` int64 CPU tensors, in words of `word_size` bytes.
-    """
-    return min(VECTOR_BYTES, common_alignment(*(o.numpy() for o in offsets)) * word_size)
-
-
 def kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
     devices = {t.device for t in (src, dst) if t.device.type == "cuda"}
     if len(devices) > 1:
@@ -503,20 +542,26 @@ def copy_rows(
     # can be read without waiting for the GPU) every offset must be multiples of it.
     size = _WORD_SIZES[src.dtype]
     if offsets_on_host:
-        known = _offsets_alignment([src_offsets, dst_offsets], size)
+        offset_bytes = common_alignment(src_offsets.numpy(), dst_offsets.numpy()) * size
     elif offsets_align is not None:
-        known = min(VECTOR_BYTES, (offsets_align & -offsets_align) * size)
+        offset_bytes = (offsets_align & -offsets_align) * size
     else:
-        known = None  # Unseen offsets: whole words of the given width, vectors checked per tile.
+        offset_bytes = None  # Unseen offsets: whole words of the given width, vectors checked per tile.
+    known = None if offset_bytes is None else min(VECTOR_BYTES, offset_bytes)
     aligns = [src.data_ptr(), dst.data_ptr(), src.storage_offset() * size, dst.storage_offset() * size]
     width = word_size(row_words * size, [*aligns, known or size])
     src_w, dst_w = flat_words(src, width), flat_words(dst, width)
     row_w = row_words * size // width
     src_off = to_kernel_device(_rescale(src_offsets, size, width), device)
     dst_off = to_kernel_device(_rescale(dst_offsets, size, width), device)
+    # Pipelined only for whole 128-byte lines at line-aligned addresses (`pipelines`); unseen
+    # offsets are not.
+    every = (offset_bytes or 0) | src.data_ptr() | dst.data_ptr()
+    line = offset_bytes is not None and pipelines(row_words * size, every & -every if every else LINE_BYTES)
+    stages = (stages or MAX_STAGES) if line else 1
 
     if rows_per_program is None:
-        rows_per_program = rows_in_flight(row_words * size)
+        rows_per_program = rows_in_flight(row_words * size, sm_budget, stages)
     # Tile: rows_per_program whole rows, one VEC-word chunk (at most 16 bytes) per lane.
     vec = 1
     while (
@@ -535,7 +580,8 @@ def copy_rows(
     rows_per_program = min(rows_per_program, MAX_TILE_CHUNKS // row_vecs)
     block = next_power_of_2(rows_per_program * row_vecs)
     num_warps = warps_for(block * vec * width)
-    stages = min(stages or MAX_STAGES, _stages_fit(device, block * vec * width))
+    # As many stages as the device's shared memory holds for this tile.
+    stages = min(stages, _stages_fit(device, block * vec * width))
 
     num_blocks = -(-n // rows_per_program)
     grid = (min(sm_budget, num_blocks),)

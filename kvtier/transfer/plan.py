@@ -36,6 +36,7 @@ by `PathCosts`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -118,14 +119,14 @@ class PathCosts:
 class KernelOptions:
     """The gather/scatter kernel's budget and shape.
 
-    Up to `sm_budget` programs with `rows_per_program` rows per tile each (None: ~64 KiB
-    of rows, see `kernels.rows_in_flight`) and `stages` tiles in flight each (None: as
+    Up to `sm_budget` programs with `rows_per_program` rows per tile each (None: by row
+    size, see `kernels.rows_in_flight`) and up to `stages` tiles in flight each (None: as
     many as the device's shared memory holds, up to `kernels.MAX_STAGES`; 1: no
-    pipelining); runs are moved in units of up to `max_unit_bytes` (one "row" of the
-    kernel). With `lean` (and rows chosen by size), rows of `kernels.LEAN_ROW_BYTES` or
-    more take only the programs that keep ~512 KiB in flight (2 with 4 stages): they fill
-    the link as 8 programs do, and the model beside keeps the other SMs
-    (`kernels.programs_for`).
+    pipelining; rows that are not whole 128-byte lines are never pipelined); runs are
+    moved in units of up to `max_unit_bytes` (one "row" of the kernel). With `lean` (and
+    rows chosen by size), rows of `kernels.LEAN_ROW_BYTES` or more take only the programs
+    that keep ~512 KiB in flight (2 pipelined, 4 not): they fill the link as 8 programs do,
+    and the model beside keeps the other SMs (`kernels.programs_for`).
     """
 
     sm_budget: int = 8
@@ -134,20 +135,39 @@ class KernelOptions:
     lean: bool = True
     stages: int | None = None
 
-    def stages_on(self, device: torch.device | None) -> int:
-        """Tiles in flight per program on `device` (CPU or None: as on a device that holds them all)."""
-        fit = kernels.stages_on(device)
-        return min(self.stages, fit) if self.stages is not None else fit
+    def launch(
+        self, row_bytes: int, align_bytes: int = kernels.LINE_BYTES, device: torch.device | None = None
+    ) -> KernelLaunch:
+        """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes` on `device`.
 
-    def programs_for(self, row_bytes: int, device: torch.device | None = None) -> int:
-        """Programs (SMs) of the kernel's grid for rows of `row_bytes` on `device`: the budget at most."""
-        if self.rows_per_program is not None or not self.lean:
-            return self.sm_budget
-        return kernels.programs_for(row_bytes, self.sm_budget, self.stages_on(device))
+        `device` None or the CPU: planned as for a GPU whose shared memory holds every stage.
+        """
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return _launch(self, row_bytes, align_bytes, device)
 
-    def rows_for(self, row_bytes: int) -> int:
-        """Rows per tile for rows of `row_bytes` (~64 KiB of them unless set)."""
-        return self.rows_per_program or kernels.rows_in_flight(row_bytes)
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch's shape: `programs` (SMs), `rows` per tile, `stages` tiles in flight per program."""
+
+    programs: int
+    rows: int
+    stages: int
+
+
+@functools.lru_cache(maxsize=256)
+def _launch(
+    opts: KernelOptions, row_bytes: int, align_bytes: int, device: torch.device | None
+) -> KernelLaunch:
+    """`KernelOptions.launch`, kept per argument set: a reload asks it once per layer and buffer."""
+    stages = kernels.stages_for(row_bytes, align_bytes, device, opts.stages)
+    if opts.rows_per_program is not None or not opts.lean:
+        programs = opts.sm_budget
+    else:
+        programs = kernels.programs_for(row_bytes, opts.sm_budget, stages)
+    rows = opts.rows_per_program or kernels.rows_in_flight(row_bytes, programs, stages)
+    return KernelLaunch(programs, rows, stages)
 
 
 @dataclass(frozen=True)
@@ -817,7 +837,12 @@ def _kernel_part(
             table = _layer_table(device_pool, b.name, per_buffer[b.name])
             if table is not None:
                 tables[b.name] = (table[0], up(table[1]))
-    programs = max(opts.programs_for(b.row_bytes * unit, device_pool.device) for b in host_pool.spec.buffers)
+    # The launches' largest grid; a buffer's offsets are as aligned as its least aligned region's.
+    aligns = {name: min(e.align * e.word for e in entries) for name, entries in per_buffer.items()}
+    device = device_pool.device
+    programs = max(
+        opts.launch(b.row_bytes * unit, aligns[b.name], device).programs for b in host_pool.spec.buffers
+    )
     return Part(
         Mechanism.KERNEL,
         int(lens.sum()),
