@@ -453,6 +453,7 @@ def test_only_whole_aligned_lines_are_pipelined() -> None:
     assert pipelines(1152, 1152) and pipelines(2048, 128)
     # 656-byte fp8 rows and 2112-byte indexer pages straddle lines; 1152-byte rows 16 bytes off do too.
     assert not pipelines(656, 656) and not pipelines(2112, 2112) and not pipelines(1152, 16)
+    assert not pipelines(1152, 1152, gather=False)  # scatters read device memory
     cpu = torch.device("cpu")
     assert [stages_for(1152, 1152, cpu, s) for s in (None, 2, 1)] == [4, 2, 1]
     assert stages_for(656, 656, cpu) == stages_for(1152, 64, cpu) == 1
@@ -483,6 +484,7 @@ def test_stages_are_what_the_device_s_shared_memory_holds(
 
 
 def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
+    from kvtier.pool.device import Direction
     from kvtier.transfer import KernelOptions
     from kvtier.transfer.plan import KernelLaunch
 
@@ -500,6 +502,8 @@ def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
     assert KernelOptions(sm_budget=16).launch(132, 4).programs == 16
     # A shape given whole is taken as it is.
     assert KernelOptions(rows_per_program=7).launch(1152) == KernelLaunch(8, 7, 4)
+    # Backups are not pipelined: their reads are of device memory.
+    assert lean.launch(1152, 1152, None, Direction.BACKUP) == KernelLaunch(4, 113, 1)
 
 
 def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:
@@ -553,14 +557,21 @@ def test_tiles_default_to_64_kib_of_rows_pipelined_over_stages(
 
 @pytest.mark.parametrize(
     ("row_bytes", "slot_bytes", "device_offsets", "stages"),
-    [(1152, 1152, False, 4), (656, 656, False, 1), (1152, 1168, False, 1), (1152, 1152, True, 1)],
+    [
+        (1152, 1152, False, 4),
+        (656, 656, False, 1),
+        (1152, 1168, False, 1),
+        (1152, 1152, True, 1),
+        (1152, 1152, None, 1),
+    ],
 )
 def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
     row_bytes: int, slot_bytes: int, device_offsets: bool, stages: int, monkeypatch, gen: torch.Generator
 ) -> None:
-    """656-byte rows, 1152-byte rows in 1168-byte slots, offsets unseen on the device: one stage."""
-    if device_offsets and not CUDA:
-        pytest.skip("under the interpreter the offsets are on the CPU, where copy_rows reads them")
+    """656-byte rows, 1152-byte rows in 1168-byte slots, offsets unseen on the device, a scatter
+    (`device_offsets` None): one stage."""
+    if device_offsets is not False and not CUDA:
+        pytest.skip("under the interpreter offsets and both tiers are on the CPU")
     launches = []
     real = kernels._kernel
 
@@ -581,5 +592,5 @@ def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
         copy_rows(src_t, on_device(src_off), dst_t, on_device(dst_off), row_bytes, validate=False)
         assert torch.equal(read(dst_t), expected)
     else:
-        run_and_check(src, src_off, dst, dst_off, row_bytes, GATHER)
+        run_and_check(src, src_off, dst, dst_off, row_bytes, GATHER if device_offsets is False else SCATTER)
     assert launches == [stages]

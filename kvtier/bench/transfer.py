@@ -347,9 +347,9 @@ def _kernel_text(opts: KernelOptions, device: torch.device) -> str:
     lines = opts.launch(kernels.LEAN_ROW_BYTES, kernels.LINE_BYTES, device)
     other = opts.launch(kernels.LEAN_ROW_BYTES + 16, 16, device)
     return (
-        f"{opts.sm_budget} programs x rows by size; rows of {kernels.LEAN_ROW_BYTES} bytes or more on "
-        f"{lines.programs} programs of {lines.stages} tiles in flight (whole 128-byte lines) or "
-        f"{other.programs} of {other.stages}"
+        f"{opts.sm_budget} programs x rows by size; rows of {kernels.LEAN_ROW_BYTES} bytes or more: loads "
+        f"of whole 128-byte lines on {lines.programs} programs of {lines.stages} tiles in flight, others "
+        f"on {other.programs} of {other.stages}"
     )
 
 

@@ -455,7 +455,7 @@ def _kernel(
     unit_bytes = b.row_bytes * part.unit
     opts = plan.kernel
     for rows in part.kernel_rows[b.name]:
-        launch = opts.launch(unit_bytes, rows.align * rows.word, dev_w.device)
+        launch = opts.launch(unit_bytes, rows.align * rows.word, dev_w.device, plan.direction)
         # Words of the width the plan's offsets are in (no rescaling on the device).
         dev_flat = flat_words(dev_w.view(-1), rows.word)
         host_flat = flat_words(host_pool.region_words(b.name, layer, rows.region), rows.word)

@@ -135,9 +135,12 @@ def runs_on(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or interpreting())
 
 
-def pipelines(row_bytes: int, align_bytes: int) -> bool:
-    """Whether rows of `row_bytes` at offsets that are multiples of `align_bytes` are pipelined."""
-    return row_bytes % LINE_BYTES == 0 and align_bytes % LINE_BYTES == 0
+def pipelines(row_bytes: int, align_bytes: int, gather: bool = True) -> bool:
+    """Whether rows of `row_bytes` at offsets that are multiples of `align_bytes` are pipelined.
+
+    Only gathers (host reads, whose latency the pipeline hides) of whole 128-byte lines are.
+    """
+    return gather and row_bytes % LINE_BYTES == 0 and align_bytes % LINE_BYTES == 0
 
 
 def tile_bytes(programs: int, stages: int = 1) -> int:
@@ -174,14 +177,19 @@ def rows_in_flight(row_bytes: int, programs: int = 8, stages: int = 1) -> int:
 
 
 def stages_for(
-    row_bytes: int, align_bytes: int, device: torch.device | None, stages: int | None = None
+    row_bytes: int,
+    align_bytes: int,
+    device: torch.device | None,
+    stages: int | None = None,
+    gather: bool = True,
 ) -> int:
     """Tiles in flight per program for rows of `row_bytes` at `align_bytes`-aligned offsets on `device`.
 
-    1 (no pipelining) for rows that are not whole, aligned 128-byte lines; else `stages`
-    (default `MAX_STAGES`), at most what the device's shared memory holds (`stages_on`).
+    1 (no pipelining) for scatters and for rows that are not whole, aligned 128-byte lines;
+    else `stages` (default `MAX_STAGES`), at most what the device's shared memory holds
+    (`stages_on`).
     """
-    if not pipelines(row_bytes, align_bytes):
+    if not pipelines(row_bytes, align_bytes, gather):
         return 1
     return min(stages or MAX_STAGES, stages_on(device))
 
@@ -492,7 +500,8 @@ def copy_rows(
             CPU are inspected instead.
         stages: tiles each program keeps in flight (its loop pipelined through shared
             memory); None: `MAX_STAGES`. At most what the device's shared memory holds
-            (`stages_on`); 1 is no pipelining. Triton's interpreter runs tiles one by one.
+            (`stages_on`); 1 is no pipelining, as for scatters and rows that are not whole,
+            aligned 128-byte lines (`pipelines`). Triton's interpreter runs tiles one by one.
 
     Raises:
         SlotError: offsets that are not `[n]` int64 of equal lengths, rows outside their
@@ -554,10 +563,13 @@ def copy_rows(
     row_w = row_words * size // width
     src_off = to_kernel_device(_rescale(src_offsets, size, width), device)
     dst_off = to_kernel_device(_rescale(dst_offsets, size, width), device)
-    # Pipelined only for whole 128-byte lines at line-aligned addresses (`pipelines`); unseen
-    # offsets are not.
+    # Pipelined only for gathers of whole 128-byte lines at line-aligned addresses (`pipelines`);
+    # unseen offsets are not. Under the interpreter, where both sides are on the CPU, as a gather.
     every = (offset_bytes or 0) | src.data_ptr() | dst.data_ptr()
-    line = offset_bytes is not None and pipelines(row_words * size, every & -every if every else LINE_BYTES)
+    gather = src.device.type != "cuda"
+    line = offset_bytes is not None and pipelines(
+        row_words * size, every & -every if every else LINE_BYTES, gather
+    )
     stages = (stages or MAX_STAGES) if line else 1
 
     if rows_per_program is None:

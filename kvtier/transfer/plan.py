@@ -136,15 +136,20 @@ class KernelOptions:
     stages: int | None = None
 
     def launch(
-        self, row_bytes: int, align_bytes: int = kernels.LINE_BYTES, device: torch.device | None = None
+        self,
+        row_bytes: int,
+        align_bytes: int = kernels.LINE_BYTES,
+        device: torch.device | None = None,
+        direction: Direction = Direction.LOAD,
     ) -> KernelLaunch:
-        """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes` on `device`.
+        """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes` on
+        `device`, moved in `direction` (only loads are pipelined).
 
         `device` None or the CPU: planned as for a GPU whose shared memory holds every stage.
         """
         if device is not None and device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return _launch(self, row_bytes, align_bytes, device)
+        return _launch(self, row_bytes, align_bytes, device, direction is Direction.LOAD)
 
 
 @dataclass(frozen=True)
@@ -158,10 +163,10 @@ class KernelLaunch:
 
 @functools.lru_cache(maxsize=256)
 def _launch(
-    opts: KernelOptions, row_bytes: int, align_bytes: int, device: torch.device | None
+    opts: KernelOptions, row_bytes: int, align_bytes: int, device: torch.device | None, gather: bool
 ) -> KernelLaunch:
     """`KernelOptions.launch`, kept per argument set: a reload asks it once per layer and buffer."""
-    stages = kernels.stages_for(row_bytes, align_bytes, device, opts.stages)
+    stages = kernels.stages_for(row_bytes, align_bytes, device, opts.stages, gather)
     if opts.rows_per_program is not None or not opts.lean:
         programs = opts.sm_budget
     else:
@@ -841,7 +846,8 @@ def _kernel_part(
     aligns = {name: min(e.align * e.word for e in entries) for name, entries in per_buffer.items()}
     device = device_pool.device
     programs = max(
-        opts.launch(b.row_bytes * unit, aligns[b.name], device).programs for b in host_pool.spec.buffers
+        opts.launch(b.row_bytes * unit, aligns[b.name], device, direction).programs
+        for b in host_pool.spec.buffers
     )
     return Part(
         Mechanism.KERNEL,
