@@ -30,6 +30,8 @@ from kvtier.bench.transfer import BenchConfig, Setup, setup
 from kvtier.pool.device import Direction
 from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
 
+# GPU clock cycles the load stream is held while a duplex sample's calls are issued (~4 ms).
+DUPLEX_HOLD_CYCLES = 8_000_000
 ROUND_S = 2.0
 LEAD_S = 3.0  # untimed seconds at the start of each round, in the round's own conditions
 CHUNKS = 50  # a round's matmuls and reloads are issued interleaved in this many steps
@@ -115,17 +117,31 @@ def _tagged(on_round: Callable[[dict], None], tags: dict, r: dict) -> None:
 
 
 def _duplex_gbps(s: Setup, load: TransferPlan, back: TransferPlan, rounds: int, calls: int = 8) -> float:
+    """Both directions' bytes over the window from their common start to the later end.
+
+    As the transfer bench times its calls, the load stream is held by a GPU sleep while the
+    host issues every call, and the backup stream waits for the same start: the window holds
+    the transfers, not the host's cost of issuing them.
+    """
     other = torch.cuda.Stream(s.dev.device)
     host, dev = s.host, s.dev
 
     def once() -> float:
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        with torch.cuda.stream(s.stream):
+            torch.cuda._sleep(DUPLEX_HOLD_CYCLES)
+        start.record(s.stream)
+        other.wait_event(start)
         for _ in range(calls):
             load_layer(load, host, dev, 0, s.stream)
             backup(back, dev, host, [0], other)
+        ends[0].record(s.stream)
+        ends[1].record(other)
         torch.cuda.synchronize()
-        return 2 * calls * s.layer_bytes / (time.perf_counter() - t0) / 1e9
+        seconds = max(start.elapsed_time(end) for end in ends) / 1e3
+        return 2 * calls * s.layer_bytes / seconds / 1e9
 
     once()
     return statistics.median(once() for _ in range(rounds))
