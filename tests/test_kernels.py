@@ -556,27 +556,20 @@ def test_tiles_default_to_64_kib_of_rows_pipelined_over_stages(
 
 
 @pytest.mark.parametrize(
-    ("row_bytes", "slot_bytes", "device_offsets", "stages", "spread"),
+    ("row_bytes", "slot_bytes", "device_offsets", "stages"),
     [
-        (1152, 1152, False, 4, True),
-        (656, 656, False, 1, True),
-        (1152, 1168, False, 1, True),
-        (1152, 1152, True, 1, True),
-        (1152, 1152, None, 1, True),
-        (132, 132, False, 1, False),  # 16384 lanes of 4 bytes: offsets loaded per lane
+        (1152, 1152, False, 4),
+        (656, 656, False, 1),
+        (1152, 1168, False, 1),
+        (1152, 1152, True, 1),
+        (1152, 1152, None, 1),
     ],
 )
 def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
-    row_bytes: int,
-    slot_bytes: int,
-    device_offsets: bool | None,
-    stages: int,
-    spread: bool,
-    monkeypatch,
-    gen: torch.Generator,
+    row_bytes: int, slot_bytes: int, device_offsets: bool, stages: int, monkeypatch, gen: torch.Generator
 ) -> None:
     """656-byte rows, 1152-byte rows in 1168-byte slots, offsets unseen on the device, a scatter
-    (`device_offsets` None): one stage; offsets spread from rows in tiles of up to 4096 lanes."""
+    (`device_offsets` None): one stage."""
     if device_offsets is not False and not CUDA:
         pytest.skip("under the interpreter offsets and both tiers are on the CPU")
     launches = []
@@ -585,7 +578,7 @@ def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                launches.append((kw["STAGES"], kw["SPREAD"]))
+                launches.append(kw["STAGES"])
                 return real()[grid](*args, **kw)
 
             return launch
@@ -600,4 +593,4 @@ def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
         assert torch.equal(read(dst_t), expected)
     else:
         run_and_check(src, src_off, dst, dst_off, row_bytes, GATHER if device_offsets is False else SCATTER)
-    assert launches == [(stages, spread)]
+    assert launches == [stages]

@@ -79,7 +79,6 @@ __all__ = [
     "LEAN_ROW_BYTES",
     "LINE_BYTES",
     "MAX_STAGES",
-    "SPREAD_LANES",
     "copy_rows",
     "pipelines",
     "programs_for",
@@ -120,11 +119,6 @@ LINE_BYTES = 128
 # are bound by the reads each SM issues and take the whole budget (656-byte rows: 0.83 on 4
 # programs, 0.85 on 8; 132-byte rows: 0.34 on 4, 0.52 on 8).
 LEAN_ROW_BYTES = 1024
-# Tiles of at most this many lanes load their offsets once per row and spread them over the
-# lanes (`tl.gather`): packed fp8 rows (656 B, 4096 lanes of 16 B) backed up at 0.89-0.90 of the
-# ceiling so against 0.75-0.85 with an offset load per lane, and loaded at 0.86 against 0.84-0.85.
-# Wider tiles (132-byte rows in 16384 lanes of 4 B) spilled: 0.23 against 0.45-0.53 (an H200).
-SPREAD_LANES = 4096
 # One warp per this many bytes of tile, at most `_MAX_WARPS` (1024 threads).
 _WARP_BYTES = 4096
 _MAX_WARPS = 32
@@ -269,7 +263,6 @@ def _copy_rows_kernel(
     VEC: tl.constexpr,
     CHECK_ALIGN: tl.constexpr,
     STAGES: tl.constexpr,
-    SPREAD: tl.constexpr,
 ):
     """Persistent grid: program `pid` copies row blocks `pid, pid + num_programs, ...`.
 
@@ -282,13 +275,10 @@ def _copy_rows_kernel(
     With `STAGES` > 1 the loop is pipelined over `STAGES` tiles: on a GPU the loads of the
     next `STAGES - 1` tiles go out as asynchronous copies into shared memory while the
     current one is stored, so a program keeps `STAGES` tiles in flight with one tile's
-    registers.
-
-    With `SPREAD` (always when pipelined) the rows' offsets are loaded once per row
-    (`ROWS_POW`: `ROWS_PER_BLOCK` rounded up to a power of two) and spread over their
-    lanes in registers, so that only the rows' bytes wait in shared memory and a tile
-    issues two offset loads per row, not per lane; otherwise each lane loads its row's
-    offsets (spreading them over more than `SPREAD_LANES` lanes spills registers).
+    registers. The rows' offsets are then loaded once per row (`ROWS_POW`:
+    `ROWS_PER_BLOCK` rounded up to a power of two) and spread over their lanes in
+    registers, so that only the rows' bytes wait in shared memory; unpipelined, each lane
+    loads its row's offsets.
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -301,7 +291,7 @@ def _copy_rows_kernel(
         rows = block * ROWS_PER_BLOCK + lane // row_vecs
         mask = in_block & (rows < n_rows)
         w = (lane % row_vecs) * VEC
-        if SPREAD:
+        if STAGES > 1:
             first = block * ROWS_PER_BLOCK
             r = first + tl.arange(0, ROWS_POW)
             row_mask = (r < first + ROWS_PER_BLOCK) & (r < n_rows)
@@ -615,7 +605,6 @@ def copy_rows(
         "VEC": vec,
         "CHECK_ALIGN": known is None,
         "STAGES": stages,
-        "SPREAD": stages > 1 or block <= SPREAD_LANES,
         "num_warps": num_warps,
         "num_stages": stages,
     }
