@@ -55,7 +55,8 @@ def main() -> None:
         load = functools.partial(
             kernel[(programs,)],
             host, src_off, dev, dst_off, ROWS, row_vecs,
-            ROWS_PER_BLOCK=rows, BLOCK=block, VEC=2, CHECK_ALIGN=False, num_warps=16, num_ctas=ctas,
+            ROWS_PER_BLOCK=rows, ROWS_POW=1, BLOCK=block, VEC=2, CHECK_ALIGN=False, STAGES=1, num_warps=16,
+            num_ctas=ctas,
         )  # fmt: skip
 
         out = {"variant": name, "programs": programs, "ctas_per_program": ctas, "sms": programs * ctas}

@@ -28,9 +28,9 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from probe_rates import Probe
+from probe_rates import MatmulRounds, Probe, scattered_rows
 
-from kvtier.bench.overlap import LEAD_S, ROUND_S, interleave, settle
+from kvtier.bench.overlap import LEAD_S, ROUND_S, settle
 from kvtier.transfer import kernels
 
 ROWS, ROW_BYTES, N = 131072, 1152, 8192
@@ -67,14 +67,7 @@ def _pipelined(
 out_path, shapes_arg, mm_shapes_arg, passes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 probe = Probe(out_path, repeats=5)
 dev, stream = probe.device, probe.stream
-gen = torch.Generator().manual_seed(1)
-host = torch.randint(-(2**62), 2**62, (2 * ROWS * WORDS,), dtype=torch.int64, generator=gen).pin_memory()
-dst = torch.empty(ROWS * WORDS, dtype=torch.int64, device=dev)
-host_perm = torch.randperm(2 * ROWS, generator=gen)[:ROWS]
-dev_perm = torch.randperm(ROWS, generator=gen)
-src_off = (host_perm * WORDS).to(dev)
-dst_off = (dev_perm * WORDS).to(dev)
-expect = host.view(-1, WORDS)[host_perm].to(dev)
+host, dst, host_perm, dev_perm, src_off, dst_off, expect = scattered_rows(ROWS, WORDS, dev)
 NBYTES = ROWS * ROW_BYTES
 
 
@@ -88,7 +81,8 @@ def gather(programs: int, rows: int, warps: int, stages: int):
             if stages == 0:
                 kern = kernels._kernel()[(programs,)](
                     host, src_off, dst, dst_off, ROWS, row_vecs,
-                    ROWS_PER_BLOCK=rows, BLOCK=block, VEC=VEC, CHECK_ALIGN=False, num_warps=warps,
+                    ROWS_PER_BLOCK=rows, ROWS_POW=1, BLOCK=block, VEC=VEC, CHECK_ALIGN=False, STAGES=1,
+                    num_warps=warps,
                 )  # fmt: skip
             else:
                 kern = _pipelined[(programs,)](
@@ -139,28 +133,12 @@ for name, rs in rates.items():
     )
 
 # The matmul beside the chosen shapes.
-a = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
-b = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
-c = torch.empty_like(a)
-compute = torch.cuda.Stream(dev)
+rounds = MatmulRounds(dev, N)
 
 
 def round_s(reload, matmuls: int, per_matmul: float, lead: int, call_s: float = 0.0) -> float:
     """Seconds of the last `matmuls` of `lead + matmuls`, reloads issued beside them throughout."""
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    reloads = max(1, int((lead + 0.9 * matmuls) * per_matmul / call_s)) if reload else 0
-
-    def mm(i: int) -> None:
-        if i == lead:
-            ev[0].record(compute)
-        with torch.cuda.stream(compute):
-            torch.mm(a, b, out=c)
-
-    interleave(lead + matmuls, reloads, reload or (lambda: None), mm)
-    ev[1].record(compute)
-    torch.cuda.synchronize()
-    return ev[0].elapsed_time(ev[1]) / 1e3
+    return rounds.round_s(reload, matmuls, per_matmul, lead, call_s)[0]
 
 
 mm_shapes = [s for s in mm_shapes_arg.split(",") if s in calls]

@@ -28,7 +28,7 @@ def main() -> None:
     kernel_load = functools.partial(
         kernels._kernel()[(8,)],
         host, src_off, dev, dst_off, ROWS, ROW_WORDS // 2,
-        ROWS_PER_BLOCK=56, BLOCK=4096, VEC=2, CHECK_ALIGN=False, num_warps=16,
+        ROWS_PER_BLOCK=56, ROWS_POW=1, BLOCK=4096, VEC=2, CHECK_ALIGN=False, STAGES=1, num_warps=16,
     )  # fmt: skip
     flat_h, flat_d = host[: ROWS * ROW_WORDS], dev[: ROWS * ROW_WORDS]
 

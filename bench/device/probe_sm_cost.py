@@ -25,8 +25,9 @@ import time
 import torch
 import triton
 import triton.language as tl
+from probe_rates import MatmulRounds, scattered_rows
 
-from kvtier.bench.overlap import LEAD_S, ROUND_S, interleave, settle
+from kvtier.bench.overlap import LEAD_S, ROUND_S, settle
 from kvtier.transfer import kernels
 
 out_path, passes = sys.argv[1], int(sys.argv[2])
@@ -42,14 +43,7 @@ def emit(row: dict) -> None:
     log.flush()
 
 
-gen = torch.Generator().manual_seed(1)
-host = torch.randint(-(2**62), 2**62, (2 * ROWS * WORDS,), dtype=torch.int64, generator=gen).pin_memory()
-dst = torch.empty(ROWS * WORDS, dtype=torch.int64, device=dev)
-host_perm = torch.randperm(2 * ROWS, generator=gen)[:ROWS]
-dev_perm = torch.randperm(ROWS, generator=gen)
-src_off = (host_perm * WORDS).to(dev)
-dst_off = (dev_perm * WORDS).to(dev)
-expect = host.view(-1, WORDS)[host_perm].to(dev)
+host, dst, host_perm, dev_perm, src_off, dst_off, expect = scattered_rows(ROWS, WORDS, dev)
 stream = torch.cuda.Stream(dev)
 
 
@@ -85,7 +79,8 @@ def gather(programs: int, rows_per_block: int, warps: int):
         with torch.cuda.stream(stream):
             k = kern[(programs,)](
                 host, src_off, dst, dst_off, ROWS, row_vecs,
-                ROWS_PER_BLOCK=rows_per_block, BLOCK=block, VEC=vec, CHECK_ALIGN=False, num_warps=warps,
+                ROWS_PER_BLOCK=rows_per_block, ROWS_POW=1, BLOCK=block, VEC=vec, CHECK_ALIGN=False, STAGES=1,
+                num_warps=warps,
             )  # fmt: skip
         if not meta:
             meta.update(_resources(k))
@@ -135,12 +130,9 @@ def time_alone(call, reps: int = 10) -> float:
     return e0.elapsed_time(e1) / 1e3 / reps
 
 
-a = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
-b = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
-c = torch.empty_like(a)
-compute = torch.cuda.Stream(dev)
+rounds = MatmulRounds(dev, N)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-    torch.mm(a, b, out=c)
+    rounds.matmul()
     torch.cuda.synchronize()
 names = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
 ceiling = ceiling_gbps()
@@ -178,25 +170,7 @@ for sms in (8, 4) if sys.argv[4:] == ["spin"] else ():
 
 def round_s(reload, matmuls: int, per_matmul: float, lead: int, call_s: float = 0.0) -> tuple[float, float]:
     """Seconds of the last `matmuls` of `lead + matmuls`, and the reloads' own seconds per call."""
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-    reloads = max(1, int((lead + 0.9 * matmuls) * per_matmul / call_s)) if reload else 0
-    if reload:
-        ev[2].record(stream)
-
-    def mm(i: int) -> None:
-        if i == lead:
-            ev[0].record(compute)
-        with torch.cuda.stream(compute):
-            torch.mm(a, b, out=c)
-
-    interleave(lead + matmuls, reloads, reload or (lambda: None), mm)
-    ev[1].record(compute)
-    if reload:
-        ev[3].record(stream)
-    torch.cuda.synchronize()
-    per_call = ev[2].elapsed_time(ev[3]) / 1e3 / reloads if reload else 0.0
-    return ev[0].elapsed_time(ev[1]) / 1e3, per_call
+    return rounds.round_s(reload, matmuls, per_matmul, lead, call_s, stream)
 
 
 per_matmul = round_s(None, 20, 0.0, 0)[0] / 20
