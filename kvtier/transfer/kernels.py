@@ -20,16 +20,18 @@ takes on the order of a microsecond to come back, so reaching ~50 GB/s needs on
 the order of 512 KiB in flight across the GPU at any time (measured). Many
 programs are not the way to get there; many outstanding loads per program are.
 Each program therefore loads a whole tile of rows (`rows_per_program` rows, flattened
-into 16-byte chunks, one per lane; by default ~64 KiB, see `rows_in_flight`) before it
-stores any of it, and its loop is pipelined: while one tile is stored, the next `stages
-- 1` are already on their way into shared memory (asynchronous copies, which hold no
-registers), so a program keeps up to `MAX_STAGES` tiles (256 KiB) in flight. The grid
-is persistent and small: exactly `min(sm_budget, number of row blocks)` programs, each
-looping over the row blocks `pid, pid + num_programs, ...`. The copy takes `sm_budget`
-SMs (default 8) from the model running beside it, and no more. Each SM it holds cost a
-bf16 matmul beside it about 1% of its rate on an H200 (bench/NOTES.md), so rows that
-fill the link from fewer programs get fewer: 2 for rows of 1 KiB or more (`programs_for`,
-used by `KernelOptions` unless told otherwise).
+into 16-byte chunks, one per lane; see `rows_in_flight`) before it stores any of it. A
+gather of rows that are whole 128-byte lines is also pipelined (`pipelines`): while one
+tile of 64 KiB is stored, the next `stages - 1` are already on their way into shared
+memory (asynchronous copies, which hold no registers), so a program keeps up to
+`MAX_STAGES` tiles (256 KiB) in flight; other launches hold one tile of 64-128 KiB. The
+grid is persistent and small: exactly `min(sm_budget, number of row blocks)` programs,
+each looping over the row blocks `pid, pid + num_programs, ...`. The copy takes
+`sm_budget` SMs (default 8) from the model running beside it, and no more. Each SM it
+holds cost a bf16 matmul beside it about 1% of its rate on an H200 (bench/NOTES.md), so
+rows that fill the link from fewer programs get fewer: rows of 1 KiB or more take 2
+programs pipelined, 4 otherwise (`programs_for`, used by `KernelOptions` unless told
+otherwise).
 
 Contract
 --------
@@ -200,23 +202,23 @@ def _shared_bytes(index: int) -> int:
     return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
-def stages_on(device: torch.device | None, tile_bytes: int = _TILE_BYTES) -> int:
-    """Tiles of `tile_bytes` a program can keep in flight on `device`: `MAX_STAGES` at most.
+def stages_on(device: torch.device | None, nbytes: int = _TILE_BYTES) -> int:
+    """Tiles of `nbytes` a program can keep in flight on `device`: `MAX_STAGES` at most.
 
     All but one wait in shared memory, so a device with less of it pipelines fewer (an
     H200's 227 KiB holds three 64 KiB tiles; an A100's 163 KiB two). Off CUDA (Triton's
     interpreter runs tiles one by one, or planning on the CPU) plans are made as for a
     device that holds `MAX_STAGES`.
     """
-    return min(MAX_STAGES, _stages_fit(device, tile_bytes))
+    return min(MAX_STAGES, _stages_fit(device, nbytes))
 
 
-def _stages_fit(device: torch.device | None, tile_bytes: int) -> int:
+def _stages_fit(device: torch.device | None, nbytes: int) -> int:
     """The most stages whose buffers fit in `device`'s shared memory (no limit off CUDA)."""
     if device is None or device.type != "cuda" or triton is None:
         return 1 << 30
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, 1 + (_shared_bytes(index) - _SHARED_SLACK) // tile_bytes)
+    return max(1, 1 + (_shared_bytes(index) - _SHARED_SLACK) // nbytes)
 
 
 def warps_for(nbytes: int) -> int:

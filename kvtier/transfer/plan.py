@@ -122,11 +122,12 @@ class KernelOptions:
     Up to `sm_budget` programs with `rows_per_program` rows per tile each (None: by row
     size, see `kernels.rows_in_flight`) and up to `stages` tiles in flight each (None: as
     many as the device's shared memory holds, up to `kernels.MAX_STAGES`; 1: no
-    pipelining; rows that are not whole 128-byte lines are never pipelined); runs are
+    pipelining; only loads of rows that are whole 128-byte lines are pipelined); runs are
     moved in units of up to `max_unit_bytes` (one "row" of the kernel). With `lean` (and
     rows chosen by size), rows of `kernels.LEAN_ROW_BYTES` or more take only the programs
     that keep ~512 KiB in flight (2 pipelined, 4 not): they fill the link as 8 programs do,
-    and the model beside keeps the other SMs (`kernels.programs_for`).
+    and the model beside keeps the other SMs (`kernels.programs_for`). `launch` gives one
+    launch's shape.
     """
 
     sm_budget: int = 8
