@@ -594,3 +594,18 @@ def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
     else:
         run_and_check(src, src_off, dst, dst_off, row_bytes, GATHER if device_offsets is False else SCATTER)
     assert launches == [stages]
+
+
+def _identity(x):
+    return x
+
+
+def test_kernels_are_wrapped_once_per_mode_and_again_when_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton reads TRITON_INTERPRET when it wraps a function: a switched mode wraps again."""
+    wrapped = kernels.ModeJit(_identity, do_not_specialize=["x"])
+    first = wrapped()
+    assert wrapped() is first
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if kernels.interpreting() else "1")
+    other = wrapped()
+    assert other is not first and wrapped() is other
+    assert type(other) is not type(first)  # a compiled function against an interpreted one

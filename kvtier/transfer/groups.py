@@ -144,20 +144,10 @@ def _copy_groups_kernel(
                 tl.store(pa, vals, mask=edge)
 
 
-_kernel_jit: Any = None
-_kernel_interpreted: bool | None = None
-
-
-def _kernel() -> Any:
-    """The Triton kernel for the current mode (compiled, or Triton's CPU interpreter)."""
-    global _kernel_jit, _kernel_interpreted
-    mode = kernels.interpreting()
-    if _kernel_jit is None or _kernel_interpreted != mode:
-        _kernel_jit = triton.jit(
-            _copy_groups_kernel, do_not_specialize=["n_units", "packed_shift", "layer_first", "layer_stride"]
-        )
-        _kernel_interpreted = mode
-    return _kernel_jit
+# The Triton kernel for the current mode (compiled, or Triton's CPU interpreter).
+_kernel = kernels.ModeJit(
+    _copy_groups_kernel, do_not_specialize=["n_units", "packed_shift", "layer_first", "layer_stride"]
+)
 
 
 def layer_offsets(layers: Sequence[torch.Tensor]) -> list[int]:

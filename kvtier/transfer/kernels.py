@@ -328,23 +328,37 @@ def _copy_rows_kernel(
                 _copy_chunks_jit(src_ptr, dst_ptr, s + w, d + w, mask, VEC)
 
 
-# Set by `_kernel`: the Triton-wrapped `_copy_chunks` (which `_copy_rows_kernel` calls by
-# this name), the kernel, and the mode (interpreted or not) they were wrapped for.
+class ModeJit:
+    """`triton.jit(fn, **options)` for the current mode, wrapped again when the mode changes.
+
+    Triton reads TRITON_INTERPRET when a function is wrapped, so kernels are wrapped on first
+    use, not at import, and again if the interpreter is switched on or off.
+    """
+
+    def __init__(self, fn: Any, **options: Any) -> None:
+        self.fn, self.options = fn, options
+        self.jit: Any = None
+        self.mode: bool | None = None
+
+    def __call__(self) -> Any:
+        mode = interpreting()
+        if self.jit is None or self.mode != mode:
+            self.jit, self.mode = triton.jit(self.fn, **self.options), mode
+        return self.jit
+
+
+# The Triton-wrapped `_copy_chunks`, which `_copy_rows_kernel` calls by this name (set by `_kernel`).
 _copy_chunks_jit: Any = None
-_kernel_jit: Any = None
-_kernel_interpreted: bool | None = None
+_chunks = ModeJit(_copy_chunks)
+# n_rows changes with every call: one compiled kernel serves all of them.
+_rows = ModeJit(_copy_rows_kernel, do_not_specialize=["n_rows"])
 
 
 def _kernel() -> Any:
     """The Triton kernel for the current mode (compiled, or Triton's CPU interpreter)."""
-    global _copy_chunks_jit, _kernel_jit, _kernel_interpreted
-    mode = interpreting()
-    if _kernel_jit is None or _kernel_interpreted != mode:
-        _copy_chunks_jit = triton.jit(_copy_chunks)
-        # n_rows changes with every call: one compiled kernel serves all of them.
-        _kernel_jit = triton.jit(_copy_rows_kernel, do_not_specialize=["n_rows"])
-        _kernel_interpreted = mode
-    return _kernel_jit
+    global _copy_chunks_jit
+    _copy_chunks_jit = _chunks()
+    return _rows()
 
 
 # ---------------------------------------------------------------------------
