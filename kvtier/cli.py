@@ -40,6 +40,17 @@ def _kernel_shape(text: str) -> KernelOptions:
     return KernelOptions(sm_budget=sm, rows_per_program=rows[0] if rows else None, stages=depth)
 
 
+def _positive(text: str) -> int:
+    """A count of at least 1, refused by the parser (with its usage line) otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
 
@@ -162,13 +173,28 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--alloc-slots", type=int, default=4 * 1024 * 1024, help="allocator pool size")
     c.add_argument("--alloc-churn", type=int, default=60_000, help="random alloc/free before timing")
     c.add_argument("--alloc-pairs", type=int, default=2000, help="timed alloc + free pairs per size")
-    c.add_argument("--reload-tokens", type=int, default=131072, help="prefix length of the reload")
-    c.add_argument("--reload-repeats", type=int, default=5)
+    c.add_argument("--reload-tokens", type=_positive, default=131072, help="prefix length of the reload")
+    c.add_argument("--reload-repeats", type=_positive, default=5)
     c.add_argument(
-        "--reload-host-runs", type=int, default=1, help="runs the prefix's host copy lies in (as after churn)"
+        "--reload-host-runs",
+        type=_positive,
+        default=1,
+        help="runs the prefix's host copy lies in (as after churn)",
     )
     c.add_argument(
         "--reload-ids", choices=("int32", "int64"), default="int32", help="dtype of the ids given to match"
+    )
+    c.add_argument(
+        "--reload-layout",
+        choices=[m.value for m in HostLayout],
+        default=HostLayout.LAYER_FIRST.value,
+        help="host layout of the reload's pool",
+    )
+    c.add_argument(
+        "--reload-layers-per-load",
+        type=_positive,
+        default=1,
+        help="layers a kernel reload moves per launch (page_first: layer groups)",
     )
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--json", type=Path, help="also write the rows and metadata to this file")
@@ -540,6 +566,8 @@ def _bench_cache(args: argparse.Namespace) -> int:
                 progress=report,
                 query_ids=args.reload_ids,
                 host_runs=args.reload_host_runs,
+                host_layout=args.reload_layout,
+                layers_per_load=args.reload_layers_per_load,
             )
 
     _run_with_progress(run)
@@ -632,8 +660,9 @@ def _bench_cache(args: argparse.Namespace) -> int:
 
         table = Table(
             title=f"match + load_back of a {r.tokens}-token prefix from the host: {r.spec} x {r.layers} "
-            f"layers, {r.loaded_bytes / 1e9:.3f} GB in {r.host_runs} host runs, {r.query_ids} ids, "
-            f"median of {r.repeats}, on {where}"
+            f"layers, {r.loaded_bytes / 1e9:.3f} GB in {r.host_runs} host runs ({r.host_layout}, "
+            f"{r.layers_per_load} layers per kernel load), {r.query_ids} ids, median of {r.repeats}, "
+            f"on {where}"
         )
         cols = (
             "CPU us",

@@ -120,8 +120,44 @@ def test_prefix_reload_on_cpu(policy: WritePolicy, host_runs: int) -> None:
     assert row.reload_ms is None and row.ratio is None and row.ceiling_gbps is None
 
 
+def test_prefix_reload_from_a_page_first_pool_in_layer_groups() -> None:
+    """The reload bench takes the host layout and the layers a kernel reload moves per launch."""
+    spec = preset("tiny-dsa", 1)
+    row = run_prefix_reload(
+        spec, tokens=2048, device="cpu", repeats=1, host_runs=64, host_layout="page_first", layers_per_load=2
+    )
+    assert (row.host_layout, row.layers_per_load, row.host_runs) == ("page_first", 2, 64)
+    assert row.loaded_bytes == 2048 * spec.bytes_per_token()
+
+
+@pytest.mark.parametrize(
+    ("layout", "layers_per_load"), [("page_last", 1), ("page_first", 0), ("layer_first", True)]
+)
+def test_prefix_reload_refuses_a_bad_layout_or_group(layout: str, layers_per_load) -> None:
+    with pytest.raises(ValueError, match=r"page_last|layers_per_load"):
+        run_prefix_reload(
+            preset("tiny-mla", 1),
+            tokens=64,
+            device="cpu",
+            repeats=1,
+            host_layout=layout,
+            layers_per_load=layers_per_load,
+        )
+
+
 @pytest.mark.parametrize(("tokens", "host_runs"), [(4096, 0), (4096, 3), (4098, 1)])
 def test_prefix_reload_refuses_a_shape_it_cannot_lay_out(tokens: int, host_runs: int) -> None:
     """Runs that do not split the prefix into whole pages are refused before any pool is made."""
     with pytest.raises(ValueError, match="multiple of the page size"):
         run_prefix_reload(preset("tiny-mla", 4), tokens=tokens, device="cpu", repeats=1, host_runs=host_runs)
+
+
+@pytest.mark.parametrize("flag", ["--reload-layers-per-load", "--reload-host-runs", "--reload-tokens"])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_the_cli_refuses_a_count_below_one_before_running(flag: str, value: str, capsys) -> None:
+    from kvtier.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "cache", "--parts", "reload", "--device", "cpu", flag, value])
+    assert exit_.value.code == 2
+    assert "expected a positive integer" in capsys.readouterr().err

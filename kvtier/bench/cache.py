@@ -31,7 +31,7 @@ import torch
 from kvtier.alloc import AllocPolicy, HostSlotAllocator
 from kvtier.bench.common import ceiling_gbps, environment
 from kvtier.cache import CacheConfig, CacheController, WritePolicy
-from kvtier.pool import DevicePool, HostPool
+from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.spec import KVSpec
 
 log = logging.getLogger(__name__)
@@ -419,6 +419,8 @@ class ReloadRow:
     repeats: int
     query_ids: str  # dtype of the ids passed to match (engines commonly hold int32)
     host_runs: int  # runs the prefix's host copy lies in
+    host_layout: str  # the host pool's layout
+    layers_per_load: int  # layers a kernel reload moves per launch (CacheConfig.layers_per_load)
     cpu_us: float  # median process time (all threads) of match + load_back submission
     thread_us: float  # median CPU time of the calling thread alone, same calls
     wall_us: float  # median wall time of the same
@@ -445,13 +447,16 @@ def run_prefix_reload(
     progress: Progress = _quiet,
     query_ids: str = "int32",
     host_runs: int = 1,
+    host_layout: HostLayout | str = HostLayout.LAYER_FIRST,
+    layers_per_load: int = 1,
 ) -> ReloadRow:
     """Insert a `tokens`-long sequence, evict it to the host, then time match + load_back `repeats` times.
 
     `query_ids`: the dtype of the ids given to `match` (`int32` or `int64`). `host_runs`:
     the host copy of the prefix lies in this many runs (the host pool is fragmented
     before the write-through backup, as after churn), so every layer loads in as many
-    copies.
+    copies. `host_layout`: the host pool's layout; `layers_per_load`: layers a reload
+    through the kernel moves per launch (in `page_first`, as layer groups).
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -460,11 +465,14 @@ def run_prefix_reload(
         raise ValueError(
             f"tokens {tokens} must be a positive multiple of the page size {ps} times host_runs {host_runs}"
         )
+    layout = HostLayout(host_layout)
+    if isinstance(layers_per_load, bool) or not isinstance(layers_per_load, int) or layers_per_load < 1:
+        raise ValueError(f"layers_per_load must be a positive int, got {layers_per_load!r}")
     progress(f"reload: pools of {tokens} slots ({tokens * spec.bytes_per_token() / 1e9:.2f} GB per tier)")
     cache = CacheController(
         DevicePool(spec, tokens, device),
-        HostPool(spec, tokens + (host_runs - 1) * ps),
-        CacheConfig(write_policy=WritePolicy(policy)),
+        HostPool(spec, tokens + (host_runs - 1) * ps, layout),
+        CacheConfig(write_policy=WritePolicy(policy), layers_per_load=layers_per_load),
     )
     _fragment(cache.host_alloc, tokens // host_runs, host_runs, ps)
     rng = np.random.default_rng(seed)
@@ -524,6 +532,8 @@ def run_prefix_reload(
         repeats=repeats,
         query_ids=query_ids,
         host_runs=host_runs,
+        host_layout=layout.value,
+        layers_per_load=layers_per_load,
         cpu_us=med("cpu_us"),
         thread_us=med("thread_us"),
         wall_us=med("wall_us"),
