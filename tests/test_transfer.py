@@ -852,6 +852,14 @@ def test_copy_streams_must_be_positive() -> None:
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), costs=costs)
 
 
+@pytest.mark.parametrize("bad", [{"sm_budget": 0}, {"rows_per_program": 0}, {"stages": 0}, {"stages": -1}])
+def test_kernel_options_must_be_positive(bad: dict) -> None:
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    with pytest.raises(PlanError, match="must be positive"):
+        TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), kernel=KernelOptions(**bad))
+
+
 def test_raw_runtime_is_absent_without_a_mapped_libcudart_and_errors_name_the_call() -> None:
     """On a machine without CUDA no `libcudart` is mapped: every raw path falls back (None)."""
     from kvtier.transfer import cudart
