@@ -1,7 +1,9 @@
-"""Exception types of kvtier.
+"""Every exception kvtier raises: all are `KVTierError`.
 
-Every error is raised before any state changes and carries the offending values
-in its message, so a caller can log it and go on with the cache intact.
+Errors are raised before any state changes and carry the offending values in their
+message, so a caller can log one and go on with the cache intact. Each subclass also
+derives from the built-in exception it refines (`ValueError`, `RuntimeError`, ...), so
+code that catches those keeps working.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ class SpecError(KVTierError, ValueError):
 
 
 class SlotError(KVTierError, ValueError):
-    """Slot ids handed to an allocator or a transfer are invalid."""
+    """Slot ids handed to an allocator, a transfer or the cache are invalid."""
 
 
 class LayoutError(KVTierError, ValueError):
     """A host layout name or a tensor layout is not one kvtier knows."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """An option (of the cache, the engine, a kernel, a sampler) is out of its range."""
 
 
 class HostMemoryError(KVTierError, MemoryError):
@@ -32,7 +38,19 @@ class PinError(KVTierError, RuntimeError):
 
 
 class PlanError(KVTierError, ValueError):
-    """A transfer path was forced where it cannot apply."""
+    """A transfer plan cannot apply: a forced path that does not fit, or pools it was not built for."""
+
+
+class TransferError(KVTierError, ValueError):
+    """Tensors or offsets handed to a transfer mechanism (kernel, batched DMA) do not fit it."""
+
+
+class BackendUnavailableError(KVTierError, RuntimeError):
+    """A mechanism needs something this process lacks (Triton, CUDA, `cuda.bindings`, a compiler)."""
+
+
+class CudaRuntimeError(KVTierError, RuntimeError):
+    """A raw CUDA runtime call returned an error code."""
 
 
 class AllocatorCorruptError(KVTierError, RuntimeError):
@@ -43,13 +61,48 @@ class AllocatorCorruptError(KVTierError, RuntimeError):
     """
 
 
+class InvariantError(KVTierError, AssertionError):
+    """An internal invariant does not hold (raised, never asserted: `python -O` keeps it)."""
+
+
 class LeaseError(KVTierError, RuntimeError):
     """A lease was released twice, or does not belong to this cache."""
 
 
 class CacheStateError(KVTierError, RuntimeError):
-    """A cache operation does not fit a node's state (evicted, loading, not on the host)."""
+    """A cache operation does not fit a node's state (evicted, loading, not on the host), or the cache is closed."""
 
 
 class CacheFullError(KVTierError, RuntimeError):
     """A tier has no room even after evicting every unlocked node."""
+
+
+class ClosedError(KVTierError, RuntimeError):
+    """A pool, cache or engine was used after `close()`."""
+
+
+class ModelLoadError(KVTierError, RuntimeError):
+    """A model could not be found or loaded."""
+
+
+class PromptTooLongError(KVTierError, ValueError):
+    """A prompt (plus the tokens to generate) does not fit the model's context or the device pool."""
+
+
+class APIError(KVTierError):
+    """An HTTP request the server refuses: `status` and OpenAI's error `type`, `param`, `code`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        """The JSON body OpenAI's API answers with."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
