@@ -70,7 +70,7 @@ class LeaseError(KVTierError, RuntimeError):
 
 
 class CacheStateError(KVTierError, RuntimeError):
-    """A cache operation does not fit a node's state (evicted, loading, not on the host), or the cache is closed."""
+    """A cache operation does not fit a node's state (evicted, loading, not on the host)."""
 
 
 class CacheFullError(KVTierError, RuntimeError):

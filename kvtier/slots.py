@@ -71,7 +71,11 @@ def as_slots(
 
 
 def as_slot_tensor(
-    name: str, slots: torch.Tensor | np.ndarray | Sequence[int], limit: int | None = None, *, distinct: bool = False
+    name: str,
+    slots: torch.Tensor | np.ndarray | Sequence[int],
+    limit: int | None = None,
+    *,
+    distinct: bool = False,
 ) -> torch.Tensor:
     """`as_slots` as a `[n]` int64 CPU tensor."""
     return torch.from_numpy(np.ascontiguousarray(as_slots(name, slots, limit, distinct=distinct)))
