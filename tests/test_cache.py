@@ -6,21 +6,43 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.cache import CacheConfig, CacheController, NodeState, WritePolicy
-from kvtier.errors import CacheFullError, CacheStateError, LeaseError, SlotError
+from kvtier.cache import CacheConfig, CacheController, DeviceHostMover, Mover, NodeState, WritePolicy
+from kvtier.errors import (
+    CacheFullError,
+    CacheStateError,
+    ConfigError,
+    CudaRuntimeError,
+    LeaseError,
+    SlotError,
+)
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.rows import as_words
 from kvtier.spec import preset
 from kvtier.transfer import TransferPath, kernels
 
 
-def make(policy=WritePolicy.WRITE_THROUGH, device=32, host=64, ps=2, **kw) -> CacheController:
+def make(policy=WritePolicy.WRITE_THROUGH, device=32, host=64, ps=2, mover=None, **kw) -> CacheController:
     spec = preset("tiny-dsa", ps)
+    dev, host_pool = DevicePool(spec, device, staging_tokens=8), HostPool(spec, host)
     return CacheController(
-        DevicePool(spec, device, staging_tokens=8),
-        HostPool(spec, host),
-        CacheConfig(write_policy=policy, **kw),
+        dev, host_pool, CacheConfig(write_policy=policy, **kw), mover=mover(dev, host_pool) if mover else None
     )
+
+
+class FlakyMover(Mover):
+    """The real device <-> host mover, made to fail at submission while `fail` is set."""
+
+    def __init__(self, dev: DevicePool, host: HostPool) -> None:
+        self.inner = DeviceHostMover(dev, host)
+        self.fail = False
+
+    def submit(self, op):
+        if self.fail:
+            raise CudaRuntimeError("submission failed")
+        return self.inner.submit(op)
+
+    def drain(self) -> None:
+        self.inner.drain()
 
 
 def fill(c: CacheController, tokens: tuple[int, ...]) -> torch.Tensor:
@@ -157,9 +179,9 @@ def test_keys_keep_the_callers_int32_or_int64_ids_and_match_either(dtype) -> Non
     c.check_invariants()
 
 
-def test_a_transfer_that_fails_to_submit_leaves_the_cache_as_it_was(monkeypatch) -> None:
+def test_a_transfer_that_fails_to_submit_leaves_the_cache_as_it_was() -> None:
     """A runtime error while a load or backup is submitted: slots back, locks undone, nothing lost."""
-    c = make()
+    c = make(mover=FlakyMover)
     tokens = tuple(range(8))
     slots = fill(c, tokens)
     want = {
@@ -170,26 +192,22 @@ def test_a_transfer_that_fails_to_submit_leaves_the_cache_as_it_was(monkeypatch)
     c.flush()
     c.evict_device(8)
     before = (c.device_alloc.available(), c.host_alloc.available())
-    real = CacheController._submit
-
-    def fail(*a, **k):
-        raise RuntimeError("submission failed")
-
-    monkeypatch.setattr(CacheController, "_submit", fail)
+    c.mover.fail = True
     m = c.match(tokens)
-    with pytest.raises(RuntimeError, match="submission failed"):
+    with pytest.raises(CudaRuntimeError, match="submission failed"):
         c.load_back(m)
     assert all(n.state is NodeState.HOST and n.lock == 0 for n in m.host_nodes)
     assert (c.device_alloc.available(), c.host_alloc.available()) == before
     c.check_invariants()
     # A backup that fails: the inserted node stays on the device only, its host slots come back.
-    with pytest.raises(RuntimeError, match="submission failed"):
+    with pytest.raises(CudaRuntimeError, match="submission failed"):
         fill(c, tuple(range(100, 108)))
     (node,) = c.match(tuple(range(100, 108))).device_nodes
     assert node.state is NodeState.DEVICE and node.host_slots is None
     assert c.host_alloc.available() == before[1]
     c.check_invariants()
-    monkeypatch.setattr(CacheController, "_submit", real)
+    assert c.metrics.failed_submissions == 2
+    c.mover.fail = False
     h = c.load_back(c.match(tokens))  # the same load goes through once submission works
     h.wait()
     for (name, lay), rows in want.items():
@@ -287,8 +305,8 @@ def test_cuda_round_trip_is_byte_identical(policy, loop, monkeypatch) -> None:
     the reload's addresses computed there (`layers`) or in a numpy table (`table`), or made
     from Python.
     """
-    from kvtier.cache.streams import CudaLane
     from kvtier.transfer import native
+    from kvtier.transfer.lanes import CudaLane
 
     submitted = []
     if loop == "python":
@@ -364,7 +382,7 @@ def test_event_signals_are_made_once_and_every_event_goes_back_to_the_pool() -> 
     """A reload's per-layer signals: one object per layer, made on first use; no event is lost."""
     import gc
 
-    from kvtier.cache.streams import EventSignals
+    from kvtier.transfer.lanes import EventSignals
 
     events = [object() for _ in range(4)]  # stand-ins: nothing here touches CUDA
     pool: list[object] = []
@@ -412,6 +430,10 @@ def test_loads_in_layer_groups_land_every_layer_and_signal_per_group(per_load) -
         assert torch.equal(as_words(c.device_pool.layer(name, layer))[h.device_slots], rows_before)
 
 
-def test_layers_per_load_must_be_positive() -> None:
-    with pytest.raises(CacheStateError, match="bad cache config"):
-        make(layers_per_load=0)
+@pytest.mark.parametrize(
+    "bad", [{"layers_per_load": 0}, {"selective_hits": 0}, {"recompute_below": -1}, {"eviction": "mru"}]
+)
+def test_a_bad_config_is_refused_when_made(bad) -> None:
+    """Before any pool or cache is built: the config itself refuses out-of-range options."""
+    with pytest.raises(ConfigError, match="cache config"):
+        CacheConfig(**bad)

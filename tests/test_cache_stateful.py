@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.cache import CacheConfig, CacheController, WritePolicy
-from kvtier.cache.streams import DeferredLane
 from kvtier.errors import CacheFullError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.rows import as_words
 from kvtier.spec import preset
+from kvtier.transfer.lanes import DeferredLane
 
 PS = 2
 BASES = [(0, 1) * 8, (2, 3, 0, 1) * 4, (1, 1, 2, 2) * 4]
@@ -42,6 +42,7 @@ class CacheMachine(RuleBasedStateMachine):
     spec_name = "tiny-dsa"
     policy = WritePolicy.WRITE_THROUGH
     layout = "layer_first"
+    eviction = "lru"
 
     @initialize()
     def build(self) -> None:
@@ -49,7 +50,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.dev = DevicePool(self.spec, 24, staging_tokens=8)
         self.host = HostPool(self.spec, 32, self.layout)
         self.cache = CacheController(
-            self.dev, self.host, CacheConfig(write_policy=self.policy, selective_hits=2)
+            self.dev,
+            self.host,
+            CacheConfig(write_policy=self.policy, selective_hits=2, eviction=self.eviction),
         )
         self.gen = torch.Generator().manual_seed(7)
         self.truth: dict[tuple[int, ...], dict[tuple[str, int], torch.Tensor]] = {}
@@ -151,7 +154,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(items=st.integers(1, 4))
     def step_transfers(self, items: int) -> None:
-        for lane in (self.cache.backup_lane, self.cache.load_lane):
+        for lane in (self.cache.mover.backup_lane, self.cache.mover.load_lane):
             assert isinstance(lane, DeferredLane)
             lane.step(items)
         self.cache.poll()
@@ -196,22 +199,22 @@ SETTINGS = settings(
 )
 
 
-def _machine(spec_name: str, policy: WritePolicy, layout: str = "layer_first") -> type[CacheMachine]:
-    attrs = {"spec_name": spec_name, "policy": policy, "layout": layout}
-    return type(f"Cache_{spec_name}_{policy.value}_{layout}", (CacheMachine,), attrs)
+def _machine(spec_name: str, policy: WritePolicy, layout: str, eviction: str) -> type[CacheMachine]:
+    attrs = {"spec_name": spec_name, "policy": policy, "layout": layout, "eviction": eviction}
+    return type(f"Cache_{spec_name}_{policy.value}_{layout}_{eviction}", (CacheMachine,), attrs)
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy))
 @pytest.mark.parametrize(
-    ("spec_name", "layout"),
+    ("spec_name", "layout", "eviction"),
     [
-        ("tiny-mha", "layer_first"),
-        ("tiny-mla", "layer_first"),
-        ("tiny-dsa", "layer_first"),
-        ("tiny-dsa", "page_first"),
+        ("tiny-mha", "layer_first", "lru"),
+        ("tiny-mla", "layer_first", "lfu"),
+        ("tiny-dsa", "layer_first", "lru"),
+        ("tiny-dsa", "page_first", "lfu"),
     ],
 )
-def test_cache_state_machine(spec_name: str, layout: str, policy: WritePolicy) -> None:
-    machine = _machine(spec_name, policy, layout)
+def test_cache_state_machine(spec_name: str, layout: str, eviction: str, policy: WritePolicy) -> None:
+    machine = _machine(spec_name, policy, layout, eviction)
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import poison_device, poison_host, same_bytes
+from kvtier.cache.streams import DeferredLane, Signal
 
 from kvtier.cache import CacheConfig, CacheController, NodeState
-from kvtier.cache.streams import DeferredLane, Signal
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset

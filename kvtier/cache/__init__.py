@@ -1,27 +1,33 @@
-"""The tiered radix prefix cache: tree (`radix`), lanes (`streams`), and the `CacheController`."""
+"""The tiered prefix cache: the manager (`CacheController`), eviction policies and movers.
 
-from kvtier.cache.controller import (
-    CacheConfig,
-    CacheController,
-    CacheMetrics,
-    Lease,
-    LoadHandle,
-    Match,
-    WritePolicy,
-    token_ids,
-)
-from kvtier.cache.radix import Node, NodeState, RadixTree
+`CacheController` decides (tree, leases, write policies, evictions); an `EvictionPolicy`
+ranks each tier's leaves; a `Mover` per pair of tiers moves the bytes.
+"""
+
+from kvtier.cache.handles import CacheConfig, Lease, LoadHandle, Match, WritePolicy
+from kvtier.cache.manager import CacheController
+from kvtier.cache.metrics import CacheMetrics, Histogram
+from kvtier.cache.movers import DeviceHostMover, Mover, Transfer
+from kvtier.cache.policy import LFU, LRU, EvictionPolicy, PolicyName
+from kvtier.cache.radix import Node, NodeState, token_ids
 
 __all__ = [
+    "LFU",
+    "LRU",
     "CacheConfig",
     "CacheController",
     "CacheMetrics",
+    "DeviceHostMover",
+    "EvictionPolicy",
+    "Histogram",
     "Lease",
     "LoadHandle",
     "Match",
+    "Mover",
     "Node",
     "NodeState",
-    "RadixTree",
+    "PolicyName",
+    "Transfer",
     "WritePolicy",
     "token_ids",
 ]

@@ -17,13 +17,18 @@ controller does both and keeps the tree's invariants:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kvtier.cache.streams import Signal
+from kvtier.errors import ConfigError, InvariantError, SlotError
+
+if TYPE_CHECKING:
+    from kvtier.cache.movers import Transfer
 
 
 class NodeState(str, Enum):
@@ -57,7 +62,7 @@ class Node:
     node has no copy (or one still in flight for `host_slots` while `BACKING_UP`:
     allocated, not yet valid). `host_runs`: `host_slots` as `(first slot, length)`
     runs in order, kept with them so a reload is planned without a pass over the
-    slots. `signal`: the transfer in flight, if any.
+    slots. `transfer`: the transfer in flight, if any.
     """
 
     key: np.ndarray
@@ -70,7 +75,7 @@ class Node:
     lock: int = 0
     last_access: int = 0
     hits: int = 0
-    signal: Signal | None = None
+    transfer: Transfer | None = None
     id: int = field(default_factory=lambda: next(_ids))
 
     def __len__(self) -> int:
@@ -98,7 +103,7 @@ class RadixTree:
 
     def __init__(self, page_size: int) -> None:
         if page_size < 1:
-            raise ValueError(f"page_size {page_size} must be positive")
+            raise ConfigError(f"page_size {page_size} must be positive")
         self.page_size = page_size
         self.root = Node(key=np.empty(0, dtype=np.int64), parent=None, state=NodeState.BOTH)
         self.root.lock = 1  # the root is never evicted
@@ -138,9 +143,9 @@ class RadixTree:
 
     def split(self, node: Node, at: int) -> Node:
         """Split `node` after `at` tokens (a page multiple); returns the new head (the parent part)."""
-        assert 0 < at < len(node.key) and at % self.page_size == 0
         parent = node.parent
-        assert parent is not None
+        if not (0 < at < len(node.key) and at % self.page_size == 0) or parent is None:
+            raise InvariantError(f"split of {node} after {at} tokens: not inside it at a page edge")
         head = Node(
             key=node.key[:at],
             parent=parent,
@@ -151,7 +156,7 @@ class RadixTree:
             lock=node.lock,
             last_access=node.last_access,
             hits=node.hits,
-            signal=node.signal,
+            transfer=node.transfer,
         )
         parent.children[self.page_key(node.key)] = head
         node.key = node.key[at:]
@@ -172,7 +177,8 @@ class RadixTree:
 
     def remove(self, node: Node) -> None:
         """Detach a leaf."""
-        assert not node.children and node.parent is not None
+        if node.children or node.parent is None:
+            raise InvariantError(f"remove of {node}: only a leaf under a parent is removed")
         del node.parent.children[self.page_key(node.key)]
         node.state = NodeState.DROPPED
         node.device_slots = None
@@ -219,3 +225,24 @@ def _shared_pages(key: np.ndarray, tokens: np.ndarray, pos: int, ps: int) -> int
     same = key[:n] == tokens[pos : pos + n]
     first = n if same.all() else int(same.argmin())
     return first // ps * ps
+
+
+def token_ids(tokens: Sequence[int] | torch.Tensor | np.ndarray, copy: bool = False) -> np.ndarray:
+    """Token ids as a `[n]` int32 or int64 array; SlotError unless they are 1-D integers.
+
+    int32 and int64 arrays and CPU tensors pass without a copy (unless `copy`) and keep
+    their dtype, other integers become int64. Keys are compared as arrays, so matching a
+    long prompt is one vectorised comparison, never a Python comparison per token.
+    """
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.array(tokens, copy=copy) if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    if arr.ndim != 1:
+        raise SlotError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise SlotError(f"tokens must be integer ids, got {arr.dtype}")
+    if arr.dtype in (np.int32, np.int64):
+        return arr
+    return arr.astype(np.int64)

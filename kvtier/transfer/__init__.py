@@ -6,6 +6,7 @@ from kvtier.transfer.plan import (
     Mechanism,
     PathCosts,
     Piece,
+    Planner,
     TransferPath,
     TransferPlan,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "Mechanism",
     "PathCosts",
     "Piece",
+    "Planner",
     "TransferPath",
     "TransferPlan",
     "backup",

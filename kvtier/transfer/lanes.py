@@ -1,7 +1,7 @@
 """Where transfers run: CUDA streams and events, or a deferred CPU stand-in with the same contract.
 
-The cache submits work to a `Lane` (a stream) and gets `Signal`s (events) back; it
-never waits on a device except through a signal. On CUDA a lane is a
+A mover submits work to a `Lane` (a stream) and gets `Signal`s (events) back; nothing
+waits on a device except through a signal. On CUDA a lane is a
 `torch.cuda.Stream` and a signal a `torch.cuda.Event`. On the CPU a lane queues
 its work and runs it only when a signal on it is waited for or the lane is
 drained, so tests see the same asynchrony a GPU has: bytes are not in place until
@@ -11,53 +11,58 @@ data instead of passing by luck.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import overload
 
 import torch
 
-from kvtier.transfer import cudart, native
+from kvtier.errors import TransferError
+from kvtier.transfer import cudart
 
 
-class Signal:
-    """A point in a lane's work: `query()` without waiting, `wait_host()` blocking, `wait_on(lane)`."""
+class Signal(ABC):
+    """A point in some work: `query()` without waiting, `wait_host()` blocking, `make_current_wait()`.
 
+    Lanes make them for device work; any mover (a storage tier's threads, say) may make its own.
+    """
+
+    @abstractmethod
     def query(self) -> bool:
-        raise NotImplementedError
+        """Whether the work up to this point has finished."""
 
+    @abstractmethod
     def wait_host(self) -> None:
-        raise NotImplementedError
+        """Block the calling thread until it has."""
 
+    @abstractmethod
     def make_current_wait(self) -> None:
-        """Make the current compute stream wait for this point (no host wait)."""
-        raise NotImplementedError
+        """Make the current compute stream wait for this point (no host wait where a device can)."""
 
 
-class Lane:
+class Lane(ABC):
     """An ordered queue of transfer work."""
 
+    @abstractmethod
     def submit(self, fn: Callable[[], None]) -> None:
-        raise NotImplementedError
+        """Queue `fn` (which enqueues device work on `stream`, or does CPU work in order)."""
 
+    @abstractmethod
     def signal(self) -> Signal:
-        raise NotImplementedError
+        """A signal after everything submitted so far."""
 
+    @abstractmethod
     def wait(self, signal: Signal) -> None:
         """Order this lane's later work after `signal` (no host wait)."""
-        raise NotImplementedError
 
-    def wait_for(self, stream: torch.cuda.Stream) -> None:
-        """Order this lane's later work after the work queued on a CUDA `stream` (no host wait)."""
-        raise NotImplementedError
-
+    @abstractmethod
     def wait_for_current(self) -> None:
-        """`wait_for` the current stream of the lane's device."""
-        raise NotImplementedError
+        """Order this lane's later work after the work queued on the current compute stream."""
 
+    @abstractmethod
     def drain(self) -> None:
         """Run (or wait for) everything submitted so far."""
-        raise NotImplementedError
 
     def run_each(self, jobs: list[Callable[[], None]]) -> list[Signal]:
         """Submit each job and a signal after it (per-layer readiness)."""
@@ -69,22 +74,7 @@ class Lane:
 
     def run_native(self, submit: Callable[[int, int, list[int]], None], signals: int) -> Sequence[Signal]:
         """Submit an operation from compiled code (CUDA lanes only; see `CudaLane.run_native`)."""
-        raise TypeError(f"{type(self).__name__} has no stream to submit compiled calls on")
-
-    def run_tape(
-        self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
-    ) -> Sequence[Signal]:
-        """Submit an operation as a tape of runtime calls run by `lib`'s loop: the ordering record
-        and wait of `run_native`, then the calls `fill(tape, events)` adds."""
-
-        def submit(current: int, order: int, events: list[int]) -> None:
-            tape = native.Tape()
-            tape.record(order, current)
-            tape.wait(self.stream.cuda_stream, order)
-            fill(tape, events)
-            tape.run(lib)
-
-        return self.run_native(submit, signals)
+        raise TransferError(f"{type(self).__name__} has no stream to submit compiled calls on")
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -151,7 +141,8 @@ class CudaLane(Lane):
         return self._record()
 
     def wait(self, signal: Signal) -> None:
-        assert isinstance(signal, CudaSignal)
+        if not isinstance(signal, CudaSignal):
+            raise TransferError(f"a CUDA lane waits for CUDA signals, not {type(signal).__name__}")
         self._stream.wait_event(signal.event)
 
     def wait_for(self, stream: torch.cuda.Stream) -> None:
@@ -300,11 +291,8 @@ class DeferredLane(Lane):
     def wait(self, signal: Signal) -> None:
         self._waits.append(signal)
 
-    def wait_for(self, stream: torch.cuda.Stream) -> None:
-        raise TypeError("a CPU lane cannot wait for a CUDA stream")
-
     def wait_for_current(self) -> None:
-        raise TypeError("a CPU lane cannot wait for a CUDA stream")
+        """The CPU "compute stream" is the caller itself: its work is done when it calls."""
 
     def run_until(self, ticket: int) -> None:
         while self.done < ticket and self._queue:

@@ -1,0 +1,411 @@
+"""The tiered prefix cache a serving engine drives: the manager that holds the metadata and decides.
+
+`CacheController` owns the radix tree, both tiers' slot allocators, the leases, the
+write policies and one eviction queue per tier; it moves no bytes itself. Every
+transfer goes through its `Mover` (`DeviceHostMover` for device <-> host), which
+reports completion by signals, so the manager never touches a stream, a runtime call
+or an address. Its contract:
+
+- `match(tokens)` finds the longest cached prefix: the part on the device (its slots,
+  ready to read) and the part only on the host (nodes to `load_back`).
+- `acquire(match)` locks the matched path for a request; `release(lease)` unlocks it
+  (once). Locked nodes are never evicted, from either tier.
+- `load_back(match)` allocates device slots (contiguous where possible), submits one
+  operation for every buffer of those tokens to the mover and returns a `LoadHandle`:
+  `wait_layer(i)` makes the current stream wait for layer i only (no host sync).
+- `alloc_device(n)` hands a request device slots for new tokens (evicting when short);
+  `insert(tokens, slots)` gives them to the tree; `free_device(slots)` returns slots a
+  request did not insert.
+- Write policies decide when device nodes are copied to the host: at insert
+  (`write_through`), after `selective_hits` hits (`write_through_selective`) or when
+  evicted from the device (`write_back`). A node counts as backed up only when its
+  backup's signal has fired.
+- `evict_device(k)` / `evict_host(k)` free slots from unlocked leaves in the order of the
+  configured `EvictionPolicy` (`kvtier.cache.policy`), O(evicted x log nodes).
+- `check_invariants()` raises `InvariantError` unless every slot is free or owned once
+  per tier, lock counts match the leases, the eviction queues match the tiers and
+  backed-up nodes hold identical bytes in both tiers.
+- `close()` completes every transfer, stops the mover and closes both pools; the cache
+  (and its pools) refuse every call after it (`ClosedError`). A context manager too.
+
+Errors (`SlotError`, `LeaseError`, `CacheStateError`, `CacheFullError`) are raised before
+anything changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.cache.handles import CacheConfig, Lease, LoadHandle, Match, WritePolicy
+from kvtier.cache.movers import Mover, Transfer
+from kvtier.cache.radix import Node, NodeState, token_ids
+from kvtier.cache.tiers import TierState
+from kvtier.errors import CacheFullError, CacheStateError, ClosedError, LeaseError, SlotError
+from kvtier.pool import DevicePool, HostPool
+from kvtier.pool.device import Direction
+from kvtier.slots import as_slots, fmt_ids
+from kvtier.transfer.submit import Operation
+
+log = logging.getLogger(__name__)
+
+# No slots, shared (a tensor of zero elements holds nothing to write).
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+class CacheController(TierState):
+    """The tiered radix cache over `device_pool` and `host_pool` (same spec); see the module docstring.
+
+    `mover`: what moves bytes between the two pools (default: a `DeviceHostMover` with the
+    config's transfer options). The controller owns both pools from here on and closes them.
+    """
+
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        config: CacheConfig | None = None,
+        *,
+        mover: Mover | None = None,
+    ) -> None:
+        super().__init__(device_pool, host_pool, config, mover)
+        self._closed = False
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Complete every transfer in flight, stop the mover, close both pools (idempotent)."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+            self.mover.close()
+        finally:
+            self._closed = True
+            for pool in (self.device_pool, self.host_pool):
+                close = getattr(pool, "close", None)
+                if close is not None:
+                    close()
+            log.info(
+                "cache closed (%d nodes, %d leases outstanding)", len(self.tree.nodes()), len(self._leases)
+            )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> CacheController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> None:
+        if self._closed:
+            raise ClosedError("the cache is closed")
+
+    # -- queries -----------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int] | torch.Tensor | np.ndarray) -> Match:
+        """The longest cached prefix of `tokens` (whole pages); counts hits, refreshes the policy's order.
+
+        `tokens`: `[n]` integer ids; an int32 or int64 array or CPU tensor is matched without
+        a copy. Keys keep the dtype they were inserted with: keep one dtype for `insert` and
+        `match` (ids of another dtype compare correctly but cast as they go, slower).
+        """
+        self._open()
+        self.poll()
+        key = self.tree.whole_pages(token_ids(tokens))
+        nodes, _, partial, shared = self.tree.walk(key)
+        if partial is not None:
+            nodes.append(self._split(partial, shared))
+        for n in nodes:
+            if n.state is NodeState.LOADING:
+                self._complete(n.transfer, wait=True)
+        device_nodes = list(itertools.takewhile(lambda n: n.state.on_device, nodes))
+        host_nodes = nodes[len(device_nodes) :]
+        self._touch(nodes, hit=True)
+        device_tokens = sum(len(n) for n in device_nodes)
+        matched = device_tokens + sum(len(n) for n in host_nodes)
+        m = self.metrics
+        m.matches += 1
+        m.device_hit_tokens += device_tokens
+        m.host_hit_tokens += matched - device_tokens
+        m.miss_tokens += len(tokens) - matched
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for n in device_nodes:
+                if n.state is NodeState.DEVICE and n.hits >= self.config.selective_hits:
+                    self._backup(n)
+        return Match(
+            tokens=matched,
+            device_tokens=device_tokens,
+            device_slots=_concat([n.device_slots for n in device_nodes]),
+            device_nodes=device_nodes,
+            host_nodes=host_nodes,
+            last_node=nodes[-1] if nodes else self.tree.root,
+        )
+
+    def active_leases(self) -> list[Lease]:
+        """The leases held now (acquired and not released)."""
+        return list(self._leases.values())
+
+    def held_slots(self) -> np.ndarray:
+        """`[k]` int64: device slots requests hold (from `alloc_device`, not inserted or freed), ascending."""
+        return np.flatnonzero(self._held)
+
+    # -- locks -------------------------------------------------------------------------
+
+    def acquire(self, match: Match | Node) -> Lease:
+        """Lock the path to the match's last node for a request."""
+        self._open()
+        node = match.last_node if isinstance(match, Match) else match
+        if node.state is NodeState.DROPPED:
+            raise CacheStateError(f"{node} was evicted; match again")
+        lease = Lease(next(self._lease_ids), node)
+        self.tree.lock_path(node, +1)
+        self._leases[lease.id] = lease
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        """Unlock a lease's path; a lease is released once."""
+        if lease.released or self._leases.get(lease.id) is not lease:
+            raise LeaseError(f"lease {lease.id} is not held (released twice, or not from this cache)")
+        lease.released = True
+        del self._leases[lease.id]
+        self.tree.lock_path(lease.node, -1)
+
+    # -- device slots for requests -----------------------------------------------------
+
+    def alloc_device(self, n: int) -> torch.Tensor:
+        """`[n]` device slots for a request's new tokens, evicting from the device when short."""
+        self._open()
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0 or n % self.spec.page_size:
+            raise SlotError(f"alloc_device({n!r}): not a whole number of pages of {self.spec.page_size}")
+        if n == 0:
+            return _NO_SLOTS
+        slots, _ = self._alloc_device(int(n))
+        self._held[slots.numpy()] = True
+        return slots
+
+    def free_device(self, slots: torch.Tensor) -> None:
+        """Return device slots a request holds and did not insert."""
+        self._open()
+        s = as_slots("slots", slots, self.device_pool.num_slots)
+        not_held = s[~self._held[s]]
+        if len(not_held):
+            raise SlotError(f"free_device: slots {fmt_ids(not_held)} are not held by a request")
+        self.device_alloc.free(s)
+        self._held[s] = False
+
+    # -- insert ------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int] | torch.Tensor | np.ndarray, device_slots: torch.Tensor) -> Node:
+        """Give the tree a request's tokens (whole pages) and the device slots their KV is in.
+
+        `device_slots`: `[len(tokens)]` int64 CPU. Positions the tree already holds on the
+        device keep the tree's slots; the caller's slots there (if different) are freed.
+        Host-only positions take the caller's slots (the host copy is dropped). Every other
+        slot must be held by the caller (`alloc_device`). Returns the deepest node of `tokens`.
+        """
+        self._open()
+        self.poll()
+        key = token_ids(tokens, copy=True)
+        key.flags.writeable = False
+        s = self._check_insert(key, device_slots)
+        nodes, pos, partial, shared = self.tree.walk(key)
+        if partial is not None:
+            nodes.append(self._split(partial, shared))
+        adopted = self._take_slots(nodes, s)
+        last = nodes[-1] if nodes else self.tree.root
+        covered = pos + shared
+        if covered < len(key):
+            new = s[covered:]
+            last = self.tree.add_child(last, key[covered:], torch.from_numpy(new.copy()))
+            self._held[new] = False
+            self._place(last)
+            adopted.append(last)
+        self._touch([*nodes, *([last] if covered < len(key) else [])], hit=False)
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            for n in adopted:
+                self._backup(n)
+        return last
+
+    def _check_insert(self, key: np.ndarray, device_slots: torch.Tensor) -> np.ndarray:
+        """`insert`'s checks, before anything changes: the slots as `[n]` int64."""
+        ps = self.spec.page_size
+        if len(key) % ps:
+            raise SlotError(f"insert: {len(key)} tokens is not a whole number of pages of {ps}")
+        s = as_slots("device_slots", device_slots, self.device_pool.num_slots, distinct=True)
+        if len(s) != len(key):
+            raise SlotError(f"insert: {len(key)} tokens but {len(s)} device slots")
+        nodes, pos, partial, shared = self.tree.walk(key)
+        tree_slots = np.full(len(key), -1, dtype=np.int64)
+        at = 0
+        for n in [*nodes, *([partial] if partial is not None else [])]:
+            length = len(n) if n is not partial else shared
+            if n.state.on_device:
+                tree_slots[at : at + length] = n.device_slots[:length].numpy()
+            at += length
+        covered = pos + shared
+        own = tree_slots[:covered] == s[:covered]
+        must_hold = np.concatenate([s[:covered][~own], s[covered:]])
+        if len(must_hold) and not self._held[must_hold].all():
+            bad = must_hold[~self._held[must_hold]]
+            raise SlotError(f"insert: device slots {fmt_ids(bad)} are not held by the caller")
+        return s
+
+    def _take_slots(self, nodes: list[Node], s: np.ndarray) -> list[Node]:
+        """Along `nodes`: free the caller's duplicates of device slots, adopt them for host-only
+        nodes; returns the adopted nodes."""
+        adopted: list[Node] = []
+        at = 0
+        for n in nodes:
+            mine = s[at : at + len(n)]
+            at += len(n)
+            if n.state.on_device:
+                if not (n.device_slots.numpy() == mine).all():
+                    self.device_alloc.free(mine)
+                    self._held[mine] = False
+                continue
+            self._free_host(n)  # host only: take the caller's fresh KV, drop the host copy
+            n.device_slots = torch.from_numpy(mine.copy())
+            n.state = NodeState.DEVICE
+            self._place(n)
+            self._held[mine] = False
+            adopted.append(n)
+        return adopted
+
+    # -- load back ---------------------------------------------------------------------
+
+    def load_back(self, match: Match) -> LoadHandle:
+        """Bring the match's host-only nodes to the device; returns a handle with per-layer readiness."""
+        self._open()
+        self.poll()
+        nodes = list(match.host_nodes)
+        self._check_load(nodes)
+        total = sum(len(n) for n in nodes)
+        if total == 0:
+            return LoadHandle([], 0, _NO_SLOTS, done=True)
+        if total < self.config.recompute_below:
+            self.metrics.recomputed_tokens += total
+            return LoadHandle(nodes, total, _NO_SLOTS, recompute=True, done=True)
+        t0 = time.perf_counter()
+        self.tree.lock_path(nodes[-1], +1)  # nothing on the path is evicted while it loads
+        try:
+            dev, dev_runs = self._alloc_device(total)
+        except CacheFullError:
+            self.tree.lock_path(nodes[-1], -1)
+            raise
+        runs = (
+            None
+            if any(n.host_runs is None for n in nodes)
+            else ([r for n in nodes for r in n.host_runs], dev_runs)
+        )
+        op = Operation(Direction.LOAD, tuple(n.host_slots for n in nodes), dev, runs, whole_pages=True)
+        try:
+            transfer = self.mover.submit(op)
+        except BaseException:
+            self.metrics.failed_submissions += 1
+            log.info(
+                "load back of %d tokens failed to submit; its slots are given back", total, exc_info=True
+            )
+            self.device_alloc.free(dev)
+            self.tree.lock_path(nodes[-1], -1)
+            raise
+        at = 0
+        for n in nodes:
+            n.device_slots = dev if len(nodes) == 1 else dev[at : at + len(n)]
+            n.state, n.transfer = NodeState.LOADING, transfer
+            self._place(n)
+            at += len(n)
+        handle = LoadHandle(nodes, total, dev, transfer, submitted_at=t0)
+        handle.submit_s = time.perf_counter() - t0
+        self._track(transfer, list(nodes), handle, Direction.LOAD)
+        m = self.metrics
+        m.loads += 1
+        m.loaded_tokens += total
+        m.bytes_h2d += total * self.bytes_per_token
+        m.load_submit_s += handle.submit_s
+        return handle
+
+    def _check_load(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            if n.state is not NodeState.HOST:
+                raise CacheStateError(f"load_back: {n} is not host-only (evicted, loading or resident)")
+        for a, b in itertools.pairwise(nodes):
+            if b.parent is not a:
+                raise CacheStateError("load_back: the nodes are not one path")
+        if nodes and nodes[0].parent is not self.tree.root and not nodes[0].parent.state.on_device:
+            raise CacheStateError(f"load_back: the parent of {nodes[0]} is not on the device")
+
+    # -- eviction ----------------------------------------------------------------------
+
+    def evict_device(self, tokens: int) -> int:
+        """Free at least `tokens` device slots from unlocked leaves in policy order; returns freed."""
+        self._open()
+        return self._evict_device(tokens)
+
+    def evict_host(self, tokens: int) -> int:
+        """Free at least `tokens` host slots from unlocked host-only leaves in policy order."""
+        self._open()
+        return self._evict_host(tokens)
+
+    # -- completion --------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Complete every transfer whose signal has fired (no waiting).
+
+        A mover completes loads in order and backups in order, so each scan stops at the
+        first unfinished one: O(completed), however many are in flight.
+        """
+        for queue in self._submitted.values():
+            while queue:
+                transfer = queue[0]
+                if id(transfer) in self._inflight:
+                    if not transfer.done():
+                        break
+                    self._complete(transfer, wait=False)
+                queue.popleft()
+
+    def flush(self) -> None:
+        """Wait for every transfer in flight and complete it (tests, shutdown)."""
+        self.mover.drain()
+        for transfer, _, _ in list(self._inflight.values()):
+            self._complete(transfer, wait=True)
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def fragmentation(self) -> dict[str, int]:
+        return {
+            "host_free_slots": self.host_alloc.available(),
+            "host_free_runs": self.host_alloc.free_runs(),
+            "host_largest_free_run": self.host_alloc.largest_free_run(),
+            "device_free_slots": self.device_alloc.available(),
+            "device_free_runs": self.device_alloc.free_runs(),
+            "device_largest_free_run": self.device_alloc.largest_free_run(),
+        }
+
+    def check_invariants(self, compare_bytes: bool = True) -> None:
+        """Raise `InvariantError` naming the first broken invariant (O(cache); tests and debugging)."""
+        from kvtier.cache.invariants import check
+
+        check(self, compare_bytes)
+
+    def in_flight(self) -> list[tuple[Transfer, list[Node], LoadHandle | None]]:
+        """Transfers submitted and not yet completed: `(transfer, nodes, load handle or None)`."""
+        return list(self._inflight.values())
+
+
+def _concat(slots: list[torch.Tensor]) -> torch.Tensor:
+    """`[n]` int64 CPU slots of several nodes in order, without a copy for one node (numpy, not
+    `torch.cat`, which costs much more for one long tensor)."""
+    if len(slots) == 1:
+        return slots[0]
+    if not slots:
+        return _NO_SLOTS
+    return torch.from_numpy(np.concatenate([s.numpy() for s in slots]))

@@ -1,0 +1,107 @@
+"""Movers: the half of the cache that moves bytes, one per pair of tiers.
+
+The manager (`CacheController`) decides what moves where and when; a mover only moves
+bytes between two tiers and reports completion through signals. It never reads or
+changes the tree, the allocators or a node's state.
+
+Contract of a `Mover`:
+
+- `submit(op) -> Transfer` starts moving one operation on the mover's lane for its
+  direction and returns at once. It raises before anything is submitted, or, where
+  the failure came part-way, after draining that lane, so the caller may free the
+  destination slots as soon as the exception reaches it.
+- `Transfer.signals`: per layer for loads (layer i readable once `signals[i]` fires),
+  one for other operations; `done()` polls the last without waiting, `wait()` blocks.
+- Operations on one lane complete in submission order.
+- `drain()` waits for everything submitted; `close()` drains and releases the lanes.
+  Neither is called with a submission in progress.
+
+`DeviceHostMover` moves between a `DevicePool` and a `HostPool` through
+`kvtier.transfer.Transfers` (the one submission entry point), loads on one lane and
+backups on another, so a reload never waits behind a backup. A tier below the host
+(storage) plugs in as another mover with its own operation type and signals.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.pool import DevicePool, HostPool
+from kvtier.pool.device import Direction
+from kvtier.transfer.lanes import Lane, Signal, make_lane
+from kvtier.transfer.plan import KernelOptions, PathCosts, TransferPath, TransferPlan
+from kvtier.transfer.submit import Operation, Submitted, Transfers
+
+
+@dataclass
+class Transfer:
+    """An operation a mover has submitted: its signals and what it knows about how it moves."""
+
+    signals: Sequence[Signal]
+    submitted: Submitted | None = None
+
+    @property
+    def plan(self) -> TransferPlan | None:
+        """The transfer plan (device <-> host operations; built when first read)."""
+        return self.submitted.plan if self.submitted is not None else None
+
+    def done(self) -> bool:
+        return not self.signals or self.signals[-1].query()
+
+    def wait(self) -> None:
+        if self.signals:
+            self.signals[-1].wait_host()
+
+
+class Mover(ABC):
+    """Moves bytes between two tiers; see the module docstring for the contract."""
+
+    @abstractmethod
+    def submit(self, op: Operation) -> Transfer:
+        """Start moving `op`; returns at once."""
+
+    @abstractmethod
+    def drain(self) -> None:
+        """Wait for every operation submitted so far."""
+
+    def close(self) -> None:
+        """Drain; the mover takes no operation after this."""
+        self.drain()
+
+
+class DeviceHostMover(Mover):
+    """Device <-> host: loads on `load_lane`, backups on `backup_lane` (see the module docstring)."""
+
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        *,
+        costs: PathCosts | None = None,
+        kernel: KernelOptions | None = None,
+        force: TransferPath | None = None,
+        layers_per_load: int = 1,
+    ) -> None:
+        self.transfers = Transfers(
+            host_pool, device_pool, costs=costs, kernel=kernel, force=force, layers_per_load=layers_per_load
+        )
+        self.load_lane: Lane = make_lane(device_pool.device)
+        self.backup_lane: Lane = make_lane(device_pool.device)
+
+    def lane(self, direction: Direction) -> Lane:
+        return self.load_lane if direction is Direction.LOAD else self.backup_lane
+
+    def submit(self, op: Operation) -> Transfer:
+        lane = self.lane(op.direction)
+        try:
+            submitted = self.transfers.submit(op, lane, per_layer=op.direction is Direction.LOAD)
+        except BaseException:
+            lane.drain()  # whatever the lane took may still write the destination
+            raise
+        return Transfer(submitted.signals, submitted)
+
+    def drain(self) -> None:
+        self.load_lane.drain()
+        self.backup_lane.drain()

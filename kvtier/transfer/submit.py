@@ -1,0 +1,173 @@
+"""The one entry point through which KV moves between a host pool and a device pool.
+
+`Transfers(host_pool, device_pool, ...)` is built once per pool pair (it checks the
+planner's options and binds the compiled loop to the pools' addresses once);
+`submit(op, lane, per_layer)` moves one `Operation` and returns its signals. It picks
+one of two routes, and no caller chooses:
+
+- the compiled loop (`native`), where the planner moves every row by the copy engine
+  and the loop can take the operation's runs: the loop computes every layer's
+  addresses from the runs and makes the runtime calls, so the caller builds no plan
+  (the plan is made only if someone reads it);
+- the plan executor otherwise: a `TransferPlan` decided once on CPU indices, then
+  every layer (or group of `layers_per_load` layers, kernel loads) through its
+  mechanisms with `load_layers` / `backup`.
+
+Both routes make the same copies for an operation the copy engine moves whole; the
+compiled loop only costs the caller less time to submit (`bench/FINDINGS.md`).
+
+Contract:
+- the operation is ordered after the work already queued on the current compute
+  stream, and nothing waits for the device;
+- `per_layer`: one signal per model layer, layer i's set once layer i has landed
+  (its group's, with layer groups); otherwise one signal after every layer;
+- the slots are trusted: whole allocator pages, in range, distinct destinations (the
+  cache's allocators and tree hand them out); `op.runs`, where given, describe them;
+- if `submit` raises, the lane may still hold calls it took: the caller drains the
+  lane before reusing the destination slots.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.pool import DevicePool, HostPool
+from kvtier.pool.device import Direction
+from kvtier.transfer import native
+from kvtier.transfer.copy import backup, load_layers, loop_takes, run_buffers, run_layers
+from kvtier.transfer.lanes import Lane, Signal
+from kvtier.transfer.plan import KernelOptions, PathCosts, Planner, RunPair, TransferPath, TransferPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One transfer: `host_slots[i]` <-> `device_slots[i]`, in `direction`.
+
+    `host_parts`: the host slots as `[n_i]` int64 CPU tensors in order (one per cache node;
+    joined only if a plan is built); `device_slots`: `[n]` int64 CPU. `runs`: their
+    `(host runs, device runs)` as `(first slot, length)` lists in order, where known.
+    `whole_pages`: both sides are whole allocator pages, each page's slots consecutive
+    from a page-aligned id (so runs are found per page, not per slot).
+    """
+
+    direction: Direction
+    host_parts: tuple[torch.Tensor, ...]
+    device_slots: torch.Tensor
+    runs: RunPair | None = None
+    whole_pages: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return int(self.device_slots.numel())
+
+    @functools.cached_property
+    def host_slots(self) -> torch.Tensor:
+        """`[n]` int64 CPU: the host parts joined (numpy: one long tensor joins faster than by torch)."""
+        if len(self.host_parts) == 1:
+            return self.host_parts[0]
+        return torch.from_numpy(np.concatenate([p.numpy() for p in self.host_parts]))
+
+
+@dataclass
+class Submitted:
+    """An operation on its lane: its `signals` and the plan that moves it (built when first read)."""
+
+    signals: Sequence[Signal]
+    _plan: TransferPlan | Callable[[], TransferPlan]
+
+    @property
+    def plan(self) -> TransferPlan:
+        if callable(self._plan):
+            self._plan = self._plan()
+        return self._plan
+
+
+class Transfers:
+    """Moves operations between one host pool and one device pool; see the module docstring.
+
+    `costs`, `kernel`, `force`: the planner's options (`force` one path for every
+    operation: benchmarks and tests). `layers_per_load`: layers a kernel load moves per
+    call (`page_first` pages of several layers in one stretch; layer i then waits for
+    its whole group).
+    """
+
+    def __init__(
+        self,
+        host_pool: HostPool,
+        device_pool: DevicePool,
+        *,
+        costs: PathCosts | None = None,
+        kernel: KernelOptions | None = None,
+        force: TransferPath | None = None,
+        layers_per_load: int = 1,
+    ) -> None:
+        self.host_pool, self.device_pool = host_pool, device_pool
+        self.planner = Planner(host_pool, device_pool, costs, kernel, force)
+        self.layers_per_load = layers_per_load
+        self._lib = native.library() if device_pool.device.type == "cuda" else None
+        # The pools never move: their addresses are bound to the loop once.
+        self._buffers = run_buffers(host_pool, device_pool) if self._lib is not None else None
+        if device_pool.device.type == "cuda" and self._buffers is None:
+            log.info("transfers: no compiled loop here; every operation goes through the plan executor")
+
+    def plan(self, op: Operation, stream: torch.cuda.Stream | None = None) -> TransferPlan:
+        """The plan of `op` (its device indices uploaded on `stream`)."""
+        return TransferPlan.build(
+            op.direction,
+            self.host_pool,
+            self.device_pool,
+            op.host_slots,
+            op.device_slots,
+            planner=self.planner,
+            stream=stream,
+            trusted=True,
+            whole_pages=op.whole_pages,
+            runs=op.runs,
+        )
+
+    def submit(self, op: Operation, lane: Lane, per_layer: bool) -> Submitted:
+        """Move `op` on `lane`; see the module docstring for the signals and the contract."""
+        signals = self._submit_compiled(op, lane, per_layer)
+        if signals is not None:
+            return Submitted(signals, functools.partial(self.plan, op, lane.stream))
+        plan = self.plan(op, lane.stream)
+        lane.wait_for_current()
+        return Submitted(self._execute(plan, lane, per_layer), plan)
+
+    def _submit_compiled(self, op: Operation, lane: Lane, per_layer: bool) -> Sequence[Signal] | None:
+        """`op` through the compiled loop, or None (nothing submitted) where that route does not apply."""
+        if self._buffers is None or op.runs is None:
+            return None
+        copies = self.planner.copies(op.tokens, op.runs)
+        if copies is None or not loop_takes(self._lib, copies):
+            return None
+        stream = lane.stream.cuda_stream
+        submit = functools.partial(run_layers, self._lib, copies, self._buffers, op.direction, stream)
+        return lane.run_native(submit, self.host_pool.spec.num_layers if per_layer else 1)
+
+    def _execute(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> Sequence[Signal]:
+        """Every layer of `plan` through the plan executor, with its signals."""
+        layers = self.host_pool.spec.num_layers
+        host, dev, stream = self.host_pool, self.device_pool, lane.stream
+        if plan.direction is Direction.LOAD:
+            size = self.layers_per_load
+            groups = [range(lo, min(lo + size, layers)) for lo in range(0, layers, size)]
+            jobs = [functools.partial(load_layers, plan, host, dev, g, stream) for g in groups]
+            signals = lane.run_each(jobs)
+            if per_layer:  # each layer's signal: its group's
+                return [s for g, s in zip(groups, signals, strict=True) for _ in g]
+            return signals[-1:]
+        if per_layer:
+            jobs = [functools.partial(backup, plan, dev, host, [layer], stream) for layer in range(layers)]
+            return lane.run_each(jobs)
+        # One call: `page_first` kernel rows of every layer move together.
+        lane.submit(functools.partial(backup, plan, dev, host, None, stream))
+        return [lane.signal()]
