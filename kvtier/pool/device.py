@@ -115,7 +115,9 @@ class DevicePool:
         `tensors[name][i]`: `[num_slots, *row]`, the buffer's i-th layer. Rows need not be
         packed nor of the spec's dtype; such buffers move on the reference path.
         """
-        first = next(iter(tensors.values()))[0]
+        first = next((t for ts in tensors.values() for t in ts), None)
+        if first is None:
+            raise SpecError(f"device pool: no tensors to wrap for spec {spec.name!r}")
         return cls(spec, first.shape[0], first.device, staging_tokens=staging_tokens, tensors=tensors)
 
     def _check_tensors(self, tensors: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
