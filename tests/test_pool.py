@@ -102,8 +102,9 @@ def test_progress_is_reported_per_chunk() -> None:
 def test_device_pool_counts_its_staging() -> None:
     spec = preset("tiny-dsa")
     pool = DevicePool(spec, 100, staging_tokens=10)
-    kv_bytes = 100 * spec.bytes_per_token()
-    assert pool.footprint_bytes == kv_bytes + 2 * 10 * max(b.row_bytes for b in spec.buffers)
+    # tiny-dsa: a 24-value bf16 latent on 3 layers and a 132-byte indexer row on 2; staging holds
+    # 10 rows of the widest row (the indexer's) per direction.
+    assert pool.footprint_bytes == 100 * (3 * 48 + 2 * 132) + 2 * 10 * 132
     assert pool.layer("indexer", 2).shape == (100, 132)
     with pytest.raises(SpecError, match="no layer 1"):
         pool.layer("indexer", 1)

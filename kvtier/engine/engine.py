@@ -13,11 +13,12 @@ that cannot fit (the model's context, or the device pool) is refused with
 
 Lifetime: the engine owns its cache and both pools. `close()` (or leaving a `with`
 block) drains the cache's transfers and releases the pools' memory at once, so a
-process can build one engine after another without holding two hosts' worth of
-pinned memory; the model is the caller's and stays as it is.
+process can build one engine after another without holding two engines' pinned
+memory at once; the model is the caller's and stays as it is.
 
-The structure keeps batching possible later: per-request state lives in
-`KVTierCache` and `RequestResult`; the engine holds only shared objects.
+The structure keeps batching possible later: per-request state lives in a
+`_Request`, its `KVTierCache` and its `RequestResult`; the engine holds only shared
+objects.
 """
 
 from __future__ import annotations

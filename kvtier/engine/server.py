@@ -86,6 +86,9 @@ class Worker:
                         job.emit("done", done.value)
                         break
                     job.emit("token", token)
+            except (PromptTooLongError, ConfigError) as e:  # refused: the client's to fix
+                log.info("request refused: %s", e)
+                job.emit("error", e)
             except Exception as e:  # the request fails; the worker keeps serving
                 log.exception("request failed")
                 job.emit("error", e)
@@ -155,7 +158,7 @@ class Routes:
                 400, "messages must be a non-empty list of {role, content} objects", param="messages"
             )
         prompt = self.engine.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
-        return await self._complete(request, body, prompt, chat=True)
+        return await self._complete(body, prompt, chat=True)
 
     async def completions(self, request: Request):
         body = await _json(request)
@@ -163,9 +166,9 @@ class Routes:
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
             raise APIError(400, "prompt must be a non-empty string", param="prompt")
-        return await self._complete(request, body, self.engine.tokenizer.encode(text), chat=False)
+        return await self._complete(body, self.engine.tokenizer.encode(text), chat=False)
 
-    async def _complete(self, request: Request, body: dict, prompt: list[int], chat: bool):
+    async def _complete(self, body: dict, prompt: list[int], chat: bool):
         params = _sampling(body)
         context = self.engine.max_context
         if context and len(prompt) + params.max_tokens > context:
@@ -211,8 +214,9 @@ class Routes:
                     yield "data: [DONE]\n\n"
                     return
                 elif kind == "error":
-                    self.stats.count("500")
-                    yield f"data: {json.dumps(_api_error(value).body())}\n\n"
+                    error = _api_error(value)
+                    self.stats.count(str(error.status))
+                    yield f"data: {json.dumps(error.body())}\n\n"
                     return
                 else:
                     return
