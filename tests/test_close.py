@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tiny_models import tiny_llama  # noqa: E402
+from tiny_models import tiny_llama
 
-from kvtier.engine import Engine, SamplingParams  # noqa: E402
+from kvtier.engine import Engine, SamplingParams
 
 # The tiny Llama keeps 512 B of KV per token (2 layers, K and V of 2 heads x 16 fp32).
 HOST_TOKENS = 1 << 18
