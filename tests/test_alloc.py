@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.alloc import AllocPolicy, HostSlotAllocator
-from kvtier.errors import AllocatorCorruptError, SlotError
+from kvtier.errors import AllocatorCorruptError, InvariantError, SlotError
 
 POLICIES = ["contiguous", "first_fit"]
 PAGE_SIZES = [1, 4, 16]
@@ -77,8 +77,8 @@ def assert_same(a: HostSlotAllocator, b: HostSlotAllocator) -> None:
     assert a.available() == b.available()
     assert a.free_runs() == b.free_runs()
     assert a.largest_free_run() == b.largest_free_run()
-    a._check_invariants()
-    b._check_invariants()
+    a.check_invariants()
+    b.check_invariants()
     ps = a.page_size
     ra, rb = a.alloc(ps), b.alloc(ps)
     assert ra is not None and rb is not None and torch.equal(ra, rb)
@@ -140,7 +140,7 @@ def test_alloc_free_basics(cfg: tuple[str, int]) -> None:
     assert a.available() == 15 * ps
     a.free(y)  # a list of ints works too
     assert a.available() == 16 * ps
-    a._check_invariants()
+    a.check_invariants()
 
 
 def test_alloc_runs_describe_exactly_the_slots_handed_out(cfg: tuple[str, int]) -> None:
@@ -159,25 +159,27 @@ def test_alloc_runs_describe_exactly_the_slots_handed_out(cfg: tuple[str, int]) 
         assert sum(n for _, n in runs) == len(slots)
         assert [s for start, n in runs for s in range(start, start + n)] == slots.tolist()
         live.append(slots)
-    a._check_invariants()
+    a.check_invariants()
 
 
 @pytest.mark.parametrize("ps", [1, 16])
 def test_one_run_allocations_are_views_of_an_unchanging_id_table(ps: int) -> None:
-    """Contiguous policy: one-run slots are read from a table of ids, never rebuilt, and stay exact."""
+    """Contiguous policy: one-run slots are read from one table of ids, never rebuilt, and stay exact."""
     a = HostSlotAllocator(64 * ps, ps, "contiguous")
     x = a.alloc(16 * ps)
     y = a.alloc(8 * ps)
-    assert np.shares_memory(x.numpy(), y.numpy()) is False  # disjoint views of one table
-    assert np.shares_memory(x.numpy(), a._ids) and np.shares_memory(y.numpy(), a._ids)
+    # Slot s of every one-run allocation sits at the same place of one table: base + 8 * s.
+    base = x.data_ptr()
+    assert y.data_ptr() == base + 8 * 16 * ps
     a.free(x)
     z = a.alloc(40 * ps)  # the free space after y, not the freed head: still one run
+    assert z.data_ptr() == base + 8 * 24 * ps
     for t, lo in ((y, 16 * ps), (z, 24 * ps)):
         assert t.tolist() == list(range(lo, lo + len(t)))
     a.free(torch.cat([y, z]))
     w = a.alloc(64 * ps)
-    assert w.tolist() == list(range(64 * ps))
-    a._check_invariants()
+    assert w.data_ptr() == base and w.tolist() == list(range(64 * ps))
+    a.check_invariants()
 
 
 def test_free_accepts_any_integer_dtype(cfg: tuple[str, int]) -> None:
@@ -239,7 +241,7 @@ def _free_error_cases(a: HostSlotAllocator) -> list[tuple[str, list[int], str]]:
     cases = [
         ("out of range high", [*live_page, n], str(n)),
         ("out of range low", [-1, *live_page], "-1"),
-        ("repeated", live_page + live_page[:1], "repeated"),
+        ("repeated", live_page + live_page[:1], "repeats"),
         ("double free", live_page + freed_page, "double free"),
         ("never allocated", never_page + live_page, "never allocated"),
     ]
@@ -353,7 +355,7 @@ def test_best_fit(ps: int) -> None:
     # Left: 3 pages at 5 and 16 at 20; 3 fits exactly, 4 goes to the 16-run.
     assert ids(a.alloc(4 * ps)) == run_of(20 * ps, 4 * ps)
     assert ids(a.alloc(3 * ps)) == run_of(5 * ps, 3 * ps)
-    a._check_invariants()
+    a.check_invariants()
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
@@ -363,7 +365,7 @@ def test_fragmented_gathers_largest_first(ps: int) -> None:
     assert got == run_of(20 * ps, 16 * ps) + run_of(0, 8 * ps) + run_of(10 * ps, 2 * ps)
     assert a.available() == 2 * ps and a.free_runs() == 1
     assert ids(a.alloc(2 * ps)) == run_of(12 * ps, 2 * ps)
-    a._check_invariants()
+    a.check_invariants()
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
@@ -377,7 +379,7 @@ def test_free_merges_both_neighbours(ps: int) -> None:
     assert a.free_runs() == 1 and a.largest_free_run() == 7 * ps
     a.free(parts[3])
     assert a.free_runs() == 1 and a.largest_free_run() == 12 * ps
-    a._check_invariants()
+    a.check_invariants()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -393,14 +395,14 @@ def test_everything_freed_is_one_run(policy: str, ps: int) -> None:
             t = a.alloc(rng.randint(1, 24) * ps)
             if t is not None:
                 live.append(t)
-    a._check_invariants()
+    a.check_invariants()
     rng.shuffle(live)
     for t in live:
         a.free(t[torch.randperm(len(t), generator=torch.Generator().manual_seed(7))])
     assert a.available() == a.num_slots
     assert a.free_runs() == 1
     assert a.largest_free_run() == a.num_slots
-    a._check_invariants()
+    a.check_invariants()
 
 
 # ---------------------------------------------------------------- double allocation
@@ -409,7 +411,8 @@ def test_everything_freed_is_one_run(policy: str, ps: int) -> None:
 def test_double_allocation_detected_in_any_run() -> None:
     # Corrupt the run store so a run whose last page is still allocated looks free,
     # and make it the best fit rather than the first run: the check must cover every
-    # page of every chosen run.
+    # page of every chosen run. (The fault is injected through private state: no public
+    # call can corrupt the allocator.)
     a = HostSlotAllocator(32)
     a.alloc(32)
     a.free(run_of(0, 8))
@@ -417,22 +420,27 @@ def test_double_allocation_detected_in_any_run() -> None:
     a._remove_run(20, 2)
     a._add_run(20, 3)  # page 22 is live
     a._free_pages += 1
+    with pytest.raises(InvariantError, match="allocator invariant broken"):
+        a.check_invariants()
     with pytest.raises(AllocatorCorruptError, match=r"double allocation.*\[22\]"):
         a.alloc(3)
-    assert a._run_len == {0: 8, 20: 3} and a.available() == 11
-    assert a._state[20:23].tolist() == [2, 2, 1]
+    assert a.free_runs() == 2 and a.largest_free_run() == 8 and a.available() == 11
+    assert a.allocated_mask()[20:23].tolist() == [False, False, True]
     # The gather path checks every run too.
     with pytest.raises(AllocatorCorruptError):
         a.alloc(11)
-    assert a._run_len == {0: 8, 20: 3} and a.available() == 11
+    assert a.free_runs() == 2 and a.available() == 11
+    assert a.allocated_mask()[:8].sum() == 0
 
 
 def test_double_allocation_detected_past_fifo_head() -> None:
     a = HostSlotAllocator(16, 1, "first_fit")
     a.alloc(16)
     a.free([4, 5])
-    a._segments.append(np.array([9], dtype=np.int64))  # page 9 is live
+    a._segments.append(np.array([9], dtype=np.int64))  # page 9 is live (injected fault)
     a._free_pages += 1
+    with pytest.raises(InvariantError, match="allocator invariant broken"):
+        a.check_invariants()
     with pytest.raises(AllocatorCorruptError, match="double allocation"):
         a.alloc(3)
     assert a.available() == 3
@@ -566,7 +574,7 @@ class AllocMachine(RuleBasedStateMachine):
     @invariant()
     def counts_match(self) -> None:
         assert self.a.available() == len(self.free_pages) * self.page_size
-        self.a._check_invariants()
+        self.a.check_invariants()
         if self.policy == "contiguous":
             runs = free_runs_of(self.free_pages)
             assert self.a.free_runs() == len(runs)

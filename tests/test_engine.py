@@ -9,8 +9,14 @@ transformers = pytest.importorskip("transformers")
 
 from tiny_models import tiny_deepseek_v3, tiny_llama  # noqa: E402
 
-from kvtier.engine import Engine, PromptTooLongError, SamplingParams, spec_from_hf_config  # noqa: E402
-from kvtier.errors import SpecError  # noqa: E402
+from kvtier.engine import Engine, SamplingParams, spec_from_hf_config  # noqa: E402
+from kvtier.errors import (  # noqa: E402
+    CacheStateError,
+    ClosedError,
+    ConfigError,
+    PromptTooLongError,
+    SpecError,
+)
 from kvtier.spec import BufferKind  # noqa: E402
 
 VOCAB = 256
@@ -30,6 +36,19 @@ def reference(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
         logits = model(torch.tensor([prompt])).logits[0, -1]
     return out[0, len(prompt) :].tolist(), logits
+
+
+def assert_nothing_held(eng: Engine) -> None:
+    """No request still locks a node or holds device slots: evicting everything empties the device.
+
+    A leftover lease would pin its path on the device, and slots held but neither inserted
+    nor freed belong to no node, so either leaves the device pool short. (Moves the cache's
+    device nodes to the host: call it last.)
+    """
+    eng.cache.flush()
+    eng.cache.check_invariants()
+    eng.cache.evict_device(10**9)
+    assert eng.cache.device_alloc.available() == eng.device_pool.num_slots
 
 
 def assert_same(result, ref_tokens, ref_logits) -> None:
@@ -95,15 +114,23 @@ def test_sampling_is_reproducible_with_a_seed(model) -> None:
 def test_bad_input_raises_and_leaves_the_cache_consistent(model) -> None:
     eng = Engine(model, device_tokens=256, host_tokens=1024)
     eng.generate(list(range(30)), SamplingParams(max_tokens=4))
+    before = eng.cache.fragmentation()
     with pytest.raises(PromptTooLongError, match="context of 512"):
         eng.generate(list(range(600)), SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match="empty prompt"):
+    # Fits the context, not the device pool: refused before anything is evicted.
+    with pytest.raises(PromptTooLongError, match="the device pool has 256"):
+        eng.generate(list(range(250)), SamplingParams(max_tokens=10))
+    with pytest.raises(ConfigError, match="empty"):
         eng.generate([], SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(ConfigError, match="max_tokens"):
         SamplingParams(max_tokens=0)
-    eng.cache.flush()
-    eng.cache.check_invariants()
-    assert not eng.cache._leases and not eng.cache._held.any()
+    with pytest.raises(ConfigError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        Engine(model, device_tokens=256, host_tokens=1024, prefill_chunk=0)
+    assert eng.cache.fragmentation() == before
+    assert eng.cache.match(list(range(30))).tokens == 30  # what the good request cached is still there
+    assert_nothing_held(eng)
 
 
 def test_a_config_kvtier_cannot_map_is_refused() -> None:
@@ -146,11 +173,9 @@ def test_closing_a_stream_early_keeps_the_cache_consistent(model) -> None:
     stream = eng.stream(prompt, SamplingParams(max_tokens=20))
     got = [next(stream) for _ in range(3)]
     stream.close()
-    assert not eng.cache._leases and not eng.cache._held.any()
-    eng.cache.flush()
-    eng.cache.check_invariants()
     # The prompt and the first two new tokens (whose KV was computed) are cached now.
     assert eng.cache.match(prompt + got[:2]).tokens == len(prompt) + 2
+    assert_nothing_held(eng)
 
 
 def test_chunked_prefill_generates_the_same_tokens(model) -> None:
@@ -159,3 +184,27 @@ def test_chunked_prefill_generates_the_same_tokens(model) -> None:
     assert_same(eng.generate(prompt, SamplingParams(max_tokens=6)), *reference(model, prompt, 6))
     eng.cache.flush()
     eng.cache.check_invariants()
+
+
+def test_a_closed_engine_releases_its_pools_and_refuses_requests(model) -> None:
+    with Engine(model, device_tokens=256, host_tokens=1024) as eng:
+        eng.generate(list(range(20)), SamplingParams(max_tokens=3))
+    assert eng.closed and eng.host_pool.closed and eng.device_pool.closed
+    with pytest.raises(ClosedError, match="closed"):
+        eng.generate(list(range(20)), SamplingParams(max_tokens=3))
+    eng.close()  # idempotent
+
+
+def test_an_engine_whose_cache_cannot_be_built_closes_its_pools(model, monkeypatch) -> None:
+    import kvtier.engine.engine as engine_module
+
+    given = []
+
+    def refuse(device_pool, host_pool, config=None):
+        given.extend([device_pool, host_pool])
+        raise CacheStateError("no cache here")
+
+    monkeypatch.setattr(engine_module, "CacheController", refuse)
+    with pytest.raises(CacheStateError, match="no cache here"):
+        Engine(model, device_tokens=256, host_tokens=1024)
+    assert len(given) == 2 and all(pool.closed for pool in given)

@@ -1,14 +1,19 @@
-"""Host and device pools: layouts, chunking, memory budget, pinning rules, staging footprint."""
+"""Host and device pools: layouts, chunking, memory budget, pinning rules, staging footprint, close."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import numpy as np
 import pytest
 import torch
 from conftest import random_rows, same_bytes
 
-from kvtier.errors import HostMemoryError, LayoutError, PinError, SpecError
+from kvtier.errors import ClosedError, HostMemoryError, LayoutError, PinError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
-from kvtier.pool.host import host_memory_bytes
+from kvtier.pool.device import Direction
+from kvtier.pool.memory import host_memory_bytes
 from kvtier.spec import preset
 
 
@@ -42,9 +47,8 @@ def test_chunks_never_exceed_the_limit() -> None:
             assert all(c.nbytes <= 3000 for c in pool.chunks(b.name))
         assert pool.footprint_bytes == sum(c.nbytes for b in spec.buffers for c in pool.chunks(b.name))
         assert pool.footprint_bytes == 1000 * spec.bytes_per_token()
-    assert (
-        HostPool(spec, 1000, "layer_first", chunk_bytes=3000).segment_slots == 3000 // 132 // 2 * 2
-    )  # the widest row: indexer
+    # Layer-first: as many whole pages of the widest row (the indexer's 132 B) as a chunk holds.
+    assert HostPool(spec, 1000, "layer_first", chunk_bytes=3000).segment_slots == 22
     assert HostPool(spec, 1000, "page_first", chunk_bytes=3000).segment_slots == 2
 
 
@@ -98,8 +102,9 @@ def test_progress_is_reported_per_chunk() -> None:
 def test_device_pool_counts_its_staging() -> None:
     spec = preset("tiny-dsa")
     pool = DevicePool(spec, 100, staging_tokens=10)
-    kv_bytes = 100 * spec.bytes_per_token()
-    assert pool.footprint_bytes == kv_bytes + 2 * 10 * max(b.row_bytes for b in spec.buffers)
+    # tiny-dsa: a 24-value bf16 latent on 3 layers and a 132-byte indexer row on 2; staging holds
+    # 10 rows of the widest row (the indexer's) per direction.
+    assert pool.footprint_bytes == 100 * (3 * 48 + 2 * 132) + 2 * 10 * 132
     assert pool.layer("indexer", 2).shape == (100, 132)
     with pytest.raises(SpecError, match="no layer 1"):
         pool.layer("indexer", 1)
@@ -114,3 +119,62 @@ def test_wrap_checks_shapes() -> None:
         DevicePool.wrap(spec, bad)
     with pytest.raises(SpecError, match="needs 2 tensors"):
         DevicePool.wrap(spec, dict(good, v=good["v"][:1]))
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_a_closed_host_pool_holds_no_memory_and_refuses_every_access(layout: HostLayout) -> None:
+    spec = preset("tiny-dsa", 2)
+    pool = HostPool(spec, 64, layout, chunk_bytes=2048)
+    refs = [weakref.ref(c) for b in spec.buffers for c in pool.chunks(b.name)]
+    assert len(refs) > 2 and not pool.closed
+    slots = torch.tensor([0, 3])
+    rows = pool.gather("kv", 0, slots)
+    pool.close()
+    gc.collect()
+    assert pool.closed and all(r() is None for r in refs)  # no chunk is referenced any more
+    accesses = [
+        lambda: pool.chunks("kv"),
+        lambda: pool.segment("kv", 0, 0),
+        lambda: pool.locate("kv", np.array([0], dtype=np.int64)),
+        lambda: pool.row_map("kv"),
+        lambda: pool.region_ptrs("kv"),
+        lambda: pool.region_words("kv", 0, 0),
+        lambda: pool.gather("kv", 0, slots),
+        lambda: pool.scatter("kv", 0, slots, rows),
+    ]
+    for access in accesses:
+        with pytest.raises(ClosedError, match="closed"):
+            access()
+    pool.close()  # idempotent
+    assert "closed" in repr(pool)
+
+
+def test_a_host_pool_closes_when_its_block_ends_even_on_an_error() -> None:
+    with pytest.raises(KeyError), HostPool(preset("tiny-mla"), 64) as pool:
+        assert not pool.closed
+        raise KeyError("boom")
+    assert pool.closed
+
+
+def test_region_pointers_are_read_only() -> None:
+    pool = HostPool(preset("tiny-mla"), 64)
+    with pytest.raises(ValueError, match="read-only"):
+        pool.region_ptrs("kv")[0, 0] = 0
+
+
+def test_a_closed_device_pool_drops_its_tensors_and_refuses_access() -> None:
+    spec = preset("tiny-dsa")
+    with DevicePool(spec, 32, staging_tokens=8) as pool:
+        refs = [weakref.ref(pool.layer("kv", 0)), weakref.ref(pool.staging(Direction.LOAD))]
+        assert pool.layer_ptrs("indexer").shape == (2,)
+    gc.collect()
+    assert pool.closed and all(r() is None for r in refs)
+    for access in (
+        lambda: pool.layer("kv", 0),
+        lambda: pool.raw_rows("kv"),
+        lambda: pool.layer_ptrs("kv"),
+        lambda: pool.staging(Direction.BACKUP),
+    ):
+        with pytest.raises(ClosedError, match="device pool"):
+            access()
+    pool.close()  # idempotent

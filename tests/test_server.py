@@ -110,6 +110,29 @@ def test_chat_completion_then_a_cache_hit(server, client) -> None:
     assert metric(base, "kvtier_time_to_first_token_seconds_count") >= 2
 
 
+def test_metrics_are_histograms_of_fixed_size(server, client) -> None:
+    """Latencies are bucketed: a scrape has as many lines after many requests as after one."""
+    base = server[0]
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    before = httpx.get(base + "/metrics").text.splitlines()
+    for _ in range(3):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    after = httpx.get(base + "/metrics").text.splitlines()
+    assert len(after) == len(before)
+    for name in ("kvtier_time_to_first_token_seconds", "kvtier_request_seconds", "kvtier_cache_load_seconds"):
+        assert f"# TYPE {name} histogram" in after
+        buckets = [line for line in after if line.startswith(name + "_bucket{")]
+        counts = [float(line.rsplit(" ", 1)[1]) for line in buckets]
+        assert buckets[-1].startswith(name + '_bucket{le="+Inf"}')
+        assert counts == sorted(counts)  # cumulative
+        assert counts[-1] == metric(base, name + "_count")
+    assert (
+        metric(base, "kvtier_request_seconds_count")
+        >= metric(base, "kvtier_time_to_first_token_seconds_count")
+        >= 4
+    )
+
+
 def test_streaming_chat_equals_the_non_streaming_answer(client) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     chunks = client.chat.completions.create(
@@ -167,9 +190,11 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_lock(server) -> None:
             if i >= 3:
                 break  # leave with the stream still running
     deadline = time.time() + 20
-    while (engine.cache._leases or engine.cache._held.any()) and time.time() < deadline:
+    while worker.cancelled == cancelled and time.time() < deadline:
         time.sleep(0.05)
-    assert not engine.cache._leases and not engine.cache._held.any()
     assert worker.cancelled == cancelled + 1  # the worker stopped it: it did not just finish
+    # Nothing is left locked or held: evicting everything empties the device pool.
     engine.cache.flush()
     engine.cache.check_invariants()
+    engine.cache.evict_device(10**9)
+    assert engine.cache.device_alloc.available() == engine.device_pool.num_slots

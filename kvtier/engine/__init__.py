@@ -1,12 +1,11 @@
 """Real models through kvtier: the transformers bridge (`hf`) and the request loop (`engine`)."""
 
-from kvtier.engine.engine import Engine, PromptTooLongError, RequestResult, SamplingParams
+from kvtier.engine.engine import Engine, RequestResult, SamplingParams
 from kvtier.engine.hf import KVTierCache, spec_from_hf_config
 
 __all__ = [
     "Engine",
     "KVTierCache",
-    "PromptTooLongError",
     "RequestResult",
     "SamplingParams",
     "spec_from_hf_config",

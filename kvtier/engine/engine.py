@@ -7,10 +7,18 @@ layer of the forward waits for its own layer of the load), prefills only the
 uncached suffix (in chunks of `prefill_chunk` tokens), decodes (greedy or
 temperature / top-p sampling, stop strings), inserts the sequence whose KV was
 computed and releases its lock. A request that fails (bad input, a full cache)
-leaves the cache consistent: its slots go back, its lease is released.
+leaves the cache consistent: its slots go back, its lease is released. A request
+that cannot fit (the model's context, or the device pool) is refused with
+`PromptTooLongError` before the cache is touched.
 
-The structure keeps batching possible later: per-request state lives in
-`KVTierCache` and `RequestResult`; the engine holds only shared objects.
+Lifetime: the engine owns its cache and both pools. `close()` (or leaving a `with`
+block) drains the cache's transfers and releases the pools' memory at once, so a
+process can build one engine after another without holding two engines' pinned
+memory at once; the model is the caller's and stays as it is.
+
+The structure keeps batching possible later: per-request state lives in a
+`_Request`, its `KVTierCache` and its `RequestResult`; the engine holds only shared
+objects.
 """
 
 from __future__ import annotations
@@ -20,21 +28,20 @@ import logging
 import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvtier.cache import CacheConfig, CacheController, token_ids
 from kvtier.engine.hf import KVTierCache, spec_from_hf_config
-from kvtier.errors import KVTierError
+from kvtier.errors import ClosedError, ConfigError, PromptTooLongError
 from kvtier.pool import DevicePool, HostPool
 
+if TYPE_CHECKING:
+    from kvtier.cache import Lease, LoadHandle, Match
+
 log = logging.getLogger(__name__)
-
-
-class PromptTooLongError(KVTierError, ValueError):
-    """A prompt (plus the tokens to generate) does not fit the model's context."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(
+            raise ConfigError(
                 f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
             )
 
@@ -85,11 +92,38 @@ class RequestResult:
         return "device" if self.device_hit_tokens else "none"
 
 
+@dataclass(eq=False)
+class _Request:
+    """One request's state between its start and its `_finish` (the engine keeps none)."""
+
+    ids: np.ndarray  # `[P]` int64 prompt ids, as the cache matches them
+    prompt: list[int]
+    params: SamplingParams
+    t0: float
+    match: Match
+    lease: Lease
+    load: LoadHandle | None = None
+    prefix: torch.Tensor | None = None  # `[n_prefix]` int64 device slots of the cached prefix
+    reload_s: float | None = None
+    new_slots: torch.Tensor | None = None  # `[N]` int64 device slots for the tokens computed
+    kv: KVTierCache | None = None
+    tokens: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    first_logits: torch.Tensor | None = None
+
+    def add(self, token: int, logits: torch.Tensor) -> None:
+        if not self.tokens:
+            self.first_logits = logits
+            self.ttft_s = time.perf_counter() - self.t0
+        self.tokens.append(token)
+
+
 class Engine:
     """Serve `model` (a transformers causal LM) through kvtier's tiered cache.
 
     `device_tokens` / `host_tokens`: KV pool sizes of the two tiers; `prefill_chunk`:
-    the longest piece of a prompt one forward pass computes.
+    the longest piece of a prompt one forward pass computes. A context manager:
+    leaving the block calls `close()`.
     """
 
     def __init__(
@@ -104,18 +138,13 @@ class Engine:
         prefill_chunk: int = 8192,
     ) -> None:
         if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+            raise ConfigError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.spec = spec_from_hf_config(model.config, dtype=dtype)
-        self.device_pool = DevicePool(
-            self.spec, device_tokens, self.device, staging_tokens=min(device_tokens, 4096)
-        )
-        self.host_pool = HostPool(self.spec, host_tokens, host_layout)
-        self.cache = CacheController(self.device_pool, self.host_pool, config)
         text = (
             model.config.get_text_config(decoder=True)
             if hasattr(model.config, "get_text_config")
@@ -124,13 +153,64 @@ class Engine:
         self.max_context = int(getattr(text, "max_position_embeddings", 0) or 0)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._closed = False
+        self.device_pool = DevicePool(
+            self.spec, device_tokens, self.device, staging_tokens=min(device_tokens, 4096)
+        )
+        try:
+            self.host_pool = HostPool(self.spec, host_tokens, host_layout)
+            try:
+                self.cache = CacheController(self.device_pool, self.host_pool, config)
+            except BaseException:
+                self.host_pool.close()
+                raise
+        except BaseException:
+            self.device_pool.close()
+            raise
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has run: the engine holds no pool memory and takes no requests."""
+        return self._closed
+
+    def close(self) -> None:
+        """Drain the cache's transfers, then release both pools' memory; idempotent.
+
+        Call it after the last request has finished: a request still streaming fails with
+        `ClosedError` at its next token. Device memory goes back to torch's caching
+        allocator, ready for the next pool (`torch.cuda.empty_cache()` hands it to the
+        driver, at the caller's choice).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            # A cache that can close drains its lanes and closes both its pools; an older
+            # one only drains, and the pools are closed below either way (close is idempotent).
+            close_cache = getattr(self.cache, "close", None)
+            if close_cache is not None:
+                close_cache()
+            else:
+                self.cache.flush()
+        finally:
+            self.host_pool.close()
+            self.device_pool.close()
+        log.info("engine for %s closed", self.spec.name)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- prompts -----------------------------------------------------------------------
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a chat with the generation prompt appended (the tokenizer's template)."""
         if self.tokenizer is None:
-            raise ValueError("encode_chat needs a tokenizer")
+            raise ConfigError("encode_chat needs a tokenizer: build the engine with one")
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -159,88 +239,103 @@ class Engine:
         tokens whose KV was computed are inserted, every other slot is freed and the
         lease released, so the cache stays consistent.
         """
+        if self._closed:
+            raise ClosedError(f"engine for {self.spec.name} was closed")
         params = params or SamplingParams()
-        ids = token_ids(prompt)  # the cache matches and inserts arrays; decoding uses the list
-        prompt = ids.tolist()
-        if not prompt:
-            raise ValueError("empty prompt")
-        if self.max_context and len(prompt) + params.max_tokens > self.max_context:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt)} tokens + {params.max_tokens} to generate exceeds the model's "
-                f"context of {self.max_context}"
-            )
+        ids = self._prompt_ids(prompt, params)
+        log.debug("request: %d prompt tokens, up to %d new", len(ids), params.max_tokens)
         with torch.inference_mode():
-            t0 = time.perf_counter()
-            cache = self.cache
-            # The last prompt token is always computed: its logits pick the first new token.
-            match = cache.match(ids[:-1])
-            lease = cache.acquire(match)
-            new_slots = None
-            kv = None
-            tokens: list[int] = []
-            prefix = match.device_slots
+            req = self._start(ids, params)
             try:
-                load = cache.load_back(match)
-                if not load.recompute:
-                    prefix = torch.cat([prefix, load.device_slots])
-                n_prefix = prefix.numel()
-                reload_s = None
-                if load.tokens and not load.recompute and self.device.type != "cuda":
-                    # On the CPU the copies run on the host anyway: time them on their own.
-                    t_load = time.perf_counter()
-                    load.wait()
-                    reload_s = time.perf_counter() - t_load
-                new_slots = cache.alloc_device(len(prompt) - n_prefix + params.max_tokens)
-                kv = KVTierCache(
-                    self.spec, self.device_pool, prefix, new_slots, None if load.recompute else load
-                )
-                ttft = 0.0
-                first_logits = None
-                for token, logits in self._decode(prompt, n_prefix, kv, params):
-                    if not tokens:
-                        first_logits = logits
-                        ttft = time.perf_counter() - t0
-                    tokens.append(token)
+                self._load_prefix(req)
+                n_prefix = req.prefix.numel()
+                req.new_slots = self.cache.alloc_device(len(req.prompt) - n_prefix + params.max_tokens)
+                load = None if req.load.recompute else req.load
+                req.kv = KVTierCache(self.spec, self.device_pool, req.prefix, req.new_slots, load)
+                for token, logits in self._decode(req.prompt, n_prefix, req.kv, params):
+                    req.add(token, logits)
                     yield token
             finally:
-                self._finish(ids, tokens, prefix, kv, new_slots, lease)
-        loaded = 0 if load.recompute else load.tokens
-        return RequestResult(
-            prompt_tokens=len(prompt),
-            tokens=tokens,
-            text=self.decode(tokens),
-            ttft_s=ttft,
-            total_s=time.perf_counter() - t0,
-            device_hit_tokens=match.device_tokens,
-            host_hit_tokens=match.host_tokens,
-            loaded_tokens=loaded,
-            loaded_bytes=loaded * self.spec.bytes_per_token(),
-            load_s=load.submit_s,
-            reload_s=reload_s,
-            first_logits=first_logits,
+                self._finish(req)
+        result = self._result(req)
+        log.debug(
+            "request done: %d tokens, hit %s (%d on the device, %d from the host), TTFT %.1f ms",
+            len(result.tokens),
+            result.hit,
+            result.device_hit_tokens,
+            result.host_hit_tokens,
+            result.ttft_s * 1e3,
         )
+        return result
 
-    def _finish(
-        self,
-        ids: np.ndarray,
-        tokens: list[int],
-        prefix: torch.Tensor,
-        kv: KVTierCache | None,
-        new_slots: torch.Tensor | None,
-        lease,
-    ) -> None:
+    def _prompt_ids(self, prompt: Sequence[int], params: SamplingParams) -> np.ndarray:
+        """`[P]` int64 ids of a prompt that fits; `ConfigError` / `PromptTooLongError` otherwise."""
+        ids = token_ids(prompt)  # the cache matches and inserts arrays; decoding uses the list
+        if not len(ids):
+            raise ConfigError("a prompt needs at least one token, got an empty one")
+        need = len(ids) + params.max_tokens
+        if self.max_context and need > self.max_context:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens + {params.max_tokens} to generate exceeds the model's "
+                f"context of {self.max_context}"
+            )
+        if need > self.device_pool.num_slots:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens + {params.max_tokens} to generate needs {need} device "
+                f"slots; the device pool has {self.device_pool.num_slots}"
+            )
+        return ids
+
+    def _start(self, ids: np.ndarray, params: SamplingParams) -> _Request:
+        """Match the prompt and lock the match (released by `_finish`)."""
+        t0 = time.perf_counter()
+        # The last prompt token is always computed: its logits pick the first new token.
+        match = self.cache.match(ids[:-1])
+        lease = self.cache.acquire(match)
+        return _Request(ids, ids.tolist(), params, t0, match, lease, prefix=match.device_slots)
+
+    def _load_prefix(self, req: _Request) -> None:
+        """Load back what of the match is only on the host; the prefix is then resident plus loaded."""
+        req.load = load = self.cache.load_back(req.match)
+        if not load.recompute:
+            req.prefix = torch.cat([req.prefix, load.device_slots])
+        if load.tokens and not load.recompute and self.device.type != "cuda":
+            # On the CPU the copies run on the host anyway: time them on their own.
+            t_load = time.perf_counter()
+            load.wait()
+            req.reload_s = time.perf_counter() - t_load
+
+    def _finish(self, req: _Request) -> None:
         """Insert the tokens whose KV is in place, free the other slots, release the lease."""
         cache = self.cache
         try:
-            if new_slots is not None:
-                written = kv.written if kv is not None else 0
+            if req.new_slots is not None:
+                written = req.kv.written if req.kv is not None else 0
                 if written:
-                    n = prefix.numel() + written
-                    seq = np.concatenate([ids, np.asarray(tokens, dtype=np.int64)])
-                    cache.insert(seq[:n], torch.cat([prefix, new_slots[:written]]))
-                cache.free_device(new_slots[written:])
+                    n = req.prefix.numel() + written
+                    seq = np.concatenate([req.ids, np.asarray(req.tokens, dtype=np.int64)])
+                    cache.insert(seq[:n], torch.cat([req.prefix, req.new_slots[:written]]))
+                cache.free_device(req.new_slots[written:])
         finally:
-            cache.release(lease)
+            cache.release(req.lease)
+
+    def _result(self, req: _Request) -> RequestResult:
+        load = req.load
+        loaded = 0 if load.recompute else load.tokens
+        return RequestResult(
+            prompt_tokens=len(req.prompt),
+            tokens=req.tokens,
+            text=self.decode(req.tokens),
+            ttft_s=req.ttft_s,
+            total_s=time.perf_counter() - req.t0,
+            device_hit_tokens=req.match.device_tokens,
+            host_hit_tokens=req.match.host_tokens,
+            loaded_tokens=loaded,
+            loaded_bytes=loaded * self.spec.bytes_per_token(),
+            load_s=load.submit_s,
+            reload_s=req.reload_s,
+            first_logits=req.first_logits,
+        )
 
     def _decode(
         self, prompt: list[int], n_prefix: int, kv: KVTierCache, params: SamplingParams

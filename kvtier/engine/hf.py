@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import SpecError
+from kvtier.errors import ConfigError, SlotError, SpecError
 from kvtier.pool import DevicePool
 from kvtier.spec import BufferKind, KVSpec, mha_spec, mla_spec
 
@@ -47,7 +47,9 @@ def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size
     if dtype is None:
         dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+            dtype = getattr(torch, dtype, dtype)
+    if not isinstance(dtype, torch.dtype):
+        raise SpecError(f"spec of {name!r}: dtype {dtype!r} is not a torch dtype")
     rank = getattr(text, "kv_lora_rank", None)
     if rank:
         rope = getattr(text, "qk_rope_head_dim", None)
@@ -133,11 +135,16 @@ class KVTierCache(Cache):
     def _store(self, layer: int, at: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write the new tokens' rows (positions `at - P ...` of this request) to their device slots."""
         if key_states.shape[0] != 1:
-            raise ValueError("KVTierCache serves one sequence at a time (batch 1)")
+            raise ConfigError(
+                f"KVTierCache serves one sequence at a time (batch 1), got a batch of {key_states.shape[0]}"
+            )
         start = at - self.prefix_len
         t = key_states.shape[-2]
         if start + t > self._new_slots.numel():
-            raise ValueError(f"request holds {self._new_slots.numel()} new slots, needs {start + t}")
+            raise SlotError(
+                f"the request holds {self._new_slots.numel()} device slots for new tokens, "
+                f"and needs {start + t}"
+            )
         idx = self._new_index[start : start + t]
         if self._mla:
             rows = torch.cat([key_states[0, 0], value_states[0, 0]], dim=-1)  # [t, rank + rope]

