@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the served benchmark: `kvtier bench served` for the setups and prefixes given
-# (default: both setups, 8k-128k), JSON and log under $OUT. Usage: served.sh [SETUPS] [PREFIXES] [TAG]
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-SETUPS=${1:-smollm2,deepseek-v3}; PREFIXES=${2:-8192,32768,131072}; TAG=${3:-served}
-python3 -m kvtier.cli bench served --setups "$SETUPS" --prefix "$PREFIXES" --repeats 3 \
-  --json "$OUT/$TAG.json" 2>&1 | tee "$OUT/$TAG.log" | tail -30
+# README "Served TTFT": `kvtier bench served`, both setups in one process, prefixes 8k-128k (~4 minutes).
+# Usage, from the repository root on the GPU machine: bash bench/device/served.sh
+source bench/device/setup.sh
+env_info > "$OUT/env_${GPU}_$DATE.txt" 2>&1
+table_served "served_${GPU}_$DATE"

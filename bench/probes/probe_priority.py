@@ -7,7 +7,7 @@ cannot keep more than 124/132 = 0.94 while 8 SMs copy. Here: the same interferen
 measurement (`bench.overlap._interference`, alternated rounds, medians) for load streams
 of default and high priority and budgets of 4, 8 and 16 programs. One JSON line per case.
 
-Run on the device: python3 bench/device/probe_priority.py > $OUT/priority.jsonl
+Run on the device: python3 bench/probes/probe_priority.py > $OUT/priority.jsonl
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Fifth session: fully scattered 132-byte DSA indexer rows load at 0.53-0.58 of the ceiling and
 656-byte fp8 MLA rows at 0.85, whatever the grid or tile. A fit over the three row sizes
-(bench/NOTES.md, sixth session) says a row costs ~1.5 ns per 128-byte-line read request plus
+(bench/FINDINGS.md, ceilings) says a row costs ~1.5 ns per 128-byte-line read request plus
 its bytes: a 132-byte row needs two requests whatever its alignment. In the `page_first`
 host layout at page size 1 a token's rows of consecutive layers are adjacent, so a gather that
 takes `G` layers of each token at once, rows ordered token-major, reads `G * row` contiguous
