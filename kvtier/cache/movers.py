@@ -32,7 +32,7 @@ from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.transfer.lanes import Lane, Signal, make_lane
 from kvtier.transfer.plan import KernelOptions, PathCosts, TransferPath, TransferPlan
-from kvtier.transfer.submit import Operation, Submitted, Transfers
+from kvtier.transfer.submit import DEFAULT_LOOP, Operation, Submitted, Transfers
 
 
 @dataclass
@@ -72,7 +72,11 @@ class Mover(ABC):
 
 
 class DeviceHostMover(Mover):
-    """Device <-> host: loads on `load_lane`, backups on `backup_lane` (see the module docstring)."""
+    """Device <-> host: loads on `load_lane`, backups on `backup_lane` (see the module docstring).
+
+    `lanes`: `(load lane, backup lane)` instead of new ones on the device pool's device, and
+    `loop`: the compiled loop (see `Transfers`), for tests with stand-in runtimes.
+    """
 
     def __init__(
         self,
@@ -83,12 +87,22 @@ class DeviceHostMover(Mover):
         kernel: KernelOptions | None = None,
         force: TransferPath | None = None,
         layers_per_load: int = 1,
+        lanes: tuple[Lane, Lane] | None = None,
+        loop: object = DEFAULT_LOOP,
     ) -> None:
         self.transfers = Transfers(
-            host_pool, device_pool, costs=costs, kernel=kernel, force=force, layers_per_load=layers_per_load
+            host_pool,
+            device_pool,
+            costs=costs,
+            kernel=kernel,
+            force=force,
+            layers_per_load=layers_per_load,
+            loop=loop,
         )
-        self.load_lane: Lane = make_lane(device_pool.device)
-        self.backup_lane: Lane = make_lane(device_pool.device)
+        self.load_lane, self.backup_lane = lanes or (
+            make_lane(device_pool.device),
+            make_lane(device_pool.device),
+        )
 
     def lane(self, direction: Direction) -> Lane:
         return self.load_lane if direction is Direction.LOAD else self.backup_lane

@@ -46,6 +46,9 @@ from kvtier.transfer.plan import KernelOptions, PathCosts, Planner, RunPair, Tra
 
 log = logging.getLogger(__name__)
 
+# `Transfers(loop=...)` left out: the process's compiled loop where the device pool is on CUDA.
+DEFAULT_LOOP = object()
+
 
 @dataclass(frozen=True)
 class Operation:
@@ -96,7 +99,8 @@ class Transfers:
     `costs`, `kernel`, `force`: the planner's options (`force` one path for every
     operation: benchmarks and tests). `layers_per_load`: layers a kernel load moves per
     call (`page_first` pages of several layers in one stretch; layer i then waits for
-    its whole group).
+    its whole group). `loop`: the compiled loop to submit through (default: the
+    process's, on a CUDA device pool; None: never; tests pass a stand-in runtime's).
     """
 
     def __init__(
@@ -108,11 +112,14 @@ class Transfers:
         kernel: KernelOptions | None = None,
         force: TransferPath | None = None,
         layers_per_load: int = 1,
+        loop: native.Native | object | None = DEFAULT_LOOP,
     ) -> None:
         self.host_pool, self.device_pool = host_pool, device_pool
         self.planner = Planner(host_pool, device_pool, costs, kernel, force)
         self.layers_per_load = layers_per_load
-        self._lib = native.library() if device_pool.device.type == "cuda" else None
+        if loop is DEFAULT_LOOP:
+            loop = native.library() if device_pool.device.type == "cuda" else None
+        self._lib = loop
         # The pools never move: their addresses are bound to the loop once.
         self._buffers = run_buffers(host_pool, device_pool) if self._lib is not None else None
         if device_pool.device.type == "cuda" and self._buffers is None:
