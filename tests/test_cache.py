@@ -10,6 +10,7 @@ from kvtier.cache import CacheConfig, CacheController, DeviceHostMover, Mover, N
 from kvtier.errors import (
     CacheFullError,
     CacheStateError,
+    ClosedError,
     ConfigError,
     CudaRuntimeError,
     LeaseError,
@@ -437,3 +438,22 @@ def test_a_bad_config_is_refused_when_made(bad) -> None:
     """Before any pool or cache is built: the config itself refuses out-of-range options."""
     with pytest.raises(ConfigError, match="cache config"):
         CacheConfig(**bad)
+
+
+def test_close_completes_transfers_closes_the_pools_and_refuses_every_later_call() -> None:
+    with make(WritePolicy.WRITE_THROUGH) as c:
+        fill(c, tuple(range(8)))
+        (node,) = c.tree.root.children.values()
+        assert node.state is NodeState.BACKING_UP  # still in flight when the block ends
+    assert c.closed and c.device_pool.closed and c.host_pool.closed
+    assert node.state is NodeState.BOTH  # completed, not abandoned
+    c.close()  # idempotent
+    for call in (
+        lambda: c.match((0, 1)),
+        lambda: c.alloc_device(2),
+        lambda: c.insert((0, 1), torch.tensor([0, 1])),
+        lambda: c.evict_device(2),
+        lambda: c.evict_host(2),
+    ):
+        with pytest.raises(ClosedError):
+            call()

@@ -87,10 +87,8 @@ class CacheController(TierState):
             self.mover.close()
         finally:
             self._closed = True
-            for pool in (self.device_pool, self.host_pool):
-                close = getattr(pool, "close", None)
-                if close is not None:
-                    close()
+            self.device_pool.close()
+            self.host_pool.close()
             log.info(
                 "cache closed (%d nodes, %d leases outstanding)", len(self.tree.nodes()), len(self._leases)
             )

@@ -187,15 +187,9 @@ class Engine:
             return
         self._closed = True
         try:
-            # A cache that can close drains its lanes and closes both its pools; an older
-            # one only drains, and the pools are closed below either way (close is idempotent).
-            close_cache = getattr(self.cache, "close", None)
-            if close_cache is not None:
-                close_cache()
-            else:
-                self.cache.flush()
+            self.cache.close()  # drains its lanes and closes both pools
         finally:
-            self.host_pool.close()
+            self.host_pool.close()  # idempotent: closed even where the cache's close failed
             self.device_pool.close()
         log.info("engine for %s closed", self.spec.name)
 
