@@ -19,14 +19,18 @@
 from __future__ import annotations
 
 import functools
+import json
 import statistics
 import time
+from argparse import Namespace
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
+from rich.table import Table
 
-from kvtier.bench.transfer import BenchConfig, Setup, setup
+from kvtier.bench.transfer import BenchConfig, Setup, config_from_args, metadata, setup
+from kvtier.errors import ConfigError
 from kvtier.pool.device import Direction
 from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
 
@@ -277,3 +281,40 @@ def settle(round_seconds: Callable[[], float]) -> list[float]:
             if abs(last - before) <= SETTLED * before:
                 break
     return out
+
+
+def render(rows: list[OverlapRow], meta: dict) -> Table:
+    """The table `kvtier bench overlap` prints: each test's value against its reference."""
+    table = Table(title=f"{meta['spec']}, {meta['tokens']} tokens per layer call, on {meta.get('gpu')}")
+    for col in ("test", "mechanism", "SMs", "value", "against", "ratio"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r.test, r.mechanism, str(r.sms), f"{r.value:.1f} {r.unit}", f"{r.reference:.1f}", f"{r.ratio:.3f}"
+        )
+    return table
+
+
+def command(args: Namespace) -> int:
+    """`kvtier bench overlap` (CUDA only); `--rounds-log` gets each interference round as a JSON line."""
+    from kvtier.commands import console, progress, write_json
+
+    cfg = config_from_args(args, host_sets=("contiguous",), device_sets=("contiguous",))
+    if cfg.device.type != "cuda":
+        raise ConfigError(f"kvtier bench overlap needs a CUDA device, got --device {args.device}")
+    log = args.rounds_log.open("w") if args.rounds_log else None
+
+    def on_round(r: dict) -> None:
+        log.write(json.dumps(r) + "\n")
+        log.flush()
+
+    try:
+        with progress() as report:
+            rows, s = run(cfg, report, rounds=args.rounds, on_round=on_round if log else None)
+    finally:
+        if log is not None:
+            log.close()
+    meta = metadata(cfg, s.ceilings, s.layer_bytes)
+    console.print(render(rows, meta))
+    write_json(args.json, {"meta": meta, "rows": [asdict(r) for r in rows]})
+    return 0
