@@ -18,7 +18,7 @@ from rich.console import Group
 from rich.table import Table
 
 from kvtier.bench.churn import leave_free_runs
-from kvtier.bench.common import Progress, ceiling_gbps, quiet, write_random_kv
+from kvtier.bench.common import Progress, ceiling_gbps, close, quiet, write_random_kv
 from kvtier.bench.trace import VOCAB
 from kvtier.cache import CacheConfig, CacheController, WritePolicy
 from kvtier.errors import ConfigError, InvariantError
@@ -90,14 +90,17 @@ def run_prefix_reload(
     progress(f"reload: pools of {tokens} slots ({tokens * spec.bytes_per_token() / 1e9:.2f} GB per tier)")
     config = CacheConfig(write_policy=WritePolicy(policy), layers_per_load=layers_per_load)
     cache, node, ids = _prefix_in_cache(spec, tokens, device, config, seed, query_ids, host_runs, layout)
-    cuda = device.type == "cuda"
-    ceiling = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
-    samples, loaded_bytes = [], 0
-    for r in range(repeats):
-        progress(f"reload: repeat {r + 1}/{repeats}")
-        sample, loaded_bytes = _reload_once(cache, node, ids, host_runs)
-        samples.append(sample)
-    cache.flush()
+    try:
+        cuda = device.type == "cuda"
+        ceiling = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
+        samples, loaded_bytes = [], 0
+        for r in range(repeats):
+            progress(f"reload: repeat {r + 1}/{repeats}")
+            sample, loaded_bytes = _reload_once(cache, node, ids, host_runs)
+            samples.append(sample)
+        cache.flush()
+    finally:
+        close(cache, cache.host_pool, cache.device_pool)
     row = ReloadRow(
         spec=spec.name,
         layers=spec.num_layers,

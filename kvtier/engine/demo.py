@@ -140,6 +140,9 @@ def command(args: Namespace) -> int:
     )
     engine.cache.flush()
     engine.cache.check_invariants()
+    close = getattr(engine, "close", None)  # returns the pinned host pool where the engine can
+    if close is not None:
+        close()
     same = sum(t.identical for t in turns)
     console.print(f"answers identical to plain generation without cache reuse: {same} of {len(turns)}")
     return 0 if same == len(turns) else 1
