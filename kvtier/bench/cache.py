@@ -93,6 +93,7 @@ def _trace(cfg, policies: list[str], report: Progress) -> list:
     """One trace row per write policy, every controller over the same pools (closed at the end)."""
     from kvtier.bench import trace
 
+    trace.check_fits(cfg, trace.make_trace(cfg))  # before any pool is built
     pools = trace.build_pools(cfg)
     try:
         return [trace.run_trace(cfg, p, pools, report).row for p in policies]

@@ -133,6 +133,15 @@ def make_trace(cfg: TraceConfig) -> list[Request]:
     return order
 
 
+def check_fits(cfg: TraceConfig, trace: list[Request]) -> None:
+    """`ConfigError` unless every request of `trace`, prompt and answer, fits the device pool."""
+    longest = max(len(r.prompt) + len(r.answer) for r in trace)
+    if longest > cfg.device_slots:
+        raise ConfigError(
+            f"the longest request ({longest} tokens) does not fit {cfg.device_slots} device slots"
+        )
+
+
 def build_pools(cfg: TraceConfig) -> tuple[DevicePool, HostPool]:
     """Pools for the trace; a controller per policy can reuse them (it owns only the slot maps)."""
     dev = DevicePool(cfg.spec, cfg.device_slots, cfg.device)
@@ -149,11 +158,7 @@ def run_trace(
     """Serve the whole trace through a fresh controller with `policy`; one row of results."""
     policy = WritePolicy(policy)
     trace = make_trace(cfg)
-    longest = max(len(r.prompt) + len(r.answer) for r in trace)
-    if longest > cfg.device_slots:
-        raise ConfigError(
-            f"the longest request ({longest} tokens) does not fit {cfg.device_slots} device slots"
-        )
+    check_fits(cfg, trace)
     dev, host = pools or build_pools(cfg)
     cache = CacheController(dev, host, CacheConfig(write_policy=policy))
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
