@@ -57,11 +57,3 @@ def test_a_layer_the_call_skips_fails_the_check(monkeypatch) -> None:
 def test_more_layers_than_the_spec_has_are_refused() -> None:
     with pytest.raises(ValueError, match="layers 4"):
         transfer.run(_config(4))
-
-
-def test_the_cli_refuses_a_layer_count_the_spec_lacks_before_building_anything() -> None:
-    from kvtier.cli import main
-
-    for bad in ("0", "4"):
-        with pytest.raises(SystemExit, match=r"--layers .* must be in \[1, 3\]"):
-            main(["bench", "transfer", "--spec", "tiny-dsa", "--tokens", "64", "--layers", bad])

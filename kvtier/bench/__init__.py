@@ -1,1 +1,3 @@
-"""Benchmarks: each prints a table and can write JSON; results live under bench/results/."""
+"""Benchmarks: each module runs one measurement, renders its own table (`render`) and, where it is a
+command, prints it and writes JSON (`command(args)`, called by `kvtier.cli`); results live under
+bench/results/ and what they show in bench/FINDINGS.md."""

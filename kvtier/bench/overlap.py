@@ -8,25 +8,27 @@
   taken, since clocks drift: each run with the reload against the runs alone on either
   side of it. Each run times `ROUND_S` seconds after `LEAD_S` seconds in the same
   conditions, and the runs start after matmuls alone until their rate settles
-  (`settle`): the matmul holds an H200 at its 700 W limit, its clock and temperature
-  follow the load with a lag, and a run timed from its first matmul measured partly its
-  predecessor's conditions. Runs of a few dozen milliseconds start at boost clocks and
-  made the kernel look 12-14% costlier than in steady state; a run alone right after a
-  copy-engine run was ~4% faster than alone in steady state, which made the copy engine
-  look 5-6% costlier (bench/NOTES.md).
+  (`settle`): the matmul holds the GPU at its power limit, its clock and temperature
+  follow the load with a lag, and a run timed from its first matmul measures partly its
+  predecessor's conditions; short runs start at boost clocks. bench/FINDINGS.md gives
+  how far each of these moved the ratios.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import statistics
 import time
+from argparse import Namespace
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
+from rich.table import Table
 
-from kvtier.bench.transfer import BenchConfig, Setup, setup
+from kvtier.bench.transfer import BenchConfig, Setup, config_from_args, metadata, setup
+from kvtier.errors import ConfigError
 from kvtier.pool.device import Direction
 from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
 
@@ -62,7 +64,7 @@ def run(
 
     Where the kernel takes fewer SMs than its budget (`KernelOptions.lean`), the matmul is
     also timed beside the kernel on the whole budget: each SM the kernel holds costs the
-    matmul about 1% of its rate (bench/NOTES.md).
+    matmul part of its rate (bench/FINDINGS.md).
     """
     s = setup(cfg, progress)
     rows = []
@@ -147,6 +149,71 @@ def _duplex_gbps(s: Setup, load: TransferPlan, back: TransferPlan, rounds: int, 
     return statistics.median(once() for _ in range(rounds))
 
 
+class _MatmulLoop:
+    """A bf16 `n x n` matmul loop on a compute stream of its own, timed with or without reloads beside it."""
+
+    def __init__(self, s: Setup, load: TransferPlan, on_round: Callable[[dict], None] | None, n: int = 8192):
+        gen = torch.Generator(device=s.dev.device).manual_seed(0)
+        self.a = torch.randn(n, n, device=s.dev.device, dtype=torch.bfloat16, generator=gen)
+        self.b = torch.randn(n, n, device=s.dev.device, dtype=torch.bfloat16, generator=gen)
+        self.c = torch.empty_like(self.a)
+        self.compute = torch.cuda.Stream(s.dev.device)
+        self.s, self.load, self.on_round, self.n = s, load, on_round, n
+
+    def flops(self, matmuls: int) -> int:
+        return 2 * self.n**3 * matmuls
+
+    def seconds(
+        self, with_reload: bool, matmuls: int, per_matmul_s: float, lead: int = 0
+    ) -> tuple[float, float]:
+        """Seconds of the last `matmuls` of `lead + matmuls`, and the reloads' GB/s beside them.
+
+        The reloads are sized at the ceiling to last through the lead-in and ~90% of the
+        timed matmuls (longer where they run slower), and issued interleaved with the
+        matmuls in `CHUNKS` steps: the host blocks once a stream's queue is full, so issuing
+        either all first would start the other late, and the reloads would cover only part
+        of the timed window.
+        """
+        s = self.s
+        torch.cuda.synchronize()
+        t0 = time.time()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        lstart, lend = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reloads = 0
+        if with_reload:
+            gbps = s.ceilings[Direction.LOAD]
+            reloads = max(1, int((lead + 0.9 * matmuls) * per_matmul_s * gbps * 1e9 / s.layer_bytes))
+            lstart.record(s.stream)
+
+        def matmul(i: int) -> None:
+            if i == lead:
+                start.record(self.compute)
+            with torch.cuda.stream(self.compute):
+                torch.mm(self.a, self.b, out=self.c)
+
+        interleave(lead + matmuls, reloads, lambda: load_layer(self.load, s.host, s.dev, 0, s.stream), matmul)
+        end.record(self.compute)
+        if with_reload:
+            lend.record(s.stream)
+        torch.cuda.synchronize()
+        mm_s = start.elapsed_time(end) / 1e3
+        reload_gbps = (
+            reloads * s.layer_bytes / (lstart.elapsed_time(lend) / 1e3) / 1e9 if with_reload else 0.0
+        )
+        if self.on_round is not None:
+            tflops = self.flops(matmuls) / mm_s / 1e12
+            self.on_round(
+                {
+                    "reload": with_reload,
+                    "start": t0,
+                    "end": time.time(),
+                    "tflops": tflops,
+                    "gbps": reload_gbps,
+                }
+            )
+        return mm_s, reload_gbps
+
+
 def _interference(
     s: Setup,
     load: TransferPlan,
@@ -158,84 +225,29 @@ def _interference(
 
     Each round runs the matmul loop for about `LEAD_S` + `round_s` seconds, alone or with
     reloads queued beside it for as long, and times its last `round_s` seconds: the GPU's
-    clock and temperature follow the round's load for a few seconds (a round alone right
-    after one with the copy engine ran ~4% faster than alone in steady state, bench/NOTES.md),
-    so each round's own conditions are measured, not its predecessor's. Rounds alternate,
+    clock and temperature follow the round's load for a few seconds (bench/FINDINGS.md), so
+    each round's own conditions are measured, not its predecessor's. Rounds alternate,
     and each round with the reload is compared with the rounds alone on either side of it.
     """
-    n = 8192
-    gen = torch.Generator(device=s.dev.device).manual_seed(0)
-    a = torch.randn(n, n, device=s.dev.device, dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(n, n, device=s.dev.device, dtype=torch.bfloat16, generator=gen)
-    c = torch.empty_like(a)
-    compute = torch.cuda.Stream(s.dev.device)
-
-    def matmul_s(with_reload: bool, matmuls: int, per_matmul_s: float, lead: int = 0) -> tuple[float, float]:
-        """Seconds of the last `matmuls` of `lead + matmuls`, and the reloads' GB/s beside them.
-
-        The reloads are sized at the ceiling to last through the lead-in and ~90% of the
-        timed matmuls (longer where they run slower), and issued interleaved with the
-        matmuls in `CHUNKS` steps: the host blocks once a stream's queue is full, so issuing
-        either all first would start the other late, and the reloads would cover only part
-        of the timed window.
-        """
-        torch.cuda.synchronize()
-        t0 = time.time()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        lstart, lend = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        total = lead + matmuls
-        reloads = 0
-        if with_reload:
-            gbps = s.ceilings[Direction.LOAD]
-            reloads = max(1, int((lead + 0.9 * matmuls) * per_matmul_s * gbps * 1e9 / s.layer_bytes))
-            lstart.record(s.stream)
-
-        def matmul(i: int) -> None:
-            if i == lead:
-                start.record(compute)
-            with torch.cuda.stream(compute):
-                torch.mm(a, b, out=c)
-
-        interleave(total, reloads, lambda: load_layer(load, s.host, s.dev, 0, s.stream), matmul)
-        end.record(compute)
-        if with_reload:
-            lend.record(s.stream)
-        torch.cuda.synchronize()
-        mm_s = start.elapsed_time(end) / 1e3
-        reload_gbps = (
-            reloads * s.layer_bytes / (lstart.elapsed_time(lend) / 1e3) / 1e9 if with_reload else 0.0
-        )
-        if on_round is not None:
-            tflops = 2 * n**3 * matmuls / mm_s / 1e12
-            on_round(
-                {
-                    "reload": with_reload,
-                    "start": t0,
-                    "end": time.time(),
-                    "tflops": tflops,
-                    "gbps": reload_gbps,
-                }
-            )
-        return mm_s, reload_gbps
-
-    per_matmul = matmul_s(False, 20, 0.0)[0] / 20
+    loop = _MatmulLoop(s, load, on_round)
+    per_matmul = loop.seconds(False, 20, 0.0)[0] / 20
     matmuls = max(20, int(round_s / per_matmul))
-    warm = settle(lambda: matmul_s(False, matmuls, per_matmul)[0])
+    warm = settle(lambda: loop.seconds(False, matmuls, per_matmul)[0])
     # The first 20 matmuls ran cold and short: size the rounds from the settled ones.
     per_matmul = warm[-1] / matmuls
     matmuls = max(20, int(round_s / per_matmul))
     lead = int(LEAD_S / per_matmul)
-    flops = 2 * n**3 * matmuls
-    matmul_s(True, matmuls, per_matmul, lead)
+    flops = loop.flops(matmuls)
+    loop.seconds(True, matmuls, per_matmul, lead)
 
     def alone_tflops() -> float:
-        return flops / matmul_s(False, matmuls, per_matmul, lead)[0] / 1e12
+        return flops / loop.seconds(False, matmuls, per_matmul, lead)[0] / 1e12
 
     # alone, beside, alone, beside, ..., alone: each round with the reload against the mean
     # of the rounds alone on either side of it, so a slow drift of the clock cancels.
     alone, beside, reload, kept = [alone_tflops()], [], [], []
     for _ in range(rounds):
-        mm, gbps = matmul_s(True, matmuls, per_matmul, lead)
+        mm, gbps = loop.seconds(True, matmuls, per_matmul, lead)
         beside.append(flops / mm / 1e12)
         reload.append(gbps)
         alone.append(alone_tflops())
@@ -277,3 +289,40 @@ def settle(round_seconds: Callable[[], float]) -> list[float]:
             if abs(last - before) <= SETTLED * before:
                 break
     return out
+
+
+def render(rows: list[OverlapRow], meta: dict) -> Table:
+    """The table `kvtier bench overlap` prints: each test's value against its reference."""
+    table = Table(title=f"{meta['spec']}, {meta['tokens']} tokens per layer call, on {meta.get('gpu')}")
+    for col in ("test", "mechanism", "SMs", "value", "against", "ratio"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r.test, r.mechanism, str(r.sms), f"{r.value:.1f} {r.unit}", f"{r.reference:.1f}", f"{r.ratio:.3f}"
+        )
+    return table
+
+
+def command(args: Namespace) -> int:
+    """`kvtier bench overlap` (CUDA only); `--rounds-log` gets each interference round as a JSON line."""
+    from kvtier.commands import console, progress, write_json
+
+    cfg = config_from_args(args, host_sets=("contiguous",), device_sets=("contiguous",))
+    if cfg.device.type != "cuda":
+        raise ConfigError(f"kvtier bench overlap needs a CUDA device, got --device {args.device}")
+    log = args.rounds_log.open("w") if args.rounds_log else None
+
+    def on_round(r: dict) -> None:
+        log.write(json.dumps(r) + "\n")
+        log.flush()
+
+    try:
+        with progress() as report:
+            rows, s = run(cfg, report, rounds=args.rounds, on_round=on_round if log else None)
+    finally:
+        if log is not None:
+            log.close()
+    meta = metadata(cfg, s.ceilings, s.layer_bytes)
+    console.print(render(rows, meta))
+    write_json(args.json, {"meta": meta, "rows": [asdict(r) for r in rows]})
+    return 0

@@ -17,21 +17,28 @@ from __future__ import annotations
 
 import random
 import statistics
+from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from rich.console import Group
+from rich.table import Table
 
 from kvtier.alloc import AllocPolicy
-from kvtier.bench.common import ceiling_gbps, environment
+from kvtier.bench.churn import CacheChurn
+from kvtier.bench.common import ceiling_gbps, close, collect, environment
 from kvtier.cache import CacheConfig
 from kvtier.engine import Engine, SamplingParams
+from kvtier.errors import ConfigError
 from kvtier.transfer import TransferPath
 
 SETUPS = ("smollm2", "deepseek-v3")
 CONFIGS = ("kvtier", "stock")
 # Tokens past the prefix each request needs: 16 of question, one answer, and margin.
 PROMPT_ROOM = 64
+# The churn's seed before the first repeat; repeat r re-churns with CHURN_SEED + r.
+CHURN_SEED = 1000
 
 
 @dataclass
@@ -90,7 +97,7 @@ def make_model(setup: str, device: torch.device):
         )
         model = transformers.DeepseekV3ForCausalLM(cfg)
     else:
-        raise ValueError(f"unknown setup {setup!r}; known: {SETUPS}")
+        raise ConfigError(f"unknown setup {setup!r}; known: {SETUPS}")
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -102,17 +109,14 @@ def run(
     repeats: int = 3,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> tuple[list[ServedRow], dict]:
+    """Rows for each setup, prefix and configuration, measured one configuration at a time."""
     rows = []
     for setup in setups:
         progress(f"building the {setup}-shaped model")
         model = make_model(setup, device)
-        for n in fit_prefixes(prefixes, int(model.config.max_position_embeddings), progress, setup):
-            for config in CONFIGS:
-                progress(f"{setup}, {config}, prefix of {n} tokens")
-                rows.append(_measure(model, setup, config, n, device, cycles, repeats))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        rows += measure_setup(model, setup, prefixes, device, cycles, repeats, progress)
         del model
+        collect()
     meta = {
         **environment(device),
         "cycles": cycles,
@@ -120,6 +124,29 @@ def run(
         "stock": "first_fit host allocator, per-token reference transfers",
     }
     return rows, meta
+
+
+def measure_setup(
+    model,
+    setup: str,
+    prefixes: tuple[int, ...],
+    device: torch.device,
+    cycles: int,
+    repeats: int,
+    progress: Callable[[str], None],
+) -> list[ServedRow]:
+    """Each configuration at each prefix that fits `model`, one engine at a time.
+
+    Each engine is closed and collected before the next is built: the pinned host
+    pools of two configurations of a long prefix do not fit the host at once.
+    """
+    rows = []
+    for n in fit_prefixes(prefixes, int(model.config.max_position_embeddings), progress, setup):
+        for config in CONFIGS:
+            progress(f"{setup}, {config}, prefix of {n} tokens")
+            rows.append(_measure(model, setup, config, n, device, cycles, repeats))
+            collect()  # the engine _measure closed is unreachable now
+    return rows
 
 
 def fit_prefixes(
@@ -148,25 +175,11 @@ def _measure(model, setup: str, config: str, n: int, device, cycles: int, repeat
         force_path=TransferPath.REFERENCE if stock else None,
     )
     eng = Engine(model, device_tokens=n + 256, host_tokens=4 * n + 1024, config=cache_config)
-    _fragment(eng, n, cycles)
-    host_runs = eng.cache.host_alloc.free_runs()
-    rng = random.Random(n)
-    vocab = int(model.config.vocab_size)
-    params = SamplingParams(max_tokens=1)
-    miss, dev_hit, host_hit = [], [], []
-    for r in range(repeats):
-        prompt = [rng.randrange(vocab) for _ in range(n + 16)]
-        miss.append(eng.generate(prompt, params).ttft_s)
-        eng.cache.flush()  # the miss's write-through backup must not run beside the device hit
-        dev_hit.append(eng.generate(prompt, params).ttft_s)
-        eng.cache.flush()
-        eng.cache.evict_device(10**9)
-        host_hit.append(eng.generate(prompt, params).ttft_s)
-        eng.cache.flush()
-        eng.cache.evict_device(10**9)
-        eng.cache.evict_host(10**9)
-        _fragment(eng, n, 1, seed=r)
-    kv_bytes = n * eng.spec.bytes_per_token()
+    try:
+        miss, dev_hit, host_hit, host_runs = _ttfts(eng, model, n, cycles, repeats)
+        kv_bytes = n * eng.spec.bytes_per_token()
+    finally:
+        close(eng)
     ceiling = ceiling_gbps(device, min(kv_bytes, 1 << 30))
     t_host, t_dev = statistics.median(host_hit), statistics.median(dev_hit)
     ideal = kv_bytes / (ceiling * 1e9)
@@ -184,29 +197,65 @@ def _measure(model, setup: str, config: str, n: int, device, cycles: int, repeat
     )
 
 
-def _fragment(eng: Engine, n: int, cycles: int, seed: int = 0) -> None:
-    """Fill/evict cycles of random sequences, so the host pool's free space is scattered."""
-    rng = random.Random(seed + 1000)
-    cache = eng.cache
-    for _ in range(cycles):
-        inserted = []
-        while True:
-            length = rng.randint(1, max(2, n // 8))
-            if cache.host_alloc.available() < length or cache.device_alloc.available() < length:
-                break
-            tokens = tuple(rng.randrange(1 << 30) for _ in range(length))
-            cache.insert(tokens, cache.alloc_device(length))
-            inserted.append(tokens)
-            cache.flush()
-            cache.evict_device(length)
-        # Touch a random half, then evict the least recently used half of the host.
-        for tokens in rng.sample(inserted, len(inserted) // 2):
-            cache.match(tokens)
-        cache.flush()
-        cache.evict_host((cache.host_pool.num_slots - cache.host_alloc.available()) // 2)
-    cache.flush()
-    cache.evict_device(10**9)
+def _ttfts(eng: Engine, model, n: int, cycles: int, repeats: int):
+    """`(miss, device hit, host hit)` TTFTs of `repeats` prompts of `n + 16` tokens, and the host's
+    free runs after the first churn; the host pool is churned again after each repeat."""
+    max_pages = max(2, n // 8 // eng.spec.page_size)
+    CacheChurn(eng.cache, CHURN_SEED).cycles(cycles, max_pages)
+    host_runs = eng.cache.host_alloc.free_runs()
+    rng = random.Random(n)
+    vocab = int(model.config.vocab_size)
+    params = SamplingParams(max_tokens=1)
+    miss, dev_hit, host_hit = [], [], []
+    for r in range(repeats):
+        prompt = [rng.randrange(vocab) for _ in range(n + 16)]
+        miss.append(eng.generate(prompt, params).ttft_s)
+        eng.cache.flush()  # the miss's write-through backup must not run beside the device hit
+        dev_hit.append(eng.generate(prompt, params).ttft_s)
+        eng.cache.flush()
+        eng.cache.evict_device(10**9)
+        host_hit.append(eng.generate(prompt, params).ttft_s)
+        eng.cache.flush()
+        eng.cache.evict_device(10**9)
+        eng.cache.evict_host(10**9)
+        CacheChurn(eng.cache, CHURN_SEED + r).cycles(1, max_pages)
+    return miss, dev_hit, host_hit, host_runs
 
 
 def rows_as_dicts(rows: list[ServedRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def render(rows: list[ServedRow], meta: dict) -> Group:
+    """The served table: TTFT of a miss, a device hit and a host hit per setup, configuration and prefix."""
+    table = Table(title=f"TTFT, seconds (median of {meta['repeats']}), on {meta.get('gpu', meta['device'])}")
+    cols = ("setup", "config", "prefix", "miss", "device hit", "host hit", "KV MB", "ceiling GB/s")
+    for col in (*cols, "reload ratio"):
+        table.add_column(col, justify="left" if col in ("setup", "config") else "right")
+    for r in rows:
+        table.add_row(
+            r.setup,
+            r.config,
+            str(r.prefix_tokens),
+            f"{r.ttft_miss_s:.4f}",
+            f"{r.ttft_device_hit_s:.4f}",
+            f"{r.ttft_host_hit_s:.4f}",
+            f"{r.kv_bytes / 1e6:.1f}",
+            f"{r.ceiling_gbps:.1f}",
+            f"{r.reload_overhead_ratio:.2f}",
+        )
+    note = "reload ratio: (host hit - device hit) / (KV bytes / ceiling); stock: first_fit + per-token path"
+    return Group(table, note)
+
+
+def command(args: Namespace) -> int:
+    """`kvtier bench served`: prefixes default to 8k-128k on CUDA, 256 and 1024 on the CPU."""
+    from kvtier.commands import console, device, progress, write_json
+
+    dev = device(args.device)
+    prefixes = args.prefix or ((8192, 32768, 131072) if dev.type == "cuda" else (256, 1024))
+    with progress() as report:
+        rows, meta = run(args.setups, prefixes, dev, args.cycles, args.repeats, report)
+    console.print(render(rows, meta))
+    write_json(args.json, {"meta": meta, "rows": rows_as_dicts(rows)})
+    return 0

@@ -13,20 +13,22 @@ replaced by their sources.
 
 from __future__ import annotations
 
-import statistics
-import time
+from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from rich.console import Group
+from rich.table import Table
 
 from kvtier.alloc import AllocPolicy
-from kvtier.bench.common import ceiling_gbps, environment
-from kvtier.bench.slots import after_churn, runs_of
+from kvtier.bench.churn import after_churn, runs_of
+from kvtier.bench.common import Timer, ceiling_gbps, environment
+from kvtier.errors import ConfigError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.pool.rows import as_words
-from kvtier.spec import KVSpec
+from kvtier.spec import KVSpec, preset
 from kvtier.transfer import (
     KernelOptions,
     TransferPath,
@@ -89,48 +91,6 @@ class Row:
     identical: bool
 
 
-# GPU clock cycles the stream is held while a sample's calls are issued (~1 ms at ~2 GHz).
-HOLD_CYCLES = 2_000_000
-
-
-class Timer:
-    """Median milliseconds of a callable: CUDA events on `stream`, or the host clock on CPU."""
-
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None) -> None:
-        self.device, self.stream = device, stream
-
-    def median_ms(self, fn: Callable[[], None], repeats: int, warmup: int, batch: int = 1) -> float:
-        """Median over `repeats` of the time of `batch` back-to-back calls, divided by `batch`.
-
-        Back-to-back calls time a layer as a multi-layer load runs it: the host issues
-        the next layer while the previous one still moves. On CUDA the stream is held
-        by a short GPU sleep while the calls are issued, so the window starts with work
-        queued, as in the middle of a load, not with the first call's host cost (0.1-0.2
-        ms, a tenth of a 17 MB layer's transfer).
-        """
-        for _ in range(warmup):
-            fn()
-        times = []
-        if self.device.type != "cuda":
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for _ in range(batch):
-                    fn()
-                times.append((time.perf_counter() - t0) * 1e3 / batch)
-            return statistics.median(times)
-        with torch.cuda.stream(self.stream):
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(HOLD_CYCLES)
-                start.record(self.stream)
-                for _ in range(batch):
-                    fn()
-                end.record(self.stream)
-                end.synchronize()
-                times.append(start.elapsed_time(end) / batch)
-        return statistics.median(times)
-
-
 @dataclass
 class Setup:
     """The pools, streams and slot sets one run times."""
@@ -149,7 +109,7 @@ class Setup:
 def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     spec = cfg.spec
     if not 1 <= cfg.layers <= spec.num_layers:  # before any pool is pinned
-        raise ValueError(f"layers {cfg.layers} must be in [1, {spec.num_layers}] for spec {spec.name!r}")
+        raise ConfigError(f"layers {cfg.layers} must be in [1, {spec.num_layers}] for spec {spec.name!r}")
     gen = torch.Generator().manual_seed(cfg.seed)
     host_slots = 2 * cfg.tokens
     dev_slots = 2 * cfg.tokens
@@ -181,7 +141,7 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
                 policy, cfg.tokens, host_slots, spec.page_size, cfg.cycles, cfg.seed
             )
         else:
-            raise ValueError(f"unknown host slot set {name!r}; known: {HOST_SETS}")
+            raise ConfigError(f"unknown host slot set {name!r}; known: {HOST_SETS}")
     dev_sets = {}
     for name in cfg.device_sets:
         if name == "contiguous":
@@ -192,7 +152,7 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
             pages = torch.randperm(dev_slots // ps, generator=gen)[: cfg.tokens // ps]
             dev_sets[name] = (pages[:, None] * ps + torch.arange(ps)).flatten()
         else:
-            raise ValueError(f"unknown device slot set {name!r}")
+            raise ConfigError(f"unknown device slot set {name!r}")
     return Setup(cfg, host, dev, stream, timer, layer_bytes, ceilings, host_sets, dev_sets)
 
 
@@ -215,7 +175,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
                         )
                     progress(f"{direction.value} {host_label} / device {dev_label}: {variant}")
                     rows.append(_time(s, plan, variant, planned, host_label, dev_label))
-    return rows, _metadata(cfg, s.ceilings, s.layer_bytes)
+    return rows, metadata(cfg, s.ceilings, s.layer_bytes)
 
 
 def _variants(
@@ -353,7 +313,7 @@ def _kernel_text(opts: KernelOptions, device: torch.device) -> str:
     )
 
 
-def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: int) -> dict:
+def metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: int) -> dict:
     return {
         **environment(cfg.device),
         "spec": cfg.spec.name,
@@ -374,3 +334,85 @@ def _metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: i
 
 def rows_as_dicts(rows: list[Row]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def render(rows: list[Row], meta: dict) -> Group:
+    """The table `kvtier bench transfer` prints: a row per timed variant, planned ones in bold."""
+    where = meta.get("gpu") or meta.get("cpu")
+    buffers = ", ".join(f"{n} {b} B" for n, b in meta["buffers"].items())
+    layers = "one layer" if meta["layers"] == 1 else f"{meta['layers']} layers per call"
+    title = (
+        f"{meta['spec']} ({buffers}), {layers} of {meta['tokens']} tokens "
+        f"({meta['layer_bytes'] / 1e6:.0f} MB per call), "
+        f"{meta['layout']}, page {meta['page_size']}, on {where}; ceiling "
+        + ", ".join(f"{d} {g} GB/s" for d, g in meta["ceiling_gbps"].items())
+    )
+    table = Table(title=title)
+    cols = ("direction", "host slots", "runs", "device", "variant", "path", "SMs", "GB/s", "of ceiling", "ok")
+    for col in cols:
+        table.add_column(col, justify="right" if col in ("runs", "SMs", "GB/s", "of ceiling") else "left")
+    for r in rows:
+        table.add_row(
+            r.direction,
+            r.host_runs,
+            str(r.host_run_count),
+            r.device,
+            f"[bold]{r.variant}[/bold]" if r.planned else r.variant,
+            r.path + (f" {r.kernel}" if r.kernel else ""),
+            str(r.sms),
+            f"{r.gbps:.1f}",
+            f"{r.ceiling_ratio:.2f}",
+            "yes" if r.identical else "[red]NO[/red]",
+        )
+    note = "planned: the path the planner picks; ok: byte-identical to the source, nothing else written"
+    return Group(table, note)
+
+
+def config_from_args(args: Namespace, **extra) -> BenchConfig:
+    """The run `kvtier bench transfer` or `overlap` asks for; `ConfigError` before anything is built."""
+    from kvtier.commands import device as resolve_device
+
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    full = preset(args.spec or "deepseek-v3", args.page_size)
+    layers = extra.get("layers", 1)
+    if not 1 <= layers <= full.num_layers:
+        raise ConfigError(f"--layers {layers} must be in [1, {full.num_layers}], the layers of {full.name}")
+    tokens = args.tokens or (131072 if cuda else 16384)
+    if tokens % full.page_size:
+        raise ConfigError(f"--tokens {tokens} must be a multiple of --page-size {full.page_size}")
+    return BenchConfig(
+        spec=full.with_layers(layers),
+        tokens=tokens,
+        layout=HostLayout(args.layout),
+        device=device,
+        repeats=args.repeats or (20 if cuda else 5),
+        warmup=args.warmup,
+        cycles=getattr(args, "cycles", 8),
+        batch=args.batch,
+        kernel=args.kernel or KernelOptions(),
+        **extra,
+    )
+
+
+def command(args: Namespace) -> int:
+    """`kvtier bench transfer`: 0 when every timed variant passed its byte check, else 1."""
+    from kvtier.commands import console, progress, write_json
+
+    directions = (
+        (Direction.LOAD, Direction.BACKUP) if args.direction == "both" else (Direction(args.direction),)
+    )
+    cfg = config_from_args(
+        args,
+        directions=directions,
+        host_sets=args.host_sets,
+        device_sets=args.device_sets,
+        variants=args.variants,
+        kernel_sweep=args.kernel_sweep,
+        layers=args.layers,
+    )
+    with progress() as report:
+        rows, meta = run(cfg, progress=report)
+    console.print(render(rows, meta))
+    write_json(args.json, {"meta": meta, "rows": rows_as_dicts(rows)})
+    return 0 if all(r.identical for r in rows) else 1

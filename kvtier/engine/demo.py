@@ -8,10 +8,12 @@ host and are reloaded. Every answer is checked, token for token, against plain
 
 from __future__ import annotations
 
+from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from rich.table import Table
 
 from kvtier.engine.engine import Engine, RequestResult, SamplingParams
 
@@ -80,14 +82,121 @@ def run_demo(
 
 @torch.inference_mode()
 def _plain_generate(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens from `model.generate` with a fresh cache: no reuse of any kind."""
+    """Greedy tokens from `model.generate` with a fresh cache: no reuse of any kind.
+
+    `generate` stops at the model's end-of-sequence ids itself (the tokenizer's where the
+    model's generation config names none) and keeps the one it stopped at, as the engine does.
+    """
     ids = torch.tensor([prompt], device=engine.device)
+    config = getattr(engine.model, "generation_config", None)
+    stop = {}
+    if getattr(config, "eos_token_id", None) is None and engine.tokenizer is not None:
+        stop = {"eos_token_id": engine.tokenizer.eos_token_id}
     out = engine.model.generate(
-        ids, max_new_tokens=max_tokens, do_sample=False, attention_mask=torch.ones_like(ids)
+        ids, max_new_tokens=max_tokens, do_sample=False, attention_mask=torch.ones_like(ids), **stop
     )
-    tokens = out[0, len(prompt) :].tolist()
-    eos = engine._eos()
-    for k, tok in enumerate(tokens):
-        if tok in eos:
-            return tokens[: k + 1]
-    return tokens
+    return out[0, len(prompt) :].tolist()
+
+
+def command(args: Namespace) -> int:
+    """`kvtier demo`: 0 when every answer equals plain generation, else 1."""
+    from rich.progress import Progress
+
+    from kvtier.cache import CacheConfig, WritePolicy
+    from kvtier.commands import console, device
+    from kvtier.engine.models import load_model
+
+    dev = device(args.device)
+    with console.status("loading the model (the first run converts it once, about a minute)"):
+        model, tokenizer = load_model(args.model, dev)
+    engine = Engine(
+        model,
+        tokenizer,
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        config=CacheConfig(write_policy=WritePolicy(args.write_policy)),
+    )
+    console.print(
+        f"{engine.spec.name}: {engine.spec.num_layers} layers, "
+        f"{engine.spec.bytes_per_token() // 1024} KiB of KV per token; "
+        f"device budget {args.device_tokens} tokens, host {args.host_tokens}, on {dev}"
+    )
+    table = _turns_table()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("turns", total=sum(len(c) for c in CONVERSATIONS))
+
+        def on_turn(t: Turn) -> None:
+            console.print(_turn_line(t), highlight=False)
+            table.add_row(*_turn_cells(t))
+            bar.advance(task)
+
+        turns = run_demo(engine, args.max_tokens, on_turn=on_turn)
+    console.print(table)
+    m = engine.cache.metrics
+    console.print(
+        f"prompt tokens: {m.device_hit_tokens} from the device, {m.host_hit_tokens} from the host, "
+        f"{m.miss_tokens} computed; {m.device_evictions} device evictions; "
+        f"{m.bytes_h2d / 1e6:.1f} MB reloaded, {m.bytes_d2h / 1e6:.1f} MB backed up"
+    )
+    engine.cache.flush()
+    engine.cache.check_invariants()
+    close = getattr(engine, "close", None)  # returns the pinned host pool where the engine can
+    if close is not None:
+        close()
+    same = sum(t.identical for t in turns)
+    console.print(f"answers identical to plain generation without cache reuse: {same} of {len(turns)}")
+    return 0 if same == len(turns) else 1
+
+
+TURN_COLUMNS = (
+    "conv",
+    "turn",
+    "prompt",
+    "hit",
+    "device",
+    "host",
+    "reloaded",
+    "reload",
+    "TTFT",
+    "same as plain",
+)
+
+
+def _turns_table() -> Table:
+    table = Table(title="turns")
+    for col in TURN_COLUMNS:
+        table.add_column(col, justify="left" if col in ("hit", "same as plain") else "right")
+    return table
+
+
+def _speed(r: RequestResult) -> str:
+    """The reload's rate and time where it can be told apart from the forward, else `overlapped`."""
+    if r.loaded_tokens and r.reload_s:
+        return f"{r.loaded_bytes / 1e6 / r.reload_s:.0f} MB/s, {r.reload_s * 1e3:.1f} ms"
+    return "overlapped" if r.loaded_tokens else ""
+
+
+def _turn_line(t: Turn) -> str:
+    r = t.result
+    return (
+        f"conv {t.conversation} turn {t.turn}: {r.prompt_tokens} prompt tokens, hit {r.hit} "
+        f"(device {r.device_hit_tokens}, host {r.host_hit_tokens}), "
+        f"reloaded {r.loaded_tokens} tokens "
+        f"({r.loaded_bytes / 1e6:.1f} MB) {_speed(r)}, TTFT {r.ttft_s * 1e3:.0f} ms: {r.text!r}"
+    )
+
+
+def _turn_cells(t: Turn) -> tuple[str, ...]:
+    r = t.result
+    return (
+        str(t.conversation),
+        str(t.turn),
+        str(r.prompt_tokens),
+        r.hit,
+        str(r.device_hit_tokens),
+        str(r.host_hit_tokens),
+        f"{r.loaded_bytes / 1e6:.1f} MB",
+        _speed(r),
+        f"{r.ttft_s * 1e3:.0f} ms",
+        "yes" if t.identical else "[red]NO[/red]",
+    )

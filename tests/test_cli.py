@@ -1,0 +1,421 @@
+"""The `kvtier` command line: every flag checked before anything heavy, and each command end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs `kvtier.cli.main` on its arguments, then says on stdout which heavy modules it imported.
+PROBE = """
+import sys
+from kvtier.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print("heavy:" + ",".join(sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules)))
+sys.exit(code)
+"""
+
+
+def probe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def refused(argv: list[str], capsys) -> str:
+    """The stderr of `kvtier argv` refused by the parser with exit code 2."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("kvtier")
+    return err.strip().splitlines()[-1]
+
+
+# -- parsing -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["demo", "--help"],
+        ["serve", "--help"],
+        ["bench", "--help"],
+        ["bench", "transfer", "--help"],
+        ["bench", "overlap", "--help"],
+        ["bench", "cache", "--help"],
+        ["bench", "served", "--help"],
+    ],
+)
+def test_help_imports_neither_torch_nor_transformers(argv: list[str]) -> None:
+    t0 = time.perf_counter()
+    out = probe(*argv)
+    assert out.returncode == 0, out.stderr
+    assert "usage: kvtier" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "heavy:"  # no heavy module imported
+    assert time.perf_counter() - t0 < 20
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    """The device scripts call `python3 -m kvtier.cli`; users `python -m kvtier`."""
+    for module in ("kvtier", "kvtier.cli"):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "bench", "--help"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and "transfer" in out.stdout
+
+
+def test_every_subcommand_parses_with_its_defaults() -> None:
+    p = cli.build_parser()
+    demo = p.parse_args(["demo"])
+    assert (demo.write_policy, demo.device, demo.device_tokens, demo.max_tokens) == (
+        "write_through",
+        "auto",
+        320,
+        32,
+    )
+    serve = p.parse_args(["serve"])
+    assert (serve.write_policy, serve.host_layout, serve.host_alloc, serve.port) == (
+        "write_through",
+        "layer_first",
+        "contiguous",
+        8000,
+    )
+    transfer = p.parse_args(["bench", "transfer"])
+    assert transfer.host_sets == cli.HOST_SETS and transfer.variants == cli.VARIANTS
+    assert (transfer.direction, transfer.cycles, transfer.layers, transfer.kernel) == ("both", 8, 1, None)
+    overlap = p.parse_args(["bench", "overlap"])
+    assert (overlap.rounds, overlap.rounds_log, overlap.layout) == (5, None, "layer_first")
+    served = p.parse_args(["bench", "served"])
+    assert (served.setups, served.prefix, served.cycles, served.repeats) == (cli.SETUPS, None, 4, 3)
+    cache = p.parse_args(["bench", "cache"])
+    assert cache.parts == ("trace", "alloc", "reload") and cache.write_policy == "all"
+    assert (cache.evict_nodes, cache.evict_k, cache.reload_tokens) == (100_000, 1000, 131072)
+
+
+def test_lists_and_shapes_parse() -> None:
+    p = cli.build_parser()
+    t = p.parse_args(["bench", "transfer", "--host-sets", "runs-1,first_fit-churn", "--kernel", "8x32s2"])
+    assert t.host_sets == ("runs-1", "first_fit-churn")
+    assert (t.kernel.sm_budget, t.kernel.rows_per_program, t.kernel.stages) == (8, 32, 2)
+    s = p.parse_args(
+        ["bench", "served", "--setups", "deepseek-v3", "--prefix", "8192,131072", "--device", "cuda:1"]
+    )
+    assert (s.setups, s.prefix, s.device) == (("deepseek-v3",), (8192, 131072), "cuda:1")
+    c = p.parse_args(["bench", "cache", "--parts", "reload,eviction", "--evict-nodes", "200000"])
+    assert c.parts == ("reload", "eviction") and c.evict_nodes == 200000
+
+
+def test_the_write_policy_has_one_name_and_the_old_one_still_works(capsys) -> None:
+    p = cli.build_parser()
+    assert p.parse_args(["demo", "--write-policy", "write_back"]).write_policy == "write_back"
+    assert p.parse_args(["demo", "--policy", "write_back"]).write_policy == "write_back"
+    assert p.parse_args(["serve", "--write-policy", "write_back"]).write_policy == "write_back"
+    assert p.parse_args(["bench", "cache", "--policy", "write_back"]).write_policy == "write_back"
+    with pytest.raises(SystemExit):
+        p.parse_args(["demo", "--help"])
+    shown = capsys.readouterr().out
+    assert "--write-policy" in shown and "--policy" not in shown.replace("--write-policy", "")
+
+
+def test_the_spelled_out_choices_match_what_they_name() -> None:
+    from kvtier.alloc import AllocPolicy
+    from kvtier.bench import served, transfer
+    from kvtier.cache import WritePolicy
+    from kvtier.pool import HostLayout
+    from kvtier.pool.device import Direction
+    from kvtier.spec import PRESETS
+
+    assert tuple(sorted(PRESETS)) == cli.SPECS
+    assert tuple(m.value for m in HostLayout) == cli.LAYOUTS
+    assert tuple(m.value for m in WritePolicy) == cli.WRITE_POLICIES
+    assert tuple(m.value for m in AllocPolicy) == cli.ALLOC_POLICIES
+    assert (*(m.value for m in Direction), "both") == cli.DIRECTIONS
+    assert cli.HOST_SETS == transfer.HOST_SETS and cli.VARIANTS == transfer.VARIANTS
+    assert cli.SETUPS == served.SETUPS
+    assert set(cli.COMMANDS) == {
+        "demo",
+        "serve",
+        *(f"bench {b}" for b in ("transfer", "overlap", "cache", "served")),
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["demo", "--write-policy", "bogus"], "invalid choice: 'bogus'"),
+        (["demo", "--policy", "write_around"], "invalid choice"),
+        (["demo", "--device", "gpu"], "expected auto, cpu, cuda or cuda:N"),
+        (["demo", "--device-tokens", "0"], "expected a positive integer, got 0"),
+        (["demo", "--max-tokens", "-1"], "expected a positive integer"),
+        (["serve", "--host-layout", "page_last"], "invalid choice: 'page_last'"),
+        (["serve", "--host-alloc", "best_fit"], "invalid choice"),
+        (["serve", "--port", "70000"], "expected a port"),
+        (["serve", "--host-tokens", "many"], "expected a positive integer, got 'many'"),
+        (["bench", "transfer", "--layout", "page_last"], "invalid choice"),
+        (["bench", "transfer", "--spec", "gpt-5"], "invalid choice: 'gpt-5'"),
+        (["bench", "transfer", "--host-sets", "runs-1,runs-2"], "invalid choice(s) runs-2"),
+        (["bench", "transfer", "--device-sets", "striped"], "invalid choice(s) striped"),
+        (["bench", "transfer", "--variants", "planned,fast"], "invalid choice(s) fast"),
+        (["bench", "transfer", "--direction", "sideways"], "invalid choice"),
+        (["bench", "transfer", "--tokens", "0"], "expected a positive integer"),
+        (["bench", "transfer", "--page-size", "0"], "expected a positive integer"),
+        (["bench", "transfer", "--batch", "0"], "expected a positive integer"),
+        (["bench", "transfer", "--repeats", "0"], "expected a positive integer"),
+        (["bench", "transfer", "--warmup", "-1"], "expected a non-negative integer"),
+        (["bench", "transfer", "--cycles", "-1"], "expected a non-negative integer"),
+        (["bench", "transfer", "--layers", "0"], "expected a positive integer"),
+        (["bench", "transfer", "--kernel", "4x0"], "must be one or two positive numbers"),
+        (["bench", "transfer", "--kernel-sweep", "8x32,x"], "expected PROGRAMSxROWS"),
+        (["bench", "overlap", "--rounds", "0"], "expected a positive integer"),
+        (["bench", "served", "--setups", "smollm2,gpt"], "invalid choice(s) gpt"),
+        (["bench", "served", "--prefix", "8192,0"], "expected a positive integer, got 0"),
+        (["bench", "served", "--prefix", "8k"], "expected a positive integer, got '8k'"),
+        (["bench", "served", "--repeats", "0"], "expected a positive integer"),
+        (["bench", "cache", "--parts", "trace,lru"], "invalid choice(s) lru"),
+        (["bench", "cache", "--write-policy", "write_around"], "invalid choice"),
+        (["bench", "cache", "--reload-ids", "int8"], "invalid choice: 'int8'"),
+        (["bench", "cache", "--reload-layout", "page_last"], "invalid choice"),
+        (["bench", "cache", "--reload-layers-per-load", "0"], "expected a positive integer"),
+        (["bench", "cache", "--reload-host-runs", "-2"], "expected a positive integer"),
+        (["bench", "cache", "--reload-tokens", "two"], "expected a positive integer"),
+        (["bench", "cache", "--evict-nodes", "0"], "expected a positive integer"),
+        (["bench", "cache", "--evict-k", "-1"], "expected a positive integer"),
+        (["bench", "cache", "--alloc-churn", "-1"], "expected a non-negative integer"),
+        (["bench", "cache", "--device-slots", "0"], "expected a positive integer"),
+    ],
+)
+def test_a_bad_value_is_one_usage_error_and_exit_code_2(argv: list[str], says: str, capsys) -> None:
+    line = refused(argv, capsys)
+    assert "error: argument" in line and says in line
+
+
+def test_a_bad_demo_policy_exits_before_anything_is_loaded() -> None:
+    """Formerly the model was loaded, then a traceback: now argparse refuses it, importing nothing heavy."""
+    t0 = time.perf_counter()
+    out = probe("demo", "--write-policy", "bogus")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "invalid choice: 'bogus'" in out.stderr.strip().splitlines()[-1]
+    assert out.stdout.strip() == "heavy:"  # neither torch nor transformers imported
+    assert time.perf_counter() - t0 < 20
+
+
+# -- checks a command makes before it builds anything --------------------------------------
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+@no_cuda
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--device", "cuda"],
+        ["serve", "--device", "cuda:0"],
+        ["bench", "transfer", "--device", "cuda"],
+        ["bench", "served", "--device", "cuda"],
+        ["bench", "cache", "--device", "cuda", "--parts", "alloc"],
+    ],
+)
+def test_cuda_without_cuda_is_one_line_and_exit_2_before_anything_loads(argv: list[str], capsys) -> None:
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and f"error: --device {argv[argv.index('--device') + 1]}: no CUDA device is available" in lines[0]
+    )
+    assert captured.out == ""
+
+
+@no_cuda
+def test_the_demo_on_a_missing_cuda_says_so_without_a_traceback() -> None:
+    out = probe("demo", "--device", "cuda")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"kvtier demo: error: --device cuda: no CUDA device is available (torch {torch.__version__})"
+    ]
+
+
+@pytest.mark.parametrize(("layers", "tokens"), [("4", "64"), ("9", "64")])
+def test_transfer_refuses_a_layer_count_the_spec_lacks_before_building_anything(
+    layers, tokens, capsys
+) -> None:
+    assert (
+        cli.main(
+            [
+                "bench",
+                "transfer",
+                "--device",
+                "cpu",
+                "--spec",
+                "tiny-dsa",
+                "--tokens",
+                tokens,
+                "--layers",
+                layers,
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        f"kvtier bench transfer: error: --layers {layers} must be in [1, 3], the layers of tiny-dsa"
+    )
+
+
+def test_transfer_refuses_tokens_that_are_not_whole_pages(capsys) -> None:
+    assert cli.main(["bench", "transfer", "--device", "cpu", "--tokens", "66", "--page-size", "4"]) == 2
+    assert "--tokens 66 must be a multiple of --page-size 4" in capsys.readouterr().err
+
+
+def test_the_overlap_bench_on_the_cpu_is_refused(capsys) -> None:
+    assert cli.main(["bench", "overlap", "--device", "cpu", "--spec", "tiny-mla", "--tokens", "64"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvtier bench overlap: error: kvtier bench overlap needs a CUDA device, got --device cpu"
+    )
+
+
+def test_the_cache_bench_refuses_more_layers_than_the_spec_has(capsys) -> None:
+    assert cli.main(["bench", "cache", "--device", "cpu", "--spec", "tiny-mla", "--layers", "99"]) == 2
+    assert "--layers 99" in capsys.readouterr().err
+
+
+# -- each command end to end, tiny ---------------------------------------------------------
+
+
+def test_bench_transfer_prints_its_table_and_writes_the_json(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "transfer.json"
+    argv = [
+        "bench",
+        "transfer",
+        "--device",
+        "cpu",
+        "--spec",
+        "tiny-mla",
+        "--tokens",
+        "256",
+        "--direction",
+        "load",
+    ]
+    argv += ["--host-sets", "contiguous,runs-16,first_fit-churn", "--device-sets", "contiguous"]
+    argv += [
+        "--variants",
+        "planned,per_run",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--batch",
+        "1",
+        "--json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "tiny-mla" in text and "first_fit-churn" in text and f"wrote {out}" in text
+    report = json.loads(out.read_text())
+    assert set(report) == {"meta", "rows"}
+    assert report["meta"]["tokens"] == 256 and report["meta"]["layout"] == "layer_first"
+    rows = report["rows"]
+    assert {r["host_runs"] for r in rows} == {"contiguous", "runs-16", "first_fit-churn"}
+    assert all(r["identical"] and r["direction"] == "load" for r in rows)
+    assert set(rows[0]) >= {"path", "variant", "planned", "host_run_count", "gbps", "ceiling_ratio"}
+
+
+def test_bench_cache_runs_its_parts_and_writes_one_json(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cache.json"
+    argv = ["bench", "cache", "--device", "cpu", "--parts", "alloc,reload", "--page-size", "4"]
+    argv += ["--alloc-slots", "65536", "--alloc-churn", "200", "--alloc-pairs", "5"]
+    argv += [
+        "--reload-tokens",
+        "1024",
+        "--reload-repeats",
+        "1",
+        "--reload-host-runs",
+        "4",
+        "--json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "HostSlotAllocator, 65536 slots, page 4" in text and "1024-token prefix" in text
+    report = json.loads(out.read_text())
+    assert set(report) == {"meta", "alloc", "reload"}
+    assert report["meta"]["alloc"] == {"slots": 65536, "churn": 200, "pairs": 5}
+    assert {r["policy"] for r in report["alloc"]} == {"contiguous", "first_fit"}
+    assert report["reload"]["host_runs"] == 4 and report["reload"]["loaded_bytes"] > 0
+
+
+def test_bench_cache_eviction_part(tmp_path: Path) -> None:
+    pytest.importorskip("kvtier.bench.eviction")
+    out = tmp_path / "cache.json"
+    argv = [
+        "bench",
+        "cache",
+        "--device",
+        "cpu",
+        "--parts",
+        "eviction",
+        "--evict-nodes",
+        "2000",
+        "--evict-k",
+        "10",
+    ]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["eviction"] and "eviction" in report["meta"]
+
+
+def test_the_demo_end_to_end_on_a_tiny_checkpoint(tmp_path: Path, capsys) -> None:
+    """Every answer equals plain `generate` while earlier turns come back from the host."""
+    pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    import transformers
+    from tiny_models import tiny_llama
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(
+        ["You are a concise assistant for a travel agency. Answer in one sentence."] * 20, trainer
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    model = tiny_llama(len(tokenizer), 2048, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    argv = ["demo", "--model", str(tmp_path), "--device", "cpu", "--device-tokens", "512"]
+    assert cli.main([*argv, "--host-tokens", "8192", "--max-tokens", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "answers identical to plain generation without cache reuse: 9 of 9" in text
+    assert "hit host" in text  # a conversation came back from the host
+
+
+def test_a_trace_too_long_for_the_device_pool_is_refused_before_pools_are_built(capsys) -> None:
+    assert cli.main(["bench", "cache", "--device", "cpu", "--parts", "trace", "--device-slots", "1024"]) == 2
+    assert "does not fit 1024 device slots" in capsys.readouterr().err
