@@ -419,3 +419,13 @@ def test_the_demo_end_to_end_on_a_tiny_checkpoint(tmp_path: Path, capsys) -> Non
 def test_a_trace_too_long_for_the_device_pool_is_refused_before_pools_are_built(capsys) -> None:
     assert cli.main(["bench", "cache", "--device", "cpu", "--parts", "trace", "--device-slots", "1024"]) == 2
     assert "does not fit 1024 device slots" in capsys.readouterr().err
+
+
+def test_every_public_name_resolves_and_errors_are_kvtier_errors() -> None:
+    """`kvtier.__all__` is the public API: each name imports, every error class is a KVTierError."""
+    import kvtier
+
+    for name in kvtier.__all__:
+        value = getattr(kvtier, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, kvtier.KVTierError), name
