@@ -11,7 +11,6 @@ from conftest import host_row, poison_device, poison_host, random_rows, same_byt
 
 from kvtier.errors import PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
-from kvtier.pool.device import Direction
 from kvtier.spec import preset
 from kvtier.transfer import (
     KernelOptions,
@@ -26,7 +25,6 @@ from kvtier.transfer import (
     load_layer,
     load_layers,
 )
-from kvtier.transfer.copy import buffer_runs, layer_copies
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
@@ -660,8 +658,9 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))
-def test_buffer_runs_address_the_same_rows_as_the_tensor_path(layout, gen) -> None:
-    """The raw addresses used for raw submission are those of the rows the torch path copies."""
+def test_copy_addresses_are_those_of_the_rows_the_tensor_path_copies(layout) -> None:
+    """A copy part's byte table, turned into raw addresses as the batched path does, points at the
+    rows that the per-run path's tensor views copy."""
     spec = preset("tiny-dsa", 4)
     host = HostPool(spec, 512, layout, chunk_bytes=4096)
     dev = DevicePool(spec, 512)
@@ -669,42 +668,16 @@ def test_buffer_runs_address_the_same_rows_as_the_tensor_path(layout, gen) -> No
     ds = torch.cat([torch.arange(0, 80), torch.arange(200, 280)])
     plan = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
     (part,) = plan.parts
+    seg = host.segment_slots
     for b in spec.buffers:
-        host_ptrs, dev_ptrs, nbytes = buffer_runs(plan, host, dev, b)
+        region, host_off, dev_off, nbytes = part.run_bytes[b.name]
         for j, layer in enumerate(b.layers):
+            host_ptrs = host.region_ptrs(b.name)[j, region] + host_off
+            dev_ptrs = dev.layer_ptrs(b.name)[j] + dev_off
             for r, p in enumerate(part.pieces):
-                seg = host.segment(b.name, layer, p.host // host.segment_slots)
-                view = seg[p.host % host.segment_slots : p.host % host.segment_slots + p.length]
-                assert host_ptrs[j, r] == view.data_ptr()
-                assert dev_ptrs[j, r] == dev.layer(b.name, layer)[p.device].data_ptr()
+                assert host_ptrs[r] == host.segment(b.name, layer, p.host // seg)[p.host % seg].data_ptr()
+                assert dev_ptrs[r] == dev.layer(b.name, layer)[p.device].data_ptr()
                 assert nbytes[r] == p.length * b.row_bytes
-
-
-@pytest.mark.parametrize("direction", list(Direction))
-def test_layer_copies_hold_every_run_of_every_layer_once(direction, monkeypatch) -> None:
-    """Per layer, the flat triples and batches together cover each buffer's runs exactly once, dst first."""
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)  # as on a GPU with cuda.bindings
-    spec = preset("tiny-dsa", 4)
-    host = HostPool(spec, 512, chunk_bytes=4096)
-    dev = DevicePool(spec, 512)
-    few = (torch.arange(40, 120), torch.arange(0, 80))
-    many = (torch.arange(0, 400, 8).repeat_interleave(4) + torch.arange(4).repeat(50), torch.arange(200))
-    for hs, ds in (few, many):
-        plan = TransferPlan.build(direction, host, dev, hs, ds, force="per_run")
-        work = layer_copies(plan, host, dev)
-        assert work is not None and len(work) == spec.num_layers
-        for layer, w in enumerate(work):
-            got = [tuple(w.flat[i : i + 3]) for i in range(0, len(w.flat), 3)]
-            for d, s, n in w.batches:
-                got += list(zip(d.tolist(), s.tolist(), n.tolist(), strict=True))
-            want = []
-            for b in spec.buffers_on(layer):
-                h, d, n = buffer_runs(plan, host, dev, b)
-                j = b.local_layer(layer)
-                pairs = (d[j], h[j]) if direction is Direction.LOAD else (h[j], d[j])
-                want += list(zip(pairs[0].tolist(), pairs[1].tolist(), n.tolist(), strict=True))
-            assert sorted(got) == sorted(want) and len(got) == len(want)
-    assert layer_copies(TransferPlan.build("load", host, dev, *few, force="reference"), host, dev) is None
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
@@ -793,17 +766,17 @@ def test_copy_runs_fans_out_over_side_streams_that_fork_and_join(monkeypatch) ->
         def __init__(self, k: int) -> None:
             self.streams = [SimpleNamespace(cuda_stream=i + 1, name=f"s{i}") for i in range(k)]
 
-        def fork(self, tape=None) -> None:
-            events.append(("fork", tape))
+        def fork(self) -> None:
+            events.append(("fork", None))
 
-        def join(self, tape=None) -> None:
-            events.append(("join", tape))
+        def join(self) -> None:
+            events.append(("join", None))
 
     class Main:
         cuda_stream = 1234
 
     monkeypatch.setattr(dma, "_fan_out", lambda stream, k: FakeFan(k))
-    monkeypatch.setattr(dma, "issuer", lambda st: lambda flat: events.append((st, flat[2::3])))
+    monkeypatch.setattr(dma, "_loop_copies", lambda flat, st: events.append((st, flat[2::3])))
     n = 10
     dst, src, sizes = (np.arange(n, dtype=np.int64) + base for base in (1000, 2000, 0))
     dma.copy_runs(dst, src, sizes + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)

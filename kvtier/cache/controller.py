@@ -52,19 +52,10 @@ from kvtier.transfer import (
     TransferPath,
     TransferPlan,
     backup,
-    dma,
     load_layers,
     native,
 )
-from kvtier.transfer.copy import (
-    copy_table,
-    layer_copies,
-    loop_takes,
-    run_buffers,
-    run_layers,
-    submit_copies,
-    tape_layers,
-)
+from kvtier.transfer.native import loop_takes, run_buffers, run_layers
 from kvtier.transfer.plan import Planner, RunPair
 
 log = logging.getLogger(__name__)
@@ -642,30 +633,11 @@ class CacheController:
         return lane.run_native(submit, self.spec.num_layers if per_layer else 1)
 
     def _submit(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> Sequence[Signal]:
-        """Every layer of `plan` on `lane`, after the compute stream's queued work: raw copies where
-        the plan allows, from the compiled loop where it is built (else from Python), else through
-        the plan's views."""
+        """Every layer of `plan` on `lane` through the plan executor, after the compute stream's
+        queued work."""
         stream = lane.stream
-        signals = self.spec.num_layers if per_layer else 1
-        lib = native.library() if stream is not None else None
-        if lib is not None:
-            handle = stream.cuda_stream
-            table = copy_table(plan, self.host_pool, self.device_pool, handle, batch=lib.has_batch)
-            if table is not None:
-                return lane.run_tape(lib, lambda tape, events: tape.layers(table, events, handle), signals)
-        work = layer_copies(plan, self.host_pool, self.device_pool) if stream is not None else None
-        if work is not None and lib is not None and lib.has_batch:  # runs fanned out, layer by layer
-            return lane.run_tape(lib, lambda tape, events: tape_layers(tape, work, stream, events), signals)
         self._after_compute(lane)
-        if work is not None:
-            issue = dma.issuer(stream)
-            jobs = [
-                functools.partial(issue, w.flat)
-                if not w.batches
-                else functools.partial(submit_copies, w, issue, stream)
-                for w in work
-            ]
-        elif plan.direction is Direction.LOAD:
+        if plan.direction is Direction.LOAD:
             size = self.config.layers_per_load
             layers = self.spec.num_layers
             groups = [range(lo, min(lo + size, layers)) for lo in range(0, layers, size)]

@@ -17,7 +17,7 @@ from typing import overload
 
 import torch
 
-from kvtier.transfer import cudart, native
+from kvtier.transfer import cudart
 
 
 class Signal:
@@ -70,21 +70,6 @@ class Lane:
     def run_native(self, submit: Callable[[int, int, list[int]], None], signals: int) -> Sequence[Signal]:
         """Submit an operation from compiled code (CUDA lanes only; see `CudaLane.run_native`)."""
         raise TypeError(f"{type(self).__name__} has no stream to submit compiled calls on")
-
-    def run_tape(
-        self, lib: native.Native, fill: Callable[[native.Tape, list[int]], None], signals: int
-    ) -> Sequence[Signal]:
-        """Submit an operation as a tape of runtime calls run by `lib`'s loop: the ordering record
-        and wait of `run_native`, then the calls `fill(tape, events)` adds."""
-
-        def submit(current: int, order: int, events: list[int]) -> None:
-            tape = native.Tape()
-            tape.record(order, current)
-            tape.wait(self.stream.cuda_stream, order)
-            fill(tape, events)
-            tape.run(lib)
-
-        return self.run_native(submit, signals)
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -206,7 +191,7 @@ class CudaLane(Lane):
         del pool[len(pool) - len(out) :]
         while len(out) < k:
             event = torch.cuda.Event()
-            event.record(self._stream)  # recorded again by the tape, after the layer's copies
+            event.record(self._stream)  # recorded again by the loop, after the layer's copies
             out.append(event)
         return out
 

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from kvtier.transfer import cudart
-from kvtier.transfer.native import Tape
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ def copy_runs(
     over that many streams forked from and joined into `stream`, in contiguous shares
     of about equal bytes (when there are at least two copies per stream).
     """
-    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, None, functools.partial(copy_runs, mode=mode)):
+    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, functools.partial(copy_runs, mode=mode)):
         return
     n = len(sizes)
     global _mode
@@ -142,32 +141,9 @@ def copy_runs(
         _check(err, "cudaMemcpyBatchAsync")
     elif mode is DmaMode.LOOP:
         flat = np.stack([dst_ptrs, src_ptrs, sizes], axis=1).astype(np.int64, copy=False)
-        issuer(stream)(flat.ravel().tolist())
+        _loop_copies(flat.ravel().tolist(), stream)
     else:
         raise ValueError("DmaMode.TORCH copies tensors, not raw pointers: use the torch path")
-
-
-def tape_runs(
-    tape: Tape,
-    dst_ptrs: np.ndarray,
-    src_ptrs: np.ndarray,
-    sizes: np.ndarray,
-    stream: torch.cuda.Stream,
-    streams: int = 1,
-) -> None:
-    """Add the calls of `copy_runs(dst_ptrs, src_ptrs, sizes, stream, streams=streams)` to `tape`.
-
-    The same copies, streams, fork and join as `copy_runs` with the runtime's batch call
-    made directly (the tape's loop must have it: `Native.has_batch`), made later by
-    `Tape.run`.
-    """
-    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, tape, functools.partial(tape_runs, tape)):
-        return
-    if len(sizes) <= small_batch():
-        for d, s, k in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist(), strict=True):
-            tape.copy(d, s, k, stream.cuda_stream)
-    else:
-        tape.batch(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
 
 
 def _spread(
@@ -176,12 +152,10 @@ def _spread(
     sizes: np.ndarray,
     stream: torch.cuda.Stream,
     streams: int,
-    tape: Tape | None,
     share: Callable[[np.ndarray, np.ndarray, np.ndarray, torch.cuda.Stream], None],
 ) -> bool:
     """Whether the list is dealt with here: True when it is empty, or when it fans out (then fork,
-    `share` each stream's contiguous part on it and join, on `tape` when given); refuses the
-    legacy default stream."""
+    `share` each stream's contiguous part on it and join); refuses the legacy default stream."""
     if not len(sizes):
         return True
     _own_stream(stream)
@@ -189,10 +163,10 @@ def _spread(
         return False
     fan = _fan_out(stream, streams)
     bounds = _shares(sizes, streams)
-    fan.fork(tape)
+    fan.fork()
     for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
         share(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st)
-    fan.join(tape)
+    fan.join()
     return True
 
 
@@ -269,51 +243,32 @@ def direct_batch_fn() -> tuple[Callable[..., int], int] | None:
     return fn, _attrs.getPtr()
 
 
-Issue = Callable[[list[int]], None]
+def _loop_copies(flat: list[int], stream: torch.cuda.Stream) -> None:
+    """One `cudaMemcpyAsync` per `(dst, src, bytes)` triple of `flat` on `stream`.
 
-
-def issuer(stream: torch.cuda.Stream) -> Issue:
-    """A function that submits `[dst, src, bytes, dst, src, bytes, ...]` on `stream`.
-
-    One `cudaMemcpyAsync` per triple (raw addresses and byte counts as Python ints),
-    with the function and stream handle looked up once: this is the per-layer
-    submission of a reload, so nothing else happens per call. Through the loaded
-    runtime where found (`cudart`), else through `cuda.bindings`.
+    Through the loaded runtime where found (`cudart`), else through `cuda.bindings`.
     """
-    if _probe() is DmaMode.TORCH:
-        raise ValueError("raw copies need cuda.bindings")
-    _own_stream(stream)
     rt = cudart.runtime()
     if rt is not None:
         raw, handle = rt.memcpy_async, stream.cuda_stream
         kind_default = cudart.MEMCPY_DEFAULT
-
-        def issue_raw(flat: list[int]) -> None:
-            for i in range(0, len(flat), 3):
-                err = raw(flat[i], flat[i + 1], flat[i + 2], kind_default, handle)
-                if err:
-                    cudart.check(err, "cudaMemcpyAsync")
-
-        return issue_raw
+        for i in range(0, len(flat), 3):
+            err = raw(flat[i], flat[i + 1], flat[i + 2], kind_default, handle)
+            if err:
+                cudart.check(err, "cudaMemcpyAsync")
+        return
     memcpy = _runtime.cudaMemcpyAsync
     kind = _runtime.cudaMemcpyKind.cudaMemcpyDefault
     bound = _handle(stream)
     ok = _runtime.cudaError_t.cudaSuccess
-
-    def issue(flat: list[int]) -> None:
-        for i in range(0, len(flat), 3):
-            (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, bound)
-            if err != ok:
-                _check(err, "cudaMemcpyAsync")
-
-    return issue
+    for i in range(0, len(flat), 3):
+        (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, bound)
+        if err != ok:
+            _check(err, "cudaMemcpyAsync")
 
 
 class _FanOut:
-    """A stream and `k - 1` side streams that fork from it and join back into it (events reused).
-
-    `fork` and `join` make their calls at once, or add them to a `Tape` to be made later.
-    """
+    """A stream and `k - 1` side streams that fork from it and join back into it (events reused)."""
 
     def __init__(self, stream: torch.cuda.Stream, k: int) -> None:
         self.main = stream
@@ -321,31 +276,18 @@ class _FanOut:
         self.streams = [stream, *side]
         self.forked = torch.cuda.Event()
         self.joined = [torch.cuda.Event() for _ in side]
-        # Record each event once now so it has its CUDA handle for tapes (torch makes it lazily).
-        self.forked.record(stream)
-        for st, ev in zip(side, self.joined, strict=True):
-            ev.record(st)
 
-    def fork(self, tape: Tape | None = None) -> None:
+    def fork(self) -> None:
         """Side streams start after everything queued on the main stream so far."""
-        if tape is not None:
-            tape.record(self.forked.cuda_event, self.main.cuda_stream)
-            for st in self.streams[1:]:
-                tape.wait(st.cuda_stream, self.forked.cuda_event)
-            return
         self.forked.record(self.main)
         for st in self.streams[1:]:
             st.wait_event(self.forked)
 
-    def join(self, tape: Tape | None = None) -> None:
+    def join(self) -> None:
         """Work queued on the main stream from now on waits for every side stream."""
         for st, ev in zip(self.streams[1:], self.joined, strict=True):
-            if tape is not None:
-                tape.record(ev.cuda_event, st.cuda_stream)
-                tape.wait(self.main.cuda_stream, ev.cuda_event)
-            else:
-                ev.record(st)
-                self.main.wait_event(ev)
+            ev.record(st)
+            self.main.wait_event(ev)
 
 
 # Recording an event again is safe: a wait takes the event's state when it is enqueued.
