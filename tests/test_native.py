@@ -15,10 +15,11 @@ from conftest import poison_device, same_bytes
 
 from kvtier.cache import CacheConfig, CacheController, NodeState
 from kvtier.cache.streams import DeferredLane, Signal
+from kvtier.errors import PlanError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
-from kvtier.transfer import TransferPath, TransferPlan, dma, native
+from kvtier.transfer import TransferPath, dma, native
 from kvtier.transfer.cudart import MEMCPY_DEFAULT, CudaRuntimeError
 from kvtier.transfer.native import loop_takes, run_buffers, run_layers
 from kvtier.transfer.plan import Planner
@@ -169,6 +170,21 @@ def test_run_layers_makes_the_calls_of_its_runs(lib, small, layout, direction, p
 
 
 @needs_cc
+def test_run_layers_refuses_copies_and_buffers_of_other_pools(lib, monkeypatch) -> None:
+    """Raw addresses of one pool pair never serve runs planned for another: refused before any call."""
+    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    spec = preset("tiny-mla", 4)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    copies = Planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
+    events = list(range(1, spec.num_layers + 1))
+    for other in (run_buffers(HostPool(spec, 256), dev), run_buffers(host, DevicePool(spec, 256))):
+        rt = FakeRuntime()
+        with pytest.raises(PlanError, match="planned for"):
+            run_layers(rt.native(lib), copies, other, Direction.LOAD, 5, 9, 0xF0, events)
+        assert rt.calls == []
+
+
+@needs_cc
 def test_run_layers_names_the_failing_layer_and_stops(lib, monkeypatch) -> None:
     monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
     spec = preset("tiny-mla", 4)
@@ -262,8 +278,8 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
     monkeypatch.setattr(native, "_probed", True)
     monkeypatch.setattr(native, "_native", rt.native(lib))
     built = []
-    build = TransferPlan.build
-    monkeypatch.setattr(TransferPlan, "build", lambda *a, **k: built.append(1) or build(*a, **k))
+    build = Planner.plan_allocated
+    monkeypatch.setattr(Planner, "plan_allocated", lambda *a, **k: built.append(1) or build(*a, **k))
 
     m = c.match(tokens)
     assert len(m.host_nodes) == 2  # split after 8 tokens: two nodes, host runs from both

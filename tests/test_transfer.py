@@ -25,6 +25,7 @@ from kvtier.transfer import (
     load_layer,
     load_layers,
 )
+from kvtier.transfer.plan import Planner
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
@@ -324,7 +325,7 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
     ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
     # runs of 200 rows of the widest buffer: copy engine
     costs = PathCosts(copy_min_bytes=200 * 132)
-    plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
+    plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
     if layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
         assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 100}
@@ -390,7 +391,7 @@ def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(d
     hs = torch.cat([torch.arange(0, 300), torch.arange(400, 650), short_host, torch.arange(700, 830)])
     ds = torch.cat([torch.arange(1500, 1800), scattered[:440]])
     costs = PathCosts(copy_min_bytes=200 * 132, staged_min_bytes=100 * 132)
-    plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
+    plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
     if layout is HostLayout.LAYER_FIRST and direction == "backup":  # backups keep the kernel's scatter
         assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 440}
     elif layout is HostLayout.LAYER_FIRST:
@@ -414,7 +415,7 @@ def test_staging_needs_host_runs_long_enough() -> None:
 
     def mechanisms(staged_rows: int) -> dict[str, int]:
         costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=staged_rows * 48)
-        plan = TransferPlan.build("load", host, dev, runs, scattered[:1536], costs=costs, use_kernel=True)
+        plan = Planner(host, dev, costs, use_kernel=True).plan("load", runs, scattered[:1536])
         return plan.rows_by_mechanism()
 
     assert mechanisms(512) == {"staged": 1536}
@@ -426,7 +427,7 @@ def test_staging_needs_host_runs_long_enough() -> None:
     bad[700] = bad[3]
     costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=512 * 48)
     with pytest.raises(SlotError, match="repeats"):
-        TransferPlan.build("load", host, dev, runs, bad, costs=costs, use_kernel=True)
+        Planner(host, dev, costs, use_kernel=True).plan("load", runs, bad)
     assert same_bytes(dev.layer("kv", 0), before)
 
 
@@ -589,7 +590,7 @@ def test_planner_uses_the_kernel_for_short_runs_and_dma_for_long_ones() -> None:
     costs = PathCosts(copy_min_bytes=256 * 48)
 
     def path(hs, ds) -> TransferPath:
-        return TransferPlan.build("load", host, dev, hs, ds, costs=costs, use_kernel=True).path
+        return Planner(host, dev, costs, use_kernel=True).plan("load", hs, ds).path
 
     runs = (torch.tensor([3, 1, 7])[:, None] * 512 + torch.arange(512)).flatten()
     assert path(runs, torch.arange(1536)) is TransferPath.BATCHED_DMA
@@ -696,7 +697,7 @@ def test_whole_page_planning_finds_the_same_runs_as_per_slot(ps, layout) -> None
         hs = (hp[:, None] * ps + torch.arange(ps)).flatten()
         ds = (dp[:, None] * ps + torch.arange(ps)).flatten()
         a = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
-        b = TransferPlan.build("load", host, dev, hs, ds, force="per_run", trusted=True, whole_pages=True)
+        b = Planner(host, dev, force="per_run").plan_allocated("load", hs, ds)
         assert (a.host_runs, a.device_runs, a.joint_runs) == (b.host_runs, b.device_runs, b.joint_runs)
         assert a.parts[0].pieces == b.parts[0].pieces
 
@@ -729,18 +730,9 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
         )
     for hs, ds in cases:
         for force in (None, "per_run"):
-            a = TransferPlan.build("load", host, dev, hs, ds, force=force, use_kernel=False)
-            b = TransferPlan.build(
-                "load",
-                host,
-                dev,
-                hs,
-                ds,
-                force=force,
-                use_kernel=False,
-                trusted=True,
-                runs=(_runs_of(hs), _runs_of(ds)),
-            )
+            planner = Planner(host, dev, force=force, use_kernel=False)
+            a = planner.plan("load", hs, ds)
+            b = planner.plan_allocated("load", hs, ds, runs=(_runs_of(hs), _runs_of(ds)))
             assert (a.path, a.host_runs, a.device_runs, a.joint_runs) == (
                 b.path,
                 b.host_runs,
@@ -753,9 +745,9 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
                     for x, y in zip(a.parts[0].run_bytes[name], b.parts[0].run_bytes[name], strict=True):
                         assert np.array_equal(x, y)
     with pytest.raises(PlanError, match="cover"):
-        TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(0, 5)]))
+        Planner(host, dev).plan_allocated("load", hs, ds, runs=([(0, 4)], [(0, 5)]))
     with pytest.raises(PlanError, match="the plan has"):
-        TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(8, 4)]))
+        Planner(host, dev).plan_allocated("load", hs, ds, runs=([(0, 4)], [(8, 4)]))
 
 
 def test_copy_runs_fans_out_over_side_streams_that_fork_and_join(monkeypatch) -> None:
@@ -855,19 +847,25 @@ def test_batches_start_at_two_copies_only_with_the_direct_batch_call(monkeypatch
     assert dma.small_batch() == dma.SMALL_BATCH
 
 
-def test_a_kept_planner_plans_as_its_options_do_and_only_for_its_pools() -> None:
-    """`TransferPlan.build(planner=...)`: the same plan as the options given directly; refused with
-    options as well, or for other pools, before anything is planned."""
-    from kvtier.transfer.plan import Planner
-
+def test_plans_refuse_pools_they_were_not_built_for(gen) -> None:
+    """A plan records its pools: a load or backup handed other pools raises before anything moves."""
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    other_host, other_dev = HostPool(spec, 256), DevicePool(spec, 256)
     hs, ds = torch.arange(0, 64), torch.arange(64, 128)
     planner = Planner(host, dev, force="per_run")
-    kept = TransferPlan.build("load", host, dev, hs, ds, planner=planner)
-    direct = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
-    assert (kept.path, kept.parts[0].pieces) == (direct.path, direct.parts[0].pieces)
-    with pytest.raises(PlanError, match="not both"):
-        TransferPlan.build("load", host, dev, hs, ds, planner=planner, force="per_run")
-    with pytest.raises(PlanError, match="other pools"):
-        TransferPlan.build("load", HostPool(spec, 256), dev, hs, ds, planner=planner)
+    load, back = planner.plan("load", hs, ds), planner.plan("backup", hs, ds)
+    assert (load.host_pool, load.device_pool) == (host, dev)
+    poison_host(other_host, gen)
+    poison_device(other_dev, gen)
+    before_dev, before_host = other_dev.layer("kv", 0).clone(), other_host.chunks("kv")[0].clone()
+    with pytest.raises(PlanError, match="built for"):
+        load_layer(load, other_host, dev, 0)
+    with pytest.raises(PlanError, match="built for"):
+        load_layers(load, host, other_dev, [0, 1])
+    with pytest.raises(PlanError, match="built for"):
+        backup(back, other_dev, host)
+    with pytest.raises(PlanError, match="built for"):
+        backup(back, dev, other_host)
+    assert same_bytes(other_dev.layer("kv", 0), before_dev)
+    assert same_bytes(other_host.chunks("kv")[0], before_host)

@@ -596,19 +596,12 @@ class CacheController:
     ) -> TransferPlan:
         """Plan one operation on this cache's pools with its options. `host`, `dev`: `[n]` int64
         CPU slots from this cache's allocators and tree (`host` may come as the nodes' slots, in
-        order); `whole_pages`, `runs`: what is known of them (see `TransferPlan.build`)."""
-        return TransferPlan.build(
-            direction,
-            self.host_pool,
-            self.device_pool,
-            _concat(host) if isinstance(host, list) else host,
-            dev,
-            planner=self._planner,
-            stream=self._lane(direction).stream,
-            trusted=True,
-            whole_pages=whole_pages,
-            runs=runs,
-        )
+        order); `whole_pages`, `runs`: what is known of them (see `Planner.plan_allocated`)."""
+        host = _concat(host) if isinstance(host, list) else host
+        stream = self._lane(direction).stream
+        if whole_pages:
+            return self._planner.plan_allocated(direction, host, dev, runs=runs, stream=stream)
+        return self._planner.plan(direction, host, dev, stream=stream)
 
     def _copy_runs(
         self,

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from kvtier.errors import PlanError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
@@ -56,7 +57,7 @@ def load_layers(
     kernel's rows of consecutive layers move in one launch per buffer; loading a few
     layers at once then reads longer stretches of host memory than one layer's rows.
     """
-    _expect(plan, Direction.LOAD)
+    _expect(plan, Direction.LOAD, host_pool, device_pool)
     _move_layers(plan, host_pool, device_pool, list(layers), stream)
 
 
@@ -68,14 +69,16 @@ def backup(
     stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Copy every buffer of `layers` (all by default) from the plan's device slots to its host slots."""
-    _expect(plan, Direction.BACKUP)
+    _expect(plan, Direction.BACKUP, host_pool, device_pool)
     layers = range(host_pool.spec.num_layers) if layers is None else layers
     _move_layers(plan, host_pool, device_pool, list(layers), stream)
 
 
-def _expect(plan: TransferPlan, direction: Direction) -> None:
+def _expect(plan: TransferPlan, direction: Direction, host_pool: HostPool, device_pool: DevicePool) -> None:
+    """Refuse a plan of the other direction, or one built for other pools, before anything moves."""
     if plan.direction is not direction:
-        raise ValueError(f"plan is for {plan.direction.value}, not {direction.value}")
+        raise PlanError(f"plan is for {plan.direction.value}, not {direction.value}")
+    plan.check_pools(host_pool, device_pool)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.errors import PlanError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.transfer import cudart, dma
@@ -150,9 +151,10 @@ int kvtier_run_layers(const kvtier_runtime *rt, const int64_t *args, int64_t *fa
 class Buffers:
     """Every buffer of a pool pair as `kvtier_run_layers` addresses its rows (built once per pair).
 
-    One entry per buffer: `(row bytes, (region slots, page, page rows), host [layers of the
-    buffer, regions] int64 region addresses, device [layers of the buffer] int64 layer
-    addresses, the buffer's model layers)`; `layers`: the model's layer count.
+    `host_pool`, `device_pool`: the pools whose addresses it holds. One entry per buffer:
+    `(row bytes, (region slots, page, page rows), host [layers of the buffer, regions] int64
+    region addresses, device [layers of the buffer] int64 layer addresses, the buffer's model
+    layers)`; `layers`: the model's layer count.
     """
 
     class _Row(ctypes.Structure):
@@ -163,9 +165,12 @@ class Buffers:
 
     def __init__(
         self,
+        host_pool: HostPool,
+        device_pool: DevicePool,
         buffers: list[tuple[int, tuple[int, int, int], np.ndarray, np.ndarray, list[int]]],
         layers: int,
     ) -> None:
+        self.host_pool, self.device_pool = host_pool, device_pool
         self.layers = layers
         self._keep: list[np.ndarray] = []
         self._rows = (self._Row * len(buffers))()
@@ -345,6 +350,8 @@ def run_buffers(host_pool: HostPool, device_pool: DevicePool) -> Buffers | None:
         return None
     spec = host_pool.spec
     return Buffers(
+        host_pool,
+        device_pool,
         [
             (
                 b.row_bytes,
@@ -383,5 +390,10 @@ def run_layers(
     event `order`; `events`: one raw event handle per model layer, recorded after its
     copies, or one recorded after every layer.
     """
+    if copies.host_pool is not buffers.host_pool or copies.device_pool is not buffers.device_pool:
+        raise PlanError(
+            f"the copies were planned for {copies.host_pool} and {copies.device_pool}, the buffers "
+            f"hold the addresses of {buffers.host_pool} and {buffers.device_pool}"
+        )
     load = direction is Direction.LOAD
     lib.run_layers(copies.joint[1:], buffers, load, events, stream, (order, current), dma.small_batch())

@@ -37,6 +37,7 @@ by `PathCosts`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -46,6 +47,7 @@ import torch
 from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostLayout, HostPool
+from kvtier.slots import as_slot_tensor
 from kvtier.spec import KVSpec
 from kvtier.transfer import dma, kernels
 
@@ -251,6 +253,7 @@ class TransferPlan:
 
     `host_slots`, `device_slots`: `[n]` int64 on CPU. `ready`: a CUDA event after the
     plan's index uploads (None on CPU); executors make their stream wait on it.
+    `host_pool`, `device_pool`: the pools it was planned for; executors refuse others.
     """
 
     direction: Direction
@@ -263,6 +266,8 @@ class TransferPlan:
     joint_runs: int
     kernel: KernelOptions
     ready: torch.cuda.Event | None
+    host_pool: HostPool = field(repr=False, compare=False)
+    device_pool: DevicePool = field(repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -294,127 +299,26 @@ class TransferPlan:
         direction: Direction | str,
         host_pool: HostPool,
         device_pool: DevicePool,
-        host_slots: torch.Tensor | list[int],
-        device_slots: torch.Tensor | list[int],
+        host_slots: torch.Tensor | Sequence[int],
+        device_slots: torch.Tensor | Sequence[int],
         *,
         costs: PathCosts | None = None,
         kernel: KernelOptions | None = None,
         force: TransferPath | str | None = None,
-        use_kernel: bool | None = None,
-        planner: Planner | None = None,
         stream: torch.cuda.Stream | None = None,
-        trusted: bool = False,
-        whole_pages: bool = False,
-        runs: RunPair | None = None,
     ) -> TransferPlan:
-        """Validate the pairs and plan the operation; raises before anything is written.
+        """Validate the pairs and plan the operation: `Planner(...).plan(...)`; raises before anything
+        is written. See `Planner`."""
+        planner = Planner(host_pool, device_pool, costs, kernel, force)
+        return planner.plan(direction, host_slots, device_slots, stream)
 
-        `host_slots`, `device_slots`: `[n]` integer slot ids, CPU. For a load the
-        device slots must be distinct, for a backup the host slots. `costs` and
-        `kernel` tune the planner; `force` picks one path instead (benchmarks and
-        tests; `MIXED` cannot be forced, `SINGLE_COPY` only on one joint run, `KERNEL`
-        needs Triton). `use_kernel` lets the planner use the kernel (default: on CUDA
-        with Triton). `planner`: those options already checked for these two pools (a
-        caller planning many operations keeps one), given instead of them. On CUDA the
-        device indices are uploaded on `stream`. `trusted`:
-        the slots come from this library's allocators and tree (int64 CPU tensors, in
-        range, destinations distinct), so the O(n log n) checks are skipped.
-        `whole_pages`: both sides are whole allocator pages (each page's slots
-        consecutive from a page-aligned id), so runs are found per page, not per slot.
-        `runs`: `(host runs, device runs)` of trusted slots, each a list of `(first
-        slot, length)` in plan order (as the allocators hand them out): a copy-engine
-        plan is then built from the runs alone, without a pass over the slots.
-        """
-        direction = Direction(direction)
-        if planner is None:
-            planner = Planner(host_pool, device_pool, costs, kernel, force, use_kernel)
-        elif (costs, kernel, force, use_kernel) != (None, None, None, None):
-            raise PlanError("give the planner's options either to the Planner or here, not both")
-        elif planner.host_pool is not host_pool or planner.device_pool is not device_pool:
-            raise PlanError("the planner was made for other pools")
-        costs, kernel = planner.costs, planner.kernel
-        if trusted:
-            h, d = host_slots, device_slots
-        else:
-            h = _as_slots("host_slots", host_slots, host_pool.num_slots)
-            d = _as_slots("device_slots", device_slots, device_pool.num_slots)
-        if h.numel() != d.numel():
-            raise SlotError(f"host_slots has {h.numel()} entries but device_slots has {d.numel()}")
-        if not trusted:
-            dst_name, dst = ("device_slots", d) if direction is Direction.LOAD else ("host_slots", h)
-            _check_distinct(dst_name, dst)
-
-        n = h.numel()
-        widest = planner.widest
-        batched = planner.batched
-        if runs is not None:
-            copies = planner.copies(n, runs)
-            if copies is not None:
-                return cls(
-                    direction=direction,
-                    path=copies.path,
-                    parts=(copies.part(host_pool),),
-                    host_slots=h,
-                    device_slots=d,
-                    host_runs=copies.host_runs,
-                    device_runs=copies.device_runs,
-                    joint_runs=len(copies.lens),
-                    kernel=kernel,
-                    ready=None,
-                )
-
-        ps = host_pool.spec.page_size
-        hn, dn = h.numpy(), d.numpy()
-        step = ps if whole_pages and n % ps == 0 else 1
-        host_break, dev_break = (
-            _breaks(hn, step, host_pool.segment_slots, host_pool.num_slots),
-            _breaks(dn, step),
-        )
-        host_starts, host_lens = _runs(host_break, step)
-        joint_starts, joint_lens = _runs(host_break | dev_break, step)
-        path = planner.decide(
-            n,
-            len(host_starts),
-            len(joint_starts),
-            int((joint_lens * widest >= costs.copy_min_bytes).sum()),
-        )
-
-        up = _Uploader(device_pool.device, stream)
-        js, jl = joint_starts, joint_lens
-        cap = device_pool.staging_tokens
-        if path in _COPY_PATHS:
-            use_batch = batched and path is not TransferPath.PER_RUN
-            streams = _copy_streams(host_pool.spec, n, len(jl), use_batch, costs)
-            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch, streams),)
-        elif path is TransferPath.STAGED:
-            parts = (
-                _staged_part(host_pool, hn, dn, host_starts, host_lens, cap, batched, costs.copy_streams, up),
+    def check_pools(self, host_pool: HostPool, device_pool: DevicePool) -> None:
+        """Raise `PlanError` unless these are the pools the plan was built for."""
+        if host_pool is not self.host_pool or device_pool is not self.device_pool:
+            raise PlanError(
+                f"the plan was built for {self.host_pool} and {self.device_pool}, "
+                f"not {host_pool} and {device_pool}"
             )
-        elif path is TransferPath.KERNEL:
-            parts = (
-                _kernel_part(direction, host_pool, device_pool, hn, dn, joint_starts, joint_lens, kernel, up),
-            )
-        elif path is TransferPath.MIXED:
-            # Backups keep the kernel for these rows: on an H200 its scatter reaches 0.95 of
-            # the line rate, staging then copying out 0.92 (bench/NOTES.md).
-            staged_min = costs.staged_min_bytes if direction is Direction.LOAD else None
-            split = _Stretches.of(js, jl, host_break, step, widest, costs.copy_min_bytes, staged_min)
-            parts = split.parts(direction, host_pool, device_pool, hn, dn, kernel, cap, batched, costs, up)
-            path = _path_of(parts)
-        else:
-            parts = (Part(Mechanism.REFERENCE, len(hn), positions=torch.arange(len(hn)), device_index=up(d)),)
-        return cls(
-            direction=direction,
-            path=path,
-            parts=parts,
-            host_slots=h,
-            device_slots=d,
-            host_runs=len(host_starts),
-            device_runs=int(dev_break.sum()),
-            joint_runs=len(joint_starts),
-            kernel=kernel,
-            ready=up.finish(),
-        )
 
 
 _COPY_PATHS = (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA)
@@ -438,9 +342,10 @@ def _check_options(
 class Planner:
     """The planner's choices for one pool pair and one set of options, checked once.
 
-    `TransferPlan.build` makes one per plan; a caller that plans many operations on the
-    same pools (the cache) keeps one and plans from run lists with `copies`, which then
-    costs O(runs) Python and no re-checking of the options.
+    `costs` and `kernel` tune the planner; `force` picks one path instead (benchmarks and
+    tests; `MIXED` cannot be forced, `SINGLE_COPY` only on one joint run, `KERNEL` needs
+    Triton). `use_kernel` lets the planner use the kernel (default: on CUDA with Triton).
+    A caller that plans many operations on the same pools (the cache) keeps one.
     """
 
     def __init__(
@@ -463,6 +368,135 @@ class Planner:
         self.batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
         self.widest = host_pool.spec.widest_row_bytes
 
+    def plan(
+        self,
+        direction: Direction | str,
+        host_slots: torch.Tensor | Sequence[int],
+        device_slots: torch.Tensor | Sequence[int],
+        stream: torch.cuda.Stream | None = None,
+    ) -> TransferPlan:
+        """Validate the pairs and plan the operation; raises before anything is written.
+
+        `host_slots`, `device_slots`: `[n]` integer slot ids, CPU (`kvtier.slots.as_slots`).
+        For a load the device slots must be distinct, for a backup the host slots. On CUDA
+        the device indices are uploaded on `stream`.
+        """
+        direction = Direction(direction)
+        load = direction is Direction.LOAD
+        h = as_slot_tensor("host_slots", host_slots, self.host_pool.num_slots, distinct=not load)
+        d = as_slot_tensor("device_slots", device_slots, self.device_pool.num_slots, distinct=load)
+        if h.numel() != d.numel():
+            raise SlotError(f"host_slots has {h.numel()} entries but device_slots has {d.numel()}")
+        return self._plan(direction, h, d, 1, stream)
+
+    def plan_allocated(
+        self,
+        direction: Direction | str,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        runs: RunPair | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> TransferPlan:
+        """Plan an operation on slots from kvtier's allocators and tree, unchecked.
+
+        `host_slots`, `device_slots`: `[n]` int64 CPU tensors, in range, the destinations
+        distinct, both sides whole allocator pages (each page's slots consecutive from a
+        page-aligned id), so runs are found per page, not per slot. `runs`: their `(host
+        runs, device runs)`, each a list of `(first slot, length)` in plan order (as the
+        allocators hand them out): a copy-engine plan is then built from the runs alone,
+        without a pass over the slots. On CUDA the device indices are uploaded on `stream`.
+        """
+        direction = Direction(direction)
+        if host_slots.numel() != device_slots.numel():
+            raise SlotError(
+                f"host_slots has {host_slots.numel()} entries but device_slots has {device_slots.numel()}"
+            )
+        n = host_slots.numel()
+        if runs is not None:
+            copies = self.copies(n, runs)
+            if copies is not None:
+                return TransferPlan(
+                    direction=direction,
+                    path=copies.path,
+                    parts=(copies.part(),),
+                    host_slots=host_slots,
+                    device_slots=device_slots,
+                    host_runs=copies.host_runs,
+                    device_runs=copies.device_runs,
+                    joint_runs=len(copies.lens),
+                    kernel=self.kernel,
+                    ready=None,
+                    host_pool=self.host_pool,
+                    device_pool=self.device_pool,
+                )
+        ps = self.host_pool.spec.page_size
+        return self._plan(direction, host_slots, device_slots, ps if n % ps == 0 else 1, stream)
+
+    def _plan(
+        self,
+        direction: Direction,
+        h: torch.Tensor,
+        d: torch.Tensor,
+        step: int,
+        stream: torch.cuda.Stream | None,
+    ) -> TransferPlan:
+        """The plan of valid pairs `h`, `d` (`[n]` int64 CPU), runs found per `step` slots."""
+        host_pool, device_pool, costs, kernel = self.host_pool, self.device_pool, self.costs, self.kernel
+        n = h.numel()
+        widest, batched = self.widest, self.batched
+        hn, dn = h.numpy(), d.numpy()
+        host_break, dev_break = (
+            _breaks(hn, step, host_pool.segment_slots, host_pool.num_slots),
+            _breaks(dn, step),
+        )
+        host_starts, host_lens = _runs(host_break, step)
+        joint_starts, joint_lens = _runs(host_break | dev_break, step)
+        path = self.decide(
+            n,
+            len(host_starts),
+            len(joint_starts),
+            int((joint_lens * widest >= costs.copy_min_bytes).sum()),
+        )
+
+        up = _Uploader(device_pool.device, stream)
+        js, jl = joint_starts, joint_lens
+        cap = device_pool.staging_tokens
+        if path in _COPY_PATHS:
+            use_batch = batched and path is not TransferPath.PER_RUN
+            streams = _copy_streams(host_pool.spec, n, len(jl), use_batch, costs)
+            parts = (_copy_part(host_pool, js, hn[js], dn[js], jl, use_batch, streams),)
+        elif path is TransferPath.STAGED:
+            parts = (
+                _staged_part(host_pool, hn, dn, host_starts, host_lens, cap, batched, costs.copy_streams, up),
+            )
+        elif path is TransferPath.KERNEL:
+            parts = (
+                _kernel_part(direction, host_pool, device_pool, hn, dn, joint_starts, joint_lens, kernel, up),
+            )
+        elif path is TransferPath.MIXED:
+            # Backups keep the kernel for these rows: its scatter beats staging then copying out
+            # (bench/NOTES.md).
+            staged_min = costs.staged_min_bytes if direction is Direction.LOAD else None
+            split = _Stretches.of(js, jl, host_break, step, widest, costs.copy_min_bytes, staged_min)
+            parts = split.parts(direction, host_pool, device_pool, hn, dn, kernel, cap, batched, costs, up)
+            path = _path_of(parts)
+        else:
+            parts = (Part(Mechanism.REFERENCE, len(hn), positions=torch.arange(len(hn)), device_index=up(d)),)
+        return TransferPlan(
+            direction=direction,
+            path=path,
+            parts=parts,
+            host_slots=h,
+            device_slots=d,
+            host_runs=len(host_starts),
+            device_runs=int(dev_break.sum()),
+            joint_runs=len(joint_starts),
+            kernel=kernel,
+            ready=up.finish(),
+            host_pool=host_pool,
+            device_pool=device_pool,
+        )
+
     def decide(self, n: int, host_runs: int, joint_runs: int, long_runs: int) -> TransferPath:
         """The path of an operation of `n` rows (`force`d, else `_choose`'s)."""
         if self.force is not None:
@@ -478,7 +512,7 @@ class Planner:
         )
 
     def copies(self, n: int, runs: RunPair) -> RunCopies | None:
-        """The copy-engine plan of `n` trusted slots given as `runs` (see `TransferPlan.build`),
+        """The copy-engine plan of `n` allocated slots given as `runs` (see `plan_allocated`),
         or None where the planner picks another mechanism for some row."""
         host_pool = self.host_pool
         joint = _joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
@@ -492,7 +526,9 @@ class Planner:
         table = np.array((joint.pos, joint.host, joint.dev, lens), dtype=np.int64)
         batched = self.batched and path is not TransferPath.PER_RUN
         streams = _copy_streams(host_pool.spec, n, len(lens), batched, self.costs)
-        return RunCopies(path, table, joint.host_runs, joint.device_runs, batched, streams)
+        return RunCopies(
+            path, table, joint.host_runs, joint.device_runs, batched, streams, host_pool, self.device_pool
+        )
 
 
 @dataclass(frozen=True)
@@ -502,7 +538,8 @@ class RunCopies:
     `joint`: `[4, R]` int64, C-contiguous: where each joint run starts in the plan, its
     first host slot, first device slot and length (host runs cut at segment edges).
     `batched`: copies go out as batched calls where a buffer has many runs; `streams`:
-    how many streams one layer's copies are spread over (from `costs`).
+    how many streams one layer's copies are spread over (from `costs`). `host_pool`,
+    `device_pool`: the planner's pools.
     """
 
     path: TransferPath
@@ -511,14 +548,16 @@ class RunCopies:
     device_runs: int
     batched: bool
     streams: int
+    host_pool: HostPool = field(repr=False, compare=False)
+    device_pool: DevicePool = field(repr=False, compare=False)
 
     @property
     def lens(self) -> np.ndarray:
         return self.joint[3]
 
-    def part(self, host_pool: HostPool) -> Part:
+    def part(self) -> Part:
         """The plan's one part."""
-        return _copy_part(host_pool, *self.joint, self.batched, self.streams)
+        return _copy_part(self.host_pool, *self.joint, self.batched, self.streams)
 
 
 @dataclass(frozen=True)
@@ -912,36 +951,6 @@ class _Uploader:
         ready = torch.cuda.Event()
         ready.record(self.stream)
         return ready
-
-
-def _as_slots(name: str, slots: torch.Tensor | list[int], limit: int) -> torch.Tensor:
-    """`slots` as a `[n]` int64 CPU tensor, every id in `[0, limit)`."""
-    if isinstance(slots, torch.Tensor):
-        if slots.device.type != "cpu":
-            raise SlotError(f"{name} must be on the CPU (plans are built on CPU indices), got {slots.device}")
-        if slots.dim() != 1 or slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
-            raise SlotError(
-                f"{name} must be a 1-D integer tensor, got {slots.dtype} of shape {tuple(slots.shape)}"
-            )
-        t = slots.to(torch.int64).contiguous()
-    else:
-        try:
-            t = torch.as_tensor(list(slots), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise SlotError(f"{name} must be a sequence of ints: {e}") from None
-    bad = t[(t < 0) | (t >= limit)]
-    if bad.numel():
-        raise SlotError(f"{name} has ids outside [0, {limit}): {bad[:10].tolist()} ({bad.numel()} in all)")
-    return t
-
-
-def _check_distinct(name: str, slots: torch.Tensor) -> None:
-    if slots.numel() < 2:
-        return
-    s, _ = torch.sort(slots)
-    dup = s[1:][s[1:] == s[:-1]]
-    if dup.numel():
-        raise SlotError(f"{name} (the destination) repeats ids {torch.unique(dup)[:10].tolist()}")
 
 
 def _shape_of(spec: KVSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
