@@ -340,7 +340,7 @@ def test_cuda_round_trip_is_byte_identical(policy, loop, monkeypatch) -> None:
 
 def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch) -> None:
     """Host runs kept on the nodes (through a split) and the device allocator's runs plan the load."""
-    from kvtier.transfer import plan as plan_module
+    from kvtier.transfer import runs as runs_module
 
     c = make()
     fill(c, tuple(range(16)))
@@ -353,7 +353,7 @@ def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch
     def no_scan(*_a, **_k):
         raise AssertionError("the slots were scanned")
 
-    monkeypatch.setattr(plan_module, "_breaks", no_scan)
+    monkeypatch.setattr(runs_module, "scan", no_scan)
     h = c.load_back(m)
     assert h.plan is not None and h.plan.path is TransferPath.SINGLE_COPY
     c.flush()

@@ -24,7 +24,7 @@ from kvtier.errors import SlotError
 from kvtier.pool.device import Direction
 from kvtier.pool.rows import word_dtype
 from kvtier.transfer import groups
-from kvtier.transfer.copy import _layer_runs
+from kvtier.transfer.execute import layer_spans
 from kvtier.transfer.kernels import triton_available
 
 CUDA = torch.cuda.is_available()
@@ -250,7 +250,7 @@ def test_units_in_flight_fill_a_tile() -> None:
     assert groups.units_in_flight(6) == groups.GROUP_TILE_BYTES // 6
 
 
-def test_layer_runs_split_at_gaps_and_at_the_cap() -> None:
-    assert _layer_runs([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 3), (4, 6)]
-    assert _layer_runs([3], 8) == [(3, 4)]
-    assert _layer_runs([0, 1, 2, 3], 8) == [(0, 4)]
+def test_layer_spans_split_at_gaps_and_at_the_cap() -> None:
+    assert layer_spans([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 3), (4, 6)]
+    assert layer_spans([3], 8) == [(3, 4)]
+    assert layer_spans([0, 1, 2, 3], 8) == [(0, 4)]

@@ -468,7 +468,7 @@ def test_stages_are_what_the_device_s_shared_memory_holds(
     shared: int, stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvtier.transfer import KernelOptions
-    from kvtier.transfer.plan import _launch
+    from kvtier.transfer.options import _launch
 
     monkeypatch.setattr(kernels, "_shared_bytes", lambda index: shared)
     _launch.cache_clear()  # launches are kept per device, whose shared memory is patched here
@@ -486,7 +486,7 @@ def test_stages_are_what_the_device_s_shared_memory_holds(
 def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
     from kvtier.pool.device import Direction
     from kvtier.transfer import KernelOptions
-    from kvtier.transfer.plan import KernelLaunch
+    from kvtier.transfer.options import KernelLaunch
 
     lean, full = KernelOptions(), KernelOptions(lean=False)
     # Rows of 1 KiB or more: 2 programs of 4 stages of 56 rows when they are whole, aligned lines,

@@ -288,7 +288,7 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
     assert h.plan is not None and h.plan.path in (TransferPath.SINGLE_COPY, TransferPath.PER_RUN) and built
     events = [0xE0 + i for i in range(spec.num_layers)]
     (part,) = h.plan.parts
-    runs = [(p.host, p.device, p.length) for p in part.pieces]
+    runs = part.runs.triples
     assert rt.calls == expected_calls(
         runs, c.host_pool, c.device_pool, Direction.LOAD, events, dma.small_batch()
     )

@@ -14,7 +14,6 @@ from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.spec import preset
 from kvtier.transfer import (
     KernelOptions,
-    Mechanism,
     PathCosts,
     TransferPath,
     TransferPlan,
@@ -25,6 +24,7 @@ from kvtier.transfer import (
     load_layer,
     load_layers,
 )
+from kvtier.transfer.options import Mechanism
 from kvtier.transfer.plan import Planner
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
@@ -400,7 +400,7 @@ def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(d
         (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
         # 250 + 130 rows in windows of 100: runs cut at rows 100, 200 and 300 of the part
         assert staged.windows == ((0, 100, 0, 1), (100, 200, 1, 2), (200, 300, 2, 4), (300, 380, 4, 5))
-        assert [p.length for p in staged.pieces] == [100, 100, 50, 50, 80]
+        assert staged.runs.length.tolist() == [100, 100, 50, 50, 80]
     else:  # one-slot pages: no host run is longer than a page
         assert plan.path is TransferPath.KERNEL
     _run_and_check(plan, host, dev, hs, ds, layout)
@@ -467,7 +467,7 @@ def test_page_first_kernel_rows_move_several_layers_per_launch(spec_name, ps, di
     ds = (torch.randperm(512 // ps, generator=gen)[:pages, None] * ps + torch.arange(ps)).flatten()
     plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel", kernel=KernelOptions(2, 3))
     (part,) = plan.parts
-    assert part.unit == ps and set(part.layer_tables) == {b.name for b in spec.buffers}
+    assert part.unit == ps and set(part.tables) == {b.name for b in spec.buffers}
     assert plan.sms_used == 2
     launches = []
     copy_groups = groups.copy_groups
@@ -487,7 +487,7 @@ def test_layer_first_kernel_rows_move_layer_by_layer(gen) -> None:
     host, dev = HostPool(spec, 256, "layer_first"), DevicePool(spec, 256)
     hs, ds = torch.randperm(256, generator=gen)[:50], torch.randperm(256, generator=gen)[:50]
     plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel")
-    assert plan.parts[0].layer_tables == {}
+    assert plan.parts[0].tables == {}
     _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST, grouped=True)
 
 
@@ -577,7 +577,7 @@ def test_kernel_offsets_come_in_the_widest_words_the_rows_allow(ps, word, gen) -
     plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel")
     (part,) = plan.parts
     b = spec.buffer("indexer")
-    for rows in part.kernel_rows["indexer"]:
+    for rows in part.regions["indexer"]:
         assert rows.word == word
         assert (rows.src * word % (b.row_bytes * part.unit) == 0).all()
         assert (rows.src % rows.align == 0).all() and (rows.dst % rows.align == 0).all()
@@ -675,10 +675,10 @@ def test_copy_addresses_are_those_of_the_rows_the_tensor_path_copies(layout) -> 
         for j, layer in enumerate(b.layers):
             host_ptrs = host.region_ptrs(b.name)[j, region] + host_off
             dev_ptrs = dev.layer_ptrs(b.name)[j] + dev_off
-            for r, p in enumerate(part.pieces):
-                assert host_ptrs[r] == host.segment(b.name, layer, p.host // seg)[p.host % seg].data_ptr()
-                assert dev_ptrs[r] == dev.layer(b.name, layer)[p.device].data_ptr()
-                assert nbytes[r] == p.length * b.row_bytes
+            for r, (h, d, n) in enumerate(part.runs.triples):
+                assert host_ptrs[r] == host.segment(b.name, layer, h // seg)[h % seg].data_ptr()
+                assert dev_ptrs[r] == dev.layer(b.name, layer)[d].data_ptr()
+                assert nbytes[r] == n * b.row_bytes
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
@@ -699,7 +699,7 @@ def test_whole_page_planning_finds_the_same_runs_as_per_slot(ps, layout) -> None
         a = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
         b = Planner(host, dev, force="per_run").plan_allocated("load", hs, ds)
         assert (a.host_runs, a.device_runs, a.joint_runs) == (b.host_runs, b.device_runs, b.joint_runs)
-        assert a.parts[0].pieces == b.parts[0].pieces
+        assert a.parts[0].runs.table.tolist() == b.parts[0].runs.table.tolist()
 
 
 def _runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
@@ -713,9 +713,13 @@ def _runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
+def _runs_table(part) -> list | None:
+    return part.runs.table.tolist() if hasattr(part, "runs") else None
+
+
 @pytest.mark.parametrize("layout", list(HostLayout))
 def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
-    """A plan built from run lists is the slot-scan plan: same path, runs, pieces and addresses."""
+    """A plan built from run lists is the slot-scan plan: same path, runs and addresses."""
     spec = preset("tiny-mla", 2)
     host = HostPool(spec, 1024, layout, chunk_bytes=16384)
     dev = DevicePool(spec, 1024)
@@ -739,7 +743,7 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
                 b.device_runs,
                 b.joint_runs,
             )
-            assert [p.pieces for p in a.parts] == [p.pieces for p in b.parts]
+            assert [_runs_table(p) for p in a.parts] == [_runs_table(p) for p in b.parts]
             if a.path in (TransferPath.PER_RUN, TransferPath.SINGLE_COPY):
                 for name in a.parts[0].run_bytes:
                     for x, y in zip(a.parts[0].run_bytes[name], b.parts[0].run_bytes[name], strict=True):
@@ -795,7 +799,7 @@ def test_direct_batch_call_needs_the_bindings_attributes(monkeypatch) -> None:
 
 def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
     """Runs averaging `fan_out_below_bytes` or more stay on one stream (no fork and join per layer)."""
-    from kvtier.transfer.plan import _copy_streams
+    from kvtier.transfer.parts import copy_streams as _copy_streams
 
     spec = preset("tiny-mla", 1)  # 48-byte rows
     runs = 16

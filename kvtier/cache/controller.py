@@ -56,7 +56,8 @@ from kvtier.transfer import (
     native,
 )
 from kvtier.transfer.native import loop_takes, run_buffers, run_layers
-from kvtier.transfer.plan import Planner, RunPair
+from kvtier.transfer.plan import Planner
+from kvtier.transfer.runs import RunPair
 
 log = logging.getLogger(__name__)
 

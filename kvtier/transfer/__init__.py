@@ -1,20 +1,13 @@
-"""Moving KV rows between a `HostPool` and a `DevicePool`: plans (decide once) and copies (run per layer)."""
+"""Moving KV rows between a `HostPool` and a `DevicePool`: plans (decided once) and their execution."""
 
-from kvtier.transfer.copy import backup, load_layer, load_layers
-from kvtier.transfer.plan import (
-    KernelOptions,
-    Mechanism,
-    PathCosts,
-    Piece,
-    TransferPath,
-    TransferPlan,
-)
+from kvtier.transfer.execute import backup, load_layer, load_layers
+from kvtier.transfer.options import KernelOptions, PathCosts
+from kvtier.transfer.plan import Planner, TransferPath, TransferPlan
 
 __all__ = [
     "KernelOptions",
-    "Mechanism",
     "PathCosts",
-    "Piece",
+    "Planner",
     "TransferPath",
     "TransferPlan",
     "backup",

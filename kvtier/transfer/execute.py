@@ -1,17 +1,19 @@
-"""Executing transfer plans: one layer host -> device, or layers device -> host.
+"""Executing transfer plans: layers host -> device (`load_layer`, `load_layers`) or back (`backup`).
 
 Everything here is stream-ordered and reads no device value back to the host, so a
-load can be submitted layer by layer while the model runs (the `REFERENCE`
-mechanism is the exception: it gathers through host memory and waits for the
-stream). Rows move as raw words (`as_words`), so every dtype is copied bit for bit.
+load can be submitted layer by layer while the model runs (the reference mechanism
+is the exception: it gathers through host memory and waits for the stream). Rows
+move as raw words (`as_words`), so every dtype is copied bit for bit. Each part is
+run by its mechanism's executor, with what the plan computed: kernel launches take
+the shapes their part carries.
 
 A buffer whose device tensor does not match the host rows (another dtype, or rows
 not packed back to back, as in a wrapped engine tensor) falls back to the
-reference path for that buffer alone.
+reference path for that buffer alone (the planner logs it).
 
 Concurrency contract: the caller orders a load after any backup that writes the
 same host slots (an event), and keeps the plan alive until its stream has run.
-Plans with a `STAGED` part use the device pool's staging buffer of their direction,
+Plans with a staged part use the device pool's staging buffer of their direction,
 so two of them must not run at once on different streams (the cache runs every
 load on one stream and every backup on another).
 """
@@ -30,7 +32,8 @@ from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
 from kvtier.transfer import dma, groups, kernels
-from kvtier.transfer.plan import Mechanism, Part, TransferPlan
+from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, StagedPart
+from kvtier.transfer.plan import TransferPlan
 
 
 def load_layer(
@@ -54,7 +57,7 @@ def load_layers(
     """Copy every buffer of `layers` from the plan's host slots to its device slots.
 
     Where the host keeps a unit's layers together (`page_first`, whole pages), the
-    kernel's rows of consecutive layers move in one launch per buffer; loading a few
+    kernel's units of consecutive layers move in one launch per buffer; loading a few
     layers at once then reads longer stretches of host memory than one layer's rows.
     """
     _expect(plan, Direction.LOAD, host_pool, device_pool)
@@ -102,7 +105,7 @@ def _move_layers(
     layers: list[int],
     stream: torch.cuda.Stream | None,
 ) -> None:
-    """Every buffer of `layers`, layer by layer, except kernel rows that move several layers at once."""
+    """Every buffer of `layers`, layer by layer, except kernel units that move several layers at once."""
     spec = host_pool.spec
     # A layer outside the model raises here, before anything moves.
     on = [(layer, spec.buffers_on(layer)) for layer in layers]
@@ -114,10 +117,10 @@ def _move_layers(
         if not grouped:
             return
         for b in spec.buffers:
-            on = set(b.layers)
-            mine = [b.local_layer(layer) for layer in layers if layer in on]
+            present = set(b.layers)
+            mine = [b.local_layer(layer) for layer in layers if layer in present]
             for part in plan.parts:
-                if b.name in part.layer_tables and device_pool.raw_rows(b.name):
+                if isinstance(part, KernelPart) and b.name in part.tables and device_pool.raw_rows(b.name):
                     _kernel_groups(plan, part, host_pool, device_pool, b, mine)
 
 
@@ -134,22 +137,22 @@ def _move(
     have a layer table for `b` (the caller moves those several layers at once)."""
     dev = device_pool.layer(b.name, layer)
     if not device_pool.raw_rows(b.name):
-        _reference(plan, host_pool, dev, b, layer, None)
+        _reference(plan, host_pool, dev, b, layer, plan.host_slots, plan.device_slots.to(dev.device))
         return
     dev_w = as_words(dev)
     for part in plan.parts:
-        if part.mechanism is Mechanism.COPY:
+        if isinstance(part, CopyPart):
             if part.batched:
                 _batched(plan, part, host_pool, dev_w, b, layer, stream)
             else:
                 _per_run(plan, part, host_pool, dev_w, b, layer)
-        elif part.mechanism is Mechanism.STAGED:
+        elif isinstance(part, StagedPart):
             _staged(plan, part, host_pool, device_pool, dev_w, b, layer, stream)
-        elif part.mechanism is Mechanism.KERNEL:
-            if not (grouped and b.name in part.layer_tables):
+        elif isinstance(part, KernelPart):
+            if not (grouped and b.name in part.tables):
                 _kernel(plan, part, host_pool, dev_w, b, layer)
         else:
-            _reference(plan, host_pool, dev, b, layer, part)
+            _reference(plan, host_pool, dev, b, layer, plan.host_slots[part.positions], part.device_index)
 
 
 def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:
@@ -161,13 +164,14 @@ def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, lengt
 
 
 def _per_run(
-    plan: TransferPlan, part: Part, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
+    plan: TransferPlan, part: CopyPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
 ) -> None:
     """One torch copy per joint run."""
-    for p in part.pieces:
-        host_w = _host_words(host_pool, b, layer, p.host, p.length)
-        dev_rows = dev_w[p.device : p.device + p.length]
-        if plan.direction is Direction.LOAD:
+    load = plan.direction is Direction.LOAD
+    for host, device, length in part.runs.triples:
+        host_w = _host_words(host_pool, b, layer, host, length)
+        dev_rows = dev_w[device : device + length]
+        if load:
             dev_rows.copy_(host_w, non_blocking=True)
         else:
             host_w.copy_(dev_rows, non_blocking=True)
@@ -175,7 +179,7 @@ def _per_run(
 
 def _batched(
     plan: TransferPlan,
-    part: Part,
+    part: CopyPart,
     host_pool: HostPool,
     dev_w: torch.Tensor,
     b: BufferSpec,
@@ -201,7 +205,7 @@ def _host_ptrs(
 
 def _staged(
     plan: TransferPlan,
-    part: Part,
+    part: StagedPart,
     host_pool: HostPool,
     device_pool: DevicePool,
     dev_w: torch.Tensor,
@@ -211,82 +215,108 @@ def _staged(
 ) -> None:
     """Host runs <-> a contiguous staging buffer (copy engine), staging <-> device slots on the device.
 
-    Per window of the staging buffer: a load copies its host runs in (one batched call
-    where the part is batched) and then places the rows with one `index_copy_`; a
-    backup gathers the rows with one `index_select` and then copies them out. The
-    stream orders the copies and the on-device step.
+    Per window: a load copies its host runs in (one batched call where the part is
+    batched) and then places the rows with one `index_copy_`; a backup gathers the rows
+    with one `index_select` and then copies them out. The stream orders both steps.
     """
     cap = device_pool.staging_tokens
     raw = device_pool.staging(plan.direction)[: cap * b.row_bytes]
     stage = raw.view(dev_w.dtype).view(cap, dev_w.shape[1])
     index = part.device_index
     load = plan.direction is Direction.LOAD
-    region, host_off, stage_off, nbytes = part.run_bytes[b.name]
-    for lo, hi, a, z in part.windows:
+    run_bytes = part.run_bytes[b.name]
+    for lo, hi, first, end in part.windows:
         if not load:
             torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
         if part.batched:
-            host_ptrs = _host_ptrs(host_pool, b, layer, region[a:z], host_off[a:z])
-            stage_ptrs = stage.data_ptr() + stage_off[a:z]
+            region, host_off, stage_off, nbytes = (x[first:end] for x in run_bytes)
+            host_ptrs = _host_ptrs(host_pool, b, layer, region, host_off)
+            stage_ptrs = stage.data_ptr() + stage_off
             dst, src = (stage_ptrs, host_ptrs) if load else (host_ptrs, stage_ptrs)
-            dma.copy_runs(dst, src, nbytes[a:z], stream, streams=part.streams)
+            dma.copy_runs(dst, src, nbytes, stream, streams=part.streams)
         else:
-            flat = stage.view(-1)
-            w = flat.element_size()
-            runs = (x[a:z].tolist() for x in (region, host_off, stage_off, nbytes))
-            for r, h, st, n in zip(*runs, strict=True):
-                host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
-                stage_w = flat[st // w : (st + n) // w]
-                if load:
-                    stage_w.copy_(host_w, non_blocking=True)
-                else:
-                    host_w.copy_(stage_w, non_blocking=True)
+            _staged_copies(host_pool, b, layer, stage.view(-1), run_bytes, first, end, load)
         if load:
             dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
 
 
-def _kernel(
-    plan: TransferPlan, part: Part, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
+def _staged_copies(
+    host_pool: HostPool,
+    b: BufferSpec,
+    layer: int,
+    flat: torch.Tensor,
+    run_bytes: tuple[np.ndarray, ...],
+    first: int,
+    end: int,
+    load: bool,
 ) -> None:
-    """The gather (load) or scatter (backup) kernel over the part's rows, one launch per host region."""
+    """One torch copy per run `[first, end)` between host rows and the staging words `flat`."""
+    w = flat.element_size()
+    runs = (x[first:end].tolist() for x in run_bytes)
+    for r, h, st, n in zip(*runs, strict=True):
+        host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
+        stage_w = flat[st // w : (st + n) // w]
+        if load:
+            stage_w.copy_(host_w, non_blocking=True)
+        else:
+            host_w.copy_(stage_w, non_blocking=True)
+
+
+def _kernel(
+    plan: TransferPlan, part: KernelPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
+) -> None:
+    """The gather (load) or scatter (backup) kernel over the part's units, one launch per host region."""
+    for region in part.regions[b.name]:
+        _launch_region(plan, part, host_pool, dev_w, b, layer, region)
+
+
+def _launch_region(
+    plan: TransferPlan,
+    part: KernelPart,
+    host_pool: HostPool,
+    dev_w: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+    region: KernelRegion,
+) -> None:
+    """One launch of the row kernel over one host region's units, in the shape the plan gave it."""
     unit_bytes = b.row_bytes * part.unit
-    opts = plan.kernel
-    for rows in part.kernel_rows[b.name]:
-        launch = opts.launch(unit_bytes, rows.align * rows.word, dev_w.device, plan.direction)
-        # Words of the width the plan's offsets are in (no rescaling on the device).
-        dev_flat = flat_words(dev_w.view(-1), rows.word)
-        host_flat = flat_words(host_pool.region_words(b.name, layer, rows.region), rows.word)
-        src, dst = (host_flat, dev_flat) if plan.direction is Direction.LOAD else (dev_flat, host_flat)
-        kernels.copy_rows(
-            src,
-            rows.src,
-            dst,
-            rows.dst,
-            unit_bytes // rows.word,
-            sm_budget=launch.programs,
-            rows_per_program=launch.rows,
-            validate=False,
-            offsets_align=rows.align,
-            stages=launch.stages,
-        )
+    launch = region.launch
+    # Words of the width the plan's offsets are in (no rescaling on the device).
+    dev_flat = flat_words(dev_w.view(-1), region.word)
+    host_flat = flat_words(host_pool.region_words(b.name, layer, region.region), region.word)
+    src, dst = (host_flat, dev_flat) if plan.direction is Direction.LOAD else (dev_flat, host_flat)
+    kernels.copy_rows(
+        src,
+        region.src,
+        dst,
+        region.dst,
+        unit_bytes // region.word,
+        sm_budget=launch.programs,
+        rows_per_program=launch.rows,
+        validate=False,
+        offsets_align=region.align,
+        stages=launch.stages,
+    )
 
 
 def _kernel_groups(
     plan: TransferPlan,
-    part: Part,
+    part: KernelPart,
     host_pool: HostPool,
     device_pool: DevicePool,
     b: BufferSpec,
     local: list[int],
 ) -> None:
-    """The kernel's rows of buffer `b` on local layers `local`: each run of consecutive layers (up to
-    `groups.GROUP_TILE_BYTES` of a unit's stretch) in one launch per host region."""
-    word, table = part.layer_tables[b.name]
+    """The kernel's units of buffer `b` on local layers `local`: each group of consecutive layers (up
+    to `groups.GROUP_TILE_BYTES` of a unit's stack) in one launch per host region."""
+    table = part.tables[b.name]
+    word = table.word
     unit_bytes = b.row_bytes * part.unit
     most = max(1, groups.GROUP_TILE_BYTES // unit_bytes)
     first = flat_words(as_words(device_pool.layer(b.name, b.layers[0])).view(-1), word)
     load = plan.direction is Direction.LOAD
-    for lo, hi in _layer_runs(local, most):
+    for lo, hi in layer_spans(local, most):
         if hi - lo == 1:
             dev_w = as_words(device_pool.layer(b.name, b.layers[lo]))
             _kernel(plan, part, host_pool, dev_w, b, b.layers[lo])
@@ -294,12 +324,11 @@ def _kernel_groups(
         layers = [
             flat_words(as_words(device_pool.layer(b.name, b.layers[j])).view(-1), word) for j in range(lo, hi)
         ]
-        for rows in part.kernel_rows[b.name]:
+        for region in part.regions[b.name]:
             # Units' host offsets count from a region's first row of a layer: from the first
             # layer's (the region's start), shifted by `lo` layers of a page (one unit each).
-            packed = flat_words(host_pool.region_words(b.name, b.layers[0], rows.region), word)
-            shift = lo * (unit_bytes // word)
-            packed_off, split_off = (rows.src, rows.dst) if load else (rows.dst, rows.src)
+            packed = flat_words(host_pool.region_words(b.name, b.layers[0], region.region), word)
+            packed_off, split_off = (region.src, region.dst) if load else (region.dst, region.src)
             groups.copy_groups(
                 packed,
                 packed_off,
@@ -307,16 +336,16 @@ def _kernel_groups(
                 split_off,
                 unit_bytes // word,
                 plan.direction,
-                packed_shift=shift,
-                table=(first, table[lo:hi]),
-                sm_budget=plan.kernel.sm_budget,
+                packed_shift=lo * (unit_bytes // word),
+                table=(first, table.offsets[lo:hi]),
+                sm_budget=table.programs,
                 validate=False,
-                offsets_align=rows.align,
+                offsets_align=region.align,
             )
 
 
-def _layer_runs(local: list[int], most: int) -> list[tuple[int, int]]:
-    """`[lo, hi)` runs of consecutive values of `local` (ascending), each at most `most` long."""
+def layer_spans(local: list[int], most: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` spans of consecutive values of `local` (ascending), each at most `most` long."""
     out: list[tuple[int, int]] = []
     for j in local:
         if out and out[-1][1] == j and j - out[-1][0] < most:
@@ -332,17 +361,13 @@ def _reference(
     dev: torch.Tensor,
     b: BufferSpec,
     layer: int,
-    part: Part | None,
+    host_slots: torch.Tensor,
+    index: torch.Tensor,
 ) -> None:
     """Per-token gather and scatter through host memory: the plain path every other one must equal.
 
-    `part=None` moves every row of the plan (a buffer that cannot take the fast paths).
+    `host_slots`: `[m]` int64 CPU; `index`: `[m]` int64 on `dev`'s device, their device slots.
     """
-    if part is None:
-        host_slots, index = plan.host_slots, plan.device_slots.to(dev.device)
-    else:
-        host_slots = plan.host_slots[part.positions]
-        index = part.device_index
     n = host_slots.numel()
     if n == 0:
         return
