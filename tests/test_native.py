@@ -15,12 +15,12 @@ from conftest import poison_device, same_bytes
 
 from kvtier.cache import CacheConfig, CacheController, NodeState
 from kvtier.cache.streams import DeferredLane, Signal
-from kvtier.errors import PlanError
+from kvtier.errors import CudaRuntimeError, PlanError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
 from kvtier.transfer import TransferPath, dma, native
-from kvtier.transfer.cudart import MEMCPY_DEFAULT, CudaRuntimeError
+from kvtier.transfer.cudart import MEMCPY_DEFAULT
 from kvtier.transfer.native import loop_takes, run_buffers, run_layers
 from kvtier.transfer.plan import Planner
 

@@ -9,23 +9,24 @@ import pytest
 import torch
 from conftest import host_row, poison_device, poison_host, random_rows, same_bytes
 
-from kvtier.errors import PlanError, SlotError, SpecError
+from kvtier.errors import ConfigError, PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.spec import preset
 from kvtier.transfer import (
     KernelOptions,
     PathCosts,
+    Planner,
     TransferPath,
     TransferPlan,
     backup,
     dma,
     groups,
     kernels,
+    launch,
     load_layer,
     load_layers,
 )
 from kvtier.transfer.options import Mechanism
-from kvtier.transfer.plan import Planner
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
@@ -530,7 +531,7 @@ def test_kernel_on_a_small_budget_loops_over_many_tiles_byte_identically(
 
     monkeypatch.setattr(kernels, "copy_rows", spy)
     _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
-    assert seen == {1152: (stages or kernels.MAX_STAGES) if direction == "load" else 1, 132: 1}
+    assert seen == {1152: (stages or launch.MAX_STAGES) if direction == "load" else 1, 132: 1}
 
 
 @needs_triton
@@ -817,7 +818,7 @@ def test_copy_streams_must_be_positive() -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
     costs = PathCosts(copy_streams=0)
-    with pytest.raises(PlanError, match="copy_streams"):
+    with pytest.raises(ConfigError, match="copy_streams"):
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), costs=costs)
 
 
@@ -825,18 +826,19 @@ def test_copy_streams_must_be_positive() -> None:
 def test_kernel_options_must_be_positive(bad: dict) -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
-    with pytest.raises(PlanError, match="must be positive"):
+    with pytest.raises(ConfigError, match="must be positive"):
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), kernel=KernelOptions(**bad))
 
 
 def test_raw_runtime_is_absent_without_a_mapped_libcudart_and_errors_name_the_call() -> None:
     """On a machine without CUDA no `libcudart` is mapped: every raw path falls back (None)."""
+    from kvtier.errors import CudaRuntimeError
     from kvtier.transfer import cudart
 
     if not torch.cuda.is_available():
         assert cudart.runtime() is None
     cudart.check(0, "cudaEventRecord")
-    with pytest.raises(cudart.CudaRuntimeError, match="cudaEventRecord failed: CUDA error 400"):
+    with pytest.raises(CudaRuntimeError, match="cudaEventRecord failed: CUDA error 400"):
         cudart.check(400, "cudaEventRecord")
 
 

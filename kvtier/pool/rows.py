@@ -11,12 +11,12 @@ import math
 
 import torch
 
-_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def word_dtype(row_bytes: int) -> torch.dtype:
     """The widest integer dtype whose size divides `row_bytes`."""
-    for size, dtype in _WORD_DTYPES:
+    for size, dtype in WORD_DTYPES.items():
         if row_bytes % size == 0:
             return dtype
     raise AssertionError("unreachable: 1 divides every row size")
@@ -38,7 +38,7 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 def flat_words(t: torch.Tensor, size: int) -> torch.Tensor:
     """A 1-D contiguous words tensor `t` re-viewed as words of `size` bytes (a trailing part dropped)."""
-    dtype = dict(_WORD_DTYPES)[size]
+    dtype = WORD_DTYPES[size]
     if t.dtype == dtype:
         return t
     raw = t.view(torch.uint8)

@@ -17,14 +17,12 @@ import ctypes
 import logging
 from dataclasses import dataclass
 
+from kvtier.errors import CudaRuntimeError
+
 log = logging.getLogger(__name__)
 
 # cudaMemcpyKind: the runtime infers the direction from the pointers (unified addressing).
 MEMCPY_DEFAULT = 4
-
-
-class CudaRuntimeError(RuntimeError):
-    """A raw runtime call returned an error code."""
 
 
 @dataclass(frozen=True)

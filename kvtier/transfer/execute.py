@@ -58,7 +58,7 @@ def load_layers(
 
     Where the host keeps a unit's layers together (`page_first`, whole pages), the
     kernel's units of consecutive layers move in one launch per buffer; loading a few
-    layers at once then reads longer stretches of host memory than one layer's rows.
+    layers at once then reads whole stacks from host memory instead of one layer's rows.
     """
     _expect(plan, Direction.LOAD, host_pool, device_pool)
     _move_layers(plan, host_pool, device_pool, list(layers), stream)

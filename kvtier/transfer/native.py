@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.errors import PlanError
+from kvtier.errors import CudaRuntimeError, PlanError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.transfer import cudart, dma
-from kvtier.transfer.cudart import MEMCPY_DEFAULT, CudaRuntimeError
+from kvtier.transfer.cudart import MEMCPY_DEFAULT
 
 if TYPE_CHECKING:
     from kvtier.transfer.plan import RunCopies

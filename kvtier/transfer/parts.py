@@ -16,7 +16,7 @@ needs on the device is uploaded once, by the plan's `Uploader`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -25,8 +25,9 @@ import torch
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostLayout, HostPool
 from kvtier.spec import KVSpec
-from kvtier.transfer import kernels
-from kvtier.transfer.options import KernelLaunch, KernelOptions, Mechanism, PathCosts
+from kvtier.transfer import kernel_args
+from kvtier.transfer.launch import KernelLaunch
+from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
 from kvtier.transfer.runs import RunTable
 
 
@@ -157,6 +158,35 @@ class ReferencePart:
 
 
 Part = CopyPart | StagedPart | KernelPart | ReferencePart
+
+
+@dataclass(frozen=True)
+class RunCopies:
+    """An operation that the copy engine moves whole, planned from run lists alone (`Planner.copies`).
+
+    `joint`: `[4, R]` int64, C-contiguous: where each joint run starts in the plan, its
+    first host slot, first device slot and length (host runs cut at segment edges; a
+    `RunTable`'s array). `batched`: copies go out as batched calls where a buffer has many
+    runs; `streams`: how many streams one layer's copies are spread over (from `costs`).
+    `host_pool`, `device_pool`: the planner's pools.
+    """
+
+    path: TransferPath
+    joint: np.ndarray
+    host_runs: int
+    device_runs: int
+    batched: bool
+    streams: int
+    host_pool: HostPool = field(repr=False, compare=False)
+    device_pool: DevicePool = field(repr=False, compare=False)
+
+    @property
+    def lens(self) -> np.ndarray:
+        return self.joint[3]
+
+    def part(self) -> CopyPart:
+        """The plan's one part."""
+        return copy_part(self.host_pool, RunTable(self.joint), self.batched, self.streams)
 
 
 class Uploader:
@@ -324,8 +354,8 @@ def _kernel_regions(
         host_off = host_row[mask] * b.row_bytes
         dev_off = dev_slots[mask] * b.row_bytes
         src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
-        align = kernels.common_alignment(src, dst)  # bytes
-        word = kernels.word_size(b.row_bytes * unit, [align])
+        align = kernel_args.common_alignment(src, dst)  # bytes
+        word = kernel_args.word_size(b.row_bytes * unit, [align])
         src, dst = src // word, dst // word
         align_words = max(1, align // word)
         launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction)

@@ -10,18 +10,6 @@ device tensor back to the host, and every index it needs on the device is upload
 once, here, ordered by the plan's `ready` event. A plan records the pools it was built
 for; the executors refuse others.
 
-Paths (what a plan does as a whole):
-- `SINGLE_COPY`, `PER_RUN`, `BATCHED_DMA`: the copy engine, one copy per joint run
-  (a loop of torch copies, or one batched call per buffer and layer). No SMs; fast
-  for long runs only.
-- `STAGED`: host runs through a device staging buffer, placed on the device: long
-  host runs onto scattered device slots, with no SMs held while the link is busy.
-- `KERNEL`: a Triton kernel reading or writing pinned host memory directly, with
-  `sm_budget` programs and many rows in flight each; any fragmentation, few SMs.
-- `MIXED`: more than one of these, split by run.
-- `REFERENCE`: per-token gather and scatter through host memory; always correct,
-  slow, and on CUDA it synchronises the host.
-
 The choice: one joint run is a single copy; a single host run with scattered device
 slots is staged; otherwise, where the kernel can run (CUDA and Triton), long joint
 runs go to batched DMA, long host runs whose device slots are scattered to staging
@@ -34,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
 import numpy as np
 import torch
@@ -43,26 +30,13 @@ from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.slots import as_slot_tensor
-from kvtier.spec import KVSpec
-from kvtier.transfer import dma, kernels, parts
+from kvtier.transfer import dma, kernels, options, parts
 from kvtier.transfer import runs as slot_runs
-from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts
-from kvtier.transfer.parts import CopyPart, KernelPart, Part, StagedPart, Uploader
+from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
+from kvtier.transfer.parts import CopyPart, KernelPart, Part, RunCopies, StagedPart, Uploader
 from kvtier.transfer.runs import RunPair, RunTable
 
 log = logging.getLogger(__name__)
-
-
-class TransferPath(str, Enum):
-    """What a plan does as a whole (for logs, benchmarks and `force`)."""
-
-    SINGLE_COPY = "single_copy"
-    PER_RUN = "per_run"
-    BATCHED_DMA = "batched_dma"
-    STAGED = "staged"
-    KERNEL = "kernel"
-    MIXED = "mixed"
-    REFERENCE = "reference"
 
 
 _COPY_PATHS = (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA)
@@ -142,35 +116,6 @@ class TransferPlan:
             )
 
 
-@dataclass(frozen=True)
-class RunCopies:
-    """An operation that the copy engine moves whole, planned from run lists alone (`Planner.copies`).
-
-    `joint`: `[4, R]` int64, C-contiguous: where each joint run starts in the plan, its
-    first host slot, first device slot and length (host runs cut at segment edges; a
-    `RunTable`'s array). `batched`: copies go out as batched calls where a buffer has many
-    runs; `streams`: how many streams one layer's copies are spread over (from `costs`).
-    `host_pool`, `device_pool`: the planner's pools.
-    """
-
-    path: TransferPath
-    joint: np.ndarray
-    host_runs: int
-    device_runs: int
-    batched: bool
-    streams: int
-    host_pool: HostPool = field(repr=False, compare=False)
-    device_pool: DevicePool = field(repr=False, compare=False)
-
-    @property
-    def lens(self) -> np.ndarray:
-        return self.joint[3]
-
-    def part(self) -> CopyPart:
-        """The plan's one part."""
-        return parts.copy_part(self.host_pool, RunTable(self.joint), self.batched, self.streams)
-
-
 class Planner:
     """The planner's choices for one pool pair and one set of options, checked once.
 
@@ -191,7 +136,7 @@ class Planner:
     ) -> None:
         self.costs = costs or PathCosts()
         self.kernel = kernel or KernelOptions()
-        _check_options(host_pool, device_pool, self.costs, self.kernel)
+        options.check(host_pool, device_pool, self.costs, self.kernel)
         self.host_pool, self.device_pool = host_pool, device_pool
         self.force = None if force is None else TransferPath(force)
         cuda = device_pool.device.type == "cuda"
@@ -368,25 +313,6 @@ class Planner:
             )
             return split.parts(self, direction, hn, dn, up)
         return (parts.reference_part(d, up),)
-
-
-def _check_options(
-    host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel: KernelOptions
-) -> None:
-    hspec, dspec = host_pool.spec, device_pool.spec
-    if hspec is not dspec and _shape_of(hspec) != _shape_of(dspec):
-        raise PlanError(
-            f"host pool spec {hspec.name!r} and device pool spec {dspec.name!r} "
-            "have different buffers, layers or row shapes"
-        )
-    if kernel.sm_budget < 1 or any(v is not None and v < 1 for v in (kernel.rows_per_program, kernel.stages)):
-        raise PlanError(f"kernel options must be positive, got {kernel}")
-    if costs.copy_streams < 1:
-        raise PlanError(f"copy_streams must be at least 1, got {costs.copy_streams}")
-
-
-def _shape_of(spec: KVSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    return [(b.name, b.layers, b.row_shape) for b in spec.buffers]
 
 
 def _forced(path: TransferPath, joint_runs: int, device: torch.device) -> TransferPath:

@@ -1,7 +1,7 @@
 """Runs of a plan's slot pairs, found from the slots or from the allocators' run lists.
 
 A plan pairs `host_slots[i]` with `device_slots[i]`; `i` is the pair's position. A
-host run is a maximal stretch of positions whose host slots go up by one within one
+host run is a maximal range of positions whose host slots go up by one within one
 host segment; a device run one whose device slots go up by one; a joint run needs
 both. Runs found from run lists (`joint_runs`) equal the runs a scan of the slots
 (`scan`) finds, so a plan built either way is the same plan.
