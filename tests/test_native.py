@@ -88,13 +88,16 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
 def test_without_a_compiler_or_when_disabled_there_is_no_library(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert native.compile_library(tmp_path / "cache") is None
-    monkeypatch.setattr(native, "_probed", False)
-    monkeypatch.setenv("KVTIER_NATIVE", "0")
-    assert native.library() is None
-    monkeypatch.setattr(native, "_probed", False)
-    monkeypatch.delenv("KVTIER_NATIVE")
-    if not torch.cuda.is_available():
-        assert native.library() is None  # no CUDA runtime in the process
+    try:
+        native.LIBRARY.reset()
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
+        assert native.library() is None
+        native.LIBRARY.reset()
+        monkeypatch.delenv("KVTIER_NATIVE")
+        if not torch.cuda.is_available():
+            assert native.library() is None  # no CUDA runtime in the process
+    finally:
+        native.LIBRARY.reset()
 
 
 @needs_cc
@@ -144,14 +147,13 @@ def joint_of(copies) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("direction", ["load", "backup"])
 @pytest.mark.parametrize("per_layer", [True, False])
-def test_run_layers_makes_the_calls_of_its_runs(lib, small, layout, direction, per_layer, monkeypatch):
+def test_run_layers_makes_the_calls_of_its_runs(lib, small, layout, direction, per_layer, pin):
     """Addresses computed in the loop against tensor views of the same rows: the same calls, in order.
 
     A DSA spec (the indexer on some layers only), both host layouts (page-first cuts runs at
     every page), host runs over several regions (a small chunk size), batched and plain calls.
     """
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
-    monkeypatch.setattr(dma, "small_batch", lambda: small)
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=small))
     spec = preset("tiny-dsa", 4)
     host = HostPool(spec, 1024, layout, chunk_bytes=16 << 10)
     assert host.num_segments() > 1
@@ -170,9 +172,9 @@ def test_run_layers_makes_the_calls_of_its_runs(lib, small, layout, direction, p
 
 
 @needs_cc
-def test_run_layers_refuses_copies_and_buffers_of_other_pools(lib, monkeypatch) -> None:
+def test_run_layers_refuses_copies_and_buffers_of_other_pools(lib, pin) -> None:
     """Raw addresses of one pool pair never serve runs planned for another: refused before any call."""
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = Planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
@@ -185,8 +187,8 @@ def test_run_layers_refuses_copies_and_buffers_of_other_pools(lib, monkeypatch) 
 
 
 @needs_cc
-def test_run_layers_names_the_failing_layer_and_stops(lib, monkeypatch) -> None:
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+def test_run_layers_names_the_failing_layer_and_stops(lib, pin) -> None:
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = Planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
@@ -205,9 +207,9 @@ def test_run_layers_names_the_failing_layer_and_stops(lib, monkeypatch) -> None:
 
 
 @needs_cc
-def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, monkeypatch) -> None:
+def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, pin) -> None:
     """The loop's own check (behind the Python one): nothing submitted, not even the ordering."""
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = Planner(host, dev, force="per_run").copies(64, ([(0, 32), (128, 32)], [(0, 64)]))
@@ -216,14 +218,13 @@ def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, monkeypatch) -> No
     loop.has_batch = True  # past the Python check, into the C one
     events = list(range(1, spec.num_layers + 1))
     with pytest.raises(CudaRuntimeError, match="before any call: the runs need the batched copy call"):
-        loop.run_layers(copies.joint[1:], run_buffers(host, dev), True, events, 5, (0xF0, 9), small=1)
+        loop.copy_layers(copies.joint[1:], run_buffers(host, dev), True, events, 5, (0xF0, 9), small=1)
     assert rt.calls == []
 
 
 @needs_cc
-def test_the_loop_does_not_take_runs_that_fan_out_or_need_a_missing_batch_call(lib, monkeypatch) -> None:
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
-    monkeypatch.setattr(dma, "small_batch", lambda: 2)
+def test_the_loop_does_not_take_runs_that_fan_out_or_need_a_missing_batch_call(lib, pin) -> None:
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=2))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
     runs = ([(i * 64, 32) for i in range(20)], [(0, 640)])
@@ -261,10 +262,10 @@ class _LoopLane(DeferredLane):
 
 
 @needs_cc
-def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(lib, monkeypatch) -> None:
+def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(lib, monkeypatch, pin) -> None:
     """The cache's reload of nodes whose runs it knows: one loop call making the calls of its runs
     (the plan built only when asked for); a failing call leaves the tree as it was."""
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-dsa", 2)
     c = CacheController(DevicePool(spec, 64), HostPool(spec, 64), CacheConfig())
     tokens = tuple(range(16))
@@ -275,8 +276,7 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
     c._run_buffers = run_buffers(c.host_pool, c.device_pool)
     c.load_lane = _LoopLane()
     rt = FakeRuntime()
-    monkeypatch.setattr(native, "_probed", True)
-    monkeypatch.setattr(native, "_native", rt.native(lib))
+    pin(native.LIBRARY, rt.native(lib))
     built = []
     build = Planner.plan_allocated
     monkeypatch.setattr(Planner, "plan_allocated", lambda *a, **k: built.append(1) or build(*a, **k))
@@ -297,7 +297,7 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
 
     c.evict_device(64)
     before = (c.device_alloc.available(), c.host_alloc.available())
-    monkeypatch.setattr(native, "_native", FakeRuntime(fail_at=3).native(lib))
+    pin(native.LIBRARY, FakeRuntime(fail_at=3).native(lib))
     m = c.match(tokens)
     with pytest.raises(CudaRuntimeError, match="layer 0"):
         c.load_back(m)
@@ -309,7 +309,7 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
 @needs_cc
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("host_runs", [1, 5])
-def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, monkeypatch) -> None:
+def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, pin) -> None:
     """The loop's own address arithmetic against the bytes: CPU pools, a runtime whose copies move
     memory; a DSA spec over several host regions, prefixes in one or several host runs (plain
     and batched calls), two nodes, several trips; the device poisoned before every reload."""
@@ -317,29 +317,27 @@ def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, mon
 
     from kvtier.pool.rows import as_words
 
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
-    monkeypatch.setattr(dma, "small_batch", lambda: 2)
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=2))
     spec = preset("tiny-dsa", 4)
-    piece = 320 // host_runs  # the prefix's host copy: `host_runs` runs of `piece` slots
+    run_len = 320 // host_runs  # the prefix's host copy: `host_runs` runs of `run_len` slots
     # Room for the prefix in exactly those runs, the gaps between them, and 4 slots more.
-    host = HostPool(spec, piece * host_runs + 4 * host_runs, layout, chunk_bytes=8 << 10)
+    host = HostPool(spec, run_len * host_runs + 4 * host_runs, layout, chunk_bytes=8 << 10)
     assert host.num_segments() > 1
     # Copy-engine plans forced: without a GPU the planner would stage runs this short.
     c = CacheController(DevicePool(spec, 512), host, CacheConfig(force_path="per_run"))
-    held, pieces = [], []
+    held, runs_held = [], []
     for i in range(host_runs):  # the prefix's future runs, each but the last followed by 4 held slots
-        pieces.append(c.host_alloc.alloc(piece))
+        runs_held.append(c.host_alloc.alloc(run_len))
         if i < host_runs - 1:
             held.append(c.host_alloc.alloc(4))
-    for p in pieces:
+    for p in runs_held:
         c.host_alloc.free(p)
     rt = FakeRuntime(move=True)
-    monkeypatch.setattr(native, "_probed", True)
-    monkeypatch.setattr(native, "_native", rt.native(lib))
+    pin(native.LIBRARY, rt.native(lib))
     c._run_buffers = run_buffers(c.host_pool, c.device_pool)
     c.load_lane = _LoopLane()
     gen = torch.Generator().manual_seed(1)
-    tokens = tuple(range(piece * host_runs))
+    tokens = tuple(range(run_len * host_runs))
     slots = c.alloc_device(len(tokens))
     want = {}
     for b in spec.buffers:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import itertools
 
 import numpy as np
 import pytest
@@ -755,47 +755,17 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
         Planner(host, dev).plan_allocated("load", hs, ds, runs=([(0, 4)], [(8, 4)]))
 
 
-def test_copy_runs_fans_out_over_side_streams_that_fork_and_join(monkeypatch) -> None:
-    """`streams=k`: the list is cut into k contiguous shares, one per stream, between a fork and a join."""
-    events: list[tuple[str, object]] = []
-
-    class FakeFan:
-        def __init__(self, k: int) -> None:
-            self.streams = [SimpleNamespace(cuda_stream=i + 1, name=f"s{i}") for i in range(k)]
-
-        def fork(self) -> None:
-            events.append(("fork", None))
-
-        def join(self) -> None:
-            events.append(("join", None))
-
-    class Main:
-        cuda_stream = 1234
-
-    monkeypatch.setattr(dma, "_fan_out", lambda stream, k: FakeFan(k))
-    monkeypatch.setattr(dma, "_loop_copies", lambda flat, st: events.append((st, flat[2::3])))
-    n = 10
-    dst, src, sizes = (np.arange(n, dtype=np.int64) + base for base in (1000, 2000, 0))
-    dma.copy_runs(dst, src, sizes + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)
-    assert events[0] == ("fork", None) and events[-1] == ("join", None)
-    shares = events[1:-1]
-    assert [st.name for st, _ in shares] == ["s0", "s1", "s2", "s3"]
-    assert [b for _, part in shares for b in part] == (sizes + 1).tolist()  # every copy once, in order
-    events.clear()
-    uneven = np.array([100, 1, 1, 1, 1, 1, 1, 1, 100, 100], dtype=np.int64)  # shares by bytes, not counts
-    dma.copy_runs(dst, src, uneven, Main(), mode=dma.DmaMode.LOOP, streams=4)
-    shares = [(st.name, part) for st, part in events[1:-1]]  # an empty share issues nothing
-    assert shares == [("s1", [100] + [1] * 7), ("s2", [100]), ("s3", [100])]
-    events.clear()
-    dma.copy_runs(dst[:7], src[:7], sizes[:7] + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)
-    (only,) = events  # below two copies per stream: no fork, all on the caller's stream
-    assert isinstance(only[0], Main) and only[1] == (sizes[:7] + 1).tolist()
-
-
-def test_direct_batch_call_needs_the_bindings_attributes(monkeypatch) -> None:
-    """Without `cuda.bindings` attributes (CPU machines) the direct runtime call is never set up."""
-    monkeypatch.setattr(dma, "_attrs", None)
-    assert dma._load_direct() is None
+def test_copies_fan_out_in_contiguous_shares_of_about_equal_bytes() -> None:
+    """`copy_runs(streams=k)` cuts the list into k contiguous shares by bytes, not counts (a share may
+    be empty), and only where every stream gets two copies or more."""
+    sizes = np.arange(1, 11, dtype=np.int64)
+    bounds = dma.shares(sizes, 4)
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 10 and bounds == sorted(bounds)
+    per_share = [int(sizes[a:b].sum()) for a, b in itertools.pairwise(bounds)]
+    assert max(per_share) - min(per_share) <= sizes.max()
+    uneven = np.array([100, 1, 1, 1, 1, 1, 1, 1, 100, 100], dtype=np.int64)
+    assert dma.shares(uneven, 4) == [0, 0, 8, 9, 10]  # the first stream gets nothing
+    assert dma.fans_out(8, 4) and not dma.fans_out(7, 4) and not dma.fans_out(100, 1)
 
 
 def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
@@ -842,15 +812,15 @@ def test_raw_runtime_is_absent_without_a_mapped_libcudart_and_errors_name_the_ca
         cudart.check(400, "cudaEventRecord")
 
 
-def test_batches_start_at_two_copies_only_with_the_direct_batch_call(monkeypatch) -> None:
+def test_batches_start_at_two_copies_only_with_the_direct_batch_call(pin) -> None:
     """Through `cuda.bindings` a batch pays per Python int: plain copies up to 4 there, up to 1 direct."""
-    monkeypatch.setattr(dma, "_probe", lambda: dma.DmaMode.BATCH)
-    monkeypatch.setattr(dma, "_direct_batch", lambda: lambda *_a: None)
-    assert dma.small_batch() == dma.SMALL_BATCH_DIRECT == 1
-    monkeypatch.setattr(dma, "_direct_batch", lambda: None)
-    assert dma.small_batch() == dma.SMALL_BATCH == 4
-    monkeypatch.setattr(dma, "_probe", lambda: dma.DmaMode.LOOP)
-    assert dma.small_batch() == dma.SMALL_BATCH
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.BATCH))
+    pin(dma.DIRECT, lambda *_a: None)
+    assert dma.small_batch() == 1
+    pin(dma.DIRECT, None)
+    assert dma.small_batch() == 4
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
+    assert dma.small_batch() == 4
 
 
 def test_plans_refuse_pools_they_were_not_built_for(gen) -> None:

@@ -2,8 +2,8 @@
 
 A reload submits two runtime calls per model layer (its copies, then the event that
 says the layer is in place); made from Python through ctypes they cost several times
-the driver's own work (bench/NOTES.md). Given an operation's joint runs and each
-buffer's addresses (`Buffers`, once per pool pair), `Native.run_layers` computes every
+the driver's own work (bench/FINDINGS.md). Given an operation's joint runs and each
+buffer's addresses (`Buffers`, once per pool pair), `Native.copy_layers` computes every
 layer's addresses in C and makes the calls itself, so Python pays one foreign call per
 operation instead of two or more per layer.
 
@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.errors import CudaRuntimeError, PlanError
+from kvtier import paths
+from kvtier.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    CudaRuntimeError,
+    InvariantError,
+    PlanError,
+    TransferError,
+)
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.transfer import cudart, dma
@@ -79,7 +87,7 @@ typedef struct {
     const int64_t *local;  /* [model layers]: the buffer's layer of each model layer, or -1 */
 } kvtier_buffer;
 
-/* The int64 arguments of kvtier_run_layers, in order (see `Native.run_layers`). */
+/* The int64 arguments of kvtier_run_layers, in order (see `Native.copy_layers`). */
 enum { RUNS, N, BUFS, N_BUFS, LAYERS, LOAD, EVENTS, N_EVENTS, STREAM, ORDER_EVENT, ORDER_STREAM, SMALL };
 /* Its own failures, before any runtime call (runtime errors are positive). */
 enum { NO_BATCH = -1, NO_MEMORY = -3 };
@@ -181,7 +189,9 @@ class Buffers:
             local = np.full(layers, -1, dtype=np.int64)
             local[on] = np.arange(len(on))
             if host.shape[0] != len(on) or device.shape != (len(on),):
-                raise ValueError(f"a buffer on {len(on)} layers has host {host.shape}, device {device.shape}")
+                raise InvariantError(
+                    f"a buffer on {len(on)} layers has host {host.shape}, device {device.shape} addresses"
+                )
             self._keep += (host, device, local)
             row.row_bytes, row.regions = row_bytes, host.shape[1]
             row.region_slots, row.page, row.page_rows = region_slots, page, page_rows
@@ -218,7 +228,7 @@ class Native:
         self._runtime_address = ctypes.addressof(self._runtime)
         self.has_batch = bool(batch)
 
-    def run_layers(
+    def copy_layers(
         self,
         runs: np.ndarray,
         buffers: Buffers,
@@ -238,12 +248,12 @@ class Native:
         No host sync; `CudaRuntimeError` naming the layer on the first failure.
         """
         if len(events) not in (1, buffers.layers):
-            raise ValueError(f"{len(events)} events for {buffers.layers} layers (one per layer, or one)")
+            raise ConfigError(f"{len(events)} events for {buffers.layers} layers (one per layer, or one)")
         if runs.dtype != np.int64 or runs.ndim != 2 or len(runs) != 3 or not runs.flags.c_contiguous:
-            raise ValueError(f"runs must be [3, n] C-contiguous int64, got {runs.dtype} {runs.shape}")
+            raise TransferError(f"runs must be [3, n] C-contiguous int64, got {runs.dtype} {runs.shape}")
         n = runs.shape[1]
         if n > small and not self.has_batch:
-            raise ValueError(f"{n} runs need the batched copy call, which this runtime lacks")
+            raise BackendUnavailableError(f"{n} runs need the batched copy call, which this runtime lacks")
         handles = array.array("q", events)  # int64, as the loop reads them
         order_event, order_stream = order or (0, 0)
         # One int64 array of arguments (the loop's `args`): a foreign call with three arguments
@@ -265,13 +275,14 @@ class Native:
 
 
 def compile_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The compiled loop, built once per source and cached; None without a C compiler."""
+    """The compiled loop, built once per source into `cache_dir` (default: `kvtier.paths.cache_dir()`)
+    and kept there; None without a C compiler."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        log.info("no C compiler found: transfers are submitted from Python")
+        log.info("no C compiler found to build the submission loop")
         return None
     digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-    out_dir = cache_dir or _cache_dir()
+    out_dir = cache_dir or paths.cache_dir()
     target = out_dir / f"kvtier_loop_{digest}.so"
     if not target.exists():
         try:
@@ -294,34 +305,22 @@ def compile_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("KVTIER_CACHE_DIR"):
-        return Path(os.environ["KVTIER_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvtier"
-
-
-_native: Native | None = None
-_probed = False
-
-
-def library() -> Native | None:
-    """The loop bound to the process's CUDA runtime, or None (no runtime, no compiler, or disabled)."""
-    global _native, _probed
-    if _probed:
-        return _native
-    _probed = True
+def _find_library() -> Native | None:
+    """The loop bound to the process's CUDA runtime, or None, saying why once (at INFO)."""
     if os.environ.get("KVTIER_NATIVE", "1") == "0":
+        log.info("the compiled submission loop is off (KVTIER_NATIVE=0): transfers use the plan executor")
         return None
     rt = cudart.runtime()
     if rt is None:
+        log.info("no CUDA runtime in the process: no compiled submission loop")
         return None
     lib = compile_library()
     if lib is None:
+        log.info("no compiled submission loop: transfers use the plan executor")
         return None
     addr = _address
     batch = dma.direct_batch_fn()
-    _native = Native(
+    native = Native(
         lib,
         addr(rt.memcpy_async),
         addr(batch[0]) if batch is not None else 0,
@@ -330,7 +329,16 @@ def library() -> Native | None:
         batch[1] if batch is not None else 0,
     )
     log.info("transfers submitted from a compiled loop (%s)", lib._name)
-    return _native
+    return native
+
+
+# The loop of this process, found once (`cudart.Probed`: tests pin a stand-in with `set`).
+LIBRARY: cudart.Probed[Native | None] = cudart.Probed(_find_library)
+
+
+def library() -> Native | None:
+    """The loop bound to the process's CUDA runtime, or None (no runtime, no compiler, or disabled)."""
+    return LIBRARY.get()
 
 
 def _address(fn) -> int:
@@ -344,7 +352,7 @@ def _raw_buffers(host_pool: HostPool, device_pool: DevicePool) -> bool:
 
 
 def run_buffers(host_pool: HostPool, device_pool: DevicePool) -> Buffers | None:
-    """The pools' buffers as `Native.run_layers` addresses them, or None where some buffer cannot
+    """The pools' buffers as `Native.copy_layers` addresses them, or None where some buffer cannot
     take raw copies here (computed once per pool pair: the pools never move)."""
     if not _raw_buffers(host_pool, device_pool):
         return None
@@ -396,4 +404,4 @@ def run_layers(
             f"hold the addresses of {buffers.host_pool} and {buffers.device_pool}"
         )
     load = direction is Direction.LOAD
-    lib.run_layers(copies.joint[1:], buffers, load, events, stream, (order, current), dma.small_batch())
+    lib.copy_layers(copies.joint[1:], buffers, load, events, stream, (order, current), dma.small_batch())
