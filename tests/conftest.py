@@ -1,4 +1,4 @@
-"""Shared helpers: random bytes, poisoned pools, and an independent model of host memory."""
+"""Shared helpers: random bytes, poisoned pools, an independent model of host memory, pinned probes."""
 
 from __future__ import annotations
 
@@ -67,3 +67,20 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def pin():
+    """`pin(probe, value)`: a once-per-process finding (a `kvtier.transfer.cudart.Probed`: the DMA
+    mode, the compiled loop) pinned to `value` for one test; each probe pinned is found afresh
+    after it."""
+    pinned = []
+
+    def pin_(probe, value):
+        probe.set(value)
+        pinned.append(probe)
+        return value
+
+    yield pin_
+    for probe in pinned:
+        probe.reset()

@@ -298,34 +298,28 @@ def test_metrics_and_fragmentation() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", list(WritePolicy))
-@pytest.mark.parametrize("loop", ["layers", "table", "python"])
-def test_cuda_round_trip_is_byte_identical(policy, loop, monkeypatch) -> None:
+@pytest.mark.parametrize("route", ["loop", "executor"])
+def test_cuda_round_trip_is_byte_identical(policy, route, monkeypatch) -> None:
     """On the GPU: insert, back up, evict, load back layer by layer on the cache's streams.
 
-    `loop`: the transfers' runtime calls made from the compiled loop (where it builds here),
-    the reload's addresses computed there (`layers`) or in a numpy table (`table`), or made
-    from Python.
+    `route`: the transfers go out from the compiled loop (where it builds here), or through the
+    plan executor alone (a mover without the loop).
     """
     from kvtier.transfer import native
     from kvtier.transfer.lanes import CudaLane
 
     submitted = []
-    if loop == "python":
-        monkeypatch.setattr(native, "_probed", True)
-        monkeypatch.setattr(native, "_native", None)
-    elif native.library() is None:
-        pytest.skip("no compiled loop here")
-    else:
+    if route == "loop":
+        if native.library() is None:
+            pytest.skip("no compiled loop here")
         run_native = CudaLane.run_native
         monkeypatch.setattr(
             CudaLane, "run_native", lambda *a, **k: submitted.append(1) or run_native(*a, **k)
         )
-        if loop == "table":
-            monkeypatch.setattr(CacheController, "_copy_runs", lambda *a, **k: None)
     spec = preset("tiny-dsa", 16)
-    c = CacheController(
-        DevicePool(spec, 8192, "cuda"), HostPool(spec, 8192), CacheConfig(write_policy=policy)
-    )
+    dev, host = DevicePool(spec, 8192, "cuda"), HostPool(spec, 8192)
+    mover = DeviceHostMover(dev, host, loop=None) if route == "executor" else None
+    c = CacheController(dev, host, CacheConfig(write_policy=policy), mover=mover)
     tokens = tuple(range(4096))
     slots = fill(c, tokens)
     if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:  # hot enough to be kept on the host
@@ -353,13 +347,13 @@ def test_cuda_round_trip_is_byte_identical(policy, loop, monkeypatch) -> None:
         assert torch.equal(got, rows), (name, layer)
     c.flush()
     c.check_invariants()
-    if loop != "python":
+    if route == "loop":
         assert len(submitted) >= 2  # the backup and the reload
 
 
 def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch) -> None:
     """Host runs kept on the nodes (through a split) and the device allocator's runs plan the load."""
-    from kvtier.transfer import plan as plan_module
+    from kvtier.transfer import runs as runs_module
 
     c = make()
     fill(c, tuple(range(16)))
@@ -372,7 +366,7 @@ def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch
     def no_scan(*_a, **_k):
         raise AssertionError("the slots were scanned")
 
-    monkeypatch.setattr(plan_module, "_breaks", no_scan)
+    monkeypatch.setattr(runs_module, "scan", no_scan)
     h = c.load_back(m)
     assert h.plan is not None and h.plan.path is TransferPath.SINGLE_COPY
     c.flush()

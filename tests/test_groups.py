@@ -20,11 +20,11 @@ pytest.importorskip("triton")
 
 from conftest import on_device, on_host
 
-from kvtier.errors import SlotError
+from kvtier.errors import ConfigError, TransferError
 from kvtier.pool.device import Direction
 from kvtier.pool.rows import word_dtype
 from kvtier.transfer import groups
-from kvtier.transfer.copy import _layer_runs
+from kvtier.transfer.execute import layer_spans
 from kvtier.transfer.kernels import triton_available
 
 CUDA = torch.cuda.is_available()
@@ -208,7 +208,7 @@ def test_bad_calls_raise_before_anything_is_written(change, message, gen) -> Non
             packed_shift=args["packed_shift"],
         )
 
-    with pytest.raises((SlotError, ValueError), match=message):
+    with pytest.raises((TransferError, ConfigError), match=message):
         _unchanged(c, call)
 
 
@@ -220,26 +220,26 @@ def test_backups_refuse_overlapping_stretches(gen) -> None:
     def call() -> None:
         groups.copy_groups(c.host, packed, c.layers, c.ds * c.rw, c.rw, Direction.BACKUP)
 
-    with pytest.raises(SlotError, match="packed_offsets"):
+    with pytest.raises(TransferError, match="packed_offsets"):
         _unchanged(c, call)
 
 
 def test_layers_of_other_dtypes_or_a_wrong_table_are_refused(gen) -> None:
     c = Case(132, 4, 0, 4, 10, gen)
     odd = [c.layers[0], c.layers[1].view(torch.int16)]
-    with pytest.raises(SlotError, match="layers"):
+    with pytest.raises(TransferError, match="layers"):
         groups.copy_groups(c.host, c.hs * c.L * c.rw, odd, c.ds * c.rw, c.rw, Direction.LOAD)
     short = (c.layers[0], on_device(torch.zeros(2, dtype=torch.int64)))
     packed, split = c.hs * c.L * c.rw, c.ds * c.rw
-    with pytest.raises(SlotError, match="table"):
+    with pytest.raises(TransferError, match="table"):
         groups.copy_groups(c.host, packed, c.layers, split, c.rw, Direction.LOAD, table=short)
-    with pytest.raises(ValueError, match="at least one layer"):
+    with pytest.raises(TransferError, match="at least one layer"):
         groups.copy_groups(c.host, c.hs * c.L * c.rw, [], c.ds * c.rw, c.rw, Direction.LOAD)
 
 
 def test_a_stretch_wider_than_a_tile_is_refused(gen) -> None:
     c = Case(132, 4, 0, 4, 4, gen)
-    with pytest.raises(ValueError, match="wider than one tile"):
+    with pytest.raises(TransferError, match="wider than one tile"):
         groups.copy_groups(c.host, c.hs * 0, c.layers, c.ds * 0, 17000, Direction.LOAD, validate=False)
 
 
@@ -250,7 +250,7 @@ def test_units_in_flight_fill_a_tile() -> None:
     assert groups.units_in_flight(6) == groups.GROUP_TILE_BYTES // 6
 
 
-def test_layer_runs_split_at_gaps_and_at_the_cap() -> None:
-    assert _layer_runs([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 3), (4, 6)]
-    assert _layer_runs([3], 8) == [(3, 4)]
-    assert _layer_runs([0, 1, 2, 3], 8) == [(0, 4)]
+def test_layer_spans_split_at_gaps_and_at_the_cap() -> None:
+    assert layer_spans([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 3), (4, 6)]
+    assert layer_spans([3], 8) == [(3, 4)]
+    assert layer_spans([0, 1, 2, 3], 8) == [(0, 4)]

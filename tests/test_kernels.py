@@ -23,9 +23,9 @@ from conftest import on_device, on_host
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.errors import SlotError
+from kvtier.errors import BackendUnavailableError, ConfigError, TransferError
 from kvtier.pool.rows import word_dtype
-from kvtier.transfer import kernels
+from kvtier.transfer import jit, kernels, launch
 from kvtier.transfer.kernels import copy_rows, triton_available
 
 CUDA = torch.cuda.is_available()
@@ -218,7 +218,7 @@ def test_offsets_on_the_device_with_and_without_an_alignment_promise(promise, ge
 
 
 def test_offsets_alignment_is_found_on_the_host() -> None:
-    from kvtier.transfer.kernels import common_alignment
+    from kvtier.transfer.kernel_args import common_alignment
 
     assert common_alignment(np.array([0, 4, 12]), np.array([8])) == 4
     assert common_alignment(np.array([0, 6]), np.array([2])) == 2
@@ -233,7 +233,7 @@ def test_validation_needs_host_offsets(gen: torch.Generator) -> None:
         pytest.skip("offsets can only be on a CUDA device with CUDA")
     src, src_off, dst, dst_off, row_words = scattered_case(576, 10, slots=20, gen=gen)
     src_t, dst_t = place(src, dst, GATHER)
-    with pytest.raises(ValueError, match="validate=False"):
+    with pytest.raises(TransferError, match="validate=False"):
         copy_rows(src_t, src_off.cuda(), dst_t, dst_off.cuda(), row_words)
 
 
@@ -304,7 +304,7 @@ def test_random_cases(
 
 
 def refused(
-    exc: type[Exception],
+    exc: type[Exception] | tuple[type[Exception], ...],
     src: torch.Tensor,
     src_off: torch.Tensor,
     dst: torch.Tensor,
@@ -339,7 +339,7 @@ def test_out_of_range_offsets(case: tuple, which: str, offset: int, match: str) 
     src, src_off, dst, dst_off, row_words = case
     src_off, dst_off = src_off.clone(), dst_off.clone()
     (src_off if which == "src" else dst_off)[7] = offset
-    refused(SlotError, src, src_off, dst, dst_off, row_words, match=match)
+    refused(TransferError, src, src_off, dst, dst_off, row_words, match=match)
 
 
 def test_last_row_fits_exactly(case: tuple) -> None:
@@ -353,31 +353,31 @@ def test_repeated_destination_offsets(case: tuple) -> None:
     src, src_off, dst, dst_off, row_words = case
     dst_off = dst_off.clone()
     dst_off[11] = dst_off[3]
-    refused(SlotError, src, src_off, dst, dst_off, row_words, match="repeated")
+    refused(TransferError, src, src_off, dst, dst_off, row_words, match="repeated")
 
 
 def test_overlapping_destination_rows(case: tuple) -> None:
     src, src_off, dst, dst_off, row_words = case
     dst_off = dst_off.clone()
     dst_off[11] = dst_off[3] + row_words // 2 if dst_off[3] < 29 * row_words else dst_off[3] - 1
-    refused(SlotError, src, src_off, dst, dst_off, row_words, match="overlaps")
+    refused(TransferError, src, src_off, dst, dst_off, row_words, match="overlaps")
 
 
 def test_length_mismatch(case: tuple) -> None:
     src, src_off, dst, dst_off, row_words = case
-    refused(SlotError, src, src_off, dst, dst_off[:-1], row_words, match="rows")
+    refused(TransferError, src, src_off, dst, dst_off[:-1], row_words, match="rows")
 
 
 def test_dtype_mismatch(case: tuple) -> None:
     src, src_off, dst, dst_off, row_words = case
-    refused(SlotError, src, src_off, dst.view(torch.int32), dst_off, row_words, match="dtype")
+    refused(TransferError, src, src_off, dst.view(torch.int32), dst_off, row_words, match="dtype")
 
 
 @pytest.mark.parametrize("bad", ["int32", "2-D"])
 def test_offsets_not_1d_int64(case: tuple, bad: str) -> None:
     src, src_off, dst, dst_off, row_words = case
     wrong = src_off.int() if bad == "int32" else src_off.view(4, 5)
-    refused(SlotError, src, wrong, dst, dst_off, row_words, match="1-D int64")
+    refused(TransferError, src, wrong, dst, dst_off, row_words, match="1-D int64")
 
 
 @pytest.mark.parametrize(
@@ -392,33 +392,33 @@ def test_offsets_not_1d_int64(case: tuple, bad: str) -> None:
 )
 def test_bad_launch_arguments(case: tuple, kwargs: dict, row_words_delta: int) -> None:
     src, src_off, dst, dst_off, row_words = case
-    refused(ValueError, src, src_off, dst, dst_off, row_words + row_words_delta, **kwargs)
+    refused((ConfigError, TransferError), src, src_off, dst, dst_off, row_words + row_words_delta, **kwargs)
 
 
 def test_non_word_tensors(case: tuple) -> None:
     src, src_off, dst, dst_off, row_words = case
-    refused(ValueError, src.view(torch.float64), src_off, dst.view(torch.float64), dst_off, row_words)
-    refused(ValueError, src.view(30, 72), src_off, dst.view(30, 72), dst_off, row_words, match="1-D")
+    refused(TransferError, src.view(torch.float64), src_off, dst.view(torch.float64), dst_off, row_words)
+    refused(TransferError, src.view(30, 72), src_off, dst.view(30, 72), dst_off, row_words, match="1-D")
 
 
 def test_cpu_tensors_need_the_interpreter(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     src, src_off, dst, dst_off, row_words = case
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     before = dst.clone()
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
         copy_rows(src, src_off, dst, dst_off, row_words)
     assert torch.equal(dst, before)
 
 
 def test_without_triton(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "triton", None)
+    monkeypatch.setattr(jit, "triton", None)
     assert not triton_available()
     src, src_off, dst, dst_off, row_words = case
-    refused(RuntimeError, src, src_off, dst, dst_off, row_words, match="Triton")
+    refused(BackendUnavailableError, src, src_off, dst, dst_off, row_words, match="Triton")
 
 
 def test_rows_in_flight_follows_the_row_size() -> None:
-    from kvtier.transfer.kernels import rows_in_flight
+    from kvtier.transfer.launch import rows_in_flight
 
     # About 64 KiB of whole rows per program, at most 256 rows.
     assert rows_in_flight(1152) == 56
@@ -430,10 +430,9 @@ def test_rows_in_flight_follows_the_row_size() -> None:
 
 
 def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
-    from kvtier.transfer.kernels import MAX_STAGES, programs_for, rows_in_flight, tile_bytes, warps_for
+    from kvtier.transfer.launch import programs_for, rows_in_flight, tile_bytes, warps_for
 
     # ~512 KiB across the grid: 2 programs of 4 stages of 64 KiB; unpipelined, 4 of 128 KiB.
-    assert MAX_STAGES == 4
     assert [programs_for(1152, 8, stages) for stages in (4, 3, 2, 1)] == [2, 3, 4, 4]
     assert programs_for(1024, 8) == 4 and programs_for(1023, 8) == 8
     assert programs_for(1152, 1, 4) == 1 and programs_for(656, 16, 4) == 16
@@ -448,15 +447,14 @@ def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
 
 
 def test_only_whole_aligned_lines_are_pipelined() -> None:
-    from kvtier.transfer.kernels import pipelines, stages_for
+    from kvtier.transfer.launch import pipelines, stages_for
 
     assert pipelines(1152, 1152) and pipelines(2048, 128)
     # 656-byte fp8 rows and 2112-byte indexer pages straddle lines; 1152-byte rows 16 bytes off do too.
     assert not pipelines(656, 656) and not pipelines(2112, 2112) and not pipelines(1152, 16)
     assert not pipelines(1152, 1152, gather=False)  # scatters read device memory
-    cpu = torch.device("cpu")
-    assert [stages_for(1152, 1152, cpu, s) for s in (None, 2, 1)] == [4, 2, 1]
-    assert stages_for(656, 656, cpu) == stages_for(1152, 64, cpu) == 1
+    assert [stages_for(1152, 1152, None, s) for s in (None, 2, 1)] == [4, 2, 1]
+    assert stages_for(656, 656, None) == stages_for(1152, 64, None) == 1
 
 
 @pytest.mark.parametrize(
@@ -468,25 +466,24 @@ def test_stages_are_what_the_device_s_shared_memory_holds(
     shared: int, stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvtier.transfer import KernelOptions
-    from kvtier.transfer.plan import _launch
 
-    monkeypatch.setattr(kernels, "_shared_bytes", lambda index: shared)
-    _launch.cache_clear()  # launches are kept per device, whose shared memory is patched here
+    # A device with `shared` bytes per program (the query of the device itself stands in).
+    monkeypatch.setattr(launch, "device_shared_bytes", lambda index: shared)
     gpu = torch.device("cuda", 0)
-    assert kernels.stages_on(gpu) == stages
+    assert launch.shared_bytes(gpu) == shared and launch.stages_on(shared) == stages
     # Planning on the CPU (or under the interpreter) assumes a device that holds them all.
-    assert kernels.stages_on(torch.device("cpu")) == kernels.stages_on(None) == 4
-    launch = KernelOptions(sm_budget=7).launch(1152, 1152, gpu)
-    assert (launch.programs, launch.stages) == ({4: 2, 3: 3, 2: 4, 1: 4}[stages], stages)
-    assert launch.rows == (56 if stages > 1 else 113)
+    assert launch.shared_bytes(torch.device("cpu")) is launch.shared_bytes(None) is None
+    assert launch.stages_on(None) == 4
+    shape = KernelOptions(sm_budget=7).launch(1152, 1152, gpu)
+    assert (shape.programs, shape.stages) == ({4: 2, 3: 3, 2: 4, 1: 4}[stages], stages)
+    assert shape.rows == (56 if stages > 1 else 113)
     assert KernelOptions(stages=2, sm_budget=9).launch(1152, 128, gpu).stages == min(2, stages)
-    _launch.cache_clear()
 
 
 def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
     from kvtier.pool.device import Direction
     from kvtier.transfer import KernelOptions
-    from kvtier.transfer.plan import KernelLaunch
+    from kvtier.transfer.launch import KernelLaunch
 
     lean, full = KernelOptions(), KernelOptions(lean=False)
     # Rows of 1 KiB or more: 2 programs of 4 stages of 56 rows when they are whole, aligned lines,
@@ -509,7 +506,7 @@ def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
 def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:
     """A row of more than 16384 chunks cannot sit in one tile: a clear error, nothing written."""
     src, src_off, dst, dst_off, row_words = scattered_case(16384 * 16 + 8, 2, slots=3, gen=gen)
-    refused(ValueError, src, src_off, dst, dst_off, row_words, match="wider than one tile")
+    refused(TransferError, src, src_off, dst, dst_off, row_words, match="wider than one tile")
 
 
 def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
@@ -602,10 +599,10 @@ def _identity(x):
 
 def test_kernels_are_wrapped_once_per_mode_and_again_when_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton reads TRITON_INTERPRET when it wraps a function: a switched mode wraps again."""
-    wrapped = kernels.ModeJit(_identity, do_not_specialize=["x"])
+    wrapped = jit.ModeJit(_identity, do_not_specialize=["x"])
     first = wrapped()
     assert wrapped() is first
-    monkeypatch.setenv("TRITON_INTERPRET", "0" if kernels.interpreting() else "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if jit.interpreting() else "1")
     other = wrapped()
     assert other is not first and wrapped() is other
     assert type(other) is not type(first)  # a compiled function against an interpreted one

@@ -1,4 +1,5 @@
-"""The compiled submission loop: its calls against what a tape says, with stand-in runtime functions."""
+"""The compiled submission loop: its calls against a model made from tensor views, with stand-in
+runtime functions."""
 
 from __future__ import annotations
 
@@ -10,25 +11,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import poison_device, poison_host, same_bytes
-from kvtier.cache.streams import DeferredLane, Signal
+from conftest import poison_device, same_bytes
 
-from kvtier.cache import CacheConfig, CacheController, NodeState
+from kvtier.cache import CacheConfig, CacheController, DeviceHostMover, NodeState
+from kvtier.errors import CudaRuntimeError, PlanError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
-from kvtier.transfer import PathCosts, TransferPath, TransferPlan, dma, load_layer, native
-from kvtier.transfer.copy import (
-    LayerCopies,
-    copy_table,
-    layer_copies,
-    loop_takes,
-    run_buffers,
-    run_layers,
-    tape_copies,
-    tape_layers,
-)
-from kvtier.transfer.cudart import MEMCPY_DEFAULT, CudaRuntimeError
+from kvtier.transfer import TransferPath, dma, native
+from kvtier.transfer.cudart import MEMCPY_DEFAULT
+from kvtier.transfer.lanes import DeferredLane, Signal
+from kvtier.transfer.native import loop_takes, run_buffers, run_layers
 from kvtier.transfer.plan import Planner
 
 needs_cc = pytest.mark.skipif(
@@ -92,138 +85,19 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     return built
 
 
-@needs_cc
-def test_a_tape_makes_its_calls_in_order_with_their_arguments(lib) -> None:
-    rt = FakeRuntime()
-    tape = native.Tape()
-    tape.copy(0x1000, 0x2000, 4096, 7)
-    tape.batch(np.array([10, 20]), np.array([30, 40]), np.array([5, 6]), 8)
-    tape.record(0xE1, 7)
-    tape.wait(8, 0xE1)
-    tape.copies([1, 2, 3, 4, 5, 6], 9)
-    assert len(tape) == 6
-    tape.run(rt.native(lib))
-    assert rt.calls == [
-        ("copy", 0x1000, 0x2000, 4096, MEMCPY_DEFAULT, 7),
-        ("batch", [10, 20], [30, 40], [5, 6], 2, ATTRS, 0, 1, 8),
-        ("record", 0xE1, 7),
-        ("wait", 8, 0xE1, 0),
-        ("copy", 1, 2, 3, MEMCPY_DEFAULT, 9),
-        ("copy", 4, 5, 6, MEMCPY_DEFAULT, 9),
-    ]
-
-
-@needs_cc
-def test_the_first_failing_call_stops_the_tape_and_is_named(lib) -> None:
-    rt = FakeRuntime(fail_at=2)
-    tape = native.Tape()
-    for i in range(5):
-        tape.record(i + 1, 3)
-    with pytest.raises(CudaRuntimeError, match=r"tape row 2 \(RECORD\) failed: CUDA error 700"):
-        tape.run(rt.native(lib))
-    assert [c[1] for c in rt.calls] == [1, 2, 3]  # nothing after the failure
-
-
-@needs_cc
-def test_a_batch_row_without_a_batch_call_fails_instead_of_copying_nothing(lib) -> None:
-    rt = FakeRuntime(batch=False)
-    tape = native.Tape()
-    tape.batch(np.array([1]), np.array([2]), np.array([3]), 4)
-    with pytest.raises(CudaRuntimeError, match=r"row 0 \(BATCH\)"):
-        tape.run(rt.native(lib))
-    assert rt.calls == []
-
-
-def test_an_empty_tape_makes_no_call() -> None:
-    native.Tape().run(None)  # no library needed: nothing to run
-
-
-@needs_cc
-def test_tape_copies_add_the_same_calls_as_submitting_a_layer(lib, monkeypatch) -> None:
-    """Flat copies one call each; a list of many runs one batch (fan-out needs CUDA: GPU test)."""
-    monkeypatch.setattr(dma, "small_batch", lambda: 2)
-    stream = SimpleNamespace(cuda_stream=5)
-    many = (np.arange(3) * 100, np.arange(3) * 100 + 1, np.full(3, 64))
-    tape = native.Tape()
-    tape_copies(tape, LayerCopies([11, 12, 13], [many]), stream)
-    rt = FakeRuntime()
-    tape.run(rt.native(lib))
-    assert rt.calls == [
-        ("copy", 11, 12, 13, MEMCPY_DEFAULT, 5),
-        ("batch", [0, 100, 200], [1, 101, 201], [64, 64, 64], 3, ATTRS, 0, 1, 5),
-    ]
-    few = (np.array([7, 8]), np.array([9, 10]), np.array([1, 2]))
-    tape = native.Tape()
-    tape_copies(tape, LayerCopies([], [few]), stream)
-    rt = FakeRuntime()
-    tape.run(rt.native(lib))
-    assert rt.calls == [("copy", 7, 9, 1, MEMCPY_DEFAULT, 5), ("copy", 8, 10, 2, MEMCPY_DEFAULT, 5)]
-
-
-@needs_cc
-def test_layer_rows_get_a_record_after_each_layer_or_one_after_all(lib) -> None:
-    rows = np.array([[native.Op.COPY, 10 + i, 20 + i, 30 + i, 5, 0] for i in range(4)], dtype=np.int64)
-    table = native.LayerRows(rows, np.array([0, 0, 2, 3]))
-    tape = native.Tape()
-    tape.record(0xF0, 5)  # rows added before stay first
-    tape.layers(table, [0xE0, 0xE1, 0xE2, 0xE3], 5)
-    rt = FakeRuntime()
-    tape.run(rt.native(lib))
-    copy = [("copy", 10 + i, 20 + i, 30 + i, MEMCPY_DEFAULT, 5) for i in range(4)]
-    rec = [("record", 0xE0 + i, 5) for i in range(4)]
-    # Layer 1 has no rows: its event is still recorded, in order.
-    assert rt.calls == [("record", 0xF0, 5), *copy[:2], rec[0], rec[1], copy[2], rec[2], copy[3], rec[3]]
-    tape = native.Tape()
-    tape.layers(table, [0xEE], 5)
-    rt = FakeRuntime()
-    tape.run(rt.native(lib))
-    assert rt.calls == [*copy, ("record", 0xEE, 5)]
-
-
-@needs_cc
-@pytest.mark.parametrize("small", [1, 8])
-def test_the_copy_table_makes_the_calls_of_the_per_layer_path(lib, small, monkeypatch) -> None:
-    """Vectorised rows against the layer-by-layer tape of the same plan: the same calls, in order."""
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
-    monkeypatch.setattr(dma, "small_batch", lambda: small)
-    spec = preset("tiny-dsa", 4)  # the indexer on layers 0 and 2 only
-    host, dev = HostPool(spec, 512), DevicePool(spec, 512)
-    hs = torch.cat([torch.arange(40, 120), torch.arange(300, 380), torch.arange(8, 16)])
-    ds = torch.cat([torch.arange(0, 80), torch.arange(200, 280), torch.arange(400, 408)])
-    plan = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
-    stream = SimpleNamespace(cuda_stream=5)
-    events = [0xE0 + i for i in range(spec.num_layers)]
-    calls = []
-    for build in ("table", "layers"):
-        tape = native.Tape()
-        if build == "table":
-            table = copy_table(plan, host, dev, 5, batch=True)
-            assert (
-                table is not None
-                and (table.rows[:, 0] == (native.Op.BATCH if small == 1 else native.Op.COPY)).any()
-            )
-            tape.layers(table, events, 5)
-        else:
-            tape_layers(tape, layer_copies(plan, host, dev), stream, events)
-        rt = FakeRuntime()
-        tape.run(rt.native(lib))
-        calls.append(rt.calls)
-    assert calls[0] == calls[1]
-    assert sum(c[0] == "record" for c in calls[0]) == spec.num_layers
-    if small == 1:
-        assert copy_table(plan, host, dev, 5, batch=False) is None  # a batch the loop cannot make
-
-
 def test_without_a_compiler_or_when_disabled_there_is_no_library(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert native.compile_library(tmp_path / "cache") is None
-    monkeypatch.setattr(native, "_probed", False)
-    monkeypatch.setenv("KVTIER_NATIVE", "0")
-    assert native.library() is None
-    monkeypatch.setattr(native, "_probed", False)
-    monkeypatch.delenv("KVTIER_NATIVE")
-    if not torch.cuda.is_available():
-        assert native.library() is None  # no CUDA runtime in the process
+    try:
+        native.LIBRARY.reset()
+        monkeypatch.setenv("KVTIER_NATIVE", "0")
+        assert native.library() is None
+        native.LIBRARY.reset()
+        monkeypatch.delenv("KVTIER_NATIVE")
+        if not torch.cuda.is_available():
+            assert native.library() is None  # no CUDA runtime in the process
+    finally:
+        native.LIBRARY.reset()
 
 
 @needs_cc
@@ -236,57 +110,36 @@ def test_the_library_is_built_once_and_reused(tmp_path) -> None:
     assert (tmp_path / built[0]).stat().st_mtime_ns == mtime
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tape_submission_is_byte_identical_with_fan_out(gen) -> None:
-    """Many long runs over 4 streams and per-layer events, submitted from the loop, against the host rows."""
-    from kvtier.cache.streams import CudaLane
-
-    lib = native.library()
-    if lib is None:
-        pytest.skip("no compiled loop here (no C compiler or no libcudart)")
-    spec = preset("tiny-dsa", 1)
-    host, dev = HostPool(spec, 8192), DevicePool(spec, 8192, "cuda")
-    lane = CudaLane(dev.device)
-    hs = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
-    ds = 7 + torch.arange(3072)
-    costs = PathCosts(copy_min_bytes=96 * 132, copy_streams=4)
-    plan = TransferPlan.build("load", host, dev, hs, ds, costs=costs, stream=lane.stream)
-    assert plan.path is TransferPath.BATCHED_DMA
-    work = layer_copies(plan, host, dev)
-    assert work is not None and all(w.batches and w.streams == 4 for w in work if w.batches)
-    poison_host(host, gen)
-    poison_device(dev, gen)
-    before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
-    signals = lane.run_tape(lib, lambda t, events: tape_layers(t, work, lane.stream, events), spec.num_layers)
-    assert len(signals) == spec.num_layers
-    for s in signals:
-        s.make_current_wait()
-    torch.cuda.current_stream().synchronize()
-    for b in spec.buffers:
-        for layer in b.layers:
-            want = before[(b.name, layer)].clone()
-            want[ds] = host.gather(b.name, layer, hs)
-            assert same_bytes(dev.layer(b.name, layer).cpu(), want), (b.name, layer)
-    # The Python path, for comparison, writes the same bytes.
-    poison_device(dev, gen)
+def expected_calls(runs, host, dev, direction, events, small, order=0xF0, current=9, stream=5) -> list:
+    """The calls the loop must make for joint runs `(first host slot, first device slot, length)`:
+    the ordering record and wait, then per layer each buffer's copies (one call per run, or one
+    batch above `small` runs) and the layer's event (or one event after all). Addresses from
+    tensor views of the pools, not from the plan's byte tables."""
+    spec = host.spec
+    seg = host.segment_slots
+    calls = [("record", order, current), ("wait", stream, order, 0)]
     for layer in range(spec.num_layers):
-        load_layer(plan, host, dev, layer, lane.stream)
-    lane.stream.synchronize()
-    for b in spec.buffers:
-        for layer in b.layers:
-            assert same_bytes(dev.layer(b.name, layer)[ds].cpu(), host.gather(b.name, layer, hs))
+        for b in spec.buffers_on(layer):
+            triples = []
+            for h, d, n in runs:
+                host_ptr = host.segment(b.name, layer, h // seg)[h % seg].data_ptr()
+                dev_ptr = dev.layer(b.name, layer)[d].data_ptr()
+                pair = (dev_ptr, host_ptr) if direction is Direction.LOAD else (host_ptr, dev_ptr)
+                triples.append((*pair, n * b.row_bytes))
+            if len(triples) <= small:
+                calls += [("copy", *t, MEMCPY_DEFAULT, stream) for t in triples]
+            else:
+                dst, src, nbytes = (list(x) for x in zip(*triples, strict=True))
+                calls.append(("batch", dst, src, nbytes, len(triples), ATTRS, 0, 1, stream))
+        if len(events) == spec.num_layers:
+            calls.append(("record", events[layer], stream))
+    if len(events) == 1 and spec.num_layers != 1:
+        calls.append(("record", events[0], stream))
+    return calls
 
 
-def _tape_of_table(plan, host, dev, events, order, small_batch: bool = True) -> native.Tape:
-    """What the tape path submits for `plan`: the ordering record and wait, then `copy_table`'s rows."""
-    table = copy_table(plan, host, dev, 5, batch=small_batch)
-    assert table is not None
-    tape = native.Tape()
-    tape.record(order, 9)
-    tape.wait(5, order)
-    tape.layers(table, events, 5)
-    return tape
+def joint_of(copies) -> list[tuple[int, int, int]]:
+    return list(zip(*(copies.joint[i].tolist() for i in (1, 2, 3)), strict=True))
 
 
 @needs_cc
@@ -294,14 +147,13 @@ def _tape_of_table(plan, host, dev, events, order, small_batch: bool = True) -> 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("direction", ["load", "backup"])
 @pytest.mark.parametrize("per_layer", [True, False])
-def test_run_layers_makes_the_calls_of_the_copy_table(lib, small, layout, direction, per_layer, monkeypatch):
-    """Addresses computed in the loop against the table built in numpy for the same runs: same calls.
+def test_run_layers_makes_the_calls_of_its_runs(lib, small, layout, direction, per_layer, pin):
+    """Addresses computed in the loop against tensor views of the same rows: the same calls, in order.
 
     A DSA spec (the indexer on some layers only), both host layouts (page-first cuts runs at
     every page), host runs over several regions (a small chunk size), batched and plain calls.
     """
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
-    monkeypatch.setattr(dma, "small_batch", lambda: small)
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=small))
     spec = preset("tiny-dsa", 4)
     host = HostPool(spec, 1024, layout, chunk_bytes=16 << 10)
     assert host.num_segments() > 1
@@ -310,23 +162,33 @@ def test_run_layers_makes_the_calls_of_the_copy_table(lib, small, layout, direct
     n = sum(k for _, k in runs[0])
     copies = Planner(host, dev, force="per_run").copies(n, runs)
     assert copies is not None and copies.joint.shape[1] > 3  # cut at segment edges
-    slots = torch.arange(n)  # not read: a plan from runs
-    plan = TransferPlan.build(direction, host, dev, slots, slots, force="per_run", trusted=True, runs=runs)
-    assert plan.parts[0].pieces[1].host == copies.joint[1, 1]
     events = [0xE0 + i for i in range(spec.num_layers)] if per_layer else [0xEE]
-    want = FakeRuntime()
-    _tape_of_table(plan, host, dev, events, 0xF0).run(want.native(lib))
     got = FakeRuntime()
     buffers = run_buffers(host, dev)
     assert buffers is not None
     run_layers(got.native(lib), copies, buffers, Direction(direction), 5, 9, 0xF0, events)
-    assert got.calls == want.calls
+    assert got.calls == expected_calls(joint_of(copies), host, dev, Direction(direction), events, small)
     assert sum(c[0] == "record" for c in got.calls) == len(events) + 1
 
 
 @needs_cc
-def test_run_layers_names_the_failing_layer_and_stops(lib, monkeypatch) -> None:
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+def test_run_layers_refuses_copies_and_buffers_of_other_pools(lib, pin) -> None:
+    """Raw addresses of one pool pair never serve runs planned for another: refused before any call."""
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
+    spec = preset("tiny-mla", 4)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    copies = Planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
+    events = list(range(1, spec.num_layers + 1))
+    for other in (run_buffers(HostPool(spec, 256), dev), run_buffers(host, DevicePool(spec, 256))):
+        rt = FakeRuntime()
+        with pytest.raises(PlanError, match="planned for"):
+            run_layers(rt.native(lib), copies, other, Direction.LOAD, 5, 9, 0xF0, events)
+        assert rt.calls == []
+
+
+@needs_cc
+def test_run_layers_names_the_failing_layer_and_stops(lib, pin) -> None:
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = Planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
@@ -345,9 +207,9 @@ def test_run_layers_names_the_failing_layer_and_stops(lib, monkeypatch) -> None:
 
 
 @needs_cc
-def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, monkeypatch) -> None:
+def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, pin) -> None:
     """The loop's own check (behind the Python one): nothing submitted, not even the ordering."""
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = Planner(host, dev, force="per_run").copies(64, ([(0, 32), (128, 32)], [(0, 64)]))
@@ -356,14 +218,13 @@ def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, monkeypatch) -> No
     loop.has_batch = True  # past the Python check, into the C one
     events = list(range(1, spec.num_layers + 1))
     with pytest.raises(CudaRuntimeError, match="before any call: the runs need the batched copy call"):
-        loop.run_layers(copies.joint[1:], run_buffers(host, dev), True, events, 5, (0xF0, 9), small=1)
+        loop.copy_layers(copies.joint[1:], run_buffers(host, dev), True, events, 5, (0xF0, 9), small=1)
     assert rt.calls == []
 
 
 @needs_cc
-def test_the_loop_does_not_take_runs_that_fan_out_or_need_a_missing_batch_call(lib, monkeypatch) -> None:
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
-    monkeypatch.setattr(dma, "small_batch", lambda: 2)
+def test_the_loop_does_not_take_runs_that_fan_out_or_need_a_missing_batch_call(lib, pin) -> None:
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=2))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
     runs = ([(i * 64, 32) for i in range(20)], [(0, 640)])
@@ -400,42 +261,51 @@ class _LoopLane(DeferredLane):
         return [_Done() for _ in range(signals)]
 
 
+def loop_cache(dev: DevicePool, host: HostPool, config: CacheConfig, loop: native.Native) -> CacheController:
+    """A cache whose transfers go out from `loop` (a stand-in runtime's) on stand-in lanes."""
+    mover = DeviceHostMover(
+        dev, host, costs=config.costs, force=config.force_path, lanes=(_LoopLane(), _LoopLane()), loop=loop
+    )
+    return CacheController(dev, host, config, mover=mover)
+
+
 @needs_cc
-def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(lib, monkeypatch) -> None:
-    """The cache's reload of nodes whose runs it knows: one loop call making the table path's calls
-    for the plan (built only when asked for); a failing call leaves the tree as it was."""
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
+def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(lib, monkeypatch, pin) -> None:
+    """The cache's reload of nodes whose runs it knows: one loop call making the calls of its runs
+    (the plan built only when asked for); a failing call leaves the tree as it was."""
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-dsa", 2)
-    c = CacheController(DevicePool(spec, 64), HostPool(spec, 64), CacheConfig())
+    rt = FakeRuntime()
+    c = loop_cache(DevicePool(spec, 64), HostPool(spec, 64), CacheConfig(), rt.native(lib))
     tokens = tuple(range(16))
     c.insert(tokens, c.alloc_device(16))
     c.insert((*range(8), 99, 99), torch.cat([c.match(tokens).device_slots[:8], c.alloc_device(2)]))
     c.flush()
     c.evict_device(64)
-    c._run_buffers = run_buffers(c.host_pool, c.device_pool)
-    c.load_lane = _LoopLane()
-    rt = FakeRuntime()
-    monkeypatch.setattr(native, "_probed", True)
-    monkeypatch.setattr(native, "_native", rt.native(lib))
+    assert rt.calls  # the backups went out from the loop too
+    rt.calls.clear()
     built = []
-    build = TransferPlan.build
-    monkeypatch.setattr(TransferPlan, "build", lambda *a, **k: built.append(1) or build(*a, **k))
+    build = Planner.plan_allocated
+    monkeypatch.setattr(Planner, "plan_allocated", lambda *a, **k: built.append(1) or build(*a, **k))
 
     m = c.match(tokens)
     assert len(m.host_nodes) == 2  # split after 8 tokens: two nodes, host runs from both
     h = c.load_back(m)
     assert built == []  # submitted from the runs alone
     assert h.plan is not None and h.plan.path in (TransferPath.SINGLE_COPY, TransferPath.PER_RUN) and built
-    want = FakeRuntime()
     events = [0xE0 + i for i in range(spec.num_layers)]
-    _tape_of_table(h.plan, c.host_pool, c.device_pool, events, 0xF0).run(want.native(lib))
-    assert rt.calls == want.calls and rt.calls[:2] == [("record", 0xF0, 9), ("wait", 5, 0xF0, 0)]
+    (part,) = h.plan.parts
+    runs = part.runs.triples
+    assert rt.calls == expected_calls(
+        runs, c.host_pool, c.device_pool, Direction.LOAD, events, dma.small_batch()
+    )
     c.poll()
     c.check_invariants(compare_bytes=False)  # the stand-in runtime moved nothing
 
     c.evict_device(64)
     before = (c.device_alloc.available(), c.host_alloc.available())
-    monkeypatch.setattr(native, "_native", FakeRuntime(fail_at=3).native(lib))
+    rt.calls.clear()
+    rt.fail_at = 3
     m = c.match(tokens)
     with pytest.raises(CudaRuntimeError, match="layer 0"):
         c.load_back(m)
@@ -447,7 +317,7 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
 @needs_cc
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("host_runs", [1, 5])
-def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, monkeypatch) -> None:
+def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, pin) -> None:
     """The loop's own address arithmetic against the bytes: CPU pools, a runtime whose copies move
     memory; a DSA spec over several host regions, prefixes in one or several host runs (plain
     and batched calls), two nodes, several trips; the device poisoned before every reload."""
@@ -455,29 +325,24 @@ def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, mon
 
     from kvtier.pool.rows import as_words
 
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)
-    monkeypatch.setattr(dma, "small_batch", lambda: 2)
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=2))
     spec = preset("tiny-dsa", 4)
-    piece = 320 // host_runs  # the prefix's host copy: `host_runs` runs of `piece` slots
+    run_len = 320 // host_runs  # the prefix's host copy: `host_runs` runs of `run_len` slots
     # Room for the prefix in exactly those runs, the gaps between them, and 4 slots more.
-    host = HostPool(spec, piece * host_runs + 4 * host_runs, layout, chunk_bytes=8 << 10)
+    host = HostPool(spec, run_len * host_runs + 4 * host_runs, layout, chunk_bytes=8 << 10)
     assert host.num_segments() > 1
     # Copy-engine plans forced: without a GPU the planner would stage runs this short.
-    c = CacheController(DevicePool(spec, 512), host, CacheConfig(force_path="per_run"))
-    held, pieces = [], []
+    rt = FakeRuntime(move=True)
+    c = loop_cache(DevicePool(spec, 512), host, CacheConfig(force_path="per_run"), rt.native(lib))
+    held, runs_held = [], []
     for i in range(host_runs):  # the prefix's future runs, each but the last followed by 4 held slots
-        pieces.append(c.host_alloc.alloc(piece))
+        runs_held.append(c.host_alloc.alloc(run_len))
         if i < host_runs - 1:
             held.append(c.host_alloc.alloc(4))
-    for p in pieces:
+    for p in runs_held:
         c.host_alloc.free(p)
-    rt = FakeRuntime(move=True)
-    monkeypatch.setattr(native, "_probed", True)
-    monkeypatch.setattr(native, "_native", rt.native(lib))
-    c._run_buffers = run_buffers(c.host_pool, c.device_pool)
-    c.load_lane = _LoopLane()
     gen = torch.Generator().manual_seed(1)
-    tokens = tuple(range(piece * host_runs))
+    tokens = tuple(range(run_len * host_runs))
     slots = c.alloc_device(len(tokens))
     want = {}
     for b in spec.buffers:

@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import itertools
 
 import numpy as np
 import pytest
 import torch
 from conftest import host_row, poison_device, poison_host, random_rows, same_bytes
 
-from kvtier.errors import PlanError, SlotError, SpecError
+from kvtier.errors import ConfigError, PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
-from kvtier.pool.device import Direction
 from kvtier.spec import preset
 from kvtier.transfer import (
     KernelOptions,
-    Mechanism,
     PathCosts,
+    Planner,
     TransferPath,
     TransferPlan,
     backup,
     dma,
     groups,
     kernels,
+    launch,
     load_layer,
     load_layers,
 )
-from kvtier.transfer.copy import buffer_runs, layer_copies
+from kvtier.transfer.options import Mechanism
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
@@ -326,7 +326,7 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
     ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
     # runs of 200 rows of the widest buffer: copy engine
     costs = PathCosts(copy_min_bytes=200 * 132)
-    plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
+    plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
     if layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
         assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 100}
@@ -392,7 +392,7 @@ def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(d
     hs = torch.cat([torch.arange(0, 300), torch.arange(400, 650), short_host, torch.arange(700, 830)])
     ds = torch.cat([torch.arange(1500, 1800), scattered[:440]])
     costs = PathCosts(copy_min_bytes=200 * 132, staged_min_bytes=100 * 132)
-    plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, use_kernel=True)
+    plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
     if layout is HostLayout.LAYER_FIRST and direction == "backup":  # backups keep the kernel's scatter
         assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 440}
     elif layout is HostLayout.LAYER_FIRST:
@@ -401,7 +401,7 @@ def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(d
         (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
         # 250 + 130 rows in windows of 100: runs cut at rows 100, 200 and 300 of the part
         assert staged.windows == ((0, 100, 0, 1), (100, 200, 1, 2), (200, 300, 2, 4), (300, 380, 4, 5))
-        assert [p.length for p in staged.pieces] == [100, 100, 50, 50, 80]
+        assert staged.runs.length.tolist() == [100, 100, 50, 50, 80]
     else:  # one-slot pages: no host run is longer than a page
         assert plan.path is TransferPath.KERNEL
     _run_and_check(plan, host, dev, hs, ds, layout)
@@ -416,7 +416,7 @@ def test_staging_needs_host_runs_long_enough() -> None:
 
     def mechanisms(staged_rows: int) -> dict[str, int]:
         costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=staged_rows * 48)
-        plan = TransferPlan.build("load", host, dev, runs, scattered[:1536], costs=costs, use_kernel=True)
+        plan = Planner(host, dev, costs, use_kernel=True).plan("load", runs, scattered[:1536])
         return plan.rows_by_mechanism()
 
     assert mechanisms(512) == {"staged": 1536}
@@ -428,7 +428,7 @@ def test_staging_needs_host_runs_long_enough() -> None:
     bad[700] = bad[3]
     costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=512 * 48)
     with pytest.raises(SlotError, match="repeats"):
-        TransferPlan.build("load", host, dev, runs, bad, costs=costs, use_kernel=True)
+        Planner(host, dev, costs, use_kernel=True).plan("load", runs, bad)
     assert same_bytes(dev.layer("kv", 0), before)
 
 
@@ -468,7 +468,7 @@ def test_page_first_kernel_rows_move_several_layers_per_launch(spec_name, ps, di
     ds = (torch.randperm(512 // ps, generator=gen)[:pages, None] * ps + torch.arange(ps)).flatten()
     plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel", kernel=KernelOptions(2, 3))
     (part,) = plan.parts
-    assert part.unit == ps and set(part.layer_tables) == {b.name for b in spec.buffers}
+    assert part.unit == ps and set(part.tables) == {b.name for b in spec.buffers}
     assert plan.sms_used == 2
     launches = []
     copy_groups = groups.copy_groups
@@ -488,7 +488,7 @@ def test_layer_first_kernel_rows_move_layer_by_layer(gen) -> None:
     host, dev = HostPool(spec, 256, "layer_first"), DevicePool(spec, 256)
     hs, ds = torch.randperm(256, generator=gen)[:50], torch.randperm(256, generator=gen)[:50]
     plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel")
-    assert plan.parts[0].layer_tables == {}
+    assert plan.parts[0].tables == {}
     _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST, grouped=True)
 
 
@@ -531,7 +531,7 @@ def test_kernel_on_a_small_budget_loops_over_many_tiles_byte_identically(
 
     monkeypatch.setattr(kernels, "copy_rows", spy)
     _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
-    assert seen == {1152: (stages or kernels.MAX_STAGES) if direction == "load" else 1, 132: 1}
+    assert seen == {1152: (stages or launch.MAX_STAGES) if direction == "load" else 1, 132: 1}
 
 
 @needs_triton
@@ -578,7 +578,7 @@ def test_kernel_offsets_come_in_the_widest_words_the_rows_allow(ps, word, gen) -
     plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel")
     (part,) = plan.parts
     b = spec.buffer("indexer")
-    for rows in part.kernel_rows["indexer"]:
+    for rows in part.regions["indexer"]:
         assert rows.word == word
         assert (rows.src * word % (b.row_bytes * part.unit) == 0).all()
         assert (rows.src % rows.align == 0).all() and (rows.dst % rows.align == 0).all()
@@ -591,7 +591,7 @@ def test_planner_uses_the_kernel_for_short_runs_and_dma_for_long_ones() -> None:
     costs = PathCosts(copy_min_bytes=256 * 48)
 
     def path(hs, ds) -> TransferPath:
-        return TransferPlan.build("load", host, dev, hs, ds, costs=costs, use_kernel=True).path
+        return Planner(host, dev, costs, use_kernel=True).plan("load", hs, ds).path
 
     runs = (torch.tensor([3, 1, 7])[:, None] * 512 + torch.arange(512)).flatten()
     assert path(runs, torch.arange(1536)) is TransferPath.BATCHED_DMA
@@ -660,8 +660,9 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))
-def test_buffer_runs_address_the_same_rows_as_the_tensor_path(layout, gen) -> None:
-    """The raw addresses used for raw submission are those of the rows the torch path copies."""
+def test_copy_addresses_are_those_of_the_rows_the_tensor_path_copies(layout) -> None:
+    """A copy part's byte table, turned into raw addresses as the batched path does, points at the
+    rows that the per-run path's tensor views copy."""
     spec = preset("tiny-dsa", 4)
     host = HostPool(spec, 512, layout, chunk_bytes=4096)
     dev = DevicePool(spec, 512)
@@ -669,42 +670,16 @@ def test_buffer_runs_address_the_same_rows_as_the_tensor_path(layout, gen) -> No
     ds = torch.cat([torch.arange(0, 80), torch.arange(200, 280)])
     plan = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
     (part,) = plan.parts
+    seg = host.segment_slots
     for b in spec.buffers:
-        host_ptrs, dev_ptrs, nbytes = buffer_runs(plan, host, dev, b)
+        region, host_off, dev_off, nbytes = part.run_bytes[b.name]
         for j, layer in enumerate(b.layers):
-            for r, p in enumerate(part.pieces):
-                seg = host.segment(b.name, layer, p.host // host.segment_slots)
-                view = seg[p.host % host.segment_slots : p.host % host.segment_slots + p.length]
-                assert host_ptrs[j, r] == view.data_ptr()
-                assert dev_ptrs[j, r] == dev.layer(b.name, layer)[p.device].data_ptr()
-                assert nbytes[r] == p.length * b.row_bytes
-
-
-@pytest.mark.parametrize("direction", list(Direction))
-def test_layer_copies_hold_every_run_of_every_layer_once(direction, monkeypatch) -> None:
-    """Per layer, the flat triples and batches together cover each buffer's runs exactly once, dst first."""
-    monkeypatch.setattr(dma, "dma_mode", lambda: dma.DmaMode.LOOP)  # as on a GPU with cuda.bindings
-    spec = preset("tiny-dsa", 4)
-    host = HostPool(spec, 512, chunk_bytes=4096)
-    dev = DevicePool(spec, 512)
-    few = (torch.arange(40, 120), torch.arange(0, 80))
-    many = (torch.arange(0, 400, 8).repeat_interleave(4) + torch.arange(4).repeat(50), torch.arange(200))
-    for hs, ds in (few, many):
-        plan = TransferPlan.build(direction, host, dev, hs, ds, force="per_run")
-        work = layer_copies(plan, host, dev)
-        assert work is not None and len(work) == spec.num_layers
-        for layer, w in enumerate(work):
-            got = [tuple(w.flat[i : i + 3]) for i in range(0, len(w.flat), 3)]
-            for d, s, n in w.batches:
-                got += list(zip(d.tolist(), s.tolist(), n.tolist(), strict=True))
-            want = []
-            for b in spec.buffers_on(layer):
-                h, d, n = buffer_runs(plan, host, dev, b)
-                j = b.local_layer(layer)
-                pairs = (d[j], h[j]) if direction is Direction.LOAD else (h[j], d[j])
-                want += list(zip(pairs[0].tolist(), pairs[1].tolist(), n.tolist(), strict=True))
-            assert sorted(got) == sorted(want) and len(got) == len(want)
-    assert layer_copies(TransferPlan.build("load", host, dev, *few, force="reference"), host, dev) is None
+            host_ptrs = host.region_ptrs(b.name)[j, region] + host_off
+            dev_ptrs = dev.layer_ptrs(b.name)[j] + dev_off
+            for r, (h, d, n) in enumerate(part.runs.triples):
+                assert host_ptrs[r] == host.segment(b.name, layer, h // seg)[h % seg].data_ptr()
+                assert dev_ptrs[r] == dev.layer(b.name, layer)[d].data_ptr()
+                assert nbytes[r] == n * b.row_bytes
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
@@ -723,9 +698,9 @@ def test_whole_page_planning_finds_the_same_runs_as_per_slot(ps, layout) -> None
         hs = (hp[:, None] * ps + torch.arange(ps)).flatten()
         ds = (dp[:, None] * ps + torch.arange(ps)).flatten()
         a = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
-        b = TransferPlan.build("load", host, dev, hs, ds, force="per_run", trusted=True, whole_pages=True)
+        b = Planner(host, dev, force="per_run").plan_allocated("load", hs, ds)
         assert (a.host_runs, a.device_runs, a.joint_runs) == (b.host_runs, b.device_runs, b.joint_runs)
-        assert a.parts[0].pieces == b.parts[0].pieces
+        assert a.parts[0].runs.table.tolist() == b.parts[0].runs.table.tolist()
 
 
 def _runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
@@ -739,9 +714,13 @@ def _runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
+def _runs_table(part) -> list | None:
+    return part.runs.table.tolist() if hasattr(part, "runs") else None
+
+
 @pytest.mark.parametrize("layout", list(HostLayout))
 def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
-    """A plan built from run lists is the slot-scan plan: same path, runs, pieces and addresses."""
+    """A plan built from run lists is the slot-scan plan: same path, runs and addresses."""
     spec = preset("tiny-mla", 2)
     host = HostPool(spec, 1024, layout, chunk_bytes=16384)
     dev = DevicePool(spec, 1024)
@@ -756,81 +735,42 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
         )
     for hs, ds in cases:
         for force in (None, "per_run"):
-            a = TransferPlan.build("load", host, dev, hs, ds, force=force, use_kernel=False)
-            b = TransferPlan.build(
-                "load",
-                host,
-                dev,
-                hs,
-                ds,
-                force=force,
-                use_kernel=False,
-                trusted=True,
-                runs=(_runs_of(hs), _runs_of(ds)),
-            )
+            planner = Planner(host, dev, force=force, use_kernel=False)
+            a = planner.plan("load", hs, ds)
+            b = planner.plan_allocated("load", hs, ds, runs=(_runs_of(hs), _runs_of(ds)))
             assert (a.path, a.host_runs, a.device_runs, a.joint_runs) == (
                 b.path,
                 b.host_runs,
                 b.device_runs,
                 b.joint_runs,
             )
-            assert [p.pieces for p in a.parts] == [p.pieces for p in b.parts]
+            assert [_runs_table(p) for p in a.parts] == [_runs_table(p) for p in b.parts]
             if a.path in (TransferPath.PER_RUN, TransferPath.SINGLE_COPY):
                 for name in a.parts[0].run_bytes:
                     for x, y in zip(a.parts[0].run_bytes[name], b.parts[0].run_bytes[name], strict=True):
                         assert np.array_equal(x, y)
     with pytest.raises(PlanError, match="cover"):
-        TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(0, 5)]))
+        Planner(host, dev).plan_allocated("load", hs, ds, runs=([(0, 4)], [(0, 5)]))
     with pytest.raises(PlanError, match="the plan has"):
-        TransferPlan.build("load", host, dev, hs, ds, trusted=True, runs=([(0, 4)], [(8, 4)]))
+        Planner(host, dev).plan_allocated("load", hs, ds, runs=([(0, 4)], [(8, 4)]))
 
 
-def test_copy_runs_fans_out_over_side_streams_that_fork_and_join(monkeypatch) -> None:
-    """`streams=k`: the list is cut into k contiguous shares, one per stream, between a fork and a join."""
-    events: list[tuple[str, object]] = []
-
-    class FakeFan:
-        def __init__(self, k: int) -> None:
-            self.streams = [SimpleNamespace(cuda_stream=i + 1, name=f"s{i}") for i in range(k)]
-
-        def fork(self, tape=None) -> None:
-            events.append(("fork", tape))
-
-        def join(self, tape=None) -> None:
-            events.append(("join", tape))
-
-    class Main:
-        cuda_stream = 1234
-
-    monkeypatch.setattr(dma, "_fan_out", lambda stream, k: FakeFan(k))
-    monkeypatch.setattr(dma, "issuer", lambda st: lambda flat: events.append((st, flat[2::3])))
-    n = 10
-    dst, src, sizes = (np.arange(n, dtype=np.int64) + base for base in (1000, 2000, 0))
-    dma.copy_runs(dst, src, sizes + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)
-    assert events[0] == ("fork", None) and events[-1] == ("join", None)
-    shares = events[1:-1]
-    assert [st.name for st, _ in shares] == ["s0", "s1", "s2", "s3"]
-    assert [b for _, part in shares for b in part] == (sizes + 1).tolist()  # every copy once, in order
-    events.clear()
-    uneven = np.array([100, 1, 1, 1, 1, 1, 1, 1, 100, 100], dtype=np.int64)  # shares by bytes, not counts
-    dma.copy_runs(dst, src, uneven, Main(), mode=dma.DmaMode.LOOP, streams=4)
-    shares = [(st.name, part) for st, part in events[1:-1]]  # an empty share issues nothing
-    assert shares == [("s1", [100] + [1] * 7), ("s2", [100]), ("s3", [100])]
-    events.clear()
-    dma.copy_runs(dst[:7], src[:7], sizes[:7] + 1, Main(), mode=dma.DmaMode.LOOP, streams=4)
-    (only,) = events  # below two copies per stream: no fork, all on the caller's stream
-    assert isinstance(only[0], Main) and only[1] == (sizes[:7] + 1).tolist()
-
-
-def test_direct_batch_call_needs_the_bindings_attributes(monkeypatch) -> None:
-    """Without `cuda.bindings` attributes (CPU machines) the direct runtime call is never set up."""
-    monkeypatch.setattr(dma, "_attrs", None)
-    assert dma._load_direct() is None
+def test_copies_fan_out_in_contiguous_shares_of_about_equal_bytes() -> None:
+    """`copy_runs(streams=k)` cuts the list into k contiguous shares by bytes, not counts (a share may
+    be empty), and only where every stream gets two copies or more."""
+    sizes = np.arange(1, 11, dtype=np.int64)
+    bounds = dma.shares(sizes, 4)
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 10 and bounds == sorted(bounds)
+    per_share = [int(sizes[a:b].sum()) for a, b in itertools.pairwise(bounds)]
+    assert max(per_share) - min(per_share) <= sizes.max()
+    uneven = np.array([100, 1, 1, 1, 1, 1, 1, 1, 100, 100], dtype=np.int64)
+    assert dma.shares(uneven, 4) == [0, 0, 8, 9, 10]  # the first stream gets nothing
+    assert dma.fans_out(8, 4) and not dma.fans_out(7, 4) and not dma.fans_out(100, 1)
 
 
 def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
     """Runs averaging `fan_out_below_bytes` or more stay on one stream (no fork and join per layer)."""
-    from kvtier.transfer.plan import _copy_streams
+    from kvtier.transfer.parts import copy_streams as _copy_streams
 
     spec = preset("tiny-mla", 1)  # 48-byte rows
     runs = 16
@@ -848,7 +788,7 @@ def test_copy_streams_must_be_positive() -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
     costs = PathCosts(copy_streams=0)
-    with pytest.raises(PlanError, match="copy_streams"):
+    with pytest.raises(ConfigError, match="copy_streams"):
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), costs=costs)
 
 
@@ -856,45 +796,52 @@ def test_copy_streams_must_be_positive() -> None:
 def test_kernel_options_must_be_positive(bad: dict) -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
-    with pytest.raises(PlanError, match="must be positive"):
+    with pytest.raises(ConfigError, match="must be positive"):
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), kernel=KernelOptions(**bad))
 
 
 def test_raw_runtime_is_absent_without_a_mapped_libcudart_and_errors_name_the_call() -> None:
     """On a machine without CUDA no `libcudart` is mapped: every raw path falls back (None)."""
+    from kvtier.errors import CudaRuntimeError
     from kvtier.transfer import cudart
 
     if not torch.cuda.is_available():
         assert cudart.runtime() is None
     cudart.check(0, "cudaEventRecord")
-    with pytest.raises(cudart.CudaRuntimeError, match="cudaEventRecord failed: CUDA error 400"):
+    with pytest.raises(CudaRuntimeError, match="cudaEventRecord failed: CUDA error 400"):
         cudart.check(400, "cudaEventRecord")
 
 
-def test_batches_start_at_two_copies_only_with_the_direct_batch_call(monkeypatch) -> None:
+def test_batches_start_at_two_copies_only_with_the_direct_batch_call(pin) -> None:
     """Through `cuda.bindings` a batch pays per Python int: plain copies up to 4 there, up to 1 direct."""
-    monkeypatch.setattr(dma, "_probe", lambda: dma.DmaMode.BATCH)
-    monkeypatch.setattr(dma, "_direct_batch", lambda: lambda *_a: None)
-    assert dma.small_batch() == dma.SMALL_BATCH_DIRECT == 1
-    monkeypatch.setattr(dma, "_direct_batch", lambda: None)
-    assert dma.small_batch() == dma.SMALL_BATCH == 4
-    monkeypatch.setattr(dma, "_probe", lambda: dma.DmaMode.LOOP)
-    assert dma.small_batch() == dma.SMALL_BATCH
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.BATCH))
+    pin(dma.DIRECT, lambda *_a: None)
+    assert dma.small_batch() == 1
+    pin(dma.DIRECT, None)
+    assert dma.small_batch() == 4
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
+    assert dma.small_batch() == 4
 
 
-def test_a_kept_planner_plans_as_its_options_do_and_only_for_its_pools() -> None:
-    """`TransferPlan.build(planner=...)`: the same plan as the options given directly; refused with
-    options as well, or for other pools, before anything is planned."""
-    from kvtier.transfer.plan import Planner
-
+def test_plans_refuse_pools_they_were_not_built_for(gen) -> None:
+    """A plan records its pools: a load or backup handed other pools raises before anything moves."""
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    other_host, other_dev = HostPool(spec, 256), DevicePool(spec, 256)
     hs, ds = torch.arange(0, 64), torch.arange(64, 128)
     planner = Planner(host, dev, force="per_run")
-    kept = TransferPlan.build("load", host, dev, hs, ds, planner=planner)
-    direct = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
-    assert (kept.path, kept.parts[0].pieces) == (direct.path, direct.parts[0].pieces)
-    with pytest.raises(PlanError, match="not both"):
-        TransferPlan.build("load", host, dev, hs, ds, planner=planner, force="per_run")
-    with pytest.raises(PlanError, match="other pools"):
-        TransferPlan.build("load", HostPool(spec, 256), dev, hs, ds, planner=planner)
+    load, back = planner.plan("load", hs, ds), planner.plan("backup", hs, ds)
+    assert (load.host_pool, load.device_pool) == (host, dev)
+    poison_host(other_host, gen)
+    poison_device(other_dev, gen)
+    before_dev, before_host = other_dev.layer("kv", 0).clone(), other_host.chunks("kv")[0].clone()
+    with pytest.raises(PlanError, match="built for"):
+        load_layer(load, other_host, dev, 0)
+    with pytest.raises(PlanError, match="built for"):
+        load_layers(load, host, other_dev, [0, 1])
+    with pytest.raises(PlanError, match="built for"):
+        backup(back, other_dev, host)
+    with pytest.raises(PlanError, match="built for"):
+        backup(back, dev, other_host)
+    assert same_bytes(other_dev.layer("kv", 0), before_dev)
+    assert same_bytes(other_host.chunks("kv")[0], before_host)

@@ -35,6 +35,7 @@ from kvtier.transfer import (
     TransferPlan,
     backup,
     kernels,
+    launch,
     load_layers,
 )
 
@@ -304,10 +305,10 @@ def _kernel_text(opts: KernelOptions, device: torch.device) -> str:
     """The kernel's shape in words: `8 programs x 56 rows`, or how it is chosen."""
     if opts.rows_per_program is not None:
         return f"{opts.sm_budget} programs x {opts.rows_per_program} rows"
-    lines = opts.launch(kernels.LEAN_ROW_BYTES, kernels.LINE_BYTES, device)
-    other = opts.launch(kernels.LEAN_ROW_BYTES + 16, 16, device)
+    lines = opts.launch(launch.LEAN_ROW_BYTES, launch.LINE_BYTES, device)
+    other = opts.launch(launch.LEAN_ROW_BYTES + 16, 16, device)
     return (
-        f"{opts.sm_budget} programs x rows by size; rows of {kernels.LEAN_ROW_BYTES} bytes or more: loads "
+        f"{opts.sm_budget} programs x rows by size; rows of {launch.LEAN_ROW_BYTES} bytes or more: loads "
         f"of whole 128-byte lines on {lines.programs} programs of {lines.stages} tiles in flight, others "
         f"on {other.programs} of {other.stages}"
     )

@@ -16,7 +16,7 @@ from kvtier.cache.policy import PolicyName
 from kvtier.cache.radix import Node
 from kvtier.errors import ConfigError
 from kvtier.transfer.lanes import Signal
-from kvtier.transfer.plan import KernelOptions, PathCosts, TransferPath, TransferPlan
+from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan
 
 
 class WritePolicy(str, Enum):

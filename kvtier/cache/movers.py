@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.transfer.lanes import Lane, Signal, make_lane
-from kvtier.transfer.plan import KernelOptions, PathCosts, TransferPath, TransferPlan
+from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan
 from kvtier.transfer.submit import DEFAULT_LOOP, Operation, Submitted, Transfers
 
 

@@ -1,30 +1,60 @@
 """The CUDA runtime this process already uses, called through ctypes on the hot paths.
 
-A reload submits two runtime calls per model layer (a copy and an event record). On the
-H200 host the driver's own work for the pair is ~3 us (measured in C); from Python
-through `cuda.bindings` and torch the pair took 6-9 us (profiled), the rest being
-argument conversion, result objects and torch's event wrapper. Here the same functions of the
-`libcudart` that torch loaded (found by its mapping in the process, so there is one
-runtime and one context) are called with raw integers.
+A reload submits two runtime calls per model layer (a copy and an event record).
+Through `cuda.bindings` and torch most of their host cost is argument conversion,
+result objects and torch's event wrapper, not the driver's work (bench/FINDINGS.md).
+Here the same functions of the `libcudart` that torch loaded (found by its mapping in
+the process, so there is one runtime and one context) are called with raw integers.
 
 `runtime()` is None where that library cannot be found (no CUDA, another platform, a
 statically linked runtime): callers then keep `cuda.bindings` or torch.
+
+What the process has is found once (`RUNTIME`, a `Probed`); `Probed` is also how the
+other once-per-process findings of this package (`dma.RUNTIME`, `native.LIBRARY`) are
+held, so a test pins a stand-in with `set` and finds the real one again with `reset`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvtier.errors import CudaRuntimeError
 
 log = logging.getLogger(__name__)
 
 # cudaMemcpyKind: the runtime infers the direction from the pointers (unified addressing).
 MEMCPY_DEFAULT = 4
 
+T = TypeVar("T")
 
-class CudaRuntimeError(RuntimeError):
-    """A raw runtime call returned an error code."""
+
+class Probed(Generic[T]):
+    """A value found once per process (a runtime library, a submission mode).
+
+    `get()` finds it with `find` on first use and keeps it; `set(value)` pins a value
+    instead (a test's stand-in, or None for "absent"); `reset()` forgets it, so the next
+    `get()` finds it again.
+    """
+
+    def __init__(self, find: Callable[[], T]) -> None:
+        self._find = find
+        self._value: T | None = None
+        self._found = False
+
+    def get(self) -> T:
+        if not self._found:
+            self._value, self._found = self._find(), True
+        return self._value  # type: ignore[return-value]
+
+    def set(self, value: T) -> None:
+        self._value, self._found = value, True
+
+    def reset(self) -> None:
+        self._value, self._found = None, False
 
 
 @dataclass(frozen=True)
@@ -59,20 +89,12 @@ class Runtime:
         return self.lib.cudaStreamWaitEvent
 
 
-_runtime: Runtime | None = None
-_probed = False
-
-
-def runtime() -> Runtime | None:
-    """The process's `libcudart`, loaded once; None where it is not mapped (see the module docstring)."""
-    global _runtime, _probed
-    if not _probed:
-        _probed = True
-        try:
-            _runtime = _load()
-        except (OSError, AttributeError) as e:
-            log.info("raw CUDA runtime calls unavailable (%s)", e)
-    return _runtime
+def _find() -> Runtime | None:
+    try:
+        return _load()
+    except (OSError, AttributeError) as e:
+        log.info("raw CUDA runtime calls unavailable (%s)", e)
+        return None
 
 
 def _load() -> Runtime | None:
@@ -86,6 +108,14 @@ def _load() -> Runtime | None:
         return None
     log.info("raw CUDA runtime calls through %s (runtime %d)", paths[0], version.value)
     return Runtime(lib, paths[0], version.value)
+
+
+RUNTIME: Probed[Runtime | None] = Probed(_find)
+
+
+def runtime() -> Runtime | None:
+    """The process's `libcudart`, loaded once; None where it is not mapped (see the module docstring)."""
+    return RUNTIME.get()
 
 
 def check(err: int, what: str) -> None:

@@ -1,39 +1,42 @@
-"""Copy-engine transfers of many runs at once.
+"""Copy-engine transfers of many runs at once (`copy_runs`).
 
 One `cudaMemcpyBatchAsync` (CUDA 12.8+) submits every run of a layer in a single
 call, so the host cost no longer grows with one Python copy per run. With a CUDA 13
-runtime loaded in the process it is called directly on the arrays' memory (`cudart`;
-0.5 us of host time per copy on an H200 host), else through `cuda.bindings` (1.4 us
-per copy: its list arguments are converted one Python int at a time). Where the
-batch call is missing (older runtime or bindings, or no `cuda.bindings` at all) the
-same runs go through a loop of `cudaMemcpyAsync`, and without `cuda.bindings`
-through `torch` copies.
+runtime loaded in the process it is called directly on the arrays' memory (`cudart`),
+else through `cuda.bindings`, whose list arguments are converted one Python int at a
+time (slower per copy; bench/FINDINGS.md). Where the batch call is missing (older
+runtime or bindings) the same runs go through a loop of `cudaMemcpyAsync`; without
+`cuda.bindings` raw copies are not made at all (`DmaMode.TORCH`: callers copy tensors).
 
-Fan-out: one stream feeds one copy engine, which pays a fixed cost per copy (0.72 of
-the line rate at 74 KB copies, 0.85-0.92 at 295 KB, on an H200). `copy_runs(...,
-streams=k)` splits the list over the caller's stream and `k - 1` side streams that
-fork from it and join back into it, so several copy engines overlap their per-copy
-gaps: 0.94-0.99 at 74 KB and 295 KB with 8 streams (bench/NOTES.md). The caller's
-stream still orders everything: side streams start after the work already queued on
-it, and work queued on it afterwards waits for every side stream.
+Fan-out: one stream feeds one copy engine, which pays a fixed cost per copy.
+`copy_runs(..., streams=k)` splits the list over the caller's stream and `k - 1` side
+streams that fork from it and join back into it, so several copy engines overlap
+their per-copy gaps. The caller's stream still orders everything: side streams start
+after the work already queued on it, and work queued on it afterwards waits for every
+side stream.
 
-The batch call rejects the legacy default stream ("invalid value"): callers pass
-a stream they created; `copy_runs` refuses the default stream up front.
+The batch call rejects the legacy default stream: callers pass a stream they created;
+`copy_runs` refuses the default stream up front.
+
+What this process can do is found once: `RUNTIME` (the mode, the bindings and the copy
+attributes) and `DIRECT` (the runtime's own batch call), both `cudart.Probed`, which
+tests pin to stand-ins.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
+import dataclasses
 import logging
 from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
 import numpy as np
 import torch
 
+from kvtier.errors import BackendUnavailableError, CudaRuntimeError, TransferError
 from kvtier.transfer import cudart
-from kvtier.transfer.native import Tape
 
 log = logging.getLogger(__name__)
 
@@ -43,55 +46,72 @@ class DmaMode(str, Enum):
 
     BATCH = "batch"  # one cudaMemcpyBatchAsync per call
     LOOP = "loop"  # one cudaMemcpyAsync per run
-    TORCH = "torch"  # one torch copy per run (no cuda.bindings)
+    TORCH = "torch"  # no raw copies (no CUDA or no cuda.bindings): callers copy tensors
 
 
 # Up to this many copies go out as plain `cudaMemcpyAsync` calls even where batching exists
 # (through `cuda.bindings`, whose batch call converts its lists one Python int at a time).
 SMALL_BATCH = 4
-# The same with the runtime's batch call made directly: on an H200 host one batch of k copies
-# costs less than k plain calls from k = 2 (2.5 against 4.9 us a layer, 5.5 against 6.7 at 4,
-# in C; bench/NOTES.md).
+# The same with the runtime's batch call made directly: a batch costs less than plain calls
+# from two copies on (bench/FINDINGS.md).
 SMALL_BATCH_DIRECT = 1
 
-_runtime = None
-_mode: DmaMode | None = None
-_attrs = None
+# `call(dst, src, sizes, stream handle)`: the runtime's batch call on `[n]` int64 arrays.
+DirectBatch = Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
 
 
-def _probe() -> DmaMode:
-    """Find the best mode once per process."""
-    global _runtime, _mode, _attrs
-    if _mode is not None:
-        return _mode
+@dataclasses.dataclass(frozen=True)
+class DmaRuntime:
+    """How this process submits lists of copies (`RUNTIME` finds it once).
+
+    `mode`; `bindings`: the `cuda.bindings.runtime` module (None without it); `attrs`: the
+    batch call's copy attributes (None without the batch call); `small_batch`: copies up to
+    which a list goes out as plain calls, not one batch (None: by the mode and whether the
+    runtime's batch call is found, `small_batch()`).
+    """
+
+    mode: DmaMode
+    bindings: Any = None
+    attrs: Any = None
+    small_batch: int | None = None
+
+
+def _find() -> DmaRuntime:
+    """The best mode of this process."""
+    if not torch.cuda.is_available():
+        return DmaRuntime(DmaMode.TORCH)
     try:
         from cuda.bindings import runtime
     except ImportError:
-        _mode = DmaMode.TORCH
-        return _mode
-    _runtime = runtime
-    _mode = DmaMode.LOOP
-    if hasattr(runtime, "cudaMemcpyBatchAsync") and hasattr(runtime, "cudaMemcpyAttributes"):
-        attrs = runtime.cudaMemcpyAttributes()
-        attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-        # The copies run beside the model's kernels; ask the driver to favour overlap.
-        attrs.flags = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
-        _attrs = attrs
-        _mode = DmaMode.BATCH
-    log.info("batched DMA mode: %s", _mode.value)
-    return _mode
+        log.info("batched DMA mode: %s (no cuda.bindings)", DmaMode.TORCH.value)
+        return DmaRuntime(DmaMode.TORCH)
+    if not (hasattr(runtime, "cudaMemcpyBatchAsync") and hasattr(runtime, "cudaMemcpyAttributes")):
+        log.info("batched DMA mode: %s", DmaMode.LOOP.value)
+        return DmaRuntime(DmaMode.LOOP, runtime)
+    attrs = runtime.cudaMemcpyAttributes()
+    attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+    # The copies run beside the model's kernels; ask the driver to favour overlap.
+    attrs.flags = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+    log.info("batched DMA mode: %s", DmaMode.BATCH.value)
+    return DmaRuntime(DmaMode.BATCH, runtime, attrs)
+
+
+RUNTIME: cudart.Probed[DmaRuntime] = cudart.Probed(_find)
+
+
+def dma_mode() -> DmaMode:
+    """The mode `copy_runs` uses on this machine (`TORCH` without CUDA)."""
+    return RUNTIME.get().mode
 
 
 def small_batch() -> int:
     """Copies up to which a list goes out as plain `cudaMemcpyAsync` calls, not one batch."""
-    if _probe() is not DmaMode.BATCH:
+    rt = RUNTIME.get()
+    if rt.small_batch is not None:
+        return rt.small_batch
+    if rt.mode is not DmaMode.BATCH:
         return SMALL_BATCH
-    return SMALL_BATCH_DIRECT if _direct_batch() is not None else SMALL_BATCH
-
-
-def dma_mode() -> DmaMode:
-    """The mode `copy_runs` uses on this machine."""
-    return _probe() if torch.cuda.is_available() else DmaMode.TORCH
+    return SMALL_BATCH_DIRECT if DIRECT.get() is not None else SMALL_BATCH
 
 
 def copy_runs(
@@ -99,7 +119,6 @@ def copy_runs(
     src_ptrs: np.ndarray,
     sizes: np.ndarray,
     stream: torch.cuda.Stream,
-    mode: DmaMode | None = None,
     streams: int = 1,
 ) -> None:
     """Copy `sizes[i]` bytes from `src_ptrs[i]` to `dst_ptrs[i]` for every i, on `stream`.
@@ -110,96 +129,60 @@ def copy_runs(
     over that many streams forked from and joined into `stream`, in contiguous shares
     of about equal bytes (when there are at least two copies per stream).
     """
-    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, None, functools.partial(copy_runs, mode=mode)):
+    if not len(sizes):
         return
-    n = len(sizes)
-    global _mode
-    mode = mode or _probe()
-    if mode is DmaMode.BATCH and n <= small_batch():
+    _own_stream(stream)
+    if fans_out(len(sizes), streams):
+        fan = _fan_out(stream, streams)
+        bounds = shares(sizes, streams)
+        fan.fork()
+        for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
+            copy_runs(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st)
+        fan.join()
+        return
+    rt = RUNTIME.get()
+    mode = rt.mode
+    if mode is DmaMode.BATCH and len(sizes) <= small_batch():
         mode = DmaMode.LOOP  # a few plain calls cost less than building one batch
-    rt = _runtime
-    direct = _direct_batch() if mode is DmaMode.BATCH else None
-    if direct is not None:
-        direct(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
-    elif mode is DmaMode.BATCH:
-        try:
-            err, *_ = rt.cudaMemcpyBatchAsync(
-                dst_ptrs.tolist(),
-                src_ptrs.tolist(),
-                sizes.tolist(),
-                n,
-                [_attrs],
-                [0],
-                1,
-                _handle(stream),
-            )
-        except TypeError as e:
-            # Bindings of another CUDA release take other arguments: use the loop from now on.
-            log.warning("cudaMemcpyBatchAsync not usable through these bindings (%s); looping instead", e)
-            _mode = DmaMode.LOOP
-            copy_runs(dst_ptrs, src_ptrs, sizes, stream, DmaMode.LOOP)
-            return
-        _check(err, "cudaMemcpyBatchAsync")
+    if mode is DmaMode.BATCH:
+        _batch(rt, dst_ptrs, src_ptrs, sizes, stream)
     elif mode is DmaMode.LOOP:
         flat = np.stack([dst_ptrs, src_ptrs, sizes], axis=1).astype(np.int64, copy=False)
-        issuer(stream)(flat.ravel().tolist())
+        _loop_copies(rt, flat.ravel().tolist(), stream)
     else:
-        raise ValueError("DmaMode.TORCH copies tensors, not raw pointers: use the torch path")
+        raise BackendUnavailableError("raw copies need CUDA and cuda.bindings; this process copies tensors")
 
 
-def tape_runs(
-    tape: Tape,
-    dst_ptrs: np.ndarray,
-    src_ptrs: np.ndarray,
-    sizes: np.ndarray,
-    stream: torch.cuda.Stream,
-    streams: int = 1,
-) -> None:
-    """Add the calls of `copy_runs(dst_ptrs, src_ptrs, sizes, stream, streams=streams)` to `tape`.
-
-    The same copies, streams, fork and join as `copy_runs` with the runtime's batch call
-    made directly (the tape's loop must have it: `Native.has_batch`), made later by
-    `Tape.run`.
-    """
-    if _spread(dst_ptrs, src_ptrs, sizes, stream, streams, tape, functools.partial(tape_runs, tape)):
+def _batch(rt: DmaRuntime, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np.ndarray, stream) -> None:
+    """One batched call: the runtime's own where found, else through the bindings."""
+    direct = DIRECT.get()
+    if direct is not None:
+        direct(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
         return
-    if len(sizes) <= small_batch():
-        for d, s, k in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist(), strict=True):
-            tape.copy(d, s, k, stream.cuda_stream)
-    else:
-        tape.batch(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
-
-
-def _spread(
-    dst_ptrs: np.ndarray,
-    src_ptrs: np.ndarray,
-    sizes: np.ndarray,
-    stream: torch.cuda.Stream,
-    streams: int,
-    tape: Tape | None,
-    share: Callable[[np.ndarray, np.ndarray, np.ndarray, torch.cuda.Stream], None],
-) -> bool:
-    """Whether the list is dealt with here: True when it is empty, or when it fans out (then fork,
-    `share` each stream's contiguous part on it and join, on `tape` when given); refuses the
-    legacy default stream."""
-    if not len(sizes):
-        return True
-    _own_stream(stream)
-    if not fans_out(len(sizes), streams):
-        return False
-    fan = _fan_out(stream, streams)
-    bounds = _shares(sizes, streams)
-    fan.fork(tape)
-    for st, lo, hi in zip(fan.streams, bounds, bounds[1:], strict=False):
-        share(dst_ptrs[lo:hi], src_ptrs[lo:hi], sizes[lo:hi], st)
-    fan.join(tape)
-    return True
+    try:
+        err, *_ = rt.bindings.cudaMemcpyBatchAsync(
+            dst_ptrs.tolist(),
+            src_ptrs.tolist(),
+            sizes.tolist(),
+            len(sizes),
+            [rt.attrs],
+            [0],
+            1,
+            _handle(rt, stream),
+        )
+    except TypeError as e:
+        # Bindings of another CUDA release take other arguments: use the loop from now on.
+        log.warning("cudaMemcpyBatchAsync not usable through these bindings (%s); looping instead", e)
+        RUNTIME.set(dataclasses.replace(rt, mode=DmaMode.LOOP))
+        copy_runs(dst_ptrs, src_ptrs, sizes, stream)
+        return
+    _check(rt, err, "cudaMemcpyBatchAsync")
 
 
 def _own_stream(stream: torch.cuda.Stream) -> None:
     """Refuse the legacy default stream (the batch call rejects it, and it would serialise the device)."""
     if stream.cuda_stream == 0:
-        raise ValueError("batched copies need a stream you created, not the legacy default stream")
+        raise TransferError("batched copies need a stream you created, not the legacy default stream")
 
 
 def fans_out(n: int, streams: int) -> bool:
@@ -207,35 +190,21 @@ def fans_out(n: int, streams: int) -> bool:
     return streams > 1 and n >= 2 * streams
 
 
-def _shares(sizes: np.ndarray, streams: int) -> list[int]:
+def shares(sizes: np.ndarray, streams: int) -> list[int]:
     """Bounds of `streams` contiguous shares of about equal bytes (not counts: runs after churn
-    differ widely in length): `[0, cut, ..., len(sizes)]`."""
+    differ widely in length): `[0, cut, ..., len(sizes)]`; a share may be empty."""
     ends = np.cumsum(sizes)
     cuts = np.searchsorted(ends, ends[-1] * np.arange(1, streams) / streams, side="right")
     return [0, *cuts.tolist(), len(sizes)]
 
 
-# The runtime's own cudaMemcpyBatchAsync, called with the arrays' memory (no conversion of
-# Python ints): on an H200 host 0.5 us per copy against 1.4 us through cuda.bindings, whose
-# list arguments made a 2048-run layer cost 2.9 ms of submission, more than its transfer.
-_direct: Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None = None
-_direct_probed = False
-
-
-def _direct_batch() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:
-    """`call(dst, src, sizes, stream handle)` through the loaded libcudart, or None where unusable."""
-    global _direct, _direct_probed
-    if not _direct_probed:
-        _direct_probed = True
-        try:
-            _direct = _load_direct()
-        except (OSError, AttributeError, ValueError) as e:
-            log.info("direct cudaMemcpyBatchAsync unavailable (%s); using cuda.bindings", e)
-    return _direct
-
-
-def _load_direct() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:
-    found = direct_batch_fn()
+def _find_direct() -> DirectBatch | None:
+    """The runtime's own batch call, wrapped; None where unusable."""
+    try:
+        found = direct_batch_fn()
+    except (OSError, AttributeError, ValueError) as e:
+        log.info("direct cudaMemcpyBatchAsync unavailable (%s); using cuda.bindings", e)
+        return None
     if found is None:
         return None
     fn, attrs = found
@@ -249,6 +218,11 @@ def _load_direct() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] 
     return call
 
 
+# The runtime's own cudaMemcpyBatchAsync, called with the arrays' memory (no conversion of
+# Python ints), found on first use.
+DIRECT: cudart.Probed[DirectBatch | None] = cudart.Probed(_find_direct)
+
+
 def direct_batch_fn() -> tuple[Callable[..., int], int] | None:
     """The loaded runtime's `cudaMemcpyBatchAsync` (typed) and the address of our copy attributes.
 
@@ -256,7 +230,8 @@ def direct_batch_fn() -> tuple[Callable[..., int], int] | None:
     and 12.9 take a `failIdx` argument too: other runtimes keep the bindings, whose
     argument conversion is slower but checked).
     """
-    if _probe() is not DmaMode.BATCH or _attrs is None or not hasattr(_attrs, "getPtr"):
+    dma = RUNTIME.get()
+    if dma.mode is not DmaMode.BATCH or dma.attrs is None or not hasattr(dma.attrs, "getPtr"):
         return None
     rt = cudart.runtime()
     if rt is None or rt.version // 1000 != 13:
@@ -266,54 +241,36 @@ def direct_batch_fn() -> tuple[Callable[..., int], int] | None:
     ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
     fn.argtypes = [ptr, ptr, ptr, size_t, ptr, ptr, size_t, ptr]
     log.info("batched DMA through %s (runtime %d)", rt.path, rt.version)
-    return fn, _attrs.getPtr()
+    return fn, dma.attrs.getPtr()
 
 
-Issue = Callable[[list[int]], None]
+def _loop_copies(dma: DmaRuntime, flat: list[int], stream: torch.cuda.Stream) -> None:
+    """One `cudaMemcpyAsync` per `(dst, src, bytes)` triple of `flat` on `stream`.
 
-
-def issuer(stream: torch.cuda.Stream) -> Issue:
-    """A function that submits `[dst, src, bytes, dst, src, bytes, ...]` on `stream`.
-
-    One `cudaMemcpyAsync` per triple (raw addresses and byte counts as Python ints),
-    with the function and stream handle looked up once: this is the per-layer
-    submission of a reload, so nothing else happens per call. Through the loaded
-    runtime where found (`cudart`), else through `cuda.bindings`.
+    Through the loaded runtime where found (`cudart`), else through `cuda.bindings`.
     """
-    if _probe() is DmaMode.TORCH:
-        raise ValueError("raw copies need cuda.bindings")
-    _own_stream(stream)
     rt = cudart.runtime()
     if rt is not None:
         raw, handle = rt.memcpy_async, stream.cuda_stream
         kind_default = cudart.MEMCPY_DEFAULT
-
-        def issue_raw(flat: list[int]) -> None:
-            for i in range(0, len(flat), 3):
-                err = raw(flat[i], flat[i + 1], flat[i + 2], kind_default, handle)
-                if err:
-                    cudart.check(err, "cudaMemcpyAsync")
-
-        return issue_raw
-    memcpy = _runtime.cudaMemcpyAsync
-    kind = _runtime.cudaMemcpyKind.cudaMemcpyDefault
-    bound = _handle(stream)
-    ok = _runtime.cudaError_t.cudaSuccess
-
-    def issue(flat: list[int]) -> None:
         for i in range(0, len(flat), 3):
-            (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, bound)
-            if err != ok:
-                _check(err, "cudaMemcpyAsync")
-
-    return issue
+            err = raw(flat[i], flat[i + 1], flat[i + 2], kind_default, handle)
+            if err:
+                cudart.check(err, "cudaMemcpyAsync")
+        return
+    bindings = dma.bindings
+    memcpy = bindings.cudaMemcpyAsync
+    kind = bindings.cudaMemcpyKind.cudaMemcpyDefault
+    bound = _handle(dma, stream)
+    ok = bindings.cudaError_t.cudaSuccess
+    for i in range(0, len(flat), 3):
+        (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, bound)
+        if err != ok:
+            _check(dma, err, "cudaMemcpyAsync")
 
 
 class _FanOut:
-    """A stream and `k - 1` side streams that fork from it and join back into it (events reused).
-
-    `fork` and `join` make their calls at once, or add them to a `Tape` to be made later.
-    """
+    """A stream and `k - 1` side streams that fork from it and join back into it (events reused)."""
 
     def __init__(self, stream: torch.cuda.Stream, k: int) -> None:
         self.main = stream
@@ -321,39 +278,28 @@ class _FanOut:
         self.streams = [stream, *side]
         self.forked = torch.cuda.Event()
         self.joined = [torch.cuda.Event() for _ in side]
-        # Record each event once now so it has its CUDA handle for tapes (torch makes it lazily).
-        self.forked.record(stream)
-        for st, ev in zip(side, self.joined, strict=True):
-            ev.record(st)
 
-    def fork(self, tape: Tape | None = None) -> None:
+    def fork(self) -> None:
         """Side streams start after everything queued on the main stream so far."""
-        if tape is not None:
-            tape.record(self.forked.cuda_event, self.main.cuda_stream)
-            for st in self.streams[1:]:
-                tape.wait(st.cuda_stream, self.forked.cuda_event)
-            return
         self.forked.record(self.main)
         for st in self.streams[1:]:
             st.wait_event(self.forked)
 
-    def join(self, tape: Tape | None = None) -> None:
+    def join(self) -> None:
         """Work queued on the main stream from now on waits for every side stream."""
         for st, ev in zip(self.streams[1:], self.joined, strict=True):
-            if tape is not None:
-                tape.record(ev.cuda_event, st.cuda_stream)
-                tape.wait(self.main.cuda_stream, ev.cuda_event)
-            else:
-                ev.record(st)
-                self.main.wait_event(ev)
+            ev.record(st)
+            self.main.wait_event(ev)
 
 
-# Recording an event again is safe: a wait takes the event's state when it is enqueued.
+# Per stream, made once and kept for the process: a fan-out's side streams are its own, and
+# recording its events again is safe (a wait takes the event's state when it is enqueued).
 _fans: dict[tuple[int, int], _FanOut] = {}
+_handles: dict[int, object] = {}
 
 
 def _fan_out(stream: torch.cuda.Stream, k: int) -> _FanOut:
-    """The fan-out of `k` streams for `stream`, made once (so its side streams are its own)."""
+    """The fan-out of `k` streams for `stream`, made once."""
     key = (stream.cuda_stream, k)
     fan = _fans.get(key)
     if fan is None:
@@ -361,17 +307,14 @@ def _fan_out(stream: torch.cuda.Stream, k: int) -> _FanOut:
     return fan
 
 
-_handles: dict[int, object] = {}
-
-
-def _handle(stream: torch.cuda.Stream):
+def _handle(dma: DmaRuntime, stream: torch.cuda.Stream):
     """The bindings' handle for a torch stream, made once per stream."""
     h = _handles.get(stream.cuda_stream)
     if h is None:
-        h = _handles[stream.cuda_stream] = _runtime.cudaStream_t(stream.cuda_stream)
+        h = _handles[stream.cuda_stream] = dma.bindings.cudaStream_t(stream.cuda_stream)
     return h
 
 
-def _check(err, what: str) -> None:
-    if err != _runtime.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"{what} failed: {err}")
+def _check(dma: DmaRuntime, err, what: str) -> None:
+    if err != dma.bindings.cudaError_t.cudaSuccess:
+        raise CudaRuntimeError(f"{what} failed: {err}")

@@ -4,38 +4,32 @@ What this module owns
 ---------------------
 In the `page_first` host layout a page holds `[layers, page_size, *row]`, so the rows
 of one page on consecutive layers are adjacent on the host; on the GPU each layer is
-its own tensor. `copy_groups` moves `G` consecutive layers of `n` units (a unit: one
-page's rows of one layer, `unit_words` words) in one launch:
+its own tensor. `copy_groups` moves a group of `G` consecutive layers of `n` units (a
+unit: one page's rows of one layer, `unit_words` words) in one launch:
 
-- packed side (host): unit `i`'s `G` layers are the `G * unit_words` words (its
-  "stretch") from `packed_shift + packed_offsets[i]` in `packed`;
+- packed side (host): unit `i`'s stack (its rows of the group's `G` layers) is the
+  `G * unit_words` words from `packed_shift + packed_offsets[i]` in `packed`;
 - split side (GPU): layer `j` of unit `i` is the `unit_words` words from
   `split_offsets[i]` in `layers[j]`.
 
 It serves both directions: gather (load) reads the packed side and writes the split
 side, scatter (backup) the reverse.
 
-Why
----
-A gather of scattered small rows is bound by the number of PCIe read requests, not by
-bytes: a 132-byte DSA indexer row needs two whatever its alignment, and one layer's
-scattered indexer rows move at 0.46-0.58 of the link's ceiling on an H200. A stretch
-of 16 layers of one token is 2112 contiguous bytes: read in 16-byte lanes by this
-kernel, stretches of 16 to 78 layers move at 0.80-0.83 of the ceiling (loads) and
-0.78-0.84 (backups) on 8 SMs, and 656-byte fp8 MLA rows at 0.92-0.93 from 8 layers
-against 0.85 one layer at a time (bench/NOTES.md, sixth session).
+Why: a gather of scattered small rows is bound by the number of PCIe read requests,
+not by bytes (a 132-byte DSA indexer row needs two whatever its alignment), while a
+stack of many layers of one token is one long contiguous read; moving stacks fills
+more of the link than moving one layer at a time (bench/FINDINGS.md).
 
-How
----
-Each lane moves one 16-byte chunk of a stretch, aligned to 16 bytes in memory. A
-stretch need not be aligned (61 layers of 132 bytes are 8052 bytes): its lanes cover
-the aligned chunks that overlap it; chunks wholly inside move as one vector, the two
-edge chunks word by word, masked to the stretch; the split side is written (or read)
-word by word, each word to its layer's row. When every stretch and every split row
-is aligned and a unit is a whole number of chunks (656- and 1152-byte rows), both
-sides move in vectors. The grid is persistent, `sm_budget` programs with ~80 KiB of
-stretches in flight each (`GROUP_TILE_BYTES`; 128 KiB tiles were slower: 0.51-0.65 of the
-ceiling).
+How: each position of a tile moves one 16-byte vector of a stack, aligned to 16 bytes
+in memory. A stack need not be aligned (61 layers of 132 bytes are 8052 bytes): its
+vectors cover the aligned 16 bytes that overlap it; vectors wholly inside move at
+once, the two edge vectors word by word, masked to the stack; the split side is
+written (or read) word by word, each word to its layer's row. When every stack and
+every split row is aligned and a unit is a whole number of vectors (656- and
+1152-byte rows), both sides move in vectors. Layers of one allocation (as `DevicePool`
+makes them) are found by a stride; others through a table of offsets, read per word,
+which is slower. The grid is persistent, `sm_budget` programs with `GROUP_TILE_BYTES`
+of stacks in flight each.
 
 Contract: as `kernels.copy_rows` (same word dtypes, launched on the current stream,
 never waits for the GPU, `validate=True` checks every bound and overlap on the host
@@ -45,26 +39,37 @@ before launching).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvtier.errors import SlotError
+from kvtier.errors import TransferError
 from kvtier.pool.device import Direction
-from kvtier.transfer import kernels
-from kvtier.transfer.kernels import tl, triton
+from kvtier.transfer import launch as rules
+from kvtier.transfer.jit import ModeJit, tl
+from kvtier.transfer.kernel_args import (
+    check_count,
+    check_offsets,
+    check_pair,
+    check_words,
+    common_alignment,
+    host_offsets,
+    kernel_device,
+    launch_on,
+    next_power_of_2,
+    to_kernel_device,
+    validate_disjoint,
+    validate_rows,
+)
 
-__all__ = ["GROUP_TILE_BYTES", "copy_groups", "units_in_flight"]
-
-# Bytes of stretches in flight per program by default. For 132-byte rows on an H200 (8
-# programs), loads reached 0.80-0.83 of the ceiling with ~80 KiB at 8, 16, 32 and 78 layers
-# per stretch, but 0.67-0.76 with 64 KiB at 8, 16 and 32 layers (bench/NOTES.md, sixth session).
+# Bytes of stacks in flight per program by default (bench/FINDINGS.md).
 GROUP_TILE_BYTES = 80 * 1024
 
 
-def units_in_flight(stretch_bytes: int) -> int:
-    """Units per program: as many whole stretches as fit in `GROUP_TILE_BYTES` (at least one)."""
-    return max(1, GROUP_TILE_BYTES // stretch_bytes)
+def units_in_flight(stack_bytes: int) -> int:
+    """Units per program: as many whole stacks as fit in `GROUP_TILE_BYTES` (at least one)."""
+    return max(1, GROUP_TILE_BYTES // stack_bytes)
 
 
 def _copy_groups_kernel(
@@ -80,34 +85,30 @@ def _copy_groups_kernel(
     UNIT_WORDS: tl.constexpr,
     LAYERS: tl.constexpr,
     UNITS_PER_BLOCK: tl.constexpr,
-    CHUNKS: tl.constexpr,
+    VECTORS: tl.constexpr,
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
     ALIGNED: tl.constexpr,
     STRIDED: tl.constexpr,
     LOAD: tl.constexpr,
 ):
-    """Persistent grid over blocks of `UNITS_PER_BLOCK` units, `CHUNKS` lanes of `VEC` words per unit.
-
-    Layer `j`'s tensor starts `layer_first + j * layer_stride` words from `split_ptr` when
-    `STRIDED` (layers of one allocation, as `DevicePool` makes them), else
-    `layer_off_ptr[j]` words (any sign): a table read per word, which costs the gather
-    time (16 layers of 132-byte rows on an H200: 0.67 of the ceiling, 0.79-0.83 strided).
-    """
+    """Persistent grid over tiles of `UNITS_PER_BLOCK` units, `VECTORS` vectors of `VEC` words per
+    unit's stack; layer `j` at `layer_first + j * layer_stride` words when `STRIDED`, else at
+    `layer_off_ptr[j]` (see the module docstring)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     span = LAYERS * UNIT_WORDS
-    lane = tl.arange(0, BLOCK)
+    vector = tl.arange(0, BLOCK)
     k = tl.arange(0, VEC)
-    in_block = lane < UNITS_PER_BLOCK * CHUNKS
+    in_block = vector < UNITS_PER_BLOCK * VECTORS
     for block in range(pid, tl.cdiv(n_units, UNITS_PER_BLOCK), num_programs):
-        unit = block * UNITS_PER_BLOCK + lane // CHUNKS
+        unit = block * UNITS_PER_BLOCK + vector // VECTORS
         live = in_block & (unit < n_units)
-        c = lane % CHUNKS
+        c = vector % VECTORS
         p = tl.load(packed_off_ptr + unit, mask=live, other=0) + packed_shift
         s = tl.load(split_off_ptr + unit, mask=live, other=0)
         if ALIGNED:
-            # The chunk lies in one layer's row, aligned on both sides.
+            # The vector lies in one layer's row, aligned on both sides.
             w = c * VEC
             if STRIDED:
                 lo = layer_first + (w // UNIT_WORDS) * layer_stride
@@ -121,8 +122,8 @@ def _copy_groups_kernel(
             else:
                 tl.store(pa, tl.load(sa, mask=m), mask=m)
         else:
-            head = p % VEC  # words of the first aligned chunk before the stretch starts
-            start = c * VEC - head  # stretch word where this lane's chunk starts
+            head = p % VEC  # words of the first aligned vector before the stack starts
+            start = c * VEC - head  # stack word where this vector starts
             r = start[:, None] + k[None, :]
             inside = live[:, None] & (r >= 0) & (r < span)
             whole = tl.broadcast_to((live & (start >= 0) & (start + VEC <= span))[:, None], (BLOCK, VEC))
@@ -135,7 +136,7 @@ def _copy_groups_kernel(
             sa = split_ptr + (s[:, None] + lo + r % UNIT_WORDS)
             pa = packed_ptr + (tl.multiple_of(p - head + c * VEC, VEC)[:, None] + k[None, :])
             if LOAD:
-                # Whole chunks as vectors (the mask is the same along a chunk), edges word by word.
+                # Whole vectors at once (the mask is the same along one), edges word by word.
                 vals = tl.where(whole, tl.load(pa, mask=whole), tl.load(pa, mask=edge))
                 tl.store(sa, vals, mask=inside)
             else:
@@ -145,7 +146,7 @@ def _copy_groups_kernel(
 
 
 # The Triton kernel for the current mode (compiled, or Triton's CPU interpreter).
-_kernel = kernels.ModeJit(
+_kernel = ModeJit(
     _copy_groups_kernel, do_not_specialize=["n_units", "packed_shift", "layer_first", "layer_stride"]
 )
 
@@ -153,8 +154,7 @@ _kernel = kernels.ModeJit(
 def layer_offsets(layers: Sequence[torch.Tensor]) -> list[int]:
     """Word offset of each of `layers` (1-D words tensors of one dtype) from the first one's start (any sign).
 
-    Raises:
-        SlotError: a layer whose address is not a whole number of words from the first.
+    Raises `TransferError` for a layer whose address is not a whole number of words from the first.
     """
     size = layers[0].element_size()
     base = layers[0].data_ptr()
@@ -162,7 +162,7 @@ def layer_offsets(layers: Sequence[torch.Tensor]) -> list[int]:
     for j, t in enumerate(layers):
         delta = t.data_ptr() - base
         if delta % size:
-            raise SlotError(f"layer {j} starts {delta} bytes from the first, not whole {size}-byte words")
+            raise TransferError(f"layer {j} starts {delta} bytes from the first, not whole {size}-byte words")
         out.append(delta // size)
     return out
 
@@ -182,142 +182,179 @@ def copy_groups(
     validate: bool = True,
     offsets_align: int | None = None,
 ) -> None:
-    """Move `len(layers)` layers of `n` units between packed stretches and per-layer rows.
+    """Move `len(layers)` layers of `n` units between packed stacks and per-layer rows.
 
-    Args:
-        packed: `[packed_numel]` words (int64, int32, int16 or uint8), 1-D contiguous:
-            pinned CPU memory (the host side).
-        packed_offsets: `[n]` int64, word offset of each unit's stretch (its first layer)
-            from `packed`'s start, before `packed_shift` is added.
-        layers: `G` tensors `[layer_numel]` of `packed`'s dtype, 1-D contiguous, on one
-            CUDA device (or the CPU under Triton's interpreter): the split side, layer
-            by layer. Their addresses must be whole words apart.
-        split_offsets: `[n]` int64, word offset of each unit's row in every layer tensor.
-        unit_words: words per unit and layer (`>= 1`).
-        direction: `LOAD` copies packed -> layers, `BACKUP` layers -> packed.
-        packed_shift: words added to every packed offset (the group's first layer within
-            a page), so one offsets tensor serves every group of layers.
-        table: `(base, offsets)`: a words tensor `base` and `[G]` int64 on the kernel's
-            device, each layer's word offset from `base`'s start (what
-            `layer_offsets([base, *layers])[1:]` gives), uploaded once by the caller;
-            None: `base` is `layers[0]` and the offsets are uploaded here (a small
-            non-blocking copy).
-        sm_budget: programs of the persistent grid (at most).
-        units_per_program: units in flight per program; None: `units_in_flight`.
-        validate: check bounds and overlaps on the host first (needs CPU offsets).
-        offsets_align: for offsets on the GPU, a number of words dividing every packed
-            and split offset; with it the kernel may use vectors on the split side.
+    `packed`: `[packed_numel]` words, 1-D contiguous, pinned CPU memory (the host side).
+    `packed_offsets`: `[n]` int64, word offset of each unit's stack (its first layer) from
+    `packed`'s start, before `packed_shift` is added (the group's first layer within a
+    page, so one offsets tensor serves every group). `layers`: `G` tensors `[layer_numel]`
+    of `packed`'s dtype, 1-D contiguous, on one CUDA device (or the CPU under Triton's
+    interpreter), whole words apart. `split_offsets`: `[n]` int64, word offset of each
+    unit's row in every layer tensor. `unit_words`: words per unit and layer (`>= 1`).
+    `direction`: `LOAD` copies packed -> layers, `BACKUP` layers -> packed. `table`:
+    `(base, offsets)`, a words tensor and `[G]` int64 on the kernel's device, each layer's
+    word offset from `base`'s start (`layer_offsets([base, *layers])[1:]`), uploaded once by
+    the caller; None: `base` is `layers[0]` and the offsets are uploaded here.
+    `sm_budget`: programs of the grid (at most); `units_per_program`: units in flight per
+    program (None: `units_in_flight`); `validate`: check bounds and overlaps on the host
+    first (needs CPU offsets); `offsets_align`: for offsets on the GPU, a number of words
+    dividing every packed and split offset.
 
-    Raises:
-        SlotError: bad offsets (not `[n]` int64, out of bounds, overlapping destinations)
-            or layers not whole words apart; raised before launch.
-        ValueError: mismatched dtypes or devices, bad sizes, a stretch wider than one
-            tile, `validate=True` with offsets on the GPU.
-        RuntimeError: no Triton, or neither CUDA nor its interpreter.
+    Raises (before launch): `TransferError` for bad tensors or offsets (dtypes, devices,
+    lengths, bounds, overlapping destinations, a stack wider than one tile, layers not
+    whole words apart, a wrong table); `ConfigError` for bad counts;
+    `BackendUnavailableError` without Triton, or without CUDA and its interpreter.
     """
-    if not layers:
-        raise ValueError("copy_groups needs at least one layer")
-    kernels.check_words(packed, "packed")
-    for j, t in enumerate(layers):
-        kernels.check_words(t, f"layers[{j}]")
-        if t.dtype != packed.dtype or t.device != layers[0].device:
-            raise SlotError(
-                f"layers[{j}] is {t.dtype} on {t.device}; expected {packed.dtype} on {layers[0].device}"
-            )
-    kernels.check_offsets(packed_offsets, "packed_offsets")
-    kernels.check_offsets(split_offsets, "split_offsets")
-    n = packed_offsets.numel()
-    if split_offsets.numel() != n:
-        raise SlotError(f"packed_offsets has {n} units but split_offsets has {split_offsets.numel()}")
-    if split_offsets.device != packed_offsets.device:
-        raise ValueError(f"offsets on different devices: {packed_offsets.device} and {split_offsets.device}")
-    kernels.check_count("unit_words", unit_words)
-    kernels.check_count("sm_budget", sm_budget)
-    kernels.check_count("packed_shift", packed_shift, least=0)
-    kernels.check_count("units_per_program", units_per_program, optional=True)
+    n = _check_call(
+        packed, packed_offsets, layers, split_offsets, unit_words, packed_shift, sm_budget, units_per_program
+    )
     base = layers[0] if table is None else table[0]
     deltas = layer_offsets([base, *layers])[1:]
-    g = len(layers)
-    size = packed.element_size()
-    offsets_on_host = packed_offsets.device.type == "cpu"
-    if validate:
-        if not offsets_on_host:
-            raise ValueError(
-                "copy_groups(validate=True) needs the offsets on the CPU; validate them there and pass "
-                "validate=False"
-            )
-        if n:
-            span = g * unit_words
-            kernels.validate_rows(packed_offsets + packed_shift, span, packed.numel(), "packed_offsets")
-            for j, t in enumerate(layers):
-                kernels.validate_rows(split_offsets, unit_words, t.numel(), f"split_offsets (layer {j})")
-            if direction is Direction.LOAD:
-                kernels.validate_disjoint(split_offsets, unit_words, "split_offsets")
-            else:
-                kernels.validate_disjoint(packed_offsets, span, "packed_offsets")
+    on_host = host_offsets(validate, packed_offsets, "copy_groups")
+    if validate and n:
+        _validate(packed, packed_offsets, layers, split_offsets, unit_words, packed_shift, direction)
     if n == 0:
         return
-    if triton is None:
-        raise RuntimeError("copy_groups needs Triton, which is not installed (pip install 'kvtier[triton]')")
-    device = kernels.kernel_device(packed, layers[0])
-
-    vec = max(1, kernels.VECTOR_BYTES // size)
-    if packed.data_ptr() % kernels.VECTOR_BYTES:
-        vec = 1  # the packed side's chunks could not be aligned: word by word
-    if offsets_on_host:
-        known = kernels.common_alignment(packed_offsets.numpy(), split_offsets.numpy())
-    else:
-        known = offsets_align or 1
-    aligned = (
-        vec > 1
-        and unit_words % vec == 0
-        and (known | packed_shift) % vec == 0
-        and all(d % vec == 0 for d in deltas)
-        and base.data_ptr() % kernels.VECTOR_BYTES == 0
+    device = kernel_device(packed, layers[0], "copy_groups")
+    known = common_alignment(packed_offsets.numpy(), split_offsets.numpy()) if on_host else offsets_align or 1
+    shape = _group_shape(
+        packed, base, deltas, unit_words, known | packed_shift, len(layers), units_per_program
     )
-    span = g * unit_words
-    chunks = span // vec if aligned else (span + 2 * vec - 2) // vec
-    if chunks > kernels.MAX_TILE_CHUNKS:
-        raise ValueError(
-            f"a stretch of {g} layers x {unit_words * size} bytes is wider than one tile of the kernel "
-            f"({kernels.MAX_TILE_CHUNKS} chunks of {vec * size} bytes); move fewer layers at once"
-        )
-    if units_per_program is None:
-        units_per_program = units_in_flight(span * size)
-    units_per_program = min(units_per_program, kernels.MAX_TILE_CHUNKS // chunks)
-    block = kernels.next_power_of_2(units_per_program * chunks)
-    if table is not None and (table[1].numel() != g or table[1].device != device):
-        got = f"{tuple(table[1].shape)} on {table[1].device}"
-        raise SlotError(f"table: [{g}] offsets on {device} expected, got {got}")
-    # Layers evenly spaced (one allocation): a stride, no table.
-    stride = deltas[1] - deltas[0] if g > 1 else 0
-    strided = all(d == deltas[0] + j * stride for j, d in enumerate(deltas))
-    if strided:
-        offsets = None
-    elif table is None:
-        offsets = kernels.to_kernel_device(torch.tensor(deltas, dtype=torch.int64), device)
-    else:
-        offsets = table[1]
-    packed_off = kernels.to_kernel_device(packed_offsets, device)
-    split_off = kernels.to_kernel_device(split_offsets, device)
-    grid = (min(sm_budget, -(-n // units_per_program)),)
-    launch: dict[str, Any] = {
-        "UNIT_WORDS": unit_words,
-        "LAYERS": g,
-        "UNITS_PER_BLOCK": units_per_program,
-        "CHUNKS": chunks,
-        "BLOCK": block,
-        "VEC": vec,
-        "ALIGNED": aligned,
-        "STRIDED": strided,
-        "LOAD": direction is Direction.LOAD,
-        "num_warps": kernels.warps_for(block * vec * size),
-    }
+    strided, stride, offsets = _layer_table(deltas, table, device)
+    packed_off = to_kernel_device(packed_offsets, device)
+    split_off = to_kernel_device(split_offsets, device)
+    grid = (min(sm_budget, -(-n // shape.units)),)
+    kwargs = shape.kwargs(
+        unit_words, len(layers), strided, direction is Direction.LOAD, packed.element_size()
+    )
     # Strided: the table argument is never read; any int64 tensor stands in for it.
     table_arg = split_off if offsets is None else offsets
     args = (packed, packed_off, base, split_off, table_arg, deltas[0], stride, packed_shift, n)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            _kernel()[grid](*args, **launch)
+    launch_on(device, _kernel(), grid, args, kwargs)
+
+
+def _validate(
+    packed: torch.Tensor,
+    packed_offsets: torch.Tensor,
+    layers: Sequence[torch.Tensor],
+    split_offsets: torch.Tensor,
+    unit_words: int,
+    packed_shift: int,
+    direction: Direction,
+) -> None:
+    """Every stack and row in bounds, the destinations disjoint (`[n]` int64 CPU offsets)."""
+    span = len(layers) * unit_words
+    validate_rows(packed_offsets + packed_shift, span, packed.numel(), "packed_offsets")
+    for j, t in enumerate(layers):
+        validate_rows(split_offsets, unit_words, t.numel(), f"split_offsets (layer {j})")
+    if direction is Direction.LOAD:
+        validate_disjoint(split_offsets, unit_words, "split_offsets")
     else:
-        _kernel()[grid](*args, **launch)
+        validate_disjoint(packed_offsets, span, "packed_offsets")
+
+
+def _layer_table(
+    deltas: list[int], table: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device
+) -> tuple[bool, int, torch.Tensor | None]:
+    """`(strided, stride, offsets)`: layers evenly spaced (one allocation) go by a stride and need no
+    table; others by `[G]` int64 offsets on `device` (the caller's table, or uploaded here)."""
+    if table is not None and (table[1].numel() != len(deltas) or table[1].device != device):
+        got = f"{tuple(table[1].shape)} on {table[1].device}"
+        raise TransferError(f"table: [{len(deltas)}] offsets on {device} expected, got {got}")
+    stride = deltas[1] - deltas[0] if len(deltas) > 1 else 0
+    if all(d == deltas[0] + j * stride for j, d in enumerate(deltas)):
+        return True, stride, None
+    if table is None:
+        return False, stride, to_kernel_device(torch.tensor(deltas, dtype=torch.int64), device)
+    return False, stride, table[1]
+
+
+def _check_call(
+    packed: torch.Tensor,
+    packed_offsets: torch.Tensor,
+    layers: Sequence[torch.Tensor],
+    split_offsets: torch.Tensor,
+    unit_words: int,
+    packed_shift: int,
+    sm_budget: int,
+    units_per_program: int | None,
+) -> int:
+    """The metadata checks of `copy_groups` (dtypes, devices, lengths, counts); returns `n`."""
+    if not layers:
+        raise TransferError("copy_groups needs at least one layer")
+    check_words(packed, "packed")
+    for j, t in enumerate(layers):
+        check_words(t, f"layers[{j}]")
+        if t.dtype != packed.dtype or t.device != layers[0].device:
+            raise TransferError(
+                f"layers[{j}] is {t.dtype} on {t.device}; expected {packed.dtype} on {layers[0].device}"
+            )
+    check_offsets(packed_offsets, "packed_offsets")
+    check_offsets(split_offsets, "split_offsets")
+    check_pair(packed_offsets, split_offsets, ("packed_offsets", "split_offsets"), "units")
+    check_count("unit_words", unit_words)
+    check_count("sm_budget", sm_budget)
+    check_count("packed_shift", packed_shift, least=0)
+    check_count("units_per_program", units_per_program, optional=True)
+    return packed_offsets.numel()
+
+
+@dataclass(frozen=True)
+class _GroupShape:
+    """How one `copy_groups` call is launched: `vec` words per vector, `vectors` per stack, `units` per
+    tile in a block of `block` positions; `aligned` where both sides move in whole vectors."""
+
+    vec: int
+    vectors: int
+    units: int
+    block: int
+    aligned: bool
+
+    def kwargs(self, unit_words: int, layers: int, strided: bool, load: bool, size: int) -> dict[str, Any]:
+        return {
+            "UNIT_WORDS": unit_words,
+            "LAYERS": layers,
+            "UNITS_PER_BLOCK": self.units,
+            "VECTORS": self.vectors,
+            "BLOCK": self.block,
+            "VEC": self.vec,
+            "ALIGNED": self.aligned,
+            "STRIDED": strided,
+            "LOAD": load,
+            "num_warps": rules.warps_for(self.block * self.vec * size),
+        }
+
+
+def _group_shape(
+    packed: torch.Tensor,
+    base: torch.Tensor,
+    deltas: list[int],
+    unit_words: int,
+    offset_bits: int,
+    layers: int,
+    units_per_program: int | None,
+) -> _GroupShape:
+    """The launch shape of stacks of `layers` units of `unit_words` words, packed offsets (with their
+    shift) and split offsets all multiples of the lowest set bit of `offset_bits`."""
+    size = packed.element_size()
+    vec = max(1, rules.VECTOR_BYTES // size)
+    if packed.data_ptr() % rules.VECTOR_BYTES:
+        vec = 1  # the packed side's vectors could not be aligned: word by word
+    aligned = (
+        vec > 1
+        and unit_words % vec == 0
+        and offset_bits % vec == 0
+        and all(d % vec == 0 for d in deltas)
+        and base.data_ptr() % rules.VECTOR_BYTES == 0
+    )
+    span = layers * unit_words
+    vectors = span // vec if aligned else (span + 2 * vec - 2) // vec
+    if vectors > rules.MAX_TILE_VECTORS:
+        raise TransferError(
+            f"a stack of {layers} layers x {unit_words * size} bytes is wider than one tile of the kernel "
+            f"({rules.MAX_TILE_VECTORS} vectors of {vec * size} bytes); move fewer layers at once"
+        )
+    if units_per_program is None:
+        units_per_program = units_in_flight(span * size)
+    units = min(units_per_program, rules.MAX_TILE_VECTORS // vectors)
+    return _GroupShape(vec, vectors, units, next_power_of_2(units * vectors), aligned)

@@ -197,7 +197,7 @@ class CudaLane(Lane):
         del pool[len(pool) - len(out) :]
         while len(out) < k:
             event = torch.cuda.Event()
-            event.record(self._stream)  # recorded again by the tape, after the layer's copies
+            event.record(self._stream)  # recorded again by the loop, after the layer's copies
             out.append(event)
         return out
 

@@ -1,29 +1,21 @@
-"""A whole operation's runtime calls submitted from one compiled loop.
+"""An operation that the copy engine moves whole, submitted from one compiled loop.
 
 A reload submits two runtime calls per model layer (its copies, then the event that
-says the layer is in place). On an H200 host the driver's own work for the pair is
-~3 us; from Python through ctypes it cost ~8 us, most of a 128k-token reload's
-submission (bench/NOTES.md). A `Tape` collects the calls as rows of integers and
-`run` hands the whole tape to a small C loop that makes them in order, so Python
-pays one foreign call per operation instead of two or more per layer. For an
-operation that the copy engine moves whole, `Native.run_layers` goes further: given
-its joint runs and each buffer's addresses (`Buffers`, once per pool pair), the C
-code computes every layer's addresses itself and makes the same calls as the tape of
-that operation would, so Python builds no rows either.
+says the layer is in place); made from Python through ctypes they cost several times
+the driver's own work (bench/FINDINGS.md). Given an operation's joint runs and each
+buffer's addresses (`Buffers`, once per pool pair), `Native.copy_layers` computes every
+layer's addresses in C and makes the calls itself, so Python pays one foreign call per
+operation instead of two or more per layer.
 
 The loop is compiled on first use with the system C compiler (the one Triton uses
-for its launchers), from the source below, into the user's cache directory
-(`KVTIER_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtier` or `~/.cache/kvtier`). It calls
+for its launchers), from the source below, into the user's cache directory. It calls
 the runtime through function pointers taken from the `libcudart` the process
 already has (`cudart`), so it needs no CUDA headers. Where there is no compiler, or
-`KVTIER_NATIVE=0`, `library()` is None and callers submit from Python as before.
+`KVTIER_NATIVE=0`, `library()` is None and callers submit through the plan executor.
 
-Contract: rows run in tape order on the streams they name, exactly as the same
-calls made one by one; the first failing call stops the tape and raises
-`CudaRuntimeError` naming the row (the rows before it are submitted). Arrays that
-a `BATCH` row points to are kept alive by the tape until `run` returns: the
-runtime reads them during the call. `run_layers` likewise stops at the first failing
-call and names its layer.
+Contract: the calls are made in order on the stream named, exactly as the same calls
+made one by one; the first failing call stops the loop and raises `CudaRuntimeError`
+naming its layer (the calls before it are submitted).
 """
 
 from __future__ import annotations
@@ -36,24 +28,29 @@ import os
 import shutil
 import subprocess
 import tempfile
-from enum import IntEnum
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.transfer.cudart import MEMCPY_DEFAULT, CudaRuntimeError
+from kvtier import paths
+from kvtier.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    CudaRuntimeError,
+    InvariantError,
+    PlanError,
+    TransferError,
+)
+from kvtier.pool.device import DevicePool, Direction
+from kvtier.pool.host import HostPool
+from kvtier.transfer import cudart, dma
+from kvtier.transfer.cudart import MEMCPY_DEFAULT
+
+if TYPE_CHECKING:
+    from kvtier.transfer.plan import RunCopies
 
 log = logging.getLogger(__name__)
-
-
-class Op(IntEnum):
-    """What a tape row does; columns `a..e` follow the runtime call's arguments."""
-
-    COPY = 1  # cudaMemcpyAsync(dst=a, src=b, bytes=c, default kind, stream=d)
-    BATCH = 2  # cudaMemcpyBatchAsync(dsts=a, srcs=b, sizes=c, count=d, attrs, stream=e)
-    RECORD = 3  # cudaEventRecord(event=a, stream=b)
-    WAIT = 4  # cudaStreamWaitEvent(stream=a, event=b, 0)
 
 
 SOURCE = r"""
@@ -78,31 +75,6 @@ typedef struct {
     int64_t copy_kind;
 } kvtier_runtime;
 
-/* Run `n` rows of 6 int64 (op, a, b, c, d, e) in order; 0, or the first error with its row. */
-int kvtier_run_tape(const kvtier_runtime *rt, const int64_t *rows, int64_t n, int64_t *failed_row) {
-    size_t attrs_index = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t *r = rows + 6 * i;
-        int err;
-        switch (r[0]) {
-        case 1: err = rt->copy(P(r[1]), P(r[2]), (size_t)r[3], (int)rt->copy_kind, P(r[4])); break;
-        case 2:
-            err = rt->batch ? rt->batch((void **)P(r[1]), (void **)P(r[2]), (size_t *)P(r[3]), (size_t)r[4],
-                                        rt->attrs, &attrs_index, 1, P(r[5]))
-                            : -1;
-            break;
-        case 3: err = rt->record(P(r[1]), P(r[2])); break;
-        case 4: err = rt->wait(P(r[1]), P(r[2]), 0); break;
-        default: err = -2;
-        }
-        if (err) {
-            *failed_row = i;
-            return err;
-        }
-    }
-    return 0;
-}
-
 /* One buffer of a pool pair, as `kvtier_run_layers` addresses its rows. */
 typedef struct {
     int64_t row_bytes;     /* bytes of one slot's row */
@@ -115,7 +87,7 @@ typedef struct {
     const int64_t *local;  /* [model layers]: the buffer's layer of each model layer, or -1 */
 } kvtier_buffer;
 
-/* The int64 arguments of kvtier_run_layers, in order (see `Native.run_layers`). */
+/* The int64 arguments of kvtier_run_layers, in order (see `Native.copy_layers`). */
 enum { RUNS, N, BUFS, N_BUFS, LAYERS, LOAD, EVENTS, N_EVENTS, STREAM, ORDER_EVENT, ORDER_STREAM, SMALL };
 /* Its own failures, before any runtime call (runtime errors are positive). */
 enum { NO_BATCH = -1, NO_MEMORY = -3 };
@@ -184,102 +156,13 @@ int kvtier_run_layers(const kvtier_runtime *rt, const int64_t *args, int64_t *fa
 """
 
 
-class LayerRows(NamedTuple):
-    """Tape rows of every layer at once: `rows` `[N, 6]` int64 grouped by `layer` `[N]` (ascending),
-    and the arrays their `BATCH` rows point into (`keep`, alive as long as the rows)."""
-
-    rows: np.ndarray
-    layer: np.ndarray
-    keep: tuple[np.ndarray, ...] = ()
-
-
-class Tape:
-    """Runtime calls to make in order (see the module docstring); build, then `run` once."""
-
-    def __init__(self) -> None:
-        self._blocks: list[np.ndarray] = []
-        self._rows: list[tuple[int, int, int, int, int, int]] = []  # not yet in a block
-        self._keep: list[np.ndarray] = []
-
-    def __len__(self) -> int:
-        return sum(len(b) for b in self._blocks) + len(self._rows)
-
-    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._rows.append((Op.COPY, dst, src, nbytes, stream, 0))
-
-    def copies(self, flat: list[int], stream: int) -> None:
-        """`flat`: `[dst, src, bytes, dst, src, bytes, ...]` (as `LayerCopies.flat`)."""
-        for i in range(0, len(flat), 3):
-            self._rows.append((Op.COPY, flat[i], flat[i + 1], flat[i + 2], stream, 0))
-
-    def batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        """One batched copy of `[n]` raw addresses and byte counts (int64; kept alive by the tape)."""
-        d, s, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, sizes))
-        self._keep += (d, s, n)
-        self._rows.append((Op.BATCH, d.ctypes.data, s.ctypes.data, n.ctypes.data, len(n), stream))
-
-    def record(self, event: int, stream: int) -> None:
-        self._rows.append((Op.RECORD, event, stream, 0, 0, 0))
-
-    def wait(self, stream: int, event: int) -> None:
-        self._rows.append((Op.WAIT, stream, event, 0, 0, 0))
-
-    def layers(self, table: LayerRows, events: list[int], stream: int) -> None:
-        """`table`'s rows with an event record on `stream` after each layer's rows.
-
-        `events`: one handle per layer (`layer` in `[0, len(events))`), or a single one
-        recorded after every row. No Python loop per layer or row.
-        """
-        self._flush()
-        self._keep += table.keep
-        n = len(table.rows)
-        if len(events) == 1:
-            self._blocks += [table.rows, np.array([[Op.RECORD, events[0], stream, 0, 0, 0]], dtype=np.int64)]
-            return
-        count = len(events)
-        records = np.zeros((count, 6), dtype=np.int64)
-        records[:, 0], records[:, 1], records[:, 2] = Op.RECORD, events, stream
-        # Layer i's record goes after every row of layers <= i and the i records before it.
-        at = np.searchsorted(table.layer, np.arange(count), side="right") + np.arange(count)
-        out = np.empty((n + count, 6), dtype=np.int64)
-        is_record = np.zeros(n + count, dtype=bool)
-        is_record[at] = True
-        out[at], out[~is_record] = records, table.rows
-        self._blocks.append(out)
-
-    def rows(self) -> np.ndarray:
-        """`[n, 6]` int64: the rows as the compiled loop reads them."""
-        self._flush()
-        if not self._blocks:
-            return np.empty((0, 6), dtype=np.int64)
-        return self._blocks[0] if len(self._blocks) == 1 else np.concatenate(self._blocks)
-
-    def _flush(self) -> None:
-        if self._rows:
-            self._blocks.append(np.array(self._rows, dtype=np.int64).reshape(-1, 6))
-            self._rows = []
-
-    def run(self, lib: Native | None) -> None:
-        """Make every call in order (no host sync); `CudaRuntimeError` on the first failure."""
-        rows = self.rows()
-        if not len(rows):
-            return
-        if lib is None:
-            raise ValueError("a tape with calls needs the compiled loop (`library()`)")
-        failed = ctypes.c_int64(-1)
-        err = lib.run(rows.ctypes.data, len(rows), ctypes.byref(failed))
-        if err:
-            code = int(rows[failed.value, 0])
-            name = Op(code).name if code in Op._value2member_map_ else f"op {code}"
-            raise CudaRuntimeError(f"tape row {failed.value} ({name}) failed: CUDA error {err}")
-
-
 class Buffers:
     """Every buffer of a pool pair as `kvtier_run_layers` addresses its rows (built once per pair).
 
-    One entry per buffer: `(row bytes, (region slots, page, page rows), host [layers of the
-    buffer, regions] int64 region addresses, device [layers of the buffer] int64 layer
-    addresses, the buffer's model layers)`; `layers`: the model's layer count.
+    `host_pool`, `device_pool`: the pools whose addresses it holds. One entry per buffer:
+    `(row bytes, (region slots, page, page rows), host [layers of the buffer, regions] int64
+    region addresses, device [layers of the buffer] int64 layer addresses, the buffer's model
+    layers)`; `layers`: the model's layer count.
     """
 
     class _Row(ctypes.Structure):
@@ -290,9 +173,12 @@ class Buffers:
 
     def __init__(
         self,
+        host_pool: HostPool,
+        device_pool: DevicePool,
         buffers: list[tuple[int, tuple[int, int, int], np.ndarray, np.ndarray, list[int]]],
         layers: int,
     ) -> None:
+        self.host_pool, self.device_pool = host_pool, device_pool
         self.layers = layers
         self._keep: list[np.ndarray] = []
         self._rows = (self._Row * len(buffers))()
@@ -303,7 +189,9 @@ class Buffers:
             local = np.full(layers, -1, dtype=np.int64)
             local[on] = np.arange(len(on))
             if host.shape[0] != len(on) or device.shape != (len(on),):
-                raise ValueError(f"a buffer on {len(on)} layers has host {host.shape}, device {device.shape}")
+                raise InvariantError(
+                    f"a buffer on {len(on)} layers has host {host.shape}, device {device.shape} addresses"
+                )
             self._keep += (host, device, local)
             row.row_bytes, row.regions = row_bytes, host.shape[1]
             row.region_slots, row.page, row.page_rows = region_slots, page, page_rows
@@ -317,7 +205,7 @@ _LOOP_ERRORS = {-1: "the runs need the batched copy call, which the runtime lack
 
 
 class _Runtime(ctypes.Structure):
-    """`kvtier_runtime`: the runtime's entry points, bound once and read by both loops."""
+    """`kvtier_runtime`: the runtime's entry points, bound once and read by the loop."""
 
     _fields_ = [
         *((f, ctypes.c_void_p) for f in ("copy", "batch", "record", "wait", "attrs")),
@@ -331,22 +219,16 @@ class Native:
     def __init__(
         self, lib: ctypes.CDLL, copy: int, batch: int, record: int, wait: int, attrs: int = 0
     ) -> None:
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn = lib.kvtier_run_tape
-        fn.argtypes = [ptr, ptr, i64, ptr]
-        fn.restype = ctypes.c_int
+        ptr = ctypes.c_void_p
         layers = lib.kvtier_run_layers
         layers.argtypes = [ptr, ptr, ptr]
         layers.restype = ctypes.c_int
-        self._fn, self._layers, self._lib = fn, layers, lib
+        self._layers, self._lib = layers, lib
         self._runtime = _Runtime(copy, batch or None, record, wait, attrs or None, MEMCPY_DEFAULT)
         self._runtime_address = ctypes.addressof(self._runtime)
         self.has_batch = bool(batch)
 
-    def run(self, rows: int, n: int, failed) -> int:
-        return self._fn(self._runtime_address, rows, n, failed)
-
-    def run_layers(
+    def copy_layers(
         self,
         runs: np.ndarray,
         buffers: Buffers,
@@ -366,12 +248,12 @@ class Native:
         No host sync; `CudaRuntimeError` naming the layer on the first failure.
         """
         if len(events) not in (1, buffers.layers):
-            raise ValueError(f"{len(events)} events for {buffers.layers} layers (one per layer, or one)")
+            raise ConfigError(f"{len(events)} events for {buffers.layers} layers (one per layer, or one)")
         if runs.dtype != np.int64 or runs.ndim != 2 or len(runs) != 3 or not runs.flags.c_contiguous:
-            raise ValueError(f"runs must be [3, n] C-contiguous int64, got {runs.dtype} {runs.shape}")
+            raise TransferError(f"runs must be [3, n] C-contiguous int64, got {runs.dtype} {runs.shape}")
         n = runs.shape[1]
         if n > small and not self.has_batch:
-            raise ValueError(f"{n} runs need the batched copy call, which this runtime lacks")
+            raise BackendUnavailableError(f"{n} runs need the batched copy call, which this runtime lacks")
         handles = array.array("q", events)  # int64, as the loop reads them
         order_event, order_stream = order or (0, 0)
         # One int64 array of arguments (the loop's `args`): a foreign call with three arguments
@@ -393,19 +275,20 @@ class Native:
 
 
 def compile_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The compiled loop, built once per source and cached; None without a C compiler."""
+    """The compiled loop, built once per source into `cache_dir` (default: `kvtier.paths.cache_dir()`)
+    and kept there; None without a C compiler."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        log.info("no C compiler found: transfers are submitted from Python")
+        log.info("no C compiler found to build the submission loop")
         return None
     digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-    out_dir = cache_dir or _cache_dir()
-    target = out_dir / f"kvtier_tape_{digest}.so"
+    out_dir = cache_dir or paths.cache_dir()
+    target = out_dir / f"kvtier_loop_{digest}.so"
     if not target.exists():
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-                src = Path(tmp) / "tape.c"
+                src = Path(tmp) / "loop.c"
                 src.write_text(SOURCE)
                 built = Path(tmp) / target.name
                 subprocess.run(
@@ -422,36 +305,22 @@ def compile_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("KVTIER_CACHE_DIR"):
-        return Path(os.environ["KVTIER_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvtier"
-
-
-_native: Native | None = None
-_probed = False
-
-
-def library() -> Native | None:
-    """The loop bound to the process's CUDA runtime, or None (no runtime, no compiler, or disabled)."""
-    global _native, _probed
-    if _probed:
-        return _native
-    _probed = True
+def _find_library() -> Native | None:
+    """The loop bound to the process's CUDA runtime, or None, saying why once (at INFO)."""
     if os.environ.get("KVTIER_NATIVE", "1") == "0":
+        log.info("the compiled submission loop is off (KVTIER_NATIVE=0): transfers use the plan executor")
         return None
-    from kvtier.transfer import cudart, dma
-
     rt = cudart.runtime()
     if rt is None:
+        log.info("no CUDA runtime in the process: no compiled submission loop")
         return None
     lib = compile_library()
     if lib is None:
+        log.info("no compiled submission loop: transfers use the plan executor")
         return None
     addr = _address
     batch = dma.direct_batch_fn()
-    _native = Native(
+    native = Native(
         lib,
         addr(rt.memcpy_async),
         addr(batch[0]) if batch is not None else 0,
@@ -460,8 +329,79 @@ def library() -> Native | None:
         batch[1] if batch is not None else 0,
     )
     log.info("transfers submitted from a compiled loop (%s)", lib._name)
-    return _native
+    return native
+
+
+# The loop of this process, found once (`cudart.Probed`: tests pin a stand-in with `set`).
+LIBRARY: cudart.Probed[Native | None] = cudart.Probed(_find_library)
+
+
+def library() -> Native | None:
+    """The loop bound to the process's CUDA runtime, or None (no runtime, no compiler, or disabled)."""
+    return LIBRARY.get()
 
 
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _raw_buffers(host_pool: HostPool, device_pool: DevicePool) -> bool:
+    return dma.dma_mode() is not dma.DmaMode.TORCH and all(
+        device_pool.raw_rows(b.name) for b in host_pool.spec.buffers
+    )
+
+
+def run_buffers(host_pool: HostPool, device_pool: DevicePool) -> Buffers | None:
+    """The pools' buffers as `Native.copy_layers` addresses them, or None where some buffer cannot
+    take raw copies here (computed once per pool pair: the pools never move)."""
+    if not _raw_buffers(host_pool, device_pool):
+        return None
+    spec = host_pool.spec
+    return Buffers(
+        host_pool,
+        device_pool,
+        [
+            (
+                b.row_bytes,
+                host_pool.row_map(b.name),
+                host_pool.region_ptrs(b.name),
+                device_pool.layer_ptrs(b.name),
+                list(b.layers),
+            )
+            for b in spec.buffers
+        ],
+        spec.num_layers,
+    )
+
+
+def loop_takes(lib: Native, copies: RunCopies) -> bool:
+    """Whether `run_layers` can submit `copies`: not where one layer's runs would fan out over
+    several streams, nor where they need the batched call and the loop lacks it."""
+    runs = copies.joint.shape[1]
+    return runs <= dma.small_batch() or (lib.has_batch and not dma.fans_out(runs, copies.streams))
+
+
+def run_layers(
+    lib: Native,
+    copies: RunCopies,
+    buffers: Buffers,
+    direction: Direction,
+    stream: int,
+    current: int,
+    order: int,
+    events: list[int],
+) -> None:
+    """Submit `copies` on every layer from the compiled loop, which computes the addresses.
+
+    The calls are those the plan executor makes for the same plan through raw copies (where
+    `loop_takes` them), after ordering the raw stream `stream` behind `current` with the raw
+    event `order`; `events`: one raw event handle per model layer, recorded after its
+    copies, or one recorded after every layer.
+    """
+    if copies.host_pool is not buffers.host_pool or copies.device_pool is not buffers.device_pool:
+        raise PlanError(
+            f"the copies were planned for {copies.host_pool} and {copies.device_pool}, the buffers "
+            f"hold the addresses of {buffers.host_pool} and {buffers.device_pool}"
+        )
+    load = direction is Direction.LOAD
+    lib.copy_layers(copies.joint[1:], buffers, load, events, stream, (order, current), dma.small_batch())

@@ -40,9 +40,12 @@ import torch
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.transfer import native
-from kvtier.transfer.copy import backup, load_layers, loop_takes, run_buffers, run_layers
+from kvtier.transfer.execute import backup, load_layers
 from kvtier.transfer.lanes import Lane, Signal
-from kvtier.transfer.plan import KernelOptions, PathCosts, Planner, RunPair, TransferPath, TransferPlan
+from kvtier.transfer.native import loop_takes, run_buffers, run_layers
+from kvtier.transfer.options import KernelOptions, PathCosts, TransferPath
+from kvtier.transfer.plan import Planner, TransferPlan
+from kvtier.transfer.runs import RunPair
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +130,8 @@ class Transfers:
 
     def plan(self, op: Operation, stream: torch.cuda.Stream | None = None) -> TransferPlan:
         """The plan of `op` (its device indices uploaded on `stream`)."""
-        return TransferPlan.build(
-            op.direction,
-            self.host_pool,
-            self.device_pool,
-            op.host_slots,
-            op.device_slots,
-            planner=self.planner,
-            stream=stream,
-            trusted=True,
-            whole_pages=op.whole_pages,
-            runs=op.runs,
+        return self.planner.plan_allocated(
+            op.direction, op.host_slots, op.device_slots, op.runs, stream, whole_pages=op.whole_pages
         )
 
     def submit(self, op: Operation, lane: Lane, per_layer: bool) -> Submitted:

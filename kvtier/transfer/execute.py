@@ -1,0 +1,388 @@
+"""Executing transfer plans: layers host -> device (`load_layer`, `load_layers`) or back (`backup`).
+
+Everything here is stream-ordered and reads no device value back to the host, so a
+load can be submitted layer by layer while the model runs (the reference mechanism
+is the exception: it gathers through host memory and waits for the stream). Rows
+move as raw words (`as_words`), so every dtype is copied bit for bit. Each part is
+run by its mechanism's executor, with what the plan computed: kernel launches take
+the shapes their part carries.
+
+A buffer whose device tensor does not match the host rows (another dtype, or rows
+not packed back to back, as in a wrapped engine tensor) falls back to the
+reference path for that buffer alone (the planner logs it).
+
+Concurrency contract: the caller orders a load after any backup that writes the
+same host slots (an event), and keeps the plan alive until its stream has run.
+Plans with a staged part use the device pool's staging buffer of their direction,
+so two of them must not run at once on different streams (the cache runs every
+load on one stream and every backup on another).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from kvtier.errors import PlanError
+from kvtier.pool.device import DevicePool, Direction
+from kvtier.pool.host import HostPool
+from kvtier.pool.rows import as_words, flat_words, rows_contiguous
+from kvtier.spec import BufferSpec
+from kvtier.transfer import dma, groups, kernels
+from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, StagedPart
+from kvtier.transfer.plan import TransferPlan
+
+
+def load_layer(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    layer: int,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy every buffer of model layer `layer` from the plan's host slots to its device slots."""
+    load_layers(plan, host_pool, device_pool, [layer], stream)
+
+
+def load_layers(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    layers: Iterable[int],
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy every buffer of `layers` from the plan's host slots to its device slots.
+
+    Where the host keeps a unit's layers together (`page_first`, whole pages), the
+    kernel's units of consecutive layers move in one launch per buffer; loading a few
+    layers at once then reads whole stacks from host memory instead of one layer's rows.
+    """
+    _expect(plan, Direction.LOAD, host_pool, device_pool)
+    _move_layers(plan, host_pool, device_pool, list(layers), stream)
+
+
+def backup(
+    plan: TransferPlan,
+    device_pool: DevicePool,
+    host_pool: HostPool,
+    layers: Iterable[int] | None = None,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy every buffer of `layers` (all by default) from the plan's device slots to its host slots."""
+    _expect(plan, Direction.BACKUP, host_pool, device_pool)
+    layers = range(host_pool.spec.num_layers) if layers is None else layers
+    _move_layers(plan, host_pool, device_pool, list(layers), stream)
+
+
+def _expect(plan: TransferPlan, direction: Direction, host_pool: HostPool, device_pool: DevicePool) -> None:
+    """Refuse a plan of the other direction, or one built for other pools, before anything moves."""
+    if plan.direction is not direction:
+        raise PlanError(f"plan is for {plan.direction.value}, not {direction.value}")
+    plan.check_pools(host_pool, device_pool)
+
+
+@contextlib.contextmanager
+def _on_stream(
+    plan: TransferPlan, device_pool: DevicePool, stream: torch.cuda.Stream | None
+) -> Iterator[torch.cuda.Stream | None]:
+    if device_pool.device.type != "cuda":
+        yield None
+        return
+    stream = stream or torch.cuda.current_stream(device_pool.device)
+    with torch.cuda.stream(stream):
+        if plan.ready is not None:
+            stream.wait_event(plan.ready)
+        yield stream
+
+
+def _move_layers(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    layers: list[int],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Every buffer of `layers`, layer by layer, except kernel units that move several layers at once."""
+    spec = host_pool.spec
+    # A layer outside the model raises here, before anything moves.
+    on = [(layer, spec.buffers_on(layer)) for layer in layers]
+    grouped = len(layers) > 1
+    with _on_stream(plan, device_pool, stream) as s:
+        for layer, buffers in on:
+            for b in buffers:
+                _move(plan, host_pool, device_pool, b, layer, s, grouped=grouped)
+        if not grouped:
+            return
+        for b in spec.buffers:
+            present = set(b.layers)
+            mine = [b.local_layer(layer) for layer in layers if layer in present]
+            for part in plan.parts:
+                if isinstance(part, KernelPart) and b.name in part.tables and device_pool.raw_rows(b.name):
+                    _kernel_groups(plan, part, host_pool, device_pool, b, mine)
+
+
+def _move(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    b: BufferSpec,
+    layer: int,
+    stream: torch.cuda.Stream | None,
+    grouped: bool = False,
+) -> None:
+    """Buffer `b` of one layer, every part of the plan; with `grouped`, not the kernel parts that
+    have a layer table for `b` (the caller moves those several layers at once)."""
+    dev = device_pool.layer(b.name, layer)
+    if not device_pool.raw_rows(b.name):
+        _reference(plan, host_pool, dev, b, layer, plan.host_slots, plan.device_slots.to(dev.device))
+        return
+    dev_w = as_words(dev)
+    for part in plan.parts:
+        if isinstance(part, CopyPart):
+            if part.batched:
+                _batched(plan, part, host_pool, dev_w, b, layer, stream)
+            else:
+                _per_run(plan, part, host_pool, dev_w, b, layer)
+        elif isinstance(part, StagedPart):
+            _staged(plan, part, host_pool, device_pool, dev_w, b, layer, stream)
+        elif isinstance(part, KernelPart):
+            if not (grouped and b.name in part.tables):
+                _kernel(plan, part, host_pool, dev_w, b, layer)
+        else:
+            _reference(plan, host_pool, dev, b, layer, plan.host_slots[part.positions], part.device_index)
+
+
+def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:
+    """Words of host rows `[slot, slot + length)` of one layer (one segment): `[length, W]`."""
+    seg = host_pool.segment_slots
+    rows = host_pool.segment(b.name, layer, slot // seg)
+    off = slot % seg
+    return as_words(rows[off : off + length])
+
+
+def _per_run(
+    plan: TransferPlan, part: CopyPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
+) -> None:
+    """One torch copy per joint run."""
+    load = plan.direction is Direction.LOAD
+    for host, device, length in part.runs.triples:
+        host_w = _host_words(host_pool, b, layer, host, length)
+        dev_rows = dev_w[device : device + length]
+        if load:
+            dev_rows.copy_(host_w, non_blocking=True)
+        else:
+            host_w.copy_(dev_rows, non_blocking=True)
+
+
+def _batched(
+    plan: TransferPlan,
+    part: CopyPart,
+    host_pool: HostPool,
+    dev_w: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+    stream: torch.cuda.Stream,
+) -> None:
+    """Every joint run of the part in one `cudaMemcpyBatchAsync` (or a `cudaMemcpyAsync` loop)."""
+    region, host_off, dev_off, nbytes = part.run_bytes[b.name]
+    host_ptrs = _host_ptrs(host_pool, b, layer, region, host_off)
+    dev_ptrs = dev_w.data_ptr() + dev_off
+    if plan.direction is Direction.LOAD:
+        dma.copy_runs(dev_ptrs, host_ptrs, nbytes, stream, streams=part.streams)
+    else:
+        dma.copy_runs(host_ptrs, dev_ptrs, nbytes, stream, streams=part.streams)
+
+
+def _host_ptrs(
+    host_pool: HostPool, b: BufferSpec, layer: int, region: np.ndarray, offset: np.ndarray
+) -> np.ndarray:
+    """`[k]` int64 addresses of host rows of `layer`: `offset` bytes into each `region`'s layer rows."""
+    return host_pool.region_ptrs(b.name)[b.local_layer(layer), region] + offset
+
+
+def _staged(
+    plan: TransferPlan,
+    part: StagedPart,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    dev_w: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Host runs <-> a contiguous staging buffer (copy engine), staging <-> device slots on the device.
+
+    Per window: a load copies its host runs in (one batched call where the part is
+    batched) and then places the rows with one `index_copy_`; a backup gathers the rows
+    with one `index_select` and then copies them out. The stream orders both steps.
+    """
+    cap = device_pool.staging_tokens
+    raw = device_pool.staging(plan.direction)[: cap * b.row_bytes]
+    stage = raw.view(dev_w.dtype).view(cap, dev_w.shape[1])
+    index = part.device_index
+    load = plan.direction is Direction.LOAD
+    run_bytes = part.run_bytes[b.name]
+    for lo, hi, first, end in part.windows:
+        if not load:
+            torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
+        if part.batched:
+            region, host_off, stage_off, nbytes = (x[first:end] for x in run_bytes)
+            host_ptrs = _host_ptrs(host_pool, b, layer, region, host_off)
+            stage_ptrs = stage.data_ptr() + stage_off
+            dst, src = (stage_ptrs, host_ptrs) if load else (host_ptrs, stage_ptrs)
+            dma.copy_runs(dst, src, nbytes, stream, streams=part.streams)
+        else:
+            _staged_copies(host_pool, b, layer, stage.view(-1), run_bytes, first, end, load)
+        if load:
+            dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
+
+
+def _staged_copies(
+    host_pool: HostPool,
+    b: BufferSpec,
+    layer: int,
+    flat: torch.Tensor,
+    run_bytes: tuple[np.ndarray, ...],
+    first: int,
+    end: int,
+    load: bool,
+) -> None:
+    """One torch copy per run `[first, end)` between host rows and the staging words `flat`."""
+    w = flat.element_size()
+    runs = (x[first:end].tolist() for x in run_bytes)
+    for r, h, st, n in zip(*runs, strict=True):
+        host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
+        stage_w = flat[st // w : (st + n) // w]
+        if load:
+            stage_w.copy_(host_w, non_blocking=True)
+        else:
+            host_w.copy_(stage_w, non_blocking=True)
+
+
+def _kernel(
+    plan: TransferPlan, part: KernelPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
+) -> None:
+    """The gather (load) or scatter (backup) kernel over the part's units, one launch per host region."""
+    for region in part.regions[b.name]:
+        _launch_region(plan, part, host_pool, dev_w, b, layer, region)
+
+
+def _launch_region(
+    plan: TransferPlan,
+    part: KernelPart,
+    host_pool: HostPool,
+    dev_w: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+    region: KernelRegion,
+) -> None:
+    """One launch of the row kernel over one host region's units, in the shape the plan gave it."""
+    unit_bytes = b.row_bytes * part.unit
+    launch = region.launch
+    # Words of the width the plan's offsets are in (no rescaling on the device).
+    dev_flat = flat_words(dev_w.view(-1), region.word)
+    host_flat = flat_words(host_pool.region_words(b.name, layer, region.region), region.word)
+    src, dst = (host_flat, dev_flat) if plan.direction is Direction.LOAD else (dev_flat, host_flat)
+    kernels.copy_rows(
+        src,
+        region.src,
+        dst,
+        region.dst,
+        unit_bytes // region.word,
+        sm_budget=launch.programs,
+        rows_per_program=launch.rows,
+        validate=False,
+        offsets_align=region.align,
+        stages=launch.stages,
+    )
+
+
+def _kernel_groups(
+    plan: TransferPlan,
+    part: KernelPart,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    b: BufferSpec,
+    local: list[int],
+) -> None:
+    """The kernel's units of buffer `b` on local layers `local`: each group of consecutive layers (up
+    to `groups.GROUP_TILE_BYTES` of a unit's stack) in one launch per host region."""
+    table = part.tables[b.name]
+    word = table.word
+    unit_bytes = b.row_bytes * part.unit
+    most = max(1, groups.GROUP_TILE_BYTES // unit_bytes)
+    first = flat_words(as_words(device_pool.layer(b.name, b.layers[0])).view(-1), word)
+    load = plan.direction is Direction.LOAD
+    for lo, hi in layer_spans(local, most):
+        if hi - lo == 1:
+            dev_w = as_words(device_pool.layer(b.name, b.layers[lo]))
+            _kernel(plan, part, host_pool, dev_w, b, b.layers[lo])
+            continue
+        layers = [
+            flat_words(as_words(device_pool.layer(b.name, b.layers[j])).view(-1), word) for j in range(lo, hi)
+        ]
+        for region in part.regions[b.name]:
+            # Units' host offsets count from a region's first row of a layer: from the first
+            # layer's (the region's start), shifted by `lo` layers of a page (one unit each).
+            packed = flat_words(host_pool.region_words(b.name, b.layers[0], region.region), word)
+            packed_off, split_off = (region.src, region.dst) if load else (region.dst, region.src)
+            groups.copy_groups(
+                packed,
+                packed_off,
+                layers,
+                split_off,
+                unit_bytes // word,
+                plan.direction,
+                packed_shift=lo * (unit_bytes // word),
+                table=(first, table.offsets[lo:hi]),
+                sm_budget=table.programs,
+                validate=False,
+                offsets_align=region.align,
+            )
+
+
+def layer_spans(local: list[int], most: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` spans of consecutive values of `local` (ascending), each at most `most` long."""
+    out: list[tuple[int, int]] = []
+    for j in local:
+        if out and out[-1][1] == j and j - out[-1][0] < most:
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out
+
+
+def _reference(
+    plan: TransferPlan,
+    host_pool: HostPool,
+    dev: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+    host_slots: torch.Tensor,
+    index: torch.Tensor,
+) -> None:
+    """Per-token gather and scatter through host memory: the plain path every other one must equal.
+
+    `host_slots`: `[m]` int64 CPU; `index`: `[m]` int64 on `dev`'s device, their device slots.
+    """
+    n = host_slots.numel()
+    if n == 0:
+        return
+    fast = dev.dtype == b.dtype and rows_contiguous(dev)
+    if plan.direction is Direction.LOAD:
+        rows = host_pool.gather(b.name, layer, host_slots)
+        if fast:
+            as_words(dev).index_copy_(0, index, as_words(rows).to(dev.device))
+        else:
+            dev[index] = rows.to(dev.device).to(dev.dtype)
+    else:
+        if fast:
+            # `.cpu()` waits for the stream: the reference path is synchronous.
+            words = as_words(dev).index_select(0, index).cpu()
+            rows = words.view(torch.uint8).view(b.dtype).view(n, *b.row_shape)
+        else:
+            rows = dev[index].cpu().to(b.dtype)
+        host_pool.scatter(b.name, layer, host_slots, rows)

@@ -1,0 +1,161 @@
+"""What the planner is told: the paths it may be forced to (`TransferPath`), what it assumes each
+mechanism costs (`PathCosts`) and how the kernel is shaped (`KernelOptions`).
+
+Values, and `check`: a `Planner` checks them once and every plan it makes reuses them.
+The defaults are the tuned values of `bench/FINDINGS.md`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from kvtier.errors import ConfigError, PlanError
+from kvtier.pool.device import DevicePool, Direction
+from kvtier.pool.host import HostPool
+from kvtier.spec import KVSpec
+from kvtier.transfer import launch as rules
+from kvtier.transfer.launch import LINE_BYTES, KernelLaunch
+
+
+class TransferPath(str, Enum):
+    """What a plan does as a whole (for logs, benchmarks and `Planner`'s `force`).
+
+    - `SINGLE_COPY`, `PER_RUN`, `BATCHED_DMA`: the copy engine, one copy per joint run
+      (one copy, a loop of torch copies, or one batched call per buffer and layer). No
+      SMs; fast for long runs only.
+    - `STAGED`: host runs through a device staging buffer, placed on the device: long
+      host runs onto scattered device slots, with no SMs held while the link is busy.
+    - `KERNEL`: a Triton kernel reading or writing pinned host memory directly, with
+      `sm_budget` programs and many rows in flight each; any fragmentation, few SMs.
+    - `MIXED`: more than one of these, split by run (the planner's choice only).
+    - `REFERENCE`: per-token gather and scatter through host memory; always correct,
+      slow, and on CUDA it synchronises the host.
+    """
+
+    SINGLE_COPY = "single_copy"
+    PER_RUN = "per_run"
+    BATCHED_DMA = "batched_dma"
+    STAGED = "staged"
+    KERNEL = "kernel"
+    MIXED = "mixed"
+    REFERENCE = "reference"
+
+
+class Mechanism(str, Enum):
+    """How one part of a plan moves its rows."""
+
+    COPY = "copy"
+    STAGED = "staged"
+    KERNEL = "kernel"
+    REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class PathCosts:
+    """What the planner assumes each mechanism costs (defaults: bench/FINDINGS.md).
+
+    `copy_issue_s`: host time to issue one copy from Python; `copy_gbps`: the copy
+    engine between pinned host memory and the device; `device_gbps`: an on-device
+    `index_copy_` of rows; `reference_gbps`: the per-token path through host memory.
+    `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
+    kernel takes the rest. `staged_min_bytes`: a host run at least this long whose
+    device slots are scattered is loaded through staging then (backups keep the
+    kernel, whose scatter beats staging then copying out). `copy_streams`: batched
+    copies of one layer are spread over this many streams, so several copy engines
+    overlap their per-copy cost. `fan_out_below_bytes`: joint runs averaging at least
+    this long stay on one stream: a copy's fixed cost is then small beside it, while
+    fanning out costs two event calls per side stream and layer.
+    """
+
+    copy_issue_s: float = 11e-6
+    copy_gbps: float = 54.0
+    device_gbps: float = 1200.0
+    reference_gbps: float = 3.0
+    copy_min_bytes: int = 64 << 10
+    staged_min_bytes: int = 64 << 10
+    copy_streams: int = 8
+    fan_out_below_bytes: int = 1 << 20
+
+    def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
+        """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""
+        if mechanism is Mechanism.REFERENCE:
+            return self.copy_issue_s + nbytes / (self.reference_gbps * 1e9)
+        t = copies * self.copy_issue_s + nbytes / (self.copy_gbps * 1e9)
+        if mechanism is Mechanism.STAGED:
+            t += self.copy_issue_s + nbytes / (self.device_gbps * 1e9)
+        return t
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The gather/scatter kernel's budget and shape.
+
+    Up to `sm_budget` programs with `rows_per_program` rows per tile each (None: by row
+    size, see `launch.rows_in_flight`) and up to `stages` tiles in flight each (None: as
+    many as the device's shared memory holds, up to `launch.MAX_STAGES`; 1: no
+    pipelining; only loads of rows that are whole 128-byte lines are pipelined). Runs are
+    moved in units of up to `max_unit_bytes` rows' bytes. With `lean` (and rows chosen by
+    size), rows of `launch.LEAN_ROW_BYTES` or more take only the programs that keep the
+    grid's bytes in flight (`launch.programs_for`): they fill the link as the whole budget
+    does, and the model beside keeps the other SMs. `launch` gives one launch's shape.
+    """
+
+    sm_budget: int = 8
+    rows_per_program: int | None = None
+    max_unit_bytes: int = 16 << 10
+    lean: bool = True
+    stages: int | None = None
+
+    def launch(
+        self,
+        row_bytes: int,
+        align_bytes: int = LINE_BYTES,
+        device: torch.device | None = None,
+        direction: Direction = Direction.LOAD,
+    ) -> KernelLaunch:
+        """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes` on
+        `device`, moved in `direction` (only loads are pipelined).
+
+        `device` None or the CPU: planned as for a GPU whose shared memory holds every stage.
+        """
+        return _launch(self, row_bytes, align_bytes, rules.shared_bytes(device), direction is Direction.LOAD)
+
+
+@functools.lru_cache(maxsize=256)
+def _launch(
+    opts: KernelOptions, row_bytes: int, align_bytes: int, shared: int | None, gather: bool
+) -> KernelLaunch:
+    """`KernelOptions.launch` on a device with `shared` bytes per program, kept per argument set: a
+    plan asks it once per buffer and host region."""
+    stages = rules.stages_for(row_bytes, align_bytes, shared, opts.stages, gather)
+    if opts.rows_per_program is not None or not opts.lean:
+        programs = opts.sm_budget
+    else:
+        programs = rules.programs_for(row_bytes, opts.sm_budget, stages)
+    rows = opts.rows_per_program or rules.rows_in_flight(row_bytes, programs, stages)
+    return KernelLaunch(programs, rows, stages)
+
+
+def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel: KernelOptions) -> None:
+    """Refuse pools of different shapes (`PlanError`) and options out of range (`ConfigError`)."""
+    hspec, dspec = host_pool.spec, device_pool.spec
+    if hspec is not dspec and _shape_of(hspec) != _shape_of(dspec):
+        raise PlanError(
+            f"host pool spec {hspec.name!r} and device pool spec {dspec.name!r} "
+            "have different buffers, layers or row shapes"
+        )
+    counts = {"sm_budget": kernel.sm_budget, "rows_per_program": kernel.rows_per_program}
+    counts |= {"stages": kernel.stages, "max_unit_bytes": kernel.max_unit_bytes}
+    bad = {k: v for k, v in counts.items() if v is not None and (isinstance(v, bool) or v < 1)}
+    if bad:
+        raise ConfigError(f"kernel options must be positive, got {bad} in {kernel}")
+    if costs.copy_streams < 1:
+        raise ConfigError(f"copy_streams must be at least 1, got {costs.copy_streams}")
+
+
+def _shape_of(spec: KVSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    return [(b.name, b.layers, b.row_shape) for b in spec.buffers]

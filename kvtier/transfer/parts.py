@@ -1,0 +1,405 @@
+"""The parts of a plan: one type per mechanism, each with only what its executor reads.
+
+A plan is one or more parts; each moves some of its rows by one mechanism:
+
+- `CopyPart`: joint runs the copy engine moves straight between host and device slots:
+  one torch copy per run, or one batched call per buffer and layer (`batched`);
+- `StagedPart`: host runs copied back to back into a device staging buffer, then placed
+  on their scattered device slots on the device (loads), or the reverse (backups);
+- `KernelPart`: units of rows the Triton kernel gathers or scatters, with each launch's
+  shape computed here, once (`KernelRegion.launch`, `LayerTable.programs`);
+- `ReferencePart`: per-token gather and scatter through host memory.
+
+The builders here turn runs (`kvtier.transfer.runs`) into parts; every index a part
+needs on the device is uploaded once, by the plan's `Uploader`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple
+
+import numpy as np
+import torch
+
+from kvtier.pool.device import DevicePool, Direction
+from kvtier.pool.host import HostLayout, HostPool
+from kvtier.spec import KVSpec
+from kvtier.transfer import kernel_args
+from kvtier.transfer.launch import KernelLaunch
+from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
+from kvtier.transfer.runs import RunTable
+
+
+class RunBytes(NamedTuple):
+    """One buffer's runs in bytes, `[k]` int64 each: the host region, the byte offset in it (from the
+    region's first row of a layer), the device byte offset (into the layer tensor, or into the
+    staging buffer) and the bytes."""
+
+    region: np.ndarray
+    host: np.ndarray
+    device: np.ndarray
+    nbytes: np.ndarray
+
+
+@dataclass(frozen=True)
+class CopyPart:
+    """Joint runs the copy engine moves straight between host and device slots.
+
+    `run_bytes`: per buffer name, the runs in bytes (for raw copies). `batched`: one
+    batched call per buffer and layer (else one torch copy per run); `streams`: how many
+    streams a layer's batched copies are spread over.
+    """
+
+    mechanism: ClassVar[Mechanism] = Mechanism.COPY
+    rows: int
+    runs: RunTable
+    run_bytes: dict[str, RunBytes]
+    batched: bool
+    streams: int
+
+
+class Window(NamedTuple):
+    """One fill of the staging buffer: part rows `[lo, hi)`, moved by the part's runs `[first, end)`."""
+
+    lo: int
+    hi: int
+    first: int
+    end: int
+
+
+@dataclass(frozen=True)
+class StagedPart:
+    """Host runs through a device staging buffer, placed on their device slots on the device.
+
+    `runs`: host runs cut where a window ends (`device`: the run's first staging row);
+    `run_bytes`: per buffer name, those runs in bytes (device offsets into the staging
+    buffer). `device_index`: `[rows]` int64 on the device, the device slot of each of the
+    part's rows. `batched`: each window's copies in one batched call (else one torch
+    copy per run), spread over `streams` streams.
+    """
+
+    mechanism: ClassVar[Mechanism] = Mechanism.STAGED
+    rows: int
+    runs: RunTable
+    run_bytes: dict[str, RunBytes]
+    windows: tuple[Window, ...]
+    device_index: torch.Tensor
+    batched: bool
+    streams: int
+
+
+@dataclass(frozen=True)
+class KernelRegion:
+    """The kernel's units of one buffer in one host region, and the launch that moves them.
+
+    `src`/`dst`: `[m]` int64 word offsets (host units from the region's start of a
+    layer, device units from the layer tensor's start), already swapped for backups.
+    `word`: bytes per word of the offsets, the widest that the unit size and every
+    offset allow (so the kernel need not rescale them on the device per launch);
+    `align`: a power of two (in words) that divides every offset, found on the CPU, so
+    the kernel picks its vector width without checking offsets on the GPU. `launch`:
+    the launch's shape for these units on the pool's device.
+    """
+
+    region: int
+    src: torch.Tensor
+    dst: torch.Tensor
+    align: int
+    word: int
+    launch: KernelLaunch
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Where a buffer's layer tensors lie, so that several layers of its units move in one launch.
+
+    `offsets`: `[layers]` int64 on the device, each layer tensor's offset from the first
+    layer's in words of `word` bytes. `programs`: the grid of such a launch.
+    """
+
+    word: int
+    offsets: torch.Tensor
+    programs: int
+
+
+@dataclass(frozen=True)
+class KernelPart:
+    """Units of `unit` rows (each contiguous on both sides) that the Triton kernel moves.
+
+    `regions`: per buffer name, its units per host region. `tables`: per buffer whose
+    units are contiguous across layers on the host (`page_first`, whole pages), its
+    `LayerTable` (`groups.copy_groups` moves several layers at once).
+    """
+
+    mechanism: ClassVar[Mechanism] = Mechanism.KERNEL
+    rows: int
+    unit: int
+    regions: dict[str, tuple[KernelRegion, ...]]
+    tables: dict[str, LayerTable]
+
+    @property
+    def programs(self) -> int:
+        """The largest grid of the part's launches (SMs held while it runs)."""
+        grids = [r.launch.programs for rs in self.regions.values() for r in rs]
+        grids += [t.programs for t in self.tables.values()]
+        return max(grids, default=0)
+
+
+@dataclass(frozen=True)
+class ReferencePart:
+    """Rows moved per token through host memory: `positions` `[m]` int64 CPU (in the pair list),
+    `device_index` `[m]` int64 on the device (their device slots)."""
+
+    mechanism: ClassVar[Mechanism] = Mechanism.REFERENCE
+    rows: int
+    positions: torch.Tensor
+    device_index: torch.Tensor
+
+
+Part = CopyPart | StagedPart | KernelPart | ReferencePart
+
+
+@dataclass(frozen=True)
+class RunCopies:
+    """An operation that the copy engine moves whole, planned from run lists alone (`Planner.copies`).
+
+    `joint`: `[4, R]` int64, C-contiguous: where each joint run starts in the plan, its
+    first host slot, first device slot and length (host runs cut at segment edges; a
+    `RunTable`'s array). `batched`: copies go out as batched calls where a buffer has many
+    runs; `streams`: how many streams one layer's copies are spread over (from `costs`).
+    `host_pool`, `device_pool`: the planner's pools.
+    """
+
+    path: TransferPath
+    joint: np.ndarray
+    host_runs: int
+    device_runs: int
+    batched: bool
+    streams: int
+    host_pool: HostPool = field(repr=False, compare=False)
+    device_pool: DevicePool = field(repr=False, compare=False)
+
+    @property
+    def lens(self) -> np.ndarray:
+        return self.joint[3]
+
+    def part(self) -> CopyPart:
+        """The plan's one part."""
+        return copy_part(self.host_pool, RunTable(self.joint), self.batched, self.streams)
+
+
+class Uploader:
+    """Copies CPU index tensors to the plan's device on one stream, then records `ready`."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None) -> None:
+        self.device = device
+        self.stream = stream
+        if device.type == "cuda" and stream is None:
+            self.stream = torch.cuda.current_stream(device)
+        self.used = False
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t
+        self.used = True
+        with torch.cuda.stream(self.stream):
+            return t.pin_memory().to(self.device, non_blocking=True)
+
+    def finish(self) -> torch.cuda.Event | None:
+        if not self.used:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(self.stream)
+        return ready
+
+
+def copy_streams(spec: KVSpec, rows: int, runs: int, batched: bool, costs: PathCosts) -> int:
+    """Streams a copy part's copies of one layer go over: `rows` in `runs`.
+
+    `costs.copy_streams` for batched copies of runs shorter on average than
+    `PathCosts.fan_out_below_bytes`, else one.
+    """
+    if batched and runs and rows * spec.widest_row_bytes < costs.fan_out_below_bytes * runs:
+        return costs.copy_streams
+    return 1
+
+
+def copy_part(host_pool: HostPool, runs: RunTable, batched: bool, streams: int) -> CopyPart:
+    """Copy-engine copies of joint `runs`, with their bytes per buffer (for raw copies)."""
+    return CopyPart(
+        rows=int(runs.length.sum()),
+        runs=runs,
+        run_bytes=run_bytes(host_pool, runs.host, runs.device, runs.length),
+        batched=batched,
+        streams=streams,
+    )
+
+
+def run_bytes(
+    host_pool: HostPool, host_at: np.ndarray, dev_at: np.ndarray, lens: np.ndarray
+) -> dict[str, RunBytes]:
+    """Runs in bytes, per buffer name.
+
+    `host_at`, `dev_at`, `lens`: `[runs]` int64 first host slot, first device row (a
+    slot, or a row of the staging buffer) and length of each run.
+    """
+    out = {}
+    for b in host_pool.spec.buffers:
+        region, row = host_pool.locate(b.name, host_at)
+        out[b.name] = RunBytes(region, row * b.row_bytes, dev_at * b.row_bytes, lens * b.row_bytes)
+    return out
+
+
+def staged_part(
+    host_pool: HostPool,
+    hn: np.ndarray,
+    dn: np.ndarray,
+    pos: np.ndarray,
+    lens: np.ndarray,
+    cap: int,
+    batched: bool,
+    streams: int,
+    up: Uploader,
+) -> StagedPart:
+    """Host runs through the staging buffer of `cap` rows, cut where a window ends.
+
+    `hn`, `dn`: `[n]` int64 host and device slots of the plan. `pos`, `lens`: `[runs]`
+    int64 positions and lengths of host runs (each contiguous in one host segment). The
+    part's rows are the runs' rows in order; their device slots are uploaded once.
+    """
+    total = int(lens.sum())
+    at = np.cumsum(lens) - lens  # each run's first row in the part
+    cuts = np.union1d(at, np.arange(cap, total, cap))
+    run = np.searchsorted(at, cuts, side="right") - 1
+    off = cuts - at[run]
+    cut_lens = np.diff(np.append(cuts, total))
+    host_at = hn[pos[run]] + off
+    window = cuts // cap
+    stage_row = cuts - window * cap
+    first = np.flatnonzero(np.diff(window, prepend=-1))
+    ends = np.append(first[1:], len(cuts))
+    windows = tuple(
+        Window(w * cap, min((w + 1) * cap, total), a, z)
+        for w, a, z in zip(window[first].tolist(), first.tolist(), ends.tolist(), strict=True)
+    )
+    rows = np.repeat(pos - at, lens) + np.arange(total)
+    return StagedPart(
+        rows=total,
+        runs=RunTable.of(pos[run] + off, host_at, stage_row, cut_lens),
+        run_bytes=run_bytes(host_pool, host_at, stage_row, cut_lens),
+        windows=windows,
+        device_index=up(torch.from_numpy(dn[rows])),
+        batched=batched,
+        streams=streams if batched else 1,
+    )
+
+
+def kernel_part(
+    direction: Direction,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    hn: np.ndarray,
+    dn: np.ndarray,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    opts: KernelOptions,
+    up: Uploader,
+) -> KernelPart:
+    """Word offsets for the kernel, per buffer and host region, uploaded once, and their launches.
+
+    Joint runs (`starts`, `lens`: `[runs]` int64 positions and lengths) are cut into
+    units of `unit` rows (the largest divisor of every run length within
+    `KernelOptions.max_unit_bytes`), each contiguous on both sides, so the kernel moves
+    fewer, wider rows when runs allow it: page-granular slots move whole pages. In the
+    `page_first` layout, units of whole pages are also contiguous across layers on the
+    host: such buffers get a `LayerTable`.
+    """
+    widest = host_pool.spec.widest_row_bytes
+    unit = _unit(lens, max(1, opts.max_unit_bytes // widest))
+    in_run = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    rows = np.repeat(starts, lens) + in_run
+    rows = rows[in_run % unit == 0]
+    regions = {
+        b.name: _kernel_regions(direction, host_pool, device_pool, b.name, hn[rows], dn[rows], unit, opts, up)
+        for b in host_pool.spec.buffers
+    }
+    tables = {}
+    if host_pool.layout is HostLayout.PAGE_FIRST and unit == host_pool.spec.page_size:
+        for b in host_pool.spec.buffers:
+            table = _layer_table(device_pool, b.name, regions[b.name], opts, up)
+            if table is not None:
+                tables[b.name] = table
+    return KernelPart(rows=int(lens.sum()), unit=unit, regions=regions, tables=tables)
+
+
+def _kernel_regions(
+    direction: Direction,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    buffer: str,
+    host_slots: np.ndarray,
+    dev_slots: np.ndarray,
+    unit: int,
+    opts: KernelOptions,
+    up: Uploader,
+) -> tuple[KernelRegion, ...]:
+    """One buffer's units (first host and device slot of each, `[m]` int64) per host region."""
+    b = host_pool.spec.buffer(buffer)
+    device = device_pool.layer(buffer, b.layers[0]).device
+    region, host_row = host_pool.locate(buffer, host_slots)
+    out = []
+    for r in np.unique(region).tolist():
+        mask = region == r
+        host_off = host_row[mask] * b.row_bytes
+        dev_off = dev_slots[mask] * b.row_bytes
+        src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
+        align = kernel_args.common_alignment(src, dst)  # bytes
+        word = kernel_args.word_size(b.row_bytes * unit, [align])
+        src, dst = src // word, dst // word
+        align_words = max(1, align // word)
+        launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction)
+        out.append(
+            KernelRegion(
+                int(r), up(torch.from_numpy(src)), up(torch.from_numpy(dst)), align_words, word, launch
+            )
+        )
+    return tuple(out)
+
+
+def _layer_table(
+    device_pool: DevicePool,
+    buffer: str,
+    regions: tuple[KernelRegion, ...],
+    opts: KernelOptions,
+    up: Uploader,
+) -> LayerTable | None:
+    """Each layer tensor's offset from the first in words, uploaded; or None.
+
+    None where layers cannot move together: a single layer, rows the raw paths cannot
+    address, regions in words of different widths, or tensors not whole words apart.
+    """
+    ptrs = device_pool.layer_ptrs(buffer)
+    words = {r.word for r in regions}
+    if len(ptrs) < 2 or not device_pool.raw_rows(buffer) or len(words) != 1:
+        return None
+    word = words.pop()
+    deltas = ptrs - ptrs[0]
+    if np.any(deltas % word):
+        return None
+    return LayerTable(word, up(torch.from_numpy(deltas // word)), opts.sm_budget)
+
+
+def _unit(lens: np.ndarray, cap: int) -> int:
+    """The largest divisor of every run length that is at most `cap` rows."""
+    g = int(np.gcd.reduce(lens)) if len(lens) else 1
+    for u in range(min(g, cap), 0, -1):
+        if g % u == 0:
+            return u
+    return 1
+
+
+def reference_part(d: torch.Tensor, up: Uploader) -> ReferencePart:
+    """Every pair of the plan per token: `d` `[n]` int64 CPU, the device slots."""
+    n = d.numel()
+    return ReferencePart(rows=n, positions=torch.arange(n), device_index=up(d))
