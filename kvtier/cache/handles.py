@@ -15,8 +15,8 @@ from kvtier.cache.movers import Transfer
 from kvtier.cache.policy import PolicyName
 from kvtier.cache.radix import Node
 from kvtier.errors import ConfigError
-from kvtier.transfer.lanes import Signal
 from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan
+from kvtier.transfer.lanes import Signal
 
 
 class WritePolicy(str, Enum):

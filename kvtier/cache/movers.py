@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
-from kvtier.transfer.lanes import Lane, Signal, make_lane
 from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan
+from kvtier.transfer.lanes import Lane, Signal, make_lane
 from kvtier.transfer.submit import DEFAULT_LOOP, Operation, Submitted, Transfers
 
 
