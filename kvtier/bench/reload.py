@@ -23,6 +23,7 @@ from kvtier.bench.trace import VOCAB
 from kvtier.cache import CacheConfig, CacheController, WritePolicy
 from kvtier.errors import ConfigError, InvariantError
 from kvtier.pool import DevicePool, HostLayout, HostPool
+from kvtier.pool.device import Direction
 from kvtier.spec import KVSpec
 
 RELOAD_CPU_TARGET_US = 1000.0
@@ -54,6 +55,11 @@ class ReloadRow:
     ideal_ms: float | None = None  # loaded bytes at the ceiling
     ratio: float | None = None  # reload_ms / ideal_ms
     ratio_met: bool | None = None
+    # CUDA, write-through: insert called -> the backup of the whole prefix completed (median of 3),
+    # and that against the device -> host ceiling (one contiguous pinned copy) of the same run.
+    backup_ms: float | None = None
+    backup_ceiling_gbps: float | None = None
+    backup_ratio: float | None = None
     samples: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -89,10 +95,13 @@ def run_prefix_reload(
         raise ConfigError(f"layers_per_load must be a positive int, got {layers_per_load!r}")
     progress(f"reload: pools of {tokens} slots ({tokens * spec.bytes_per_token() / 1e9:.2f} GB per tier)")
     config = CacheConfig(write_policy=WritePolicy(policy), layers_per_load=layers_per_load)
-    cache, node, ids = _prefix_in_cache(spec, tokens, device, config, seed, query_ids, host_runs, layout)
+    cache, backups = _cache_for(spec, tokens, device, config, host_runs, layout, seed, query_ids)
     try:
+        node, ids = _prefix_in_cache(cache, tokens, seed, query_ids, host_runs)
         cuda = device.type == "cuda"
         ceiling = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
+        if cuda and backups:
+            back = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0), Direction.BACKUP)
         samples, loaded_bytes = [], 0
         for r in range(repeats):
             progress(f"reload: repeat {r + 1}/{repeats}")
@@ -127,27 +136,54 @@ def run_prefix_reload(
         row.ideal_ms = round(loaded_bytes / (ceiling * 1e9) * 1e3, 3)
         row.ratio = round(row.reload_ms / row.ideal_ms, 3)
         row.ratio_met = row.ratio <= RELOAD_RATIO_TARGET
+        if backups:
+            row.backup_ms = round(statistics.median(backups), 3)
+            row.backup_ceiling_gbps = round(back, 2)
+            row.backup_ratio = round(row.backup_ms / (loaded_bytes / (back * 1e9) * 1e3), 3)
     return row
 
 
-def _prefix_in_cache(
+def _cache_for(
     spec: KVSpec,
     tokens: int,
     device: torch.device,
     config: CacheConfig,
-    seed: int,
-    query_ids: str,
     host_runs: int,
     layout: HostLayout,
-) -> tuple[CacheController, object, np.ndarray]:
-    """A cache holding one `tokens`-long prefix of random KV, backed up in `host_runs` host runs.
-
-    Returns the cache, the prefix's node and its ids (`[tokens]` of dtype `query_ids`).
-    """
+    seed: int,
+    query_ids: str,
+) -> tuple[CacheController, list[float]]:
+    """A cache with room for one `tokens`-long prefix, and on CUDA with write-through the times of
+    three whole-prefix backups through it (ms from `insert` until the backup completed)."""
     ps = spec.page_size
     cache = CacheController(
         DevicePool(spec, tokens, device), HostPool(spec, tokens + (host_runs - 1) * ps, layout), config
     )
+    backups: list[float] = []
+    if device.type != "cuda" or config.write_policy is not WritePolicy.WRITE_THROUGH:
+        return cache, backups
+    for r in range(3):
+        ids = np.random.default_rng(seed + 1 + r).integers(1, VOCAB, tokens).astype(query_ids)
+        slots = cache.alloc_device(tokens)
+        write_random_kv(cache.device_pool, slots, torch.Generator(device=device).manual_seed(seed + 1 + r))
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        cache.insert(ids, slots)
+        cache.flush()
+        backups.append((time.perf_counter() - t0) * 1e3)
+        cache.evict_device(tokens)
+        cache.evict_host(tokens)
+    return cache, backups
+
+
+def _prefix_in_cache(
+    cache: CacheController, tokens: int, seed: int, query_ids: str, host_runs: int
+) -> tuple[object, np.ndarray]:
+    """Put one `tokens`-long prefix of random KV in `cache`, backed up in `host_runs` host runs.
+
+    Returns the prefix's node and its ids (`[tokens]` of dtype `query_ids`).
+    """
+    ps, device = cache.spec.page_size, cache.device_pool.device
     leave_free_runs(cache.host_alloc, tokens // host_runs, host_runs, ps)
     # The ids as an engine holds them, in one dtype for insert and match.
     ids = np.random.default_rng(seed).integers(1, VOCAB, tokens).astype(query_ids)
@@ -155,7 +191,7 @@ def _prefix_in_cache(
     write_random_kv(cache.device_pool, slots, torch.Generator(device=device).manual_seed(seed))
     node = cache.insert(ids, slots)
     cache.flush()  # the write-through backup, which would share the link with the ceiling's copies
-    return cache, node, ids
+    return node, ids
 
 
 def _reload_once(cache: CacheController, node, ids: np.ndarray, host_runs: int) -> tuple[dict, int]:
@@ -223,7 +259,7 @@ def render(row: ReloadRow, meta: dict) -> Group:
         f"on {meta.get('gpu') or meta.get('cpu')}"
     )
     cols = ("CPU us", "thread us", "wall us", "of which match", "CPU <= 1 ms", "reload ms", "first layer ms")
-    cols += ("ceiling GB/s", "ideal ms", "ratio", "ratio <= 1.1")
+    cols += ("ceiling GB/s", "ideal ms", "ratio", "ratio <= 1.1", "backup ms", "backup ratio")
     for col in cols:
         table.add_column(col, justify="right")
     table.add_row(
@@ -238,10 +274,13 @@ def render(row: ReloadRow, meta: dict) -> Group:
         na(r.ideal_ms),
         na(r.ratio, "{:.3f}"),
         "n/a" if r.ratio_met is None else ("yes" if r.ratio_met else "[red]no[/red]"),
+        na(r.backup_ms, "{:.1f}"),
+        na(r.backup_ratio, "{:.3f}"),
     )
     note = (
         "CPU: process time (all threads) of match + load_back submission; thread: the caller's alone; "
         "reload: load_back called until the last layer's signal fired; ideal: the loaded bytes at the "
-        "ceiling (one pinned copy)"
+        "ceiling (one pinned copy); backup: insert called until its write-through backup completed, "
+        "against the device -> host ceiling"
     )
     return Group(table, note)
