@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from enum import Enum
@@ -88,12 +89,20 @@ def _find() -> DmaRuntime:
     if not (hasattr(runtime, "cudaMemcpyBatchAsync") and hasattr(runtime, "cudaMemcpyAttributes")):
         log.info("batched DMA mode: %s", DmaMode.LOOP.value)
         return DmaRuntime(DmaMode.LOOP, runtime)
+    log.info("batched DMA mode: %s", DmaMode.BATCH.value)
+    return DmaRuntime(DmaMode.BATCH, runtime, _copy_attributes(runtime))
+
+
+@functools.cache
+def _copy_attributes(runtime: Any) -> Any:
+    """The batch call's copy attributes, made once for the process and never freed: the runtime's
+    own batch call and the compiled loop keep their address (`direct_batch_fn`), however often
+    `RUNTIME` is found again."""
     attrs = runtime.cudaMemcpyAttributes()
     attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
     # The copies run beside the model's kernels; ask the driver to favour overlap.
     attrs.flags = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
-    log.info("batched DMA mode: %s", DmaMode.BATCH.value)
-    return DmaRuntime(DmaMode.BATCH, runtime, attrs)
+    return attrs
 
 
 RUNTIME: cudart.Probed[DmaRuntime] = cudart.Probed(_find)
