@@ -60,6 +60,17 @@ def host_row(pool: HostPool, b: BufferSpec, layer: int, slot: int) -> torch.Tens
     return chunk[slot // ps, j, slot % ps]
 
 
+def host_rows(pool: HostPool, b: BufferSpec, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """Host rows of `slots` (`[n]` int64) as a copy `[n, *row]`, by the layout's definition (single-chunk
+    pools only)."""
+    (chunk,) = pool.chunks(b.name)
+    j = b.local_layer(layer)
+    if pool.layout.value == "layer_first":
+        return chunk[j, slots]
+    ps = pool.spec.page_size
+    return chunk[slots // ps, j, slots % ps]
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 

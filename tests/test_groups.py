@@ -247,7 +247,6 @@ def test_units_in_flight_fill_a_tile() -> None:
     assert groups.units_in_flight(16 * 132) == 38  # ~80 KiB per program
     assert groups.units_in_flight(78 * 132) == 7
     assert groups.units_in_flight(61 * 1152) == 1
-    assert groups.units_in_flight(6) == groups.GROUP_TILE_BYTES // 6
 
 
 def test_layer_spans_split_at_gaps_and_at_the_cap() -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import numpy as np
 import pytest
 import torch
-from conftest import host_row, poison_device, poison_host, random_rows, same_bytes
+from conftest import host_row, host_rows, poison_device, poison_host, random_rows, same_bytes
 
 from kvtier.errors import ConfigError, PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
@@ -27,7 +28,7 @@ from kvtier.transfer import (
     load_layers,
 )
 from kvtier.transfer.options import Mechanism
-from kvtier.transfer.parts import CopyPart, StagedPart
+from kvtier.transfer.parts import CopyPart, StagedPart, copy_streams
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
@@ -37,113 +38,167 @@ TOKENS = 128
 FREE_COPIES = PathCosts(copy_issue_s=0.0)
 
 
-def slot_cases(ps: int, gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Host/device slot lists from one run to fully scattered (host slots in whole pages)."""
-    pages = HOST_SLOTS // ps
-    need = TOKENS // ps
-    perm_pages = torch.randperm(pages, generator=gen)[:need]
-    scattered_host = (perm_pages[:, None] * ps + torch.arange(ps)).flatten()
-    dev_contig = torch.arange(32, 32 + TOKENS)
-    dev_scatter = torch.randperm(DEVICE_SLOTS, generator=gen)[:TOKENS]
+def slot_case(case: str, ps: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host/device slot lists, from one run to fully scattered (host slots in whole pages)."""
+    host_run = torch.arange(64, 64 + TOKENS)
     runs_of_16 = (
         torch.randperm(HOST_SLOTS // 16, generator=gen)[: TOKENS // 16, None] * 16 + torch.arange(16)
     ).flatten()
+    pages = torch.randperm(HOST_SLOTS // ps, generator=gen)[: TOKENS // ps]
+    scattered_host = (pages[:, None] * ps + torch.arange(ps)).flatten()
+    dev_run = torch.arange(32, 32 + TOKENS)
+    dev_scattered = torch.randperm(DEVICE_SLOTS, generator=gen)[:TOKENS]
     return {
-        "one-run": (torch.arange(64, 64 + TOKENS), dev_contig),
-        "host-run-device-scattered": (torch.arange(64, 64 + TOKENS), dev_scatter),
-        "runs-of-16": (runs_of_16, dev_contig),
-        "runs-of-16-device-scattered": (runs_of_16, dev_scatter),
-        "scattered": (scattered_host, dev_scatter),
+        "one-run": (host_run, dev_run),
+        "host-run-device-scattered": (host_run, dev_scattered),
+        "runs-of-16": (runs_of_16, dev_run),
+        "runs-of-16-device-scattered": (runs_of_16, dev_scattered),
+        "scattered": (scattered_host, dev_scattered),
+    }[case]
+
+
+# Every value of each factor of the byte-identity test; each pair of values of two factors
+# appears in at least one case (`pairwise`), instead of the full product. `None`: the planner's
+# own path.
+FACTORS: dict[str, list] = {
+    "spec": SPECS,
+    "ps": PAGE_SIZES,
+    "layout": list(HostLayout),
+    "path": [
+        None,
+        TransferPath.SINGLE_COPY,
+        TransferPath.PER_RUN,
+        TransferPath.STAGED,
+        TransferPath.KERNEL,
+        TransferPath.REFERENCE,
+    ],
+    "direction": ["load", "backup"],
+    "case": [
+        "one-run",
+        "host-run-device-scattered",
+        "runs-of-16",
+        "runs-of-16-device-scattered",
+        "scattered",
+    ],
+}
+
+
+def applies(values: dict) -> bool:
+    """Whether a (partial) case can run: a single copy needs one joint run, which only the one-run
+    slots have, and only in `layer_first` (`page_first` cuts runs at every page)."""
+    if values.get("path") is not TransferPath.SINGLE_COPY:
+        return True
+    return values.get("case", "one-run") == "one-run" and values.get("layout", HostLayout.LAYER_FIRST) is (
+        HostLayout.LAYER_FIRST
+    )
+
+
+def required_pairs(factors: dict[str, list]) -> set[tuple]:
+    names = list(factors)
+    return {
+        ((a, repr(va)), (b, repr(vb)))
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        for va in factors[a]
+        for vb in factors[b]
+        if applies({a: va, b: vb})
     }
 
 
-def applicable_paths(host: HostPool, dev: DevicePool, hs, ds) -> list[TransferPath | None]:
-    paths: list[TransferPath | None] = [
-        None,
-        TransferPath.STAGED,
-        TransferPath.PER_RUN,
-        TransferPath.REFERENCE,
-    ]
-    plan = TransferPlan.build("load", host, dev, hs, ds)
-    if plan.joint_runs == 1:
-        paths.append(TransferPath.SINGLE_COPY)
-    if kernels.runs_on(dev.device):
-        paths.append(TransferPath.KERNEL)
-    return paths
+def pairs_of(row: dict) -> set[tuple]:
+    names = list(row)
+    return {((a, repr(row[a])), (b, repr(row[b]))) for i, a in enumerate(names) for b in names[i + 1 :]}
 
 
-@pytest.mark.parametrize("layout", list(HostLayout))
-@pytest.mark.parametrize("ps", PAGE_SIZES)
-@pytest.mark.parametrize("spec_name", SPECS)
-def test_load_every_path_matches_reference(spec_name: str, ps: int, layout: HostLayout, gen) -> None:
-    spec = preset(spec_name, ps)
-    host = HostPool(spec, HOST_SLOTS, layout)
+def pairwise(factors: dict[str, list]) -> list[dict]:
+    """Cases covering every applicable pair of values of two factors (greedy, deterministic).
+
+    Each case starts from an uncovered pair of the two factors with the most uncovered pairs
+    left (every such pair is tried) and takes, factor by factor, the value that covers the
+    most uncovered pairs (the least used on a tie); the case covering the most is kept.
+    """
+    uncovered = required_pairs(factors)
+    rows: list[dict] = []
+    used: collections.Counter = collections.Counter()
+
+    def complete(seed: dict) -> dict:
+        row = dict(seed)
+        for name in factors:
+            if name not in row:
+                options = [v for v in factors[name] if applies({**row, name: v})]
+                row[name] = max(
+                    options, key=lambda v: (len(pairs_of({**row, name: v}) & uncovered), -used[name, repr(v)])
+                )
+        return {name: row[name] for name in factors}
+
+    while uncovered:
+        kinds = collections.Counter((a, b) for (a, _), (b, _) in uncovered)
+        kind = max(sorted(kinds), key=kinds.__getitem__)
+        seeds = sorted(p for p in uncovered if (p[0][0], p[1][0]) == kind)
+        candidates = []
+        for (a, ra), (b, rb) in seeds:
+            va = next(v for v in factors[a] if repr(v) == ra)
+            vb = next(v for v in factors[b] if repr(v) == rb)
+            candidates.append(complete({a: va, b: vb}))
+        row = max(candidates, key=lambda r: len(pairs_of(r) & uncovered))
+        rows.append(row)
+        uncovered -= pairs_of(row)
+        used.update((name, repr(v)) for name, v in row.items())
+    return rows
+
+
+CASES = pairwise(FACTORS)
+
+
+def test_the_cases_cover_every_pair_of_values() -> None:
+    covered = set().union(*(pairs_of(c) for c in CASES))
+    assert required_pairs(FACTORS) <= covered
+    assert all(applies(c) for c in CASES)
+    assert len(CASES) < 60  # far fewer than the product of the factors
+
+
+def _case_id(c: dict) -> str:
+    path = c["path"].value if c["path"] is not None else "planned"
+    return f"{c['spec']}-{c['ps']}-{c['layout'].value}-{path}-{c['direction']}-{c['case']}"
+
+
+@pytest.mark.parametrize("c", CASES, ids=[_case_id(c) for c in CASES])
+def test_every_path_matches_the_reference(c: dict, gen) -> None:
+    """A load or backup on every path is byte-identical to the layout's own rows; no other row of
+    the poisoned destination changes."""
+    if c["path"] is TransferPath.KERNEL and not kernels.runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton's CPU interpreter")
+    spec = preset(c["spec"], c["ps"])
+    host = HostPool(spec, HOST_SLOTS, c["layout"])
     dev = DevicePool(spec, DEVICE_SLOTS, staging_tokens=48)  # staging smaller than the load: windows
     poison_host(host, gen)
-    for case, (hs, ds) in slot_cases(ps, gen).items():
-        for force in applicable_paths(host, dev, hs, ds):
-            poison_device(dev, gen)
-            before = {(b.name, lay): dev.layer(b.name, lay).clone() for b in spec.buffers for lay in b.layers}
-            plan = TransferPlan.build("load", host, dev, hs, ds, force=force)
-            for layer in range(spec.num_layers):
-                load_layer(plan, host, dev, layer)
-            untouched = torch.ones(DEVICE_SLOTS, dtype=torch.bool)
-            untouched[ds] = False
-            for b in spec.buffers:
-                for layer in b.layers:
-                    got = dev.layer(b.name, layer)
-                    for i in range(TOKENS):
-                        want = host_row(host, b, layer, int(hs[i]))
-                        assert same_bytes(got[int(ds[i])], want), (
-                            case,
-                            force,
-                            plan.path,
-                            b.name,
-                            layer,
-                            i,
-                        )
-                    assert same_bytes(got[untouched], before[(b.name, layer)][untouched]), (
-                        case,
-                        force,
-                    )
-
-
-@pytest.mark.parametrize("layout", list(HostLayout))
-@pytest.mark.parametrize("ps", PAGE_SIZES)
-@pytest.mark.parametrize("spec_name", SPECS)
-def test_backup_every_path_matches_reference(spec_name: str, ps: int, layout: HostLayout, gen) -> None:
-    spec = preset(spec_name, ps)
-    host = HostPool(spec, HOST_SLOTS, layout)
-    dev = DevicePool(spec, DEVICE_SLOTS, staging_tokens=48)
     poison_device(dev, gen)
-    for case, (hs, ds) in slot_cases(ps, gen).items():
-        for force in applicable_paths(host, dev, hs, ds):
-            poison_host(host, gen)
-            before = {b.name: [c.clone() for c in host.chunks(b.name)] for b in spec.buffers}
-            plan = TransferPlan.build("backup", host, dev, hs, ds, force=force)
-            backup(plan, dev, host)
-            written = set(hs.tolist())
-            for b in spec.buffers:
-                for layer in b.layers:
-                    src = dev.layer(b.name, layer)
-                    for i in range(TOKENS):
-                        assert same_bytes(host_row(host, b, layer, int(hs[i])), src[int(ds[i])]), (
-                            case,
-                            force,
-                        )
-                # Every other host row keeps its poison.
-                (chunk,) = host.chunks(b.name)
-                (old,) = before[b.name]
-                for slot in range(HOST_SLOTS):
-                    if slot in written:
-                        continue
-                    for layer in b.layers:
-                        if layout is HostLayout.LAYER_FIRST:
-                            j = b.local_layer(layer)
-                            assert same_bytes(chunk[j, slot], old[j, slot])
-                        else:
-                            j = b.local_layer(layer)
-                            assert same_bytes(chunk[slot // ps, j, slot % ps], old[slot // ps, j, slot % ps])
+    hs, ds = slot_case(c["case"], c["ps"], gen)
+    plan = TransferPlan.build(c["direction"], host, dev, hs, ds, force=c["path"])
+    if c["path"] is not None:
+        assert plan.path is c["path"]
+    before_dev = {(b.name, lay): dev.layer(b.name, lay).clone() for b in spec.buffers for lay in b.layers}
+    before_host = {
+        (b.name, lay): host_rows(host, b, lay, torch.arange(HOST_SLOTS))
+        for b in spec.buffers
+        for lay in b.layers
+    }
+    if c["direction"] == "load":
+        for layer in range(spec.num_layers):
+            load_layer(plan, host, dev, layer)
+    else:
+        backup(plan, dev, host)
+    for b in spec.buffers:
+        for layer in b.layers:
+            got_dev, got_host = dev.layer(b.name, layer), host_rows(host, b, layer, torch.arange(HOST_SLOTS))
+            if c["direction"] == "load":
+                want = before_dev[(b.name, layer)].clone()
+                want[ds] = before_host[(b.name, layer)][hs]
+                assert same_bytes(got_dev, want), (b.name, layer)
+            else:
+                want = before_host[(b.name, layer)].clone()
+                want[hs] = before_dev[(b.name, layer)][ds]
+                assert same_bytes(got_host, want), (b.name, layer)
 
 
 def test_multi_chunk_host_pool_round_trip(gen) -> None:
@@ -638,8 +693,9 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
         poison_device(dev, gen)
         plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, stream=stream)
         assert plan.path is expected
-        batched = [p for p in plan.parts if isinstance(p, CopyPart | StagedPart) and p.batched]
-        assert all(p.streams == streams for p in batched)
+        assert all(
+            p.streams == streams for p in plan.parts if isinstance(p, (CopyPart, StagedPart)) and p.batched
+        )
         if expected is TransferPath.STAGED:
             assert plan.parts[0].batched and len(plan.parts[0].windows) == 4
         before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
@@ -717,7 +773,7 @@ def _runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _runs_table(part) -> list | None:
-    return part.runs.table.tolist() if hasattr(part, "runs") else None
+    return part.runs.table.tolist() if isinstance(part, (CopyPart, StagedPart)) else None
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))
@@ -772,13 +828,11 @@ def test_copies_fan_out_in_contiguous_shares_of_about_equal_bytes() -> None:
 
 def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
     """Runs averaging `fan_out_below_bytes` or more stay on one stream (no fork and join per layer)."""
-    from kvtier.transfer.parts import copy_streams as _copy_streams
-
     spec = preset("tiny-mla", 1)  # 48-byte rows
     runs = 16
 
     def streams(run: int, batched: bool = True, **kw) -> int:
-        return _copy_streams(spec, run * runs, runs, batched, PathCosts(copy_streams=4, **kw))
+        return copy_streams(spec, run * runs, runs, batched, PathCosts(copy_streams=4, **kw))
 
     assert streams(200) == 4  # 9.6 KB runs
     assert streams(200, fan_out_below_bytes=200 * 48) == 1
