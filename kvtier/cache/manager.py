@@ -49,13 +49,10 @@ from kvtier.cache.tiers import TierState
 from kvtier.errors import CacheFullError, CacheStateError, ClosedError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
-from kvtier.slots import as_slots, fmt_ids
+from kvtier.slots import NO_SLOTS, as_slots, concat_slots, fmt_ids
 from kvtier.transfer.submit import Operation
 
 log = logging.getLogger(__name__)
-
-# No slots, shared (a tensor of zero elements holds nothing to write).
-_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class CacheController(TierState):
@@ -142,7 +139,7 @@ class CacheController(TierState):
         return Match(
             tokens=matched,
             device_tokens=device_tokens,
-            device_slots=_concat([n.device_slots for n in device_nodes]),
+            device_slots=concat_slots([n.device_slots for n in device_nodes]),
             device_nodes=device_nodes,
             host_nodes=host_nodes,
             last_node=nodes[-1] if nodes else self.tree.root,
@@ -185,7 +182,7 @@ class CacheController(TierState):
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0 or n % self.spec.page_size:
             raise SlotError(f"alloc_device({n!r}): not a whole number of pages of {self.spec.page_size}")
         if n == 0:
-            return _NO_SLOTS
+            return NO_SLOTS
         slots, _ = self._alloc_device(int(n))
         self._held[slots.numpy()] = True
         return slots
@@ -288,10 +285,10 @@ class CacheController(TierState):
         self._check_load(nodes)
         total = sum(len(n) for n in nodes)
         if total == 0:
-            return LoadHandle([], 0, _NO_SLOTS, done=True)
+            return LoadHandle([], 0, NO_SLOTS, done=True)
         if total < self.config.recompute_below:
             self.metrics.recomputed_tokens += total
-            return LoadHandle(nodes, total, _NO_SLOTS, recompute=True, done=True)
+            return LoadHandle(nodes, total, NO_SLOTS, recompute=True, done=True)
         t0 = time.perf_counter()
         self.tree.lock_path(nodes[-1], +1)  # nothing on the path is evicted while it loads
         try:
@@ -397,13 +394,3 @@ class CacheController(TierState):
     def in_flight(self) -> list[tuple[Transfer, list[Node], LoadHandle | None]]:
         """Transfers submitted and not yet completed: `(transfer, nodes, load handle or None)`."""
         return list(self._inflight.values())
-
-
-def _concat(slots: list[torch.Tensor]) -> torch.Tensor:
-    """`[n]` int64 CPU slots of several nodes in order, without a copy for one node (numpy, not
-    `torch.cat`, which costs much more for one long tensor)."""
-    if len(slots) == 1:
-        return slots[0]
-    if not slots:
-        return _NO_SLOTS
-    return torch.from_numpy(np.concatenate([s.numpy() for s in slots]))

@@ -53,10 +53,6 @@ class Lane(ABC):
         """A signal after everything submitted so far."""
 
     @abstractmethod
-    def wait(self, signal: Signal) -> None:
-        """Order this lane's later work after `signal` (no host wait)."""
-
-    @abstractmethod
     def wait_for_current(self) -> None:
         """Order this lane's later work after the work queued on the current compute stream."""
 
@@ -107,20 +103,20 @@ class CudaSignal(Signal):
 class CudaLane(Lane):
     """A CUDA stream of its own (never the legacy default stream)."""
 
-    def __init__(self, device: torch.device, priority: int = 0) -> None:
-        self._stream = torch.cuda.Stream(device, priority=priority)
+    def __init__(self, device: torch.device) -> None:
+        self._stream = torch.cuda.Stream(device)
         self._events: list[torch.cuda.Event] = []  # recorded before, free to record again
         self._device_index = self._stream.device.index
         rt = cudart.runtime()
         self._raw_record = rt.event_record if rt is not None else None
         self._raw_wait = rt.stream_wait_event if rt is not None else None
-        # The current stream's raw handle without building a torch Stream object (20-60 us
-        # of a reload's submission on the H200 host went to `torch.cuda.current_stream`).
+        # The current stream's raw handle without building a torch Stream object (which cost
+        # a reload's submission more than its runtime calls: bench/FINDINGS.md).
         self._current_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def _record(self) -> CudaSignal:
         # A pooled event already has its CUDA handle (torch makes it on the first record): record
-        # it again with one raw runtime call, a few microseconds less per layer than torch's.
+        # it again with one raw runtime call, cheaper per layer than torch's.
         event = self._events.pop() if self._events else None
         if event is not None and self._raw_record is not None:
             cudart.check(self._raw_record(event.cuda_event, self._stream.cuda_stream), "cudaEventRecord")
@@ -139,11 +135,6 @@ class CudaLane(Lane):
 
     def signal(self) -> Signal:
         return self._record()
-
-    def wait(self, signal: Signal) -> None:
-        if not isinstance(signal, CudaSignal):
-            raise TransferError(f"a CUDA lane waits for CUDA signals, not {type(signal).__name__}")
-        self._stream.wait_event(signal.event)
 
     def wait_for(self, stream: torch.cuda.Stream) -> None:
         """Order this lane's later work after everything queued on `stream` so far (no host wait)."""
@@ -270,26 +261,15 @@ class DeferredLane(Lane):
         self._queue: deque[tuple[int, Callable[[], None]]] = deque()
         self._issued = 0
         self.done = 0
-        self._waits: list[Signal] = []
 
     def submit(self, fn: Callable[[], None]) -> None:
         self._issued += 1
-        waits, self._waits = self._waits, []
-
-        def run() -> None:
-            for s in waits:
-                s.wait_host()
-            fn()
-
-        self._queue.append((self._issued, run))
+        self._queue.append((self._issued, fn))
 
     def signal(self) -> Signal:
         # A signal after the last item; an empty item keeps tickets strictly ordered.
         self.submit(lambda: None)
         return DeferredSignal(self, self._issued)
-
-    def wait(self, signal: Signal) -> None:
-        self._waits.append(signal)
 
     def wait_for_current(self) -> None:
         """The CPU "compute stream" is the caller itself: its work is done when it calls."""
@@ -310,5 +290,5 @@ class DeferredLane(Lane):
         self.run_until(self._issued)
 
 
-def make_lane(device: torch.device, priority: int = 0) -> Lane:
-    return CudaLane(device, priority) if device.type == "cuda" else DeferredLane()
+def make_lane(device: torch.device) -> Lane:
+    return CudaLane(device) if device.type == "cuda" else DeferredLane()
