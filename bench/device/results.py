@@ -85,7 +85,8 @@ def summarise_cache(new: dict | None, old: dict | None) -> None:
             continue
         print(
             f"  {key:18} {r['cpu_us']:7.0f} {r['match_us']:6.0f} {r.get('ratio')} {r.get('first_layer_ms')}"
-            f" {r.get('backup_ratio')} ({r.get('tokens')} tokens, {r.get('host_runs')} host runs, {r.get('repeats')} repeats)"
+            f" {r.get('backup_ratio')} ({r.get('tokens')} tokens, {r.get('host_runs')} host runs,"
+            f" {r.get('repeats')} repeats)"
         )
     # The committed file is keyed by device call; its last call ran the final code.
     calls = [c for c in (old or {}).values() if isinstance(c, dict)]
