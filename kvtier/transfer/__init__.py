@@ -6,8 +6,8 @@ layer by layer on a stream, never reading a device value back. Modules, each wit
 job: `runs` (runs from slots and run lists), `options` (paths, costs, kernel options),
 `launch` (the kernel's launch-shape rules), `parts` (one type per mechanism), `plan`
 (the planner and its path choice), `execute` (the executors), `kernels` and `groups`
-(the Triton kernels, `kernel_args` and `jit` beside them), `dma` (batched copy-engine
-calls), `native` (the compiled submission loop), `cudart` (the process's CUDA runtime).
+(the Triton kernels; `kernel_args`: Triton and their shared host side), `dma` (batched
+copy-engine calls), `native` (the compiled submission loop), `cudart` (the CUDA runtime).
 
 Glossary: one noun per concept, in every name and docstring of this package.
 
