@@ -180,10 +180,6 @@ class RunCopies:
     host_pool: HostPool = field(repr=False, compare=False)
     device_pool: DevicePool = field(repr=False, compare=False)
 
-    @property
-    def lens(self) -> np.ndarray:
-        return self.joint[3]
-
     def part(self) -> CopyPart:
         """The plan's one part."""
         return copy_part(self.host_pool, RunTable(self.joint), self.batched, self.streams)
