@@ -1,8 +1,6 @@
 """What the planner is told: the paths it may be forced to (`TransferPath`), what it assumes each
-mechanism costs (`PathCosts`) and how the kernel is shaped (`KernelOptions`).
-
-Values, and `check`: a `Planner` checks them once and every plan it makes reuses them.
-The defaults are the tuned values of `bench/FINDINGS.md`.
+mechanism costs (`PathCosts`) and how the kernel is shaped (`KernelOptions`); a `Planner` checks
+them once (`check`). The defaults are the tuned values of `bench/FINDINGS.md`.
 """
 
 from __future__ import annotations
@@ -58,17 +56,13 @@ class Mechanism(str, Enum):
 class PathCosts:
     """What the planner assumes each mechanism costs (defaults: bench/FINDINGS.md).
 
-    `copy_issue_s`: host time to issue one copy from Python; `copy_gbps`: the copy
-    engine between pinned host memory and the device; `device_gbps`: an on-device
-    `index_copy_` of rows; `reference_gbps`: the per-token path through host memory.
-    `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
-    kernel takes the rest. `staged_min_bytes`: a host run at least this long whose
-    device slots are scattered is loaded through staging then (backups keep the
-    kernel, whose scatter beats staging then copying out). `copy_streams`: batched
-    copies of one layer are spread over this many streams, so several copy engines
-    overlap their per-copy cost. `fan_out_below_bytes`: joint runs averaging at least
-    this long stay on one stream: a copy's fixed cost is then small beside it, while
-    fanning out costs two event calls per side stream and layer.
+    `copy_issue_s`: host time to issue one copy from Python; `copy_gbps`: the copy engine
+    between pinned host memory and the device; `device_gbps`: an on-device `index_copy_`;
+    `reference_gbps`: the per-token path. With the kernel, a joint run of `copy_min_bytes`
+    goes to the copy engine, and a host run of `staged_min_bytes` with scattered device
+    slots is loaded through staging. `copy_streams`: streams one layer's batched copies are
+    spread over, unless its joint runs average `fan_out_below_bytes` or more (a copy's
+    fixed cost is then small beside fanning out's event calls).
     """
 
     copy_issue_s: float = 11e-6
@@ -92,16 +86,13 @@ class PathCosts:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """The gather/scatter kernel's budget and shape.
+    """The gather/scatter kernel's budget and shape (the rules: `kvtier.transfer.launch`).
 
     Up to `sm_budget` programs with `rows_per_program` rows per tile each (None: by row
-    size, see `launch.rows_in_flight`) and up to `stages` tiles in flight each (None: as
-    many as the device's shared memory holds, up to `launch.MAX_STAGES`; 1: no
-    pipelining; only loads of rows that are whole 128-byte lines are pipelined). Runs are
-    moved in units of up to `max_unit_bytes` rows' bytes. With `lean` (and rows chosen by
-    size), rows of `launch.LEAN_ROW_BYTES` or more take only the programs that keep the
-    grid's bytes in flight (`launch.programs_for`): they fill the link as the whole budget
-    does, and the model beside keeps the other SMs. `launch` gives one launch's shape.
+    size) and up to `stages` tiles in flight each (None: as many as shared memory holds,
+    where rows are pipelined; 1: none). Runs move in units of up to `max_unit_bytes`. With
+    `lean` (and rows by size), long rows take only the programs that keep the grid's bytes
+    in flight (`launch.programs_for`). `launch` gives one launch's shape.
     """
 
     sm_budget: int = 8
@@ -117,11 +108,8 @@ class KernelOptions:
         device: torch.device | None = None,
         direction: Direction = Direction.LOAD,
     ) -> KernelLaunch:
-        """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes` on
-        `device`, moved in `direction` (only loads are pipelined).
-
-        `device` None or the CPU: planned as for a GPU whose shared memory holds every stage.
-        """
+        """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes`, moved in
+        `direction` on `device` (None or the CPU: as for a GPU whose shared memory holds every stage)."""
         return _launch(self, row_bytes, align_bytes, rules.shared_bytes(device), direction is Direction.LOAD)
 
 

@@ -1,10 +1,6 @@
-"""Runs of a plan's slot pairs, found from the slots or from the allocators' run lists.
-
-A plan pairs `host_slots[i]` with `device_slots[i]`; `i` is the pair's position. A
-host run is a maximal range of positions whose host slots go up by one within one
-host segment; a device run one whose device slots go up by one; a joint run needs
-both. Runs found from run lists (`joint_runs`) equal the runs a scan of the slots
-(`scan`) finds, so a plan built either way is the same plan.
+"""Runs of a plan's slot pairs, found from the slots (`scan`) or from the allocators' run lists
+(`joint_runs`); both find the same runs (see the glossary in `kvtier.transfer`), so a plan built
+either way is the same plan.
 """
 
 from __future__ import annotations
@@ -39,10 +35,6 @@ class RunTable:
 
     def __len__(self) -> int:
         return self.table.shape[1]
-
-    @property
-    def pos(self) -> np.ndarray:
-        return self.table[0]
 
     @property
     def host(self) -> np.ndarray:
