@@ -150,15 +150,9 @@ def _batch(rt: DmaRuntime, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np
         direct(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
         return
     try:
+        lists = (dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist())
         err, *_ = rt.bindings.cudaMemcpyBatchAsync(
-            dst_ptrs.tolist(),
-            src_ptrs.tolist(),
-            sizes.tolist(),
-            len(sizes),
-            [rt.attrs],
-            [0],
-            1,
-            _handle(rt, stream),
+            *lists, len(sizes), [rt.attrs], [0], 1, _handle(rt, stream)
         )
     except TypeError as e:
         # Bindings of another CUDA release take other arguments: use the loop from now on.

@@ -1,11 +1,10 @@
 """Executing transfer plans: layers host -> device (`load_layer`, `load_layers`) or back (`backup`).
 
-Everything here is stream-ordered and reads no device value back to the host, so a
-load can be submitted layer by layer while the model runs (except the reference
-mechanism, which waits for the stream). Rows move as raw words (`as_words`), bit for
-bit; each part is run by its mechanism's executor with what the plan computed. A buffer
-whose device tensors are not packed rows of its dtype (a wrapped engine tensor) takes
-the reference path, for that buffer alone.
+Everything is stream-ordered and reads no device value back, so a load can be submitted
+layer by layer while the model runs (but the reference mechanism waits for the stream).
+Rows move as raw words (`as_words`), bit for bit, each part by its mechanism's executor
+with what the plan computed. A buffer whose device tensors are not packed rows of its
+dtype (a wrapped engine tensor) takes the reference path, for that buffer alone.
 
 Concurrency contract: the caller orders a load after any backup that writes the
 same host slots (an event), and keeps the plan alive until its stream has run.
@@ -205,32 +204,18 @@ def _staged(
         if part.batched:
             runs = (x[first:end] for x in run_bytes)
             _copy_runs(host_pool, b, layer, runs, stage.data_ptr(), load, stream, part.streams)
-        else:
-            _staged_copies(host_pool, b, layer, stage.view(-1), run_bytes, first, end, load)
+        else:  # one torch copy per run
+            flat = stage.view(-1)
+            w = flat.element_size()
+            for r, h, st, n in zip(*(x[first:end].tolist() for x in run_bytes), strict=True):
+                host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
+                stage_w = flat[st // w : (st + n) // w]
+                if load:
+                    stage_w.copy_(host_w, non_blocking=True)
+                else:
+                    host_w.copy_(stage_w, non_blocking=True)
         if load:
             dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
-
-
-def _staged_copies(
-    host_pool: HostPool,
-    b: BufferSpec,
-    layer: int,
-    flat: torch.Tensor,
-    run_bytes: tuple[np.ndarray, ...],
-    first: int,
-    end: int,
-    load: bool,
-) -> None:
-    """One torch copy per run `[first, end)` between host rows and the staging words `flat`."""
-    w = flat.element_size()
-    runs = (x[first:end].tolist() for x in run_bytes)
-    for r, h, st, n in zip(*runs, strict=True):
-        host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
-        stage_w = flat[st // w : (st + n) // w]
-        if load:
-            stage_w.copy_(host_w, non_blocking=True)
-        else:
-            host_w.copy_(stage_w, non_blocking=True)
 
 
 def _kernel(

@@ -275,12 +275,8 @@ def compile_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
                 src = Path(tmp) / "loop.c"
                 src.write_text(SOURCE)
                 built = Path(tmp) / target.name
-                subprocess.run(
-                    [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(src)],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
+                cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(src)]
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders each install a whole file
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""

@@ -286,10 +286,23 @@ def kernel_part(
     in_run = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
     rows = np.repeat(starts, lens) + in_run
     rows = rows[in_run % unit == 0]
-    regions = {
-        b.name: _kernel_regions(direction, host_pool, device_pool, b.name, hn[rows], dn[rows], unit, opts, up)
-        for b in host_pool.spec.buffers
-    }
+    regions = {}
+    for b in host_pool.spec.buffers:  # each buffer's units per host region
+        device = device_pool.layer(b.name, b.layers[0]).device
+        region, host_row = host_pool.locate(b.name, hn[rows])
+        dev_slots, out = dn[rows], []
+        for r in np.unique(region).tolist():
+            mask = region == r
+            host_off = host_row[mask] * b.row_bytes
+            dev_off = dev_slots[mask] * b.row_bytes
+            src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
+            align = kernel_args.common_alignment(src, dst)  # bytes
+            word = kernel_args.word_size(b.row_bytes * unit, [align])
+            align_words = max(1, align // word)
+            launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction)
+            src, dst = up(torch.from_numpy(src // word)), up(torch.from_numpy(dst // word))
+            out.append(KernelRegion(int(r), src, dst, align_words, word, launch))
+        regions[b.name] = tuple(out)
     tables = {}
     if host_pool.layout is HostLayout.PAGE_FIRST and unit == host_pool.spec.page_size:
         for b in host_pool.spec.buffers:
@@ -297,40 +310,6 @@ def kernel_part(
             if table is not None:
                 tables[b.name] = table
     return KernelPart(rows=int(lens.sum()), unit=unit, regions=regions, tables=tables)
-
-
-def _kernel_regions(
-    direction: Direction,
-    host_pool: HostPool,
-    device_pool: DevicePool,
-    buffer: str,
-    host_slots: np.ndarray,
-    dev_slots: np.ndarray,
-    unit: int,
-    opts: KernelOptions,
-    up: Uploader,
-) -> tuple[KernelRegion, ...]:
-    """One buffer's units (first host and device slot of each, `[m]` int64) per host region."""
-    b = host_pool.spec.buffer(buffer)
-    device = device_pool.layer(buffer, b.layers[0]).device
-    region, host_row = host_pool.locate(buffer, host_slots)
-    out = []
-    for r in np.unique(region).tolist():
-        mask = region == r
-        host_off = host_row[mask] * b.row_bytes
-        dev_off = dev_slots[mask] * b.row_bytes
-        src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
-        align = kernel_args.common_alignment(src, dst)  # bytes
-        word = kernel_args.word_size(b.row_bytes * unit, [align])
-        src, dst = src // word, dst // word
-        align_words = max(1, align // word)
-        launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction)
-        out.append(
-            KernelRegion(
-                int(r), up(torch.from_numpy(src)), up(torch.from_numpy(dst)), align_words, word, launch
-            )
-        )
-    return tuple(out)
 
 
 def _layer_table(
