@@ -92,7 +92,9 @@ def _move_layers(
     a plan of the other direction, or for other pools, is refused before anything moves."""
     if plan.direction is not direction:
         raise PlanError(f"plan is for {plan.direction.value}, not {direction.value}")
-    plan.check_pools(host_pool, device_pool)
+    if host_pool is not plan.host_pool or device_pool is not plan.device_pool:
+        pools = f"{plan.host_pool} and {plan.device_pool}, not {host_pool} and {device_pool}"
+        raise PlanError(f"the plan was built for {pools}")
     spec = host_pool.spec
     # A layer outside the model raises here, before anything moves.
     on = [(layer, spec.buffers_on(layer)) for layer in layers]

@@ -1,30 +1,24 @@
 """A Triton kernel that moves several layers of each KV unit in one pass, when the host keeps them together.
 
-In the `page_first` host layout a page holds `[layers, page_size, *row]`, so a page's rows
-on consecutive layers are adjacent on the host; on the GPU each layer is its own tensor.
-`copy_groups` moves a group of `G` consecutive layers of `n` units (a unit: one page's
-rows of one layer, `unit_words` words) in one launch:
+In `page_first` a page holds `[layers, page_size, *row]`: its rows on consecutive layers are
+adjacent on the host, while on the GPU each layer is its own tensor. `copy_groups` moves a
+group of `G` consecutive layers of `n` units (a unit: one page's rows of one layer,
+`unit_words` words) in one launch, a gather (load) from the packed side to the split side,
+a scatter (backup) the reverse:
 
-- packed side (host): unit `i`'s stack (its rows of the group's `G` layers) is the
-  `G * unit_words` words from `packed_shift + packed_offsets[i]` in `packed`;
-- split side (GPU): layer `j` of unit `i` is the `unit_words` words from
-  `split_offsets[i]` in `layers[j]`.
+- packed side (host): unit `i`'s stack (its rows of the `G` layers) is the `G * unit_words`
+  words from `packed_shift + packed_offsets[i]` in `packed`;
+- split side (GPU): layer `j` of unit `i` is the `unit_words` words from `split_offsets[i]`
+  in `layers[j]`.
 
-A gather (load) reads the packed side and writes the split side, a scatter (backup) the
-reverse. Why: a gather of small scattered rows is bound by the number of PCIe read
-requests, not by bytes, while a stack is one long contiguous read (bench/FINDINGS.md).
-
-How: each position of a tile moves one 16-byte vector of a stack, aligned in memory. A
-stack need not be aligned: its vectors cover the aligned 16 bytes that overlap it, those
-wholly inside move at once, the two edge vectors word by word, masked to the stack, and
-the split side moves word by word, each word to its layer's row. Where every stack and
-split row is aligned and a unit is whole vectors, both sides move in vectors. Layers of
-one allocation (as `DevicePool` makes them) are found by a stride, others through a table
-of offsets read per word. The grid is persistent, `sm_budget` programs with
-`GROUP_TILE_BYTES` of stacks in flight each.
-
-Contract: as `kernels.copy_rows` (word dtypes, current stream, no wait for the GPU,
-`validate=True` checks every bound and overlap on the host before launching).
+A gather of small scattered rows is bound by PCIe read requests, not bytes, and a stack
+is one long read (bench/FINDINGS.md). Each position of a tile moves one 16-byte vector of
+a stack, aligned in memory; a stack need not be: vectors wholly inside it move at once,
+the two edge vectors word by word (masked to the stack), and the split side word by word.
+Where every stack and split row is aligned and a unit is whole vectors, both sides move in
+vectors. Layers of one allocation are found by a stride, others through a table read per
+word. The grid is persistent: `sm_budget` programs, `GROUP_TILE_BYTES` of stacks each.
+Contract: as `kernels.copy_rows`.
 """
 
 from __future__ import annotations
@@ -182,15 +176,11 @@ def copy_groups(
 ) -> None:
     """Move `len(layers)` layers of `n` units between packed stacks and per-layer rows.
 
-    `packed`: `[packed_numel]` words, pinned CPU; `packed_offsets`: `[n]` int64, each stack's
-    word offset before `packed_shift` (the group's first layer within a page). `layers`: `G`
-    tensors `[layer_numel]` of `packed`'s dtype on one device, whole words apart;
-    `split_offsets`: `[n]` int64, each unit's word offset in every layer. `direction`: `LOAD`
-    packed -> layers, `BACKUP` the reverse. `table`: `(base, [G] int64 offsets)` on the
-    kernel's device, each layer's word offset from `base` (`layer_offsets`), uploaded once
-    by the caller (None: from `layers[0]`, uploaded here). `units_per_program`: None for
-    `units_in_flight`; `sm_budget`, `validate`, `offsets_align`: as `kernels.copy_rows`.
-    Raises before launch: `TransferError`, `ConfigError`, `BackendUnavailableError`.
+    `packed`: `[packed_numel]` words, pinned CPU; `layers`: `G` tensors `[layer_numel]` of its
+    dtype on one device, whole words apart; `packed_offsets`, `split_offsets`: `[n]` int64.
+    `table`: `(base, [G] int64)` on the kernel's device, each layer's word offset from `base`
+    (`layer_offsets`), uploaded once by the caller (None: from `layers[0]`, uploaded here).
+    `units_per_program`: None for `units_in_flight`; the rest as `kernels.copy_rows`.
     """
     n = _check_call(
         packed, packed_offsets, layers, split_offsets, unit_words, packed_shift, sm_budget, units_per_program

@@ -6,7 +6,8 @@ kernels are wrapped on first use, not at import, and again when the interpreter 
 on or off (`ModeJit`).
 
 Every check runs on the host before a launch, so a refused call writes nothing: words
-tensors and offsets (`TransferError`), counts (`ConfigError`), rows in bounds and
+tensors and offsets (`TransferError`), counts (`ConfigError`), a backend (Triton, and CUDA
+or the interpreter: `BackendUnavailableError`) and, with `validate`, every row in bounds and
 destination rows disjoint (`TransferError`; these read the offsets, so need them on the CPU).
 """
 

@@ -1,35 +1,31 @@
 """A Triton kernel that copies scattered KV rows between pinned host memory and the GPU (`copy_rows`).
 
 `copy_rows` moves `n` rows of `row_words` words, each at its own word offset, from one 1-D
-words tensor to another, in either direction: a gather (load) reads pinned host memory
-and writes the GPU, a scatter (backup) the reverse. The GPU reads or writes the pinned
-pages directly over PCIe (unified addressing), so scattered rows (short runs) need no
-staging buffer and no copy-engine call per run.
+words tensor to another: a gather (load) reads pinned host memory and writes the GPU, a
+scatter (backup) the reverse. The GPU reaches the pinned pages directly over PCIe, so
+scattered rows need no staging buffer and no copy-engine call per run.
 
-How: a row is `row_vecs` vectors of `VEC` words; a tile is `rows_per_program` whole rows
-as their vectors back to back in a block of `BLOCK` positions (a power of two, the rest
-masked off). Each program loads a whole tile before it stores any of it. The grid is
-persistent: `min(sm_budget, tiles)` programs, each looping over tiles `pid, pid +
-num_programs, ...`, so the copy holds `sm_budget` SMs and no more. Gathers of whole
-128-byte lines are pipelined over `STAGES` tiles (asynchronous copies into shared
-memory); their offsets are then loaded once per row (`ROWS_POW` of them) and spread over
-the row's vectors in registers. `kvtier.transfer.launch` gives programs, rows and stages.
+How: a row is `row_vecs` vectors of `VEC` words; a tile, `rows_per_program` whole rows as
+their vectors in a block of `BLOCK` positions (a power of two, the rest masked off), is
+loaded whole before any of it is stored. The grid is persistent: `min(sm_budget, tiles)`
+programs loop over tiles `pid, pid + num_programs, ...`, so the copy holds `sm_budget` SMs
+and no more. Gathers of whole 128-byte lines are pipelined over `STAGES` tiles in shared
+memory, their offsets loaded once per row (`ROWS_POW`) and spread over its vectors.
+`kvtier.transfer.launch` gives programs, rows and stages.
 
 Contract:
-- Row `i` copies `src[src_offsets[i] : src_offsets[i] + row_words]` to
-  `dst[dst_offsets[i] : ...]`, bit for bit. `src` and `dst` are 1-D contiguous words of
-  one dtype (`kvtier.pool.rows.as_words`); source rows do not overlap destination rows
-  (unchecked: they are different tiers).
-- Offsets are `[n]` int64, on the GPU in real use (CPU offsets go up through pinned
-  memory without blocking; under the interpreter everything is on the CPU).
-- `validate=True` checks every row's bounds and that destination rows are disjoint on the
-  host, before launching (`kernel_args`), so it needs CPU offsets; callers holding device
-  offsets validate their CPU indices and pass `validate=False`. Metadata is always checked.
-- Launched on the current stream; never waits for the GPU, reads no device value back.
-- Words are re-viewed at the widest width (up to 8 bytes) dividing the row size, both
-  base addresses and, for CPU offsets, every offset (device offsets are not read, so their
-  words are never widened). Vectors are 16 bytes where the offsets allow it: known on the
-  host (CPU offsets, or `offsets_align`), else checked on the GPU per tile.
+- Row `i` copies `src[src_offsets[i] : src_offsets[i] + row_words]` to `dst[dst_offsets[i]
+  : ...]`, bit for bit; `src`, `dst`: 1-D contiguous words of one dtype (`as_words`), the
+  source rows not overlapping the destination rows (unchecked: different tiers).
+- Offsets: `[n]` int64, on the GPU in real use (CPU offsets go up through pinned memory
+  without blocking; under the interpreter everything is on the CPU). With `validate`, the
+  host checks of `kernel_args` run first (callers with device offsets check their CPU
+  indices and pass `validate=False`).
+- Launched on the current stream; never waits for the GPU or reads a device value back.
+- Words are re-viewed at the widest width (up to 8 bytes) dividing the row size, both base
+  addresses and every CPU offset (device offsets are not read: never widened). Vectors are
+  16 bytes where the offsets allow: known on the host (CPU offsets, `offsets_align`), else
+  checked per tile on the GPU.
 """
 
 from __future__ import annotations
@@ -156,13 +152,11 @@ def copy_rows(
     """Copy `n` rows of `row_words` words each from `src` to `dst` with a persistent Triton kernel.
 
     `src`: `[src_numel]` words, pinned CPU (gather) or CUDA (scatter); `dst`: `[dst_numel]`
-    words of `src`'s dtype on the other side. `src_offsets`, `dst_offsets`: `[n]` int64 word
-    offsets of each row. `sm_budget`: programs (at most); `rows_per_program`: rows per tile
-    (fewer where a tile would exceed `launch.MAX_TILE_VECTORS`; None: `launch.rows_in_flight`);
-    `offsets_align`: for device offsets, words dividing every offset; `stages`: tiles in
-    flight per program (None: `launch.MAX_STAGES`), as far as shared memory holds them and
-    only where `launch.pipelines`. Raises before launch (see the module docstring):
-    `TransferError`, `ConfigError`, `BackendUnavailableError`.
+    words of `src`'s dtype on the other side; `src_offsets`, `dst_offsets`: `[n]` int64.
+    `sm_budget`: programs (at most); `rows_per_program`: rows per tile (at most
+    `launch.MAX_TILE_VECTORS` vectors; None: `launch.rows_in_flight`); `offsets_align`: words
+    dividing every device offset; `stages`: tiles in flight (None: `launch.MAX_STAGES`), as
+    far as shared memory holds them, where `launch.pipelines`. Raises before launch.
     """
     check_words(src, "src")
     check_words(dst, "dst")

@@ -14,7 +14,6 @@ import torch
 from kvtier.errors import ConfigError, PlanError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
-from kvtier.spec import KVSpec
 from kvtier.transfer import launch as rules
 from kvtier.transfer.launch import LINE_BYTES, KernelLaunch
 
@@ -22,16 +21,12 @@ from kvtier.transfer.launch import LINE_BYTES, KernelLaunch
 class TransferPath(str, Enum):
     """What a plan does as a whole (for logs, benchmarks and `Planner`'s `force`).
 
-    - `SINGLE_COPY`, `PER_RUN`, `BATCHED_DMA`: the copy engine, one copy per joint run
-      (one copy, a loop of torch copies, or one batched call per buffer and layer). No
-      SMs; fast for long runs only.
-    - `STAGED`: host runs through a device staging buffer, placed on the device: long
-      host runs onto scattered device slots, with no SMs held while the link is busy.
-    - `KERNEL`: a Triton kernel reading or writing pinned host memory directly, with
-      `sm_budget` programs and many rows in flight each; any fragmentation, few SMs.
+    - `SINGLE_COPY`, `PER_RUN`, `BATCHED_DMA`: the copy engine, one copy per joint run (one
+      copy, torch copies, or one batched call per buffer and layer); no SMs, long runs only.
+    - `STAGED`: long host runs through a device staging buffer onto scattered device slots.
+    - `KERNEL`: a Triton kernel on pinned host memory, `sm_budget` programs; any runs.
     - `MIXED`: more than one of these, split by run (the planner's choice only).
-    - `REFERENCE`: per-token gather and scatter through host memory; always correct,
-      slow, and on CUDA it synchronises the host.
+    - `REFERENCE`: per-token gather and scatter through host memory; synchronises the host.
     """
 
     SINGLE_COPY = "single_copy"
@@ -117,8 +112,7 @@ class KernelOptions:
 def _launch(
     opts: KernelOptions, row_bytes: int, align_bytes: int, shared: int | None, gather: bool
 ) -> KernelLaunch:
-    """`KernelOptions.launch` on a device with `shared` bytes per program, kept per argument set: a
-    plan asks it once per buffer and host region."""
+    """`KernelOptions.launch` on a device with `shared` bytes per program, kept per argument set."""
     stages = rules.stages_for(row_bytes, align_bytes, shared, opts.stages, gather)
     if opts.rows_per_program is not None or not opts.lean:
         programs = opts.sm_budget
@@ -131,7 +125,8 @@ def _launch(
 def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel: KernelOptions) -> None:
     """Refuse pools of different shapes (`PlanError`) and options out of range (`ConfigError`)."""
     hspec, dspec = host_pool.spec, device_pool.spec
-    if hspec is not dspec and _shape_of(hspec) != _shape_of(dspec):
+    shapes = [[(b.name, b.layers, b.row_shape) for b in spec.buffers] for spec in (hspec, dspec)]
+    if hspec is not dspec and shapes[0] != shapes[1]:
         raise PlanError(
             f"host pool spec {hspec.name!r} and device pool spec {dspec.name!r} "
             "have different buffers, layers or row shapes"
@@ -143,7 +138,3 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
         raise ConfigError(f"kernel options must be positive, got {bad} in {kernel}")
     if costs.copy_streams < 1:
         raise ConfigError(f"copy_streams must be at least 1, got {costs.copy_streams}")
-
-
-def _shape_of(spec: KVSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    return [(b.name, b.layers, b.row_shape) for b in spec.buffers]

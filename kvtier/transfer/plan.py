@@ -44,12 +44,8 @@ Runs = tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """One operation's slot pairs, their runs and the parts that move them.
-
-    `host_slots`, `device_slots`: `[n]` int64 on CPU. `ready`: a CUDA event after the
-    plan's index uploads (None on CPU); executors make their stream wait on it.
-    `host_pool`, `device_pool`: the pools it was planned for; executors refuse others.
-    """
+    """One operation's slot pairs (`[n]` int64 CPU each), their runs and the parts that move them;
+    `ready`: a CUDA event after the plan's index uploads (None on CPU), which executors wait on."""
 
     direction: Direction
     path: TransferPath
@@ -94,27 +90,17 @@ class TransferPlan:
         force: TransferPath | str | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> TransferPlan:
-        """Validate the pairs and plan the operation: `Planner(...).plan(...)`; raises before anything
-        is written. See `Planner`."""
+        """`Planner(...).plan(...)`: one operation's plan."""
         planner = Planner(host_pool, device_pool, costs, kernel, force)
         return planner.plan(direction, host_slots, device_slots, stream)
-
-    def check_pools(self, host_pool: HostPool, device_pool: DevicePool) -> None:
-        """Raise `PlanError` unless these are the pools the plan was built for."""
-        if host_pool is not self.host_pool or device_pool is not self.device_pool:
-            raise PlanError(
-                f"the plan was built for {self.host_pool} and {self.device_pool}, "
-                f"not {host_pool} and {device_pool}"
-            )
 
 
 class Planner:
     """The planner's choices for one pool pair and one set of options, checked once.
 
-    `costs` and `kernel` tune the planner; `force` picks one path instead (benchmarks and
-    tests; `MIXED` cannot be forced, `SINGLE_COPY` only on one joint run, `KERNEL` needs
-    Triton). `use_kernel` lets the planner use the kernel (default: on CUDA with Triton).
-    A caller that plans many operations on the same pools (the cache) keeps one.
+    `force` picks one path instead of the planner (benchmarks and tests; not `MIXED`,
+    `SINGLE_COPY` only on one joint run, `KERNEL` where it runs). `use_kernel` lets the
+    planner use the kernel (default: on CUDA with Triton).
     """
 
     def __init__(
