@@ -6,11 +6,10 @@ Rows move as raw words (`as_words`), bit for bit, each part by its mechanism's e
 with what the plan computed. A buffer whose device tensors are not packed rows of its
 dtype (a wrapped engine tensor) takes the reference path, for that buffer alone.
 
-Concurrency contract: the caller orders a load after any backup that writes the
-same host slots (an event), and keeps the plan alive until its stream has run.
-Plans with a staged part use the device pool's staging buffer of their direction,
-so two of them must not run at once on different streams (the cache runs every
-load on one stream and every backup on another).
+Concurrency contract: the caller orders a load after any backup that writes the same host
+slots, and keeps the plan alive until its stream has run. Plans with a staged part use the
+device pool's staging buffer of their direction: two of them must not run at once on
+different streams (the cache runs every load on one stream, every backup on another).
 """
 
 from __future__ import annotations
@@ -308,10 +307,8 @@ def _reference(
     host_slots: torch.Tensor,
     index: torch.Tensor,
 ) -> None:
-    """Per-token gather and scatter through host memory: the plain path every other one must equal.
-
-    `host_slots`: `[m]` int64 CPU; `index`: `[m]` int64 on `dev`'s device, their device slots.
-    """
+    """Per-token gather and scatter through host memory, the path every other one must equal:
+    `host_slots` `[m]` int64 CPU, `index` `[m]` int64 on `dev`'s device (their device slots)."""
     n = host_slots.numel()
     if n == 0:
         return

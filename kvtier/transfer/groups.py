@@ -188,8 +188,15 @@ def copy_groups(
     base = layers[0] if table is None else table[0]
     deltas = layer_offsets([base, *layers])[1:]
     on_host = host_offsets(validate, packed_offsets, "copy_groups")
-    if validate and n:
-        _validate(packed, packed_offsets, layers, split_offsets, unit_words, packed_shift, direction)
+    if validate and n:  # every stack and row in bounds, the destinations disjoint
+        span = len(layers) * unit_words
+        validate_rows(packed_offsets + packed_shift, span, packed.numel(), "packed_offsets")
+        for j, t in enumerate(layers):
+            validate_rows(split_offsets, unit_words, t.numel(), f"split_offsets (layer {j})")
+        if direction is Direction.LOAD:
+            validate_disjoint(split_offsets, unit_words, "split_offsets")
+        else:
+            validate_disjoint(packed_offsets, span, "packed_offsets")
     if n == 0:
         return
     device = kernel_device(packed, layers[0], "copy_groups")
@@ -231,26 +238,6 @@ def _check_call(
     check_count("packed_shift", packed_shift, least=0)
     check_count("units_per_program", units_per_program, optional=True)
     return n
-
-
-def _validate(
-    packed: torch.Tensor,
-    packed_offsets: torch.Tensor,
-    layers: Sequence[torch.Tensor],
-    split_offsets: torch.Tensor,
-    unit_words: int,
-    packed_shift: int,
-    direction: Direction,
-) -> None:
-    """Every stack and row in bounds, the destinations disjoint (`[n]` int64 CPU offsets)."""
-    span = len(layers) * unit_words
-    validate_rows(packed_offsets + packed_shift, span, packed.numel(), "packed_offsets")
-    for j, t in enumerate(layers):
-        validate_rows(split_offsets, unit_words, t.numel(), f"split_offsets (layer {j})")
-    if direction is Direction.LOAD:
-        validate_disjoint(split_offsets, unit_words, "split_offsets")
-    else:
-        validate_disjoint(packed_offsets, span, "packed_offsets")
 
 
 def _layer_table(

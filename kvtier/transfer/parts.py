@@ -169,11 +169,9 @@ class Uploader:
     """Copies CPU index tensors to the plan's device on one stream, then records `ready`."""
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None) -> None:
-        self.device = device
-        self.stream = stream
+        self.device, self.stream, self.used = device, stream, False
         if device.type == "cuda" and stream is None:
             self.stream = torch.cuda.current_stream(device)
-        self.used = False
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":

@@ -56,12 +56,8 @@ class RunTable:
 
 @dataclass(frozen=True)
 class Scan:
-    """The runs of valid slot pairs, found by `scan`.
-
-    `host_break`, `dev_break`: `[n // step]` bool, where a host (device) run starts, per
-    `step` slots. `host`: `(starts, lengths)` of the host runs in positions; `joint`: of
-    the joint runs.
-    """
+    """The runs of valid slot pairs, found by `scan`: `host_break`, `dev_break` (`[n // step]` bool,
+    where a host or device run starts) and `(starts, lengths)` of the `host` and `joint` runs."""
 
     step: int
     host_break: np.ndarray
@@ -79,12 +75,8 @@ def scan(host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, step: int) -> Scan
 
 
 def breaks(slots: np.ndarray, step: int, segment: int | None = None, num_slots: int = 0) -> np.ndarray:
-    """Where a run starts, per `step` slots: `[n // step]` bool.
-
-    `slots`: `[n]` int64; with `step` > 1 every `step` consecutive slots are one page
-    (consecutive ids), so only page heads are compared. A run also starts at a
-    segment edge (`segment` slots, host side) when the pool has more than one.
-    """
+    """Where a run of `slots` (`[n]` int64) starts, per `step` slots: `[n // step]` bool; also at a
+    segment edge (`segment` slots, host side) when the pool has more than one segment."""
     heads = slots[::step] if step > 1 else slots
     out = np.ones(len(heads), dtype=bool)
     if len(heads) > 1:
@@ -111,11 +103,7 @@ class JointRuns:
 
 
 def joint_runs(host: RunList, dev: RunList, segment: int, num_slots: int) -> JointRuns:
-    """The joint runs of two run lists (`(first slot, length)` in plan order), as `scan` finds them.
-
-    Adjacent runs merge; host runs also break at segment edges when the pool has
-    more than one segment. O(runs) Python, no pass over the slots.
-    """
+    """The joint runs of two run lists (`RunList`), as `scan` finds them, in O(runs) Python."""
     h, d = _merged(host), _merged(dev)
     if segment < num_slots:
         h = [(a + o, take) for a, n in h for o, take in _cut(a, n, segment)]
