@@ -144,10 +144,8 @@ _kernel = ModeJit(
 
 
 def layer_offsets(layers: Sequence[torch.Tensor]) -> list[int]:
-    """Word offset of each of `layers` (1-D words tensors of one dtype) from the first one's start (any sign).
-
-    Raises `TransferError` for a layer whose address is not a whole number of words from the first.
-    """
+    """Word offset of each of `layers` (1-D words tensors of one dtype) from the first one's start (any
+    sign); `TransferError` where it is not whole words."""
     size = layers[0].element_size()
     base = layers[0].data_ptr()
     out = []

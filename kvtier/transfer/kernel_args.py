@@ -39,11 +39,8 @@ def interpreting() -> bool:
 
 
 class ModeJit:
-    """`triton.jit(fn, **options)` for the current mode, wrapped again when the mode changes.
-
-    Each of `helpers` (the Triton functions `fn` calls) is wrapped with it and bound in `fn`'s
-    module under its name plus `_jit`, the name `fn` calls it by.
-    """
+    """`triton.jit(fn, **options)` for the current mode, wrapped again when the mode changes, with
+    `helpers` (the Triton functions `fn` calls) bound in `fn`'s module as their names plus `_jit`."""
 
     def __init__(self, fn: Any, *helpers: Any, **options: Any) -> None:
         self.fn, self.helpers, self.options = fn, helpers, options

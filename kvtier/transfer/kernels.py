@@ -30,7 +30,6 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -184,21 +183,11 @@ def copy_rows(
     else:
         offset_bytes = None  # Unseen offsets: whole words of the given width, vectors checked per tile.
     shape = _row_shape(src, dst, row_words * size, offset_bytes, device, sm_budget, rows_per_program, stages)
-    src_off = to_kernel_device(rescale(src_offsets, size, shape.width), device)
-    dst_off = to_kernel_device(rescale(dst_offsets, size, shape.width), device)
-    args = (flat_words(src, shape.width), src_off, flat_words(dst, shape.width), dst_off, n, shape.row_vecs)
-    launch_on(device, _kernel(), min(sm_budget, -(-n // shape.rows)), args, shape.kwargs)
-
-
-@dataclass(frozen=True)
-class _RowShape:
-    """One `copy_rows` launch: words of `width` bytes, `row_vecs` vectors per row, `rows` per tile,
-    and the kernel's keyword arguments."""
-
-    width: int
-    row_vecs: int
-    rows: int
-    kwargs: dict[str, Any]
+    width, row_vecs, rows, kwargs = shape
+    src_off = to_kernel_device(rescale(src_offsets, size, width), device)
+    dst_off = to_kernel_device(rescale(dst_offsets, size, width), device)
+    args = (flat_words(src, width), src_off, flat_words(dst, width), dst_off, n, row_vecs)
+    launch_on(device, _kernel(), min(sm_budget, -(-n // rows)), args, kwargs)
 
 
 def _row_shape(
@@ -210,8 +199,9 @@ def _row_shape(
     sm_budget: int,
     rows_per_program: int | None,
     stages: int | None,
-) -> _RowShape:
-    """The launch of rows of `row_bytes` at offsets that are multiples of `offset_bytes` (None: unseen)."""
+) -> tuple[int, int, int, dict[str, Any]]:
+    """Word bytes, vectors per row, rows per tile and the kernel's keyword arguments for rows of
+    `row_bytes` at offsets that are multiples of `offset_bytes` (None: unseen)."""
     size = WORD_SIZES[src.dtype]
     # Widest words the row size, both base addresses and every offset seen are multiples of.
     known = None if offset_bytes is None else min(rules.VECTOR_BYTES, offset_bytes)
@@ -254,4 +244,4 @@ def _row_shape(
         "num_warps": rules.warps_for(tile),
         "num_stages": stages,
     }
-    return _RowShape(width, row_vecs, rows, kwargs)
+    return width, row_vecs, rows, kwargs

@@ -225,11 +225,9 @@ class Native:
     ) -> None:
         """Copy joint runs of every buffer, layer by layer, with `events` recorded (see the C source).
 
-        `runs`: `[3, n]` int64 C-contiguous: first host slot, first device slot and length of
-        each joint run. `events`: one raw event handle per model layer, or one for the end.
-        `order`: `(event, stream)` handles the copies wait behind. Buffers with more than
-        `small` runs take one batched call per layer. No host sync; `CudaRuntimeError` naming
-        the layer on the first failure.
+        `runs`: `[3, n]` int64 C-contiguous (first host slot, first device slot, length);
+        `events`: one raw event handle per model layer, or one for the end; `order`: `(event,
+        stream)` handles the copies wait behind; more than `small` runs: one batched call.
         """
         if len(events) not in (1, buffers.layers):
             raise ConfigError(f"{len(events)} events for {buffers.layers} layers (one per layer, or one)")

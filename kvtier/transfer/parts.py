@@ -63,12 +63,8 @@ class Window(NamedTuple):
 
 @dataclass(frozen=True)
 class StagedPart:
-    """Host runs through a device staging buffer, placed on their device slots on the device.
-
-    `runs`: host runs cut where a window ends (`device`: the run's first staging row), and in
-    bytes per buffer name (`run_bytes`). `device_index`: `[rows]` int64 on the device, each
-    row's device slot. `batched`, `streams`: as `CopyPart`'s, per window.
-    """
+    """Host runs cut where a window ends (`device`: a run's first staging row; in bytes per buffer:
+    `run_bytes`), through the staging buffer to `device_index` (`[rows]` int64 on the device)."""
 
     mechanism: ClassVar[Mechanism] = Mechanism.STAGED
     rows: int
@@ -82,13 +78,9 @@ class StagedPart:
 
 @dataclass(frozen=True)
 class KernelRegion:
-    """The kernel's units of one buffer in one host region, and the launch that moves them.
-
-    `src`/`dst`: `[m]` int64 word offsets on the device (host units from the region's
-    start, device units from the layer tensor's), swapped for backups. `word`: bytes per
-    word, the widest the unit size and every offset allow (no rescaling per launch);
-    `align`: a power of two of words dividing every offset (no check on the GPU).
-    """
+    """The kernel's units of one buffer in one host region, and their `launch`: `src`/`dst` `[m]`
+    int64 word offsets on the device (swapped for backups), in words of `word` bytes (the widest
+    the unit and every offset allow), all multiples of `align` words (a power of two)."""
 
     region: int
     src: torch.Tensor

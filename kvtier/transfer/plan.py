@@ -158,10 +158,9 @@ class Planner:
     ) -> TransferPlan:
         """Plan an operation on slots from kvtier's allocators and tree, unchecked.
 
-        `host_slots`, `device_slots`: `[n]` int64 CPU, in range, the destinations distinct.
-        `whole_pages`: both sides are whole allocator pages, so runs are found per page.
-        `runs`: their `(host runs, device runs)` in plan order (`RunPair`): a copy-engine plan
-        is then built from the runs alone, without a pass over the slots.
+        `host_slots`, `device_slots`: `[n]` int64 CPU, in range, the destinations distinct;
+        `whole_pages`: both whole allocator pages (runs found per page); `runs`: theirs, from
+        which alone a copy-engine plan is built, without a pass over the slots.
         """
         direction = Direction(direction)
         n = host_slots.numel()

@@ -21,11 +21,8 @@ RunPair = tuple[RunList, RunList]
 
 @dataclass(frozen=True)
 class RunTable:
-    """Runs as one `[4, k]` int64 C-contiguous array, a column per run.
-
-    Rows: `pos` (where the run starts in the pair list), `host` (its first host slot),
-    `device` (its first device slot; in a staged part its first staging row) and `length`.
-    """
+    """Runs as one `[4, k]` int64 C-contiguous array, a column per run: its position in the pair list,
+    first `host` slot, first `device` slot (in a staged part, staging row) and `length`."""
 
     table: np.ndarray
 
