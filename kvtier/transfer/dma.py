@@ -224,18 +224,15 @@ def _loop_copies(dma: DmaRuntime, flat: list[int], stream: torch.cuda.Stream) ->
     runtime where found (`cudart`), else through `cuda.bindings`."""
     rt = cudart.runtime()
     if rt is not None:
-        raw, handle = rt.memcpy_async, stream.cuda_stream
-        kind_default = cudart.MEMCPY_DEFAULT
+        raw, handle, kind_default = rt.memcpy_async, stream.cuda_stream, cudart.MEMCPY_DEFAULT
         for i in range(0, len(flat), 3):
             err = raw(flat[i], flat[i + 1], flat[i + 2], kind_default, handle)
             if err:
                 cudart.check(err, "cudaMemcpyAsync")
         return
     bindings = dma.bindings
-    memcpy = bindings.cudaMemcpyAsync
-    kind = bindings.cudaMemcpyKind.cudaMemcpyDefault
-    bound = _handle(dma, stream)
-    ok = bindings.cudaError_t.cudaSuccess
+    memcpy, kind = bindings.cudaMemcpyAsync, bindings.cudaMemcpyKind.cudaMemcpyDefault
+    bound, ok = _handle(dma, stream), bindings.cudaError_t.cudaSuccess
     for i in range(0, len(flat), 3):
         (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, bound)
         if err != ok:
@@ -265,8 +262,7 @@ class _FanOut:
             self.main.wait_event(ev)
 
 
-# Per stream, made once and kept for the process: a fan-out's side streams are its own, and
-# recording its events again is safe (a wait takes the event's state when it is enqueued).
+# Per stream, made once and kept: a fan-out's side streams are its own; re-recording its events is safe.
 _fans: dict[tuple[int, int], _FanOut] = {}
 _handles: dict[int, object] = {}
 

@@ -93,8 +93,7 @@ def check_offsets(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], what
 
 def validate_rows(offsets: torch.Tensor, row_words: int, numel: int, name: str) -> None:
     """Every row `[offset, offset + row_words)` lies inside `[0, numel)` (`offsets`: `[n]` int64 CPU)."""
-    lo = int(offsets.min())
-    hi = int(offsets.max())
+    lo, hi = int(offsets.min()), int(offsets.max())
     if lo < 0 or hi + row_words > numel:
         bad = offsets[(offsets < 0) | (offsets + row_words > numel)]
         raise TransferError(

@@ -222,11 +222,8 @@ def staged_part(
     streams: int,
     up: Uploader,
 ) -> StagedPart:
-    """Host runs through the staging buffer of `cap` rows, cut where a window ends.
-
-    `hn`, `dn`: `[n]` int64 host and device slots of the plan; `pos`, `lens`: `[runs]` int64
-    positions and lengths of host runs. The part's rows are the runs' rows in order.
-    """
+    """Host runs (`pos`, `lens`: `[runs]` int64) of the plan's slots `hn`, `dn` (`[n]` int64) through
+    the staging buffer of `cap` rows, cut where a window ends; its rows are the runs' in order."""
     total = int(lens.sum())
     at = np.cumsum(lens) - lens  # each run's first row in the part
     cuts = np.union1d(at, np.arange(cap, total, cap))
@@ -267,9 +264,8 @@ def kernel_part(
 ) -> KernelPart:
     """Word offsets for the kernel, per buffer and host region, uploaded once, and their launches.
 
-    Joint runs (`starts`, `lens`: `[runs]` int64 positions and lengths) are cut into units
-    of the largest divisor of every run length within `KernelOptions.max_unit_bytes`, so
-    page-granular slots move whole pages; in `page_first`, whole pages get a `LayerTable`.
+    Joint runs (`starts`, `lens`: `[runs]` int64) are cut into units of the largest divisor of
+    every run length within `max_unit_bytes` (whole pages where slots are page-granular).
     """
     widest = host_pool.spec.widest_row_bytes
     unit = _unit(lens, max(1, opts.max_unit_bytes // widest))

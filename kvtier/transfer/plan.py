@@ -76,6 +76,14 @@ class TransferPlan:
             out[p.mechanism.value] = out.get(p.mechanism.value, 0) + p.rows
         return out
 
+    def describe(self) -> str:
+        mechs = ", ".join(f"{m} {r}" for m, r in self.rows_by_mechanism().items())
+        return (
+            f"{self.direction.value} {self.num_tokens} tokens via {self.path.value} ({mechs} rows; "
+            f"{self.sms_used} SMs): {self.host_runs} host runs, {self.device_runs} device runs, "
+            f"{self.joint_runs} joint runs"
+        )
+
     @classmethod
     def build(
         cls,
@@ -221,7 +229,7 @@ class Planner:
         if host_runs == 1:
             return TransferPath.STAGED
         if self.kernel_ok:
-            # MIXED here means "split by run" (`_RunSplit`); the plan's path follows its parts.
+            # MIXED here means "split by run" (`_parts`); the plan's path follows its parts.
             long_runs = int((joint_lens * self.widest >= costs.copy_min_bytes).sum())
             return TransferPath.BATCHED_DMA if long_runs == joint_runs else TransferPath.MIXED
         nbytes, windows = n * self.widest, -(-n // self.device_pool.staging_tokens)
