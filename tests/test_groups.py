@@ -25,10 +25,10 @@ from kvtier.pool.device import Direction
 from kvtier.pool.rows import word_dtype
 from kvtier.transfer import groups
 from kvtier.transfer.execute import layer_spans
-from kvtier.transfer.kernels import triton_available
+from kvtier.transfer.kernels import runs_on
 
 CUDA = torch.cuda.is_available()
-if not triton_available():  # pragma: no cover - depends on the environment
+if not runs_on(torch.device("cuda" if CUDA else "cpu")):  # pragma: no cover - depends on the environment
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 

@@ -25,13 +25,14 @@ from hypothesis import strategies as st
 
 from kvtier.errors import BackendUnavailableError, ConfigError, TransferError
 from kvtier.pool.rows import word_dtype
-from kvtier.transfer import jit, kernels, launch
-from kvtier.transfer.kernels import copy_rows, triton_available
+from kvtier.transfer import kernel_args, kernels, launch
+from kvtier.transfer.kernels import copy_rows, runs_on
 
 CUDA = torch.cuda.is_available()
 GATHER, SCATTER = "gather", "scatter"
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 
-if not triton_available():  # pragma: no cover - depends on the environment
+if not runs_on(DEVICE):  # pragma: no cover - depends on the environment
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
@@ -411,8 +412,8 @@ def test_cpu_tensors_need_the_interpreter(case: tuple, monkeypatch: pytest.Monke
 
 
 def test_without_triton(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jit, "triton", None)
-    assert not triton_available()
+    monkeypatch.setattr(kernel_args, "triton", None)
+    assert not runs_on(DEVICE)
     src, src_off, dst, dst_off, row_words = case
     refused(BackendUnavailableError, src, src_off, dst, dst_off, row_words, match="Triton")
 
@@ -470,10 +471,10 @@ def test_stages_are_what_the_device_s_shared_memory_holds(
     # A device with `shared` bytes per program (the query of the device itself stands in).
     monkeypatch.setattr(launch, "device_shared_bytes", lambda index: shared)
     gpu = torch.device("cuda", 0)
-    assert launch.shared_bytes(gpu) == shared and launch.stages_on(shared) == stages
+    assert launch.shared_bytes(gpu) == shared and launch.stages_for(1152, 1152, shared) == stages
     # Planning on the CPU (or under the interpreter) assumes a device that holds them all.
     assert launch.shared_bytes(torch.device("cpu")) is launch.shared_bytes(None) is None
-    assert launch.stages_on(None) == 4
+    assert launch.stages_for(1152, 1152, None) == 4
     shape = KernelOptions(sm_budget=7).launch(1152, 1152, gpu)
     assert (shape.programs, shape.stages) == ({4: 2, 3: 3, 2: 4, 1: 4}[stages], stages)
     assert shape.rows == (56 if stages > 1 else 113)
@@ -599,10 +600,10 @@ def _identity(x):
 
 def test_kernels_are_wrapped_once_per_mode_and_again_when_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton reads TRITON_INTERPRET when it wraps a function: a switched mode wraps again."""
-    wrapped = jit.ModeJit(_identity, do_not_specialize=["x"])
+    wrapped = kernel_args.ModeJit(_identity, do_not_specialize=["x"])
     first = wrapped()
     assert wrapped() is first
-    monkeypatch.setenv("TRITON_INTERPRET", "0" if jit.interpreting() else "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if kernel_args.interpreting() else "1")
     other = wrapped()
     assert other is not first and wrapped() is other
     assert type(other) is not type(first)  # a compiled function against an interpreted one

@@ -1,13 +1,11 @@
 """Moving KV rows between a `HostPool` and a `DevicePool`: plans (decided once) and their execution.
 
-A `Planner` (or `TransferPlan.build`, for one plan) decides on CPU indices, once per
-operation, how every row moves; `load_layer`, `load_layers` and `backup` run the plan
-layer by layer on a stream, never reading a device value back. Modules, each with one
-job: `runs` (runs from slots and run lists), `options` (paths, costs, kernel options),
-`launch` (the kernel's launch-shape rules), `parts` (one type per mechanism), `plan`
-(the planner and its path choice), `execute` (the executors), `kernels` and `groups`
-(the Triton kernels, `kernel_args` and `jit` beside them), `dma` (batched copy-engine
-calls), `native` (the compiled submission loop), `cudart` (the process's CUDA runtime).
+A `Planner` (or `TransferPlan.build`) decides on CPU indices, once per operation, how every
+row moves; `load_layer`, `load_layers` and `backup` run the plan layer by layer on a stream.
+Modules: `runs`, `options`, `launch` (the kernel's launch-shape rules), `parts` (one type
+per mechanism), `plan`, `execute`, `kernels` and `groups` (the Triton kernels, beside
+`kernel_args`), `dma` (batched copy-engine calls), `native` (the compiled submission loop),
+`cudart` (the process's CUDA runtime); `lanes` and `submit` (the cache's submission).
 
 Glossary: one noun per concept, in every name and docstring of this package.
 

@@ -1,17 +1,13 @@
 """The CUDA runtime this process already uses, called through ctypes on the hot paths.
 
-A reload submits two runtime calls per model layer (a copy and an event record).
-Through `cuda.bindings` and torch most of their host cost is argument conversion,
-result objects and torch's event wrapper, not the driver's work (bench/FINDINGS.md).
-Here the same functions of the `libcudart` that torch loaded (found by its mapping in
-the process, so there is one runtime and one context) are called with raw integers.
+Through `cuda.bindings` and torch most of a runtime call's host cost is argument
+conversion and wrappers, not the driver's work (bench/FINDINGS.md). Here the functions of
+the `libcudart` torch loaded (found by its mapping in the process: one runtime, one
+context) are called with raw integers. `runtime()` is None where it cannot be found (no
+CUDA, a statically linked runtime): callers then keep `cuda.bindings` or torch.
 
-`runtime()` is None where that library cannot be found (no CUDA, another platform, a
-statically linked runtime): callers then keep `cuda.bindings` or torch.
-
-What the process has is found once (`RUNTIME`, a `Probed`); `Probed` is also how the
-other once-per-process findings of this package (`dma.RUNTIME`, `native.LIBRARY`) are
-held, so a test pins a stand-in with `set` and finds the real one again with `reset`.
+Every once-per-process finding of this package (`RUNTIME`, `dma.RUNTIME`,
+`native.LIBRARY`) is a `Probed`: a test pins a stand-in with `set`, `reset` forgets it.
 """
 
 from __future__ import annotations
@@ -33,12 +29,8 @@ T = TypeVar("T")
 
 
 class Probed(Generic[T]):
-    """A value found once per process (a runtime library, a submission mode).
-
-    `get()` finds it with `find` on first use and keeps it; `set(value)` pins a value
-    instead (a test's stand-in, or None for "absent"); `reset()` forgets it, so the next
-    `get()` finds it again.
-    """
+    """A value found once per process with `find` on the first `get()`; `set(value)` pins one
+    instead (None: absent), `reset()` forgets it."""
 
     def __init__(self, find: Callable[[], T]) -> None:
         self._find = find
@@ -91,23 +83,19 @@ class Runtime:
 
 def _find() -> Runtime | None:
     try:
-        return _load()
+        with open("/proc/self/maps") as fh:
+            paths = sorted({ln.split()[-1] for ln in fh.read().splitlines() if "/libcudart.so" in ln})
+        if not paths:
+            return None
+        lib = ctypes.CDLL(paths[0])
+        version = ctypes.c_int()
+        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
+            return None
+        log.info("raw CUDA runtime calls through %s (runtime %d)", paths[0], version.value)
+        return Runtime(lib, paths[0], version.value)
     except (OSError, AttributeError) as e:
         log.info("raw CUDA runtime calls unavailable (%s)", e)
         return None
-
-
-def _load() -> Runtime | None:
-    with open("/proc/self/maps") as fh:
-        paths = sorted({ln.split()[-1] for ln in fh.read().splitlines() if "/libcudart.so" in ln})
-    if not paths:
-        return None
-    lib = ctypes.CDLL(paths[0])
-    version = ctypes.c_int()
-    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
-        return None
-    log.info("raw CUDA runtime calls through %s (runtime %d)", paths[0], version.value)
-    return Runtime(lib, paths[0], version.value)
 
 
 RUNTIME: Probed[Runtime | None] = Probed(_find)

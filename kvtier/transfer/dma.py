@@ -1,26 +1,16 @@
 """Copy-engine transfers of many runs at once (`copy_runs`).
 
-One `cudaMemcpyBatchAsync` (CUDA 12.8+) submits every run of a layer in a single
-call, so the host cost no longer grows with one Python copy per run. With a CUDA 13
-runtime loaded in the process it is called directly on the arrays' memory (`cudart`),
-else through `cuda.bindings`, whose list arguments are converted one Python int at a
-time (slower per copy; bench/FINDINGS.md). Where the batch call is missing (older
-runtime or bindings) the same runs go through a loop of `cudaMemcpyAsync`; without
-`cuda.bindings` raw copies are not made at all (`DmaMode.TORCH`: callers copy tensors).
+One `cudaMemcpyBatchAsync` (CUDA 12.8+) submits every run of a layer in one call. With a
+CUDA 13 runtime in the process it is called directly on the arrays' memory (`cudart`),
+else through `cuda.bindings`, which converts its lists one Python int at a time
+(bench/FINDINGS.md). Without the batch call the runs go through a loop of
+`cudaMemcpyAsync`; without `cuda.bindings` no raw copies are made (`DmaMode.TORCH`).
 
-Fan-out: one stream feeds one copy engine, which pays a fixed cost per copy.
+Fan-out: one stream feeds one copy engine, which pays a fixed cost per copy;
 `copy_runs(..., streams=k)` splits the list over the caller's stream and `k - 1` side
-streams that fork from it and join back into it, so several copy engines overlap
-their per-copy gaps. The caller's stream still orders everything: side streams start
-after the work already queued on it, and work queued on it afterwards waits for every
-side stream.
-
-The batch call rejects the legacy default stream: callers pass a stream they created;
-`copy_runs` refuses the default stream up front.
-
-What this process can do is found once: `RUNTIME` (the mode, the bindings and the copy
-attributes) and `DIRECT` (the runtime's own batch call), both `cudart.Probed`, which
-tests pin to stand-ins.
+streams forked from it and joined back into it, so several engines overlap their gaps
+while the caller's stream still orders everything. The legacy default stream is refused
+(the batch call rejects it). What the process can do is found once (`RUNTIME`, `DIRECT`).
 """
 
 from __future__ import annotations
@@ -50,11 +40,9 @@ class DmaMode(str, Enum):
     TORCH = "torch"  # no raw copies (no CUDA or no cuda.bindings): callers copy tensors
 
 
-# Up to this many copies go out as plain `cudaMemcpyAsync` calls even where batching exists
-# (through `cuda.bindings`, whose batch call converts its lists one Python int at a time).
+# Up to this many copies go out as plain `cudaMemcpyAsync` calls even where batching exists:
+# through `cuda.bindings`, and through the runtime's batch call made directly (bench/FINDINGS.md).
 SMALL_BATCH = 4
-# The same with the runtime's batch call made directly: a batch costs less than plain calls
-# from two copies on (bench/FINDINGS.md).
 SMALL_BATCH_DIRECT = 1
 
 # `call(dst, src, sizes, stream handle)`: the runtime's batch call on `[n]` int64 arrays.
@@ -63,13 +51,8 @@ DirectBatch = Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
 
 @dataclasses.dataclass(frozen=True)
 class DmaRuntime:
-    """How this process submits lists of copies (`RUNTIME` finds it once).
-
-    `mode`; `bindings`: the `cuda.bindings.runtime` module (None without it); `attrs`: the
-    batch call's copy attributes (None without the batch call); `small_batch`: copies up to
-    which a list goes out as plain calls, not one batch (None: by the mode and whether the
-    runtime's batch call is found, `small_batch()`).
-    """
+    """How this process submits lists of copies: `bindings`, the `cuda.bindings.runtime` module;
+    `attrs`, the batch call's copy attributes; `small_batch`, a pinned `small_batch()` (tests)."""
 
     mode: DmaMode
     bindings: Any = None
@@ -95,9 +78,8 @@ def _find() -> DmaRuntime:
 
 @functools.cache
 def _copy_attributes(runtime: Any) -> Any:
-    """The batch call's copy attributes, made once for the process and never freed: the runtime's
-    own batch call and the compiled loop keep their address (`direct_batch_fn`), however often
-    `RUNTIME` is found again."""
+    """The batch call's copy attributes, made once and never freed: the direct batch call and the
+    compiled loop keep their address, however often `RUNTIME` is found again."""
     attrs = runtime.cudaMemcpyAttributes()
     attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
     # The copies run beside the model's kernels; ask the driver to favour overlap.
@@ -132,15 +114,14 @@ def copy_runs(
 ) -> None:
     """Copy `sizes[i]` bytes from `src_ptrs[i]` to `dst_ptrs[i]` for every i, on `stream`.
 
-    `dst_ptrs`, `src_ptrs`, `sizes`: `[n]` uint64/int64 numpy arrays of raw addresses
-    and byte counts (pinned host or device memory, any direction). Copies within one
-    call must not overlap: their order is not defined. `streams` > 1 spreads the list
-    over that many streams forked from and joined into `stream`, in contiguous shares
-    of about equal bytes (when there are at least two copies per stream).
+    `dst_ptrs`, `src_ptrs`, `sizes`: `[n]` uint64/int64 numpy arrays of raw addresses (pinned
+    host or device memory) and byte counts; copies of one call must not overlap. `streams` >
+    1: fanned out in contiguous shares of about equal bytes (`fans_out`, `shares`).
     """
     if not len(sizes):
         return
-    _own_stream(stream)
+    if stream.cuda_stream == 0:  # the batch call rejects it, and it would serialise the device
+        raise TransferError("batched copies need a stream you created, not the legacy default stream")
     if fans_out(len(sizes), streams):
         fan = _fan_out(stream, streams)
         bounds = shares(sizes, streams)
@@ -169,15 +150,9 @@ def _batch(rt: DmaRuntime, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np
         direct(dst_ptrs, src_ptrs, sizes, stream.cuda_stream)
         return
     try:
+        lists = (dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist())
         err, *_ = rt.bindings.cudaMemcpyBatchAsync(
-            dst_ptrs.tolist(),
-            src_ptrs.tolist(),
-            sizes.tolist(),
-            len(sizes),
-            [rt.attrs],
-            [0],
-            1,
-            _handle(rt, stream),
+            *lists, len(sizes), [rt.attrs], [0], 1, _handle(rt, stream)
         )
     except TypeError as e:
         # Bindings of another CUDA release take other arguments: use the loop from now on.
@@ -186,12 +161,6 @@ def _batch(rt: DmaRuntime, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np
         copy_runs(dst_ptrs, src_ptrs, sizes, stream)
         return
     _check(rt, err, "cudaMemcpyBatchAsync")
-
-
-def _own_stream(stream: torch.cuda.Stream) -> None:
-    """Refuse the legacy default stream (the batch call rejects it, and it would serialise the device)."""
-    if stream.cuda_stream == 0:
-        raise TransferError("batched copies need a stream you created, not the legacy default stream")
 
 
 def fans_out(n: int, streams: int) -> bool:
@@ -233,12 +202,9 @@ DIRECT: cudart.Probed[DirectBatch | None] = cudart.Probed(_find_direct)
 
 
 def direct_batch_fn() -> tuple[Callable[..., int], int] | None:
-    """The loaded runtime's `cudaMemcpyBatchAsync` (typed) and the address of our copy attributes.
-
-    None unless `cuda.bindings` made the attributes and the runtime is CUDA 13 (12.8
-    and 12.9 take a `failIdx` argument too: other runtimes keep the bindings, whose
-    argument conversion is slower but checked).
-    """
+    """The loaded runtime's `cudaMemcpyBatchAsync` (typed) and the address of our copy attributes;
+    None unless `cuda.bindings` made the attributes and the runtime is CUDA 13 (12.8 and 12.9
+    take a `failIdx` argument too: they keep the bindings, slower but checked)."""
     dma = RUNTIME.get()
     if dma.mode is not DmaMode.BATCH or dma.attrs is None or not hasattr(dma.attrs, "getPtr"):
         return None
@@ -254,24 +220,19 @@ def direct_batch_fn() -> tuple[Callable[..., int], int] | None:
 
 
 def _loop_copies(dma: DmaRuntime, flat: list[int], stream: torch.cuda.Stream) -> None:
-    """One `cudaMemcpyAsync` per `(dst, src, bytes)` triple of `flat` on `stream`.
-
-    Through the loaded runtime where found (`cudart`), else through `cuda.bindings`.
-    """
+    """One `cudaMemcpyAsync` per `(dst, src, bytes)` triple of `flat` on `stream`: through the loaded
+    runtime where found (`cudart`), else through `cuda.bindings`."""
     rt = cudart.runtime()
     if rt is not None:
-        raw, handle = rt.memcpy_async, stream.cuda_stream
-        kind_default = cudart.MEMCPY_DEFAULT
+        raw, handle, kind_default = rt.memcpy_async, stream.cuda_stream, cudart.MEMCPY_DEFAULT
         for i in range(0, len(flat), 3):
             err = raw(flat[i], flat[i + 1], flat[i + 2], kind_default, handle)
             if err:
                 cudart.check(err, "cudaMemcpyAsync")
         return
     bindings = dma.bindings
-    memcpy = bindings.cudaMemcpyAsync
-    kind = bindings.cudaMemcpyKind.cudaMemcpyDefault
-    bound = _handle(dma, stream)
-    ok = bindings.cudaError_t.cudaSuccess
+    memcpy, kind = bindings.cudaMemcpyAsync, bindings.cudaMemcpyKind.cudaMemcpyDefault
+    bound, ok = _handle(dma, stream), bindings.cudaError_t.cudaSuccess
     for i in range(0, len(flat), 3):
         (err,) = memcpy(flat[i], flat[i + 1], flat[i + 2], kind, bound)
         if err != ok:
@@ -301,8 +262,7 @@ class _FanOut:
             self.main.wait_event(ev)
 
 
-# Per stream, made once and kept for the process: a fan-out's side streams are its own, and
-# recording its events again is safe (a wait takes the event's state when it is enqueued).
+# Per stream, made once and kept: a fan-out's side streams are its own; re-recording its events is safe.
 _fans: dict[tuple[int, int], _FanOut] = {}
 _handles: dict[int, object] = {}
 

@@ -1,21 +1,15 @@
 """Executing transfer plans: layers host -> device (`load_layer`, `load_layers`) or back (`backup`).
 
-Everything here is stream-ordered and reads no device value back to the host, so a
-load can be submitted layer by layer while the model runs (the reference mechanism
-is the exception: it gathers through host memory and waits for the stream). Rows
-move as raw words (`as_words`), so every dtype is copied bit for bit. Each part is
-run by its mechanism's executor, with what the plan computed: kernel launches take
-the shapes their part carries.
+Everything is stream-ordered and reads no device value back, so a load can be submitted
+layer by layer while the model runs (but the reference mechanism waits for the stream).
+Rows move as raw words (`as_words`), bit for bit, each part by its mechanism's executor
+with what the plan computed. A buffer whose device tensors are not packed rows of its
+dtype (a wrapped engine tensor) takes the reference path, for that buffer alone.
 
-A buffer whose device tensor does not match the host rows (another dtype, or rows
-not packed back to back, as in a wrapped engine tensor) falls back to the
-reference path for that buffer alone (the planner logs it).
-
-Concurrency contract: the caller orders a load after any backup that writes the
-same host slots (an event), and keeps the plan alive until its stream has run.
-Plans with a staged part use the device pool's staging buffer of their direction,
-so two of them must not run at once on different streams (the cache runs every
-load on one stream and every backup on another).
+Concurrency contract: the caller orders a load after any backup that writes the same host
+slots, and keeps the plan alive until its stream has run. Plans with a staged part use the
+device pool's staging buffer of their direction: two of them must not run at once on
+different streams (the cache runs every load on one stream, every backup on another).
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
 from kvtier.transfer import dma, groups, kernels
-from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, StagedPart
+from kvtier.transfer.parts import CopyPart, KernelPart, StagedPart
 from kvtier.transfer.plan import TransferPlan
 
 
@@ -54,14 +48,9 @@ def load_layers(
     layers: Iterable[int],
     stream: torch.cuda.Stream | None = None,
 ) -> None:
-    """Copy every buffer of `layers` from the plan's host slots to its device slots.
-
-    Where the host keeps a unit's layers together (`page_first`, whole pages), the
-    kernel's units of consecutive layers move in one launch per buffer; loading a few
-    layers at once then reads whole stacks from host memory instead of one layer's rows.
-    """
-    _expect(plan, Direction.LOAD, host_pool, device_pool)
-    _move_layers(plan, host_pool, device_pool, list(layers), stream)
+    """Copy every buffer of `layers` from the plan's host slots to its device slots (kernel units of
+    consecutive layers in one launch where the host keeps them together: `groups`)."""
+    _move_layers(plan, Direction.LOAD, host_pool, device_pool, list(layers), stream)
 
 
 def backup(
@@ -72,16 +61,8 @@ def backup(
     stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Copy every buffer of `layers` (all by default) from the plan's device slots to its host slots."""
-    _expect(plan, Direction.BACKUP, host_pool, device_pool)
     layers = range(host_pool.spec.num_layers) if layers is None else layers
-    _move_layers(plan, host_pool, device_pool, list(layers), stream)
-
-
-def _expect(plan: TransferPlan, direction: Direction, host_pool: HostPool, device_pool: DevicePool) -> None:
-    """Refuse a plan of the other direction, or one built for other pools, before anything moves."""
-    if plan.direction is not direction:
-        raise PlanError(f"plan is for {plan.direction.value}, not {direction.value}")
-    plan.check_pools(host_pool, device_pool)
+    _move_layers(plan, Direction.BACKUP, host_pool, device_pool, list(layers), stream)
 
 
 @contextlib.contextmanager
@@ -100,12 +81,19 @@ def _on_stream(
 
 def _move_layers(
     plan: TransferPlan,
+    direction: Direction,
     host_pool: HostPool,
     device_pool: DevicePool,
     layers: list[int],
     stream: torch.cuda.Stream | None,
 ) -> None:
-    """Every buffer of `layers`, layer by layer, except kernel units that move several layers at once."""
+    """Every buffer of `layers`, layer by layer, except kernel units that move several layers at once;
+    a plan of the other direction, or for other pools, is refused before anything moves."""
+    if plan.direction is not direction:
+        raise PlanError(f"plan is for {plan.direction.value}, not {direction.value}")
+    if host_pool is not plan.host_pool or device_pool is not plan.device_pool:
+        pools = f"{plan.host_pool} and {plan.device_pool}, not {host_pool} and {device_pool}"
+        raise PlanError(f"the plan was built for {pools}")
     spec = host_pool.spec
     # A layer outside the model raises here, before anything moves.
     on = [(layer, spec.buffers_on(layer)) for layer in layers]
@@ -113,7 +101,7 @@ def _move_layers(
     with _on_stream(plan, device_pool, stream) as s:
         for layer, buffers in on:
             for b in buffers:
-                _move(plan, host_pool, device_pool, b, layer, s, grouped=grouped)
+                _move(plan, host_pool, device_pool, b, layer, s, grouped)
         if not grouped:
             return
         for b in spec.buffers:
@@ -131,7 +119,7 @@ def _move(
     b: BufferSpec,
     layer: int,
     stream: torch.cuda.Stream | None,
-    grouped: bool = False,
+    grouped: bool,
 ) -> None:
     """Buffer `b` of one layer, every part of the plan; with `grouped`, not the kernel parts that
     have a layer table for `b` (the caller moves those several layers at once)."""
@@ -140,12 +128,14 @@ def _move(
         _reference(plan, host_pool, dev, b, layer, plan.host_slots, plan.device_slots.to(dev.device))
         return
     dev_w = as_words(dev)
+    load = plan.direction is Direction.LOAD
     for part in plan.parts:
         if isinstance(part, CopyPart):
             if part.batched:
-                _batched(plan, part, host_pool, dev_w, b, layer, stream)
+                runs = part.run_bytes[b.name]
+                _copy_runs(host_pool, b, layer, runs, dev_w.data_ptr(), load, stream, part.streams)
             else:
-                _per_run(plan, part, host_pool, dev_w, b, layer)
+                _per_run(part, host_pool, dev_w, b, layer, load)
         elif isinstance(part, StagedPart):
             _staged(plan, part, host_pool, device_pool, dev_w, b, layer, stream)
         elif isinstance(part, KernelPart):
@@ -155,21 +145,14 @@ def _move(
             _reference(plan, host_pool, dev, b, layer, plan.host_slots[part.positions], part.device_index)
 
 
-def _host_words(host_pool: HostPool, b: BufferSpec, layer: int, slot: int, length: int) -> torch.Tensor:
-    """Words of host rows `[slot, slot + length)` of one layer (one segment): `[length, W]`."""
-    seg = host_pool.segment_slots
-    rows = host_pool.segment(b.name, layer, slot // seg)
-    off = slot % seg
-    return as_words(rows[off : off + length])
-
-
 def _per_run(
-    plan: TransferPlan, part: CopyPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
+    part: CopyPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int, load: bool
 ) -> None:
-    """One torch copy per joint run."""
-    load = plan.direction is Direction.LOAD
+    """One torch copy per joint run (each within one host segment)."""
+    seg = host_pool.segment_slots
     for host, device, length in part.runs.triples:
-        host_w = _host_words(host_pool, b, layer, host, length)
+        rows = host_pool.segment(b.name, layer, host // seg)
+        host_w = as_words(rows[host % seg : host % seg + length])
         dev_rows = dev_w[device : device + length]
         if load:
             dev_rows.copy_(host_w, non_blocking=True)
@@ -177,30 +160,25 @@ def _per_run(
             host_w.copy_(dev_rows, non_blocking=True)
 
 
-def _batched(
-    plan: TransferPlan,
-    part: CopyPart,
+def _copy_runs(
     host_pool: HostPool,
-    dev_w: torch.Tensor,
     b: BufferSpec,
     layer: int,
-    stream: torch.cuda.Stream,
+    runs: Iterable[np.ndarray],
+    dev_ptr: int,
+    load: bool,
+    stream: torch.cuda.Stream | None,
+    streams: int,
 ) -> None:
-    """Every joint run of the part in one `cudaMemcpyBatchAsync` (or a `cudaMemcpyAsync` loop)."""
-    region, host_off, dev_off, nbytes = part.run_bytes[b.name]
-    host_ptrs = _host_ptrs(host_pool, b, layer, region, host_off)
-    dev_ptrs = dev_w.data_ptr() + dev_off
-    if plan.direction is Direction.LOAD:
-        dma.copy_runs(dev_ptrs, host_ptrs, nbytes, stream, streams=part.streams)
+    """Runs in bytes (`RunBytes`' `[k]` int64 columns) between host rows of `layer` and the device
+    memory at `dev_ptr`, in one batched call (`dma.copy_runs`)."""
+    region, host_off, dev_off, nbytes = runs
+    host_ptrs = host_pool.region_ptrs(b.name)[b.local_layer(layer), region] + host_off
+    dev_ptrs = dev_ptr + dev_off
+    if load:
+        dma.copy_runs(dev_ptrs, host_ptrs, nbytes, stream, streams=streams)
     else:
-        dma.copy_runs(host_ptrs, dev_ptrs, nbytes, stream, streams=part.streams)
-
-
-def _host_ptrs(
-    host_pool: HostPool, b: BufferSpec, layer: int, region: np.ndarray, offset: np.ndarray
-) -> np.ndarray:
-    """`[k]` int64 addresses of host rows of `layer`: `offset` bytes into each `region`'s layer rows."""
-    return host_pool.region_ptrs(b.name)[b.local_layer(layer), region] + offset
+        dma.copy_runs(host_ptrs, dev_ptrs, nbytes, stream, streams=streams)
 
 
 def _staged(
@@ -213,12 +191,8 @@ def _staged(
     layer: int,
     stream: torch.cuda.Stream | None,
 ) -> None:
-    """Host runs <-> a contiguous staging buffer (copy engine), staging <-> device slots on the device.
-
-    Per window: a load copies its host runs in (one batched call where the part is
-    batched) and then places the rows with one `index_copy_`; a backup gathers the rows
-    with one `index_select` and then copies them out. The stream orders both steps.
-    """
+    """Per window, a load copies its host runs into the staging buffer and places the rows with one
+    `index_copy_`; a backup gathers them with one `index_select` and copies them out."""
     cap = device_pool.staging_tokens
     raw = device_pool.staging(plan.direction)[: cap * b.row_bytes]
     stage = raw.view(dev_w.dtype).view(cap, dev_w.shape[1])
@@ -229,75 +203,44 @@ def _staged(
         if not load:
             torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
         if part.batched:
-            region, host_off, stage_off, nbytes = (x[first:end] for x in run_bytes)
-            host_ptrs = _host_ptrs(host_pool, b, layer, region, host_off)
-            stage_ptrs = stage.data_ptr() + stage_off
-            dst, src = (stage_ptrs, host_ptrs) if load else (host_ptrs, stage_ptrs)
-            dma.copy_runs(dst, src, nbytes, stream, streams=part.streams)
-        else:
-            _staged_copies(host_pool, b, layer, stage.view(-1), run_bytes, first, end, load)
+            runs = (x[first:end] for x in run_bytes)
+            _copy_runs(host_pool, b, layer, runs, stage.data_ptr(), load, stream, part.streams)
+        else:  # one torch copy per run
+            flat = stage.view(-1)
+            w = flat.element_size()
+            for r, h, st, n in zip(*(x[first:end].tolist() for x in run_bytes), strict=True):
+                host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
+                stage_w = flat[st // w : (st + n) // w]
+                if load:
+                    stage_w.copy_(host_w, non_blocking=True)
+                else:
+                    host_w.copy_(stage_w, non_blocking=True)
         if load:
             dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
-
-
-def _staged_copies(
-    host_pool: HostPool,
-    b: BufferSpec,
-    layer: int,
-    flat: torch.Tensor,
-    run_bytes: tuple[np.ndarray, ...],
-    first: int,
-    end: int,
-    load: bool,
-) -> None:
-    """One torch copy per run `[first, end)` between host rows and the staging words `flat`."""
-    w = flat.element_size()
-    runs = (x[first:end].tolist() for x in run_bytes)
-    for r, h, st, n in zip(*runs, strict=True):
-        host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
-        stage_w = flat[st // w : (st + n) // w]
-        if load:
-            stage_w.copy_(host_w, non_blocking=True)
-        else:
-            host_w.copy_(stage_w, non_blocking=True)
 
 
 def _kernel(
     plan: TransferPlan, part: KernelPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
 ) -> None:
-    """The gather (load) or scatter (backup) kernel over the part's units, one launch per host region."""
+    """The row kernel over the part's units, one launch per host region in the shape the plan gave it."""
     for region in part.regions[b.name]:
-        _launch_region(plan, part, host_pool, dev_w, b, layer, region)
-
-
-def _launch_region(
-    plan: TransferPlan,
-    part: KernelPart,
-    host_pool: HostPool,
-    dev_w: torch.Tensor,
-    b: BufferSpec,
-    layer: int,
-    region: KernelRegion,
-) -> None:
-    """One launch of the row kernel over one host region's units, in the shape the plan gave it."""
-    unit_bytes = b.row_bytes * part.unit
-    launch = region.launch
-    # Words of the width the plan's offsets are in (no rescaling on the device).
-    dev_flat = flat_words(dev_w.view(-1), region.word)
-    host_flat = flat_words(host_pool.region_words(b.name, layer, region.region), region.word)
-    src, dst = (host_flat, dev_flat) if plan.direction is Direction.LOAD else (dev_flat, host_flat)
-    kernels.copy_rows(
-        src,
-        region.src,
-        dst,
-        region.dst,
-        unit_bytes // region.word,
-        sm_budget=launch.programs,
-        rows_per_program=launch.rows,
-        validate=False,
-        offsets_align=region.align,
-        stages=launch.stages,
-    )
+        launch = region.launch
+        # Words of the width the plan's offsets are in (no rescaling on the device).
+        dev_flat = flat_words(dev_w.view(-1), region.word)
+        host_flat = flat_words(host_pool.region_words(b.name, layer, region.region), region.word)
+        src, dst = (host_flat, dev_flat) if plan.direction is Direction.LOAD else (dev_flat, host_flat)
+        kernels.copy_rows(
+            src,
+            region.src,
+            dst,
+            region.dst,
+            b.row_bytes * part.unit // region.word,
+            sm_budget=launch.programs,
+            rows_per_program=launch.rows,
+            validate=False,
+            offsets_align=region.align,
+            stages=launch.stages,
+        )
 
 
 def _kernel_groups(
@@ -364,10 +307,8 @@ def _reference(
     host_slots: torch.Tensor,
     index: torch.Tensor,
 ) -> None:
-    """Per-token gather and scatter through host memory: the plain path every other one must equal.
-
-    `host_slots`: `[m]` int64 CPU; `index`: `[m]` int64 on `dev`'s device, their device slots.
-    """
+    """Per-token gather and scatter through host memory, the path every other one must equal:
+    `host_slots` `[m]` int64 CPU, `index` `[m]` int64 on `dev`'s device (their device slots)."""
     n = host_slots.numel()
     if n == 0:
         return

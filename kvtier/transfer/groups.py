@@ -1,45 +1,29 @@
 """A Triton kernel that moves several layers of each KV unit in one pass, when the host keeps them together.
 
-What this module owns
----------------------
-In the `page_first` host layout a page holds `[layers, page_size, *row]`, so the rows
-of one page on consecutive layers are adjacent on the host; on the GPU each layer is
-its own tensor. `copy_groups` moves a group of `G` consecutive layers of `n` units (a
-unit: one page's rows of one layer, `unit_words` words) in one launch:
+In `page_first` a page holds `[layers, page_size, *row]`: its rows on consecutive layers are
+adjacent on the host, while on the GPU each layer is its own tensor. `copy_groups` moves a
+group of `G` consecutive layers of `n` units (a unit: one page's rows of one layer,
+`unit_words` words) in one launch, a gather (load) from the packed side to the split side,
+a scatter (backup) the reverse:
 
-- packed side (host): unit `i`'s stack (its rows of the group's `G` layers) is the
-  `G * unit_words` words from `packed_shift + packed_offsets[i]` in `packed`;
-- split side (GPU): layer `j` of unit `i` is the `unit_words` words from
-  `split_offsets[i]` in `layers[j]`.
+- packed side (host): unit `i`'s stack (its rows of the `G` layers) is the `G * unit_words`
+  words from `packed_shift + packed_offsets[i]` in `packed`;
+- split side (GPU): layer `j` of unit `i` is the `unit_words` words from `split_offsets[i]`
+  in `layers[j]`.
 
-It serves both directions: gather (load) reads the packed side and writes the split
-side, scatter (backup) the reverse.
-
-Why: a gather of scattered small rows is bound by the number of PCIe read requests,
-not by bytes (a 132-byte DSA indexer row needs two whatever its alignment), while a
-stack of many layers of one token is one long contiguous read; moving stacks fills
-more of the link than moving one layer at a time (bench/FINDINGS.md).
-
-How: each position of a tile moves one 16-byte vector of a stack, aligned to 16 bytes
-in memory. A stack need not be aligned (61 layers of 132 bytes are 8052 bytes): its
-vectors cover the aligned 16 bytes that overlap it; vectors wholly inside move at
-once, the two edge vectors word by word, masked to the stack; the split side is
-written (or read) word by word, each word to its layer's row. When every stack and
-every split row is aligned and a unit is a whole number of vectors (656- and
-1152-byte rows), both sides move in vectors. Layers of one allocation (as `DevicePool`
-makes them) are found by a stride; others through a table of offsets, read per word,
-which is slower. The grid is persistent, `sm_budget` programs with `GROUP_TILE_BYTES`
-of stacks in flight each.
-
-Contract: as `kernels.copy_rows` (same word dtypes, launched on the current stream,
-never waits for the GPU, `validate=True` checks every bound and overlap on the host
-before launching).
+A gather of small scattered rows is bound by PCIe read requests, not bytes, and a stack
+is one long read (bench/FINDINGS.md). Each position of a tile moves one 16-byte vector of
+a stack, aligned in memory; a stack need not be: vectors wholly inside it move at once,
+the two edge vectors word by word (masked to the stack), and the split side word by word.
+Where every stack and split row is aligned and a unit is whole vectors, both sides move in
+vectors. Layers of one allocation are found by a stride, others through a table read per
+word. The grid is persistent: `sm_budget` programs, `GROUP_TILE_BYTES` of stacks each.
+Contract: as `kernels.copy_rows`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,17 +31,17 @@ import torch
 from kvtier.errors import TransferError
 from kvtier.pool.device import Direction
 from kvtier.transfer import launch as rules
-from kvtier.transfer.jit import ModeJit, tl
 from kvtier.transfer.kernel_args import (
+    ModeJit,
     check_count,
     check_offsets,
-    check_pair,
     check_words,
     common_alignment,
     host_offsets,
     kernel_device,
     launch_on,
     next_power_of_2,
+    tl,
     to_kernel_device,
     validate_disjoint,
     validate_rows,
@@ -93,11 +77,9 @@ def _copy_groups_kernel(
     LOAD: tl.constexpr,
 ):
     """Persistent grid over tiles of `UNITS_PER_BLOCK` units, `VECTORS` vectors of `VEC` words per
-    unit's stack; layer `j` at `layer_first + j * layer_stride` words when `STRIDED`, else at
-    `layer_off_ptr[j]` (see the module docstring)."""
+    unit's stack (see the module docstring)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    span = LAYERS * UNIT_WORDS
     vector = tl.arange(0, BLOCK)
     k = tl.arange(0, VEC)
     in_block = vector < UNITS_PER_BLOCK * VECTORS
@@ -110,10 +92,7 @@ def _copy_groups_kernel(
         if ALIGNED:
             # The vector lies in one layer's row, aligned on both sides.
             w = c * VEC
-            if STRIDED:
-                lo = layer_first + (w // UNIT_WORDS) * layer_stride
-            else:
-                lo = tl.load(layer_off_ptr + w // UNIT_WORDS, mask=live, other=0)
+            lo = _layer_start_jit(layer_off_ptr, layer_first, layer_stride, w // UNIT_WORDS, live, STRIDED)
             pa = packed_ptr + (tl.multiple_of(p + w, VEC)[:, None] + k[None, :])
             sa = split_ptr + (tl.multiple_of(s + lo + w % UNIT_WORDS, VEC)[:, None] + k[None, :])
             m = live[:, None]
@@ -122,17 +101,8 @@ def _copy_groups_kernel(
             else:
                 tl.store(pa, tl.load(sa, mask=m), mask=m)
         else:
-            head = p % VEC  # words of the first aligned vector before the stack starts
-            start = c * VEC - head  # stack word where this vector starts
-            r = start[:, None] + k[None, :]
-            inside = live[:, None] & (r >= 0) & (r < span)
-            whole = tl.broadcast_to((live & (start >= 0) & (start + VEC <= span))[:, None], (BLOCK, VEC))
-            edge = inside & ~whole
-            r = tl.where(inside, r, 0)
-            if STRIDED:
-                lo = layer_first + (r // UNIT_WORDS) * layer_stride
-            else:
-                lo = tl.load(layer_off_ptr + r // UNIT_WORDS, mask=inside, other=0)
+            head, r, inside, whole, edge = _edges_jit(p, c, k, live, LAYERS * UNIT_WORDS, BLOCK, VEC)
+            lo = _layer_start_jit(layer_off_ptr, layer_first, layer_stride, r // UNIT_WORDS, inside, STRIDED)
             sa = split_ptr + (s[:, None] + lo + r % UNIT_WORDS)
             pa = packed_ptr + (tl.multiple_of(p - head + c * VEC, VEC)[:, None] + k[None, :])
             if LOAD:
@@ -145,17 +115,37 @@ def _copy_groups_kernel(
                 tl.store(pa, vals, mask=edge)
 
 
-# The Triton kernel for the current mode (compiled, or Triton's CPU interpreter).
+def _layer_start(layer_off_ptr, layer_first, layer_stride, j, mask, STRIDED: tl.constexpr):
+    """Word offset of layer `j` (any shape): `layer_first + j * layer_stride`, or read from the table."""
+    return layer_first + j * layer_stride if STRIDED else tl.load(layer_off_ptr + j, mask=mask, other=0)
+
+
+def _edges(p, c, k, live, SPAN: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Vector `c` (`[BLOCK]`) of the stacks at `p` (not aligned): `head` (their words before the first
+    aligned vector), each word's place `r` in its stack and the masks `inside`, `whole`, `edge`."""
+    head = p % VEC
+    start = c * VEC - head  # stack word where this vector starts
+    r = start[:, None] + k[None, :]
+    inside = live[:, None] & (r >= 0) & (r < SPAN)
+    whole = tl.broadcast_to((live & (start >= 0) & (start + VEC <= SPAN))[:, None], (BLOCK, VEC))
+    edge = inside & ~whole
+    return head, tl.where(inside, r, 0), inside, whole, edge
+
+
+# Bound by `_kernel` (`ModeJit`): the Triton-wrapped helpers that the kernel calls.
+_layer_start_jit: Any = None
+_edges_jit: Any = None
 _kernel = ModeJit(
-    _copy_groups_kernel, do_not_specialize=["n_units", "packed_shift", "layer_first", "layer_stride"]
+    _copy_groups_kernel,
+    _layer_start,
+    _edges,
+    do_not_specialize=["n_units", "packed_shift", "layer_first", "layer_stride"],
 )
 
 
 def layer_offsets(layers: Sequence[torch.Tensor]) -> list[int]:
-    """Word offset of each of `layers` (1-D words tensors of one dtype) from the first one's start (any sign).
-
-    Raises `TransferError` for a layer whose address is not a whole number of words from the first.
-    """
+    """Word offset of each of `layers` (1-D words tensors of one dtype) from the first one's start (any
+    sign); `TransferError` where it is not whole words."""
     size = layers[0].element_size()
     base = layers[0].data_ptr()
     out = []
@@ -184,26 +174,11 @@ def copy_groups(
 ) -> None:
     """Move `len(layers)` layers of `n` units between packed stacks and per-layer rows.
 
-    `packed`: `[packed_numel]` words, 1-D contiguous, pinned CPU memory (the host side).
-    `packed_offsets`: `[n]` int64, word offset of each unit's stack (its first layer) from
-    `packed`'s start, before `packed_shift` is added (the group's first layer within a
-    page, so one offsets tensor serves every group). `layers`: `G` tensors `[layer_numel]`
-    of `packed`'s dtype, 1-D contiguous, on one CUDA device (or the CPU under Triton's
-    interpreter), whole words apart. `split_offsets`: `[n]` int64, word offset of each
-    unit's row in every layer tensor. `unit_words`: words per unit and layer (`>= 1`).
-    `direction`: `LOAD` copies packed -> layers, `BACKUP` layers -> packed. `table`:
-    `(base, offsets)`, a words tensor and `[G]` int64 on the kernel's device, each layer's
-    word offset from `base`'s start (`layer_offsets([base, *layers])[1:]`), uploaded once by
-    the caller; None: `base` is `layers[0]` and the offsets are uploaded here.
-    `sm_budget`: programs of the grid (at most); `units_per_program`: units in flight per
-    program (None: `units_in_flight`); `validate`: check bounds and overlaps on the host
-    first (needs CPU offsets); `offsets_align`: for offsets on the GPU, a number of words
-    dividing every packed and split offset.
-
-    Raises (before launch): `TransferError` for bad tensors or offsets (dtypes, devices,
-    lengths, bounds, overlapping destinations, a stack wider than one tile, layers not
-    whole words apart, a wrong table); `ConfigError` for bad counts;
-    `BackendUnavailableError` without Triton, or without CUDA and its interpreter.
+    `packed`: `[packed_numel]` words, pinned CPU; `layers`: `G` tensors `[layer_numel]` of its
+    dtype on one device, whole words apart; `packed_offsets`, `split_offsets`: `[n]` int64.
+    `table`: `(base, [G] int64)` on the kernel's device, each layer's word offset from `base`
+    (`layer_offsets`), uploaded once by the caller (None: from `layers[0]`, uploaded here).
+    `units_per_program`: None for `units_in_flight`; the rest as `kernels.copy_rows`.
     """
     n = _check_call(
         packed, packed_offsets, layers, split_offsets, unit_words, packed_shift, sm_budget, units_per_program
@@ -211,62 +186,28 @@ def copy_groups(
     base = layers[0] if table is None else table[0]
     deltas = layer_offsets([base, *layers])[1:]
     on_host = host_offsets(validate, packed_offsets, "copy_groups")
-    if validate and n:
-        _validate(packed, packed_offsets, layers, split_offsets, unit_words, packed_shift, direction)
+    if validate and n:  # every stack and row in bounds, the destinations disjoint
+        span = len(layers) * unit_words
+        validate_rows(packed_offsets + packed_shift, span, packed.numel(), "packed_offsets")
+        for j, t in enumerate(layers):
+            validate_rows(split_offsets, unit_words, t.numel(), f"split_offsets (layer {j})")
+        if direction is Direction.LOAD:
+            validate_disjoint(split_offsets, unit_words, "split_offsets")
+        else:
+            validate_disjoint(packed_offsets, span, "packed_offsets")
     if n == 0:
         return
     device = kernel_device(packed, layers[0], "copy_groups")
     known = common_alignment(packed_offsets.numpy(), split_offsets.numpy()) if on_host else offsets_align or 1
-    shape = _group_shape(
-        packed, base, deltas, unit_words, known | packed_shift, len(layers), units_per_program
-    )
+    units, kwargs = _group_shape(packed, base, deltas, unit_words, known | packed_shift, units_per_program)
     strided, stride, offsets = _layer_table(deltas, table, device)
     packed_off = to_kernel_device(packed_offsets, device)
     split_off = to_kernel_device(split_offsets, device)
-    grid = (min(sm_budget, -(-n // shape.units)),)
-    kwargs = shape.kwargs(
-        unit_words, len(layers), strided, direction is Direction.LOAD, packed.element_size()
-    )
+    kwargs |= {"STRIDED": strided, "LOAD": direction is Direction.LOAD}
     # Strided: the table argument is never read; any int64 tensor stands in for it.
     table_arg = split_off if offsets is None else offsets
     args = (packed, packed_off, base, split_off, table_arg, deltas[0], stride, packed_shift, n)
-    launch_on(device, _kernel(), grid, args, kwargs)
-
-
-def _validate(
-    packed: torch.Tensor,
-    packed_offsets: torch.Tensor,
-    layers: Sequence[torch.Tensor],
-    split_offsets: torch.Tensor,
-    unit_words: int,
-    packed_shift: int,
-    direction: Direction,
-) -> None:
-    """Every stack and row in bounds, the destinations disjoint (`[n]` int64 CPU offsets)."""
-    span = len(layers) * unit_words
-    validate_rows(packed_offsets + packed_shift, span, packed.numel(), "packed_offsets")
-    for j, t in enumerate(layers):
-        validate_rows(split_offsets, unit_words, t.numel(), f"split_offsets (layer {j})")
-    if direction is Direction.LOAD:
-        validate_disjoint(split_offsets, unit_words, "split_offsets")
-    else:
-        validate_disjoint(packed_offsets, span, "packed_offsets")
-
-
-def _layer_table(
-    deltas: list[int], table: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device
-) -> tuple[bool, int, torch.Tensor | None]:
-    """`(strided, stride, offsets)`: layers evenly spaced (one allocation) go by a stride and need no
-    table; others by `[G]` int64 offsets on `device` (the caller's table, or uploaded here)."""
-    if table is not None and (table[1].numel() != len(deltas) or table[1].device != device):
-        got = f"{tuple(table[1].shape)} on {table[1].device}"
-        raise TransferError(f"table: [{len(deltas)}] offsets on {device} expected, got {got}")
-    stride = deltas[1] - deltas[0] if len(deltas) > 1 else 0
-    if all(d == deltas[0] + j * stride for j, d in enumerate(deltas)):
-        return True, stride, None
-    if table is None:
-        return False, stride, to_kernel_device(torch.tensor(deltas, dtype=torch.int64), device)
-    return False, stride, table[1]
+    launch_on(device, _kernel(), min(sm_budget, -(-n // units)), args, kwargs)
 
 
 def _check_call(
@@ -289,40 +230,28 @@ def _check_call(
             raise TransferError(
                 f"layers[{j}] is {t.dtype} on {t.device}; expected {packed.dtype} on {layers[0].device}"
             )
-    check_offsets(packed_offsets, "packed_offsets")
-    check_offsets(split_offsets, "split_offsets")
-    check_pair(packed_offsets, split_offsets, ("packed_offsets", "split_offsets"), "units")
+    n = check_offsets(packed_offsets, split_offsets, ("packed_offsets", "split_offsets"), "units")
     check_count("unit_words", unit_words)
     check_count("sm_budget", sm_budget)
     check_count("packed_shift", packed_shift, least=0)
     check_count("units_per_program", units_per_program, optional=True)
-    return packed_offsets.numel()
+    return n
 
 
-@dataclass(frozen=True)
-class _GroupShape:
-    """How one `copy_groups` call is launched: `vec` words per vector, `vectors` per stack, `units` per
-    tile in a block of `block` positions; `aligned` where both sides move in whole vectors."""
-
-    vec: int
-    vectors: int
-    units: int
-    block: int
-    aligned: bool
-
-    def kwargs(self, unit_words: int, layers: int, strided: bool, load: bool, size: int) -> dict[str, Any]:
-        return {
-            "UNIT_WORDS": unit_words,
-            "LAYERS": layers,
-            "UNITS_PER_BLOCK": self.units,
-            "VECTORS": self.vectors,
-            "BLOCK": self.block,
-            "VEC": self.vec,
-            "ALIGNED": self.aligned,
-            "STRIDED": strided,
-            "LOAD": load,
-            "num_warps": rules.warps_for(self.block * self.vec * size),
-        }
+def _layer_table(
+    deltas: list[int], table: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device
+) -> tuple[bool, int, torch.Tensor | None]:
+    """`(strided, stride, offsets)`: layers evenly spaced (one allocation) go by a stride and need no
+    table; others by `[G]` int64 offsets on `device` (the caller's table, or uploaded here)."""
+    if table is not None and (table[1].numel() != len(deltas) or table[1].device != device):
+        got = f"{tuple(table[1].shape)} on {table[1].device}"
+        raise TransferError(f"table: [{len(deltas)}] offsets on {device} expected, got {got}")
+    stride = deltas[1] - deltas[0] if len(deltas) > 1 else 0
+    if all(d == deltas[0] + j * stride for j, d in enumerate(deltas)):
+        return True, stride, None
+    if table is None:
+        return False, stride, to_kernel_device(torch.tensor(deltas, dtype=torch.int64), device)
+    return False, stride, table[1]
 
 
 def _group_shape(
@@ -331,12 +260,11 @@ def _group_shape(
     deltas: list[int],
     unit_words: int,
     offset_bits: int,
-    layers: int,
     units_per_program: int | None,
-) -> _GroupShape:
-    """The launch shape of stacks of `layers` units of `unit_words` words, packed offsets (with their
-    shift) and split offsets all multiples of the lowest set bit of `offset_bits`."""
-    size = packed.element_size()
+) -> tuple[int, dict[str, Any]]:
+    """Units per tile and the kernel's keyword arguments (but `STRIDED`, `LOAD`) for stacks of
+    `len(deltas)` units of `unit_words` words at offsets that are multiples of `offset_bits`' lowest bit."""
+    size, layers = packed.element_size(), len(deltas)
     vec = max(1, rules.VECTOR_BYTES // size)
     if packed.data_ptr() % rules.VECTOR_BYTES:
         vec = 1  # the packed side's vectors could not be aligned: word by word
@@ -357,4 +285,15 @@ def _group_shape(
     if units_per_program is None:
         units_per_program = units_in_flight(span * size)
     units = min(units_per_program, rules.MAX_TILE_VECTORS // vectors)
-    return _GroupShape(vec, vectors, units, next_power_of_2(units * vectors), aligned)
+    block = next_power_of_2(units * vectors)
+    kwargs = {
+        "UNIT_WORDS": unit_words,
+        "LAYERS": layers,
+        "UNITS_PER_BLOCK": units,
+        "VECTORS": vectors,
+        "BLOCK": block,
+        "VEC": vec,
+        "ALIGNED": aligned,
+        "num_warps": rules.warps_for(block * vec * size),
+    }
+    return units, kwargs

@@ -1,12 +1,20 @@
-"""Checks and placement of the kernels' arguments, shared by `kernels.copy_rows` and `groups.copy_groups`.
+"""Triton, optional, and the host side the two kernels share: argument checks, placement and launch.
 
-Every check here runs on the host before a launch, so a refused call writes nothing:
-words tensors (`TransferError`), counts (`ConfigError`), offsets in bounds and
-destination rows disjoint (`TransferError`, which needs the offsets on the CPU).
+Without Triton `triton` and `tl` are None and the kernels refuse to run
+(`BackendUnavailableError`). Triton reads `TRITON_INTERPRET` when it wraps a function, so
+kernels are wrapped on first use, not at import, and again when the interpreter is switched
+on or off (`ModeJit`).
+
+Every check runs on the host before a launch, so a refused call writes nothing: words
+tensors and offsets (`TransferError`), counts (`ConfigError`), a backend (Triton, and CUDA
+or the interpreter: `BackendUnavailableError`) and, with `validate`, every row in bounds and
+destination rows disjoint (`TransferError`; these read the offsets, so need them on the CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import numpy as np
@@ -14,9 +22,38 @@ import torch
 
 from kvtier.errors import BackendUnavailableError, ConfigError, TransferError
 from kvtier.pool.rows import WORD_DTYPES
-from kvtier.transfer import jit
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
 
 WORD_SIZES: dict[torch.dtype, int] = {dtype: size for size, dtype in WORD_DTYPES.items()}
+
+
+def interpreting() -> bool:
+    """Whether Triton's CPU interpreter is on (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class ModeJit:
+    """`triton.jit(fn, **options)` for the current mode, wrapped again when the mode changes, with
+    `helpers` (the Triton functions `fn` calls) bound in `fn`'s module as their names plus `_jit`."""
+
+    def __init__(self, fn: Any, *helpers: Any, **options: Any) -> None:
+        self.fn, self.helpers, self.options = fn, helpers, options
+        self.jit: Any = None
+        self.mode: bool | None = None
+
+    def __call__(self) -> Any:
+        mode = interpreting()
+        if self.jit is None or self.mode != mode:
+            for helper in self.helpers:
+                self.fn.__globals__[f"{helper.__name__}_jit"] = triton.jit(helper)
+            self.jit, self.mode = triton.jit(self.fn, **self.options), mode
+        return self.jit
 
 
 def check_words(t: torch.Tensor, name: str) -> None:
@@ -40,28 +77,23 @@ def check_count(name: str, value: Any, *, least: int = 1, optional: bool = False
         raise ConfigError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
 
 
-def check_offsets(offsets: torch.Tensor, name: str) -> None:
-    """`offsets` is a `[n]` int64 tensor."""
-    if not isinstance(offsets, torch.Tensor):
-        raise TransferError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
-    if offsets.dim() != 1 or offsets.dtype != torch.int64:
-        raise TransferError(
-            f"{name} must be 1-D int64, got shape {tuple(offsets.shape)} dtype {offsets.dtype}"
-        )
-
-
-def check_pair(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], what: str) -> None:
-    """Two offset tensors of one call: the same length and device."""
+def check_offsets(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], what: str) -> int:
+    """The two offset tensors of one call: `[n]` int64 each, on one device; returns `n`."""
+    for t, name in zip((a, b), names, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise TransferError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or t.dtype != torch.int64:
+            raise TransferError(f"{name} must be 1-D int64, got shape {tuple(t.shape)} dtype {t.dtype}")
     if a.numel() != b.numel():
         raise TransferError(f"{names[0]} has {a.numel()} {what} but {names[1]} has {b.numel()}")
     if a.device != b.device:
         raise TransferError(f"offsets on different devices: {a.device} and {b.device}")
+    return a.numel()
 
 
 def validate_rows(offsets: torch.Tensor, row_words: int, numel: int, name: str) -> None:
     """Every row `[offset, offset + row_words)` lies inside `[0, numel)` (`offsets`: `[n]` int64 CPU)."""
-    lo = int(offsets.min())
-    hi = int(offsets.max())
+    lo, hi = int(offsets.min()), int(offsets.max())
     if lo < 0 or hi + row_words > numel:
         bad = offsets[(offsets < 0) | (offsets + row_words > numel)]
         raise TransferError(
@@ -135,7 +167,7 @@ def next_power_of_2(x: int) -> int:
 
 def kernel_device(src: torch.Tensor, dst: torch.Tensor, call: str) -> torch.device:
     """The device a kernel over `src` and `dst` runs on: their GPU, or the CPU under the interpreter."""
-    if jit.triton is None:
+    if triton is None:
         raise BackendUnavailableError(
             f"{call} needs Triton, which is not installed (pip install 'kvtier[triton]')"
         )
@@ -144,7 +176,7 @@ def kernel_device(src: torch.Tensor, dst: torch.Tensor, call: str) -> torch.devi
         raise TransferError(f"src and dst are on different GPUs: {src.device} and {dst.device}")
     if devices:
         return devices.pop()
-    if not jit.interpreting():
+    if not interpreting():
         raise BackendUnavailableError(
             f"{call} needs src or dst on a CUDA device (the other pinned on the host), "
             "or TRITON_INTERPRET=1 to run the kernel on CPU tensors"
@@ -162,12 +194,7 @@ def to_kernel_device(offsets: torch.Tensor, device: torch.device) -> torch.Tenso
     raise TransferError(f"offsets on {offsets.device} cannot be used by a kernel on {device}")
 
 
-def launch_on(
-    device: torch.device, kernel: Any, grid: tuple[int], args: tuple, kwargs: dict[str, Any]
-) -> None:
-    """Launch `kernel[grid](*args, **kwargs)` on the current stream of `device` (or the interpreter)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            kernel[grid](*args, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
+def launch_on(device: torch.device, kernel: Any, programs: int, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Launch `kernel` over a grid of `programs` on the current stream of `device` (or the interpreter)."""
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[(programs,)](*args, **kwargs)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.transfer import jit
+from kvtier.transfer import kernel_args
 
 GRID_BYTES = 512 * 1024
 TILE_BYTES = 64 * 1024
@@ -91,19 +91,14 @@ def stages_fit(shared: int | None, nbytes: int) -> int:
     return max(1, 1 + (shared - SHARED_SLACK) // nbytes)
 
 
-def stages_on(shared: int | None, nbytes: int = TILE_BYTES) -> int:
-    """Tiles of `nbytes` a program can keep in flight with `shared` bytes: `MAX_STAGES` at most."""
-    return min(MAX_STAGES, stages_fit(shared, nbytes))
-
-
 def stages_for(
     row_bytes: int, align_bytes: int, shared: int | None, stages: int | None = None, gather: bool = True
 ) -> int:
     """Tiles in flight per program: 1 where rows are not pipelined (`pipelines`), else `stages`
-    (default `MAX_STAGES`) as far as `shared` bytes hold them (`stages_on`)."""
+    (default `MAX_STAGES`) as far as `shared` bytes hold tiles of `TILE_BYTES`."""
     if not pipelines(row_bytes, align_bytes, gather):
         return 1
-    return min(stages or MAX_STAGES, stages_on(shared))
+    return min(stages or MAX_STAGES, MAX_STAGES, stages_fit(shared, TILE_BYTES))
 
 
 def warps_for(nbytes: int) -> int:
@@ -113,7 +108,7 @@ def warps_for(nbytes: int) -> int:
 
 def shared_bytes(device: torch.device | None) -> int | None:
     """Shared memory one program may use on `device` (None off CUDA or without Triton: no limit)."""
-    if device is None or device.type != "cuda" or jit.triton is None:
+    if device is None or device.type != "cuda" or kernel_args.triton is None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return device_shared_bytes(index)
@@ -122,4 +117,4 @@ def shared_bytes(device: torch.device | None) -> int | None:
 @functools.cache
 def device_shared_bytes(index: int) -> int:
     """Shared memory one program may use on CUDA device `index` (opt-in maximum), in bytes."""
-    return int(jit.triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    return int(kernel_args.triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])

@@ -1,16 +1,12 @@
 """An operation that the copy engine moves whole, submitted from one compiled loop.
 
-A reload submits two runtime calls per model layer (its copies, then the event that
-says the layer is in place); made from Python through ctypes they cost several times
-the driver's own work (bench/FINDINGS.md). Given an operation's joint runs and each
-buffer's addresses (`Buffers`, once per pool pair), `Native.copy_layers` computes every
-layer's addresses in C and makes the calls itself, so Python pays one foreign call per
-operation instead of two or more per layer.
-
-The loop is compiled on first use with the system C compiler (the one Triton uses
-for its launchers), from the source below, into the user's cache directory. It calls
-the runtime through function pointers taken from the `libcudart` the process
-already has (`cudart`), so it needs no CUDA headers. Where there is no compiler, or
+A reload makes two runtime calls per model layer (its copies, then its event); from
+Python they cost several times the driver's own work (bench/FINDINGS.md). Given the joint
+runs and each buffer's addresses (`Buffers`, once per pool pair), `Native.copy_layers`
+computes every layer's addresses in C and makes the calls itself: one foreign call per
+operation. The loop is compiled on first use with the system C compiler into the user's
+cache directory and calls the runtime through function pointers from the process's
+`libcudart` (`cudart`), so it needs no CUDA headers. Without a compiler, or with
 `KVTIER_NATIVE=0`, `library()` is None and callers submit through the plan executor.
 
 Contract: the calls are made in order on the stream named, exactly as the same calls
@@ -157,13 +153,8 @@ int kvtier_run_layers(const kvtier_runtime *rt, const int64_t *args, int64_t *fa
 
 
 class Buffers:
-    """Every buffer of a pool pair as `kvtier_run_layers` addresses its rows (built once per pair).
-
-    `host_pool`, `device_pool`: the pools whose addresses it holds. One entry per buffer:
-    `(row bytes, (region slots, page, page rows), host [layers of the buffer, regions] int64
-    region addresses, device [layers of the buffer] int64 layer addresses, the buffer's model
-    layers)`; `layers`: the model's layer count.
-    """
+    """Every buffer of a pool pair as `kvtier_run_layers` addresses its rows (`HostPool.row_map`, host
+    `[buffer layers, regions]` and device `[buffer layers]` int64 addresses), built once per pair."""
 
     class _Row(ctypes.Structure):
         _fields_ = [
@@ -171,33 +162,27 @@ class Buffers:
             *((f, ctypes.c_void_p) for f in ("host", "device", "local")),
         ]
 
-    def __init__(
-        self,
-        host_pool: HostPool,
-        device_pool: DevicePool,
-        buffers: list[tuple[int, tuple[int, int, int], np.ndarray, np.ndarray, list[int]]],
-        layers: int,
-    ) -> None:
-        self.host_pool, self.device_pool = host_pool, device_pool
-        self.layers = layers
+    def __init__(self, host_pool: HostPool, device_pool: DevicePool) -> None:
+        spec = host_pool.spec
+        self.host_pool, self.device_pool, self.layers = host_pool, device_pool, spec.num_layers
         self._keep: list[np.ndarray] = []
-        self._rows = (self._Row * len(buffers))()
-        for row, (row_bytes, (region_slots, page, page_rows), host, device, on) in zip(
-            self._rows, buffers, strict=True
-        ):
-            host, device = (np.ascontiguousarray(a, dtype=np.int64) for a in (host, device))
-            local = np.full(layers, -1, dtype=np.int64)
+        self._rows = (self._Row * len(spec.buffers))()
+        for row, b in zip(self._rows, spec.buffers, strict=True):
+            on = list(b.layers)
+            host = np.ascontiguousarray(host_pool.region_ptrs(b.name), dtype=np.int64)
+            device = np.ascontiguousarray(device_pool.layer_ptrs(b.name), dtype=np.int64)
+            local = np.full(self.layers, -1, dtype=np.int64)
             local[on] = np.arange(len(on))
             if host.shape[0] != len(on) or device.shape != (len(on),):
                 raise InvariantError(
                     f"a buffer on {len(on)} layers has host {host.shape}, device {device.shape} addresses"
                 )
             self._keep += (host, device, local)
-            row.row_bytes, row.regions = row_bytes, host.shape[1]
-            row.region_slots, row.page, row.page_rows = region_slots, page, page_rows
+            row.row_bytes, row.regions = b.row_bytes, host.shape[1]
+            row.region_slots, row.page, row.page_rows = host_pool.row_map(b.name)
             row.host, row.device, row.local = host.ctypes.data, device.ctypes.data, local.ctypes.data
         self.address = ctypes.addressof(self._rows)
-        self.count = len(buffers)
+        self.count = len(spec.buffers)
 
 
 # `kvtier_run_layers`' own failures (the C enum), made before any runtime call.
@@ -240,12 +225,9 @@ class Native:
     ) -> None:
         """Copy joint runs of every buffer, layer by layer, with `events` recorded (see the C source).
 
-        `runs`: `[3, n]` int64 C-contiguous: first host slot, first device slot and length
-        of each joint run (host runs within one segment). `events`: one raw event handle
-        per model layer, or one for the end. `order`: `(event, stream)` handles; the copies
-        wait for the work queued on that stream first. Buffers with more than `small` runs
-        take one batched call per layer (the runtime's batch call must be bound).
-        No host sync; `CudaRuntimeError` naming the layer on the first failure.
+        `runs`: `[3, n]` int64 C-contiguous (first host slot, first device slot, length);
+        `events`: one raw event handle per model layer, or one for the end; `order`: `(event,
+        stream)` handles the copies wait behind; more than `small` runs: one batched call.
         """
         if len(events) not in (1, buffers.layers):
             raise ConfigError(f"{len(events)} events for {buffers.layers} layers (one per layer, or one)")
@@ -291,12 +273,8 @@ def compile_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
                 src = Path(tmp) / "loop.c"
                 src.write_text(SOURCE)
                 built = Path(tmp) / target.name
-                subprocess.run(
-                    [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(src)],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
+                cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(src)]
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders each install a whole file
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
@@ -318,16 +296,9 @@ def _find_library() -> Native | None:
     if lib is None:
         log.info("no compiled submission loop: transfers use the plan executor")
         return None
-    addr = _address
-    batch = dma.direct_batch_fn()
-    native = Native(
-        lib,
-        addr(rt.memcpy_async),
-        addr(batch[0]) if batch is not None else 0,
-        addr(rt.event_record),
-        addr(rt.stream_wait_event),
-        batch[1] if batch is not None else 0,
-    )
+    batch, attrs = dma.direct_batch_fn() or (None, 0)
+    entries = (rt.memcpy_async, batch, rt.event_record, rt.stream_wait_event)
+    native = Native(lib, *(_address(fn) for fn in entries), attrs)
     log.info("transfers submitted from a compiled loop (%s)", lib._name)
     return native
 
@@ -342,36 +313,17 @@ def library() -> Native | None:
 
 
 def _address(fn) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
-
-
-def _raw_buffers(host_pool: HostPool, device_pool: DevicePool) -> bool:
-    return dma.dma_mode() is not dma.DmaMode.TORCH and all(
-        device_pool.raw_rows(b.name) for b in host_pool.spec.buffers
-    )
+    return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def run_buffers(host_pool: HostPool, device_pool: DevicePool) -> Buffers | None:
     """The pools' buffers as `Native.copy_layers` addresses them, or None where some buffer cannot
-    take raw copies here (computed once per pool pair: the pools never move)."""
-    if not _raw_buffers(host_pool, device_pool):
+    take raw copies here."""
+    if dma.dma_mode() is dma.DmaMode.TORCH or not all(
+        device_pool.raw_rows(b.name) for b in host_pool.spec.buffers
+    ):
         return None
-    spec = host_pool.spec
-    return Buffers(
-        host_pool,
-        device_pool,
-        [
-            (
-                b.row_bytes,
-                host_pool.row_map(b.name),
-                host_pool.region_ptrs(b.name),
-                device_pool.layer_ptrs(b.name),
-                list(b.layers),
-            )
-            for b in spec.buffers
-        ],
-        spec.num_layers,
-    )
+    return Buffers(host_pool, device_pool)
 
 
 def loop_takes(lib: Native, copies: RunCopies) -> bool:
@@ -391,12 +343,9 @@ def run_layers(
     order: int,
     events: list[int],
 ) -> None:
-    """Submit `copies` on every layer from the compiled loop, which computes the addresses.
-
-    The calls are those the plan executor makes for the same plan through raw copies (where
-    `loop_takes` them), after ordering the raw stream `stream` behind `current` with the raw
-    event `order`; `events`: one raw event handle per model layer, recorded after its
-    copies, or one recorded after every layer.
+    """Submit `copies` on every layer from the compiled loop: the plan executor's raw copies (where
+    `loop_takes` them), after ordering raw stream `stream` behind `current` with raw event `order`;
+    `events`: one raw event handle per model layer, recorded after its copies, or one at the end.
     """
     if copies.host_pool is not buffers.host_pool or copies.device_pool is not buffers.device_pool:
         raise PlanError(

@@ -1,8 +1,6 @@
 """What the planner is told: the paths it may be forced to (`TransferPath`), what it assumes each
-mechanism costs (`PathCosts`) and how the kernel is shaped (`KernelOptions`).
-
-Values, and `check`: a `Planner` checks them once and every plan it makes reuses them.
-The defaults are the tuned values of `bench/FINDINGS.md`.
+mechanism costs (`PathCosts`) and how the kernel is shaped (`KernelOptions`); a `Planner` checks
+them once (`check`). The defaults are the tuned values of `bench/FINDINGS.md`.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import torch
 from kvtier.errors import ConfigError, PlanError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
-from kvtier.spec import KVSpec
 from kvtier.transfer import launch as rules
 from kvtier.transfer.launch import LINE_BYTES, KernelLaunch
 
@@ -24,16 +21,12 @@ from kvtier.transfer.launch import LINE_BYTES, KernelLaunch
 class TransferPath(str, Enum):
     """What a plan does as a whole (for logs, benchmarks and `Planner`'s `force`).
 
-    - `SINGLE_COPY`, `PER_RUN`, `BATCHED_DMA`: the copy engine, one copy per joint run
-      (one copy, a loop of torch copies, or one batched call per buffer and layer). No
-      SMs; fast for long runs only.
-    - `STAGED`: host runs through a device staging buffer, placed on the device: long
-      host runs onto scattered device slots, with no SMs held while the link is busy.
-    - `KERNEL`: a Triton kernel reading or writing pinned host memory directly, with
-      `sm_budget` programs and many rows in flight each; any fragmentation, few SMs.
+    - `SINGLE_COPY`, `PER_RUN`, `BATCHED_DMA`: the copy engine, one copy per joint run (one
+      copy, torch copies, or one batched call per buffer and layer); no SMs, long runs only.
+    - `STAGED`: long host runs through a device staging buffer onto scattered device slots.
+    - `KERNEL`: a Triton kernel on pinned host memory, `sm_budget` programs; any runs.
     - `MIXED`: more than one of these, split by run (the planner's choice only).
-    - `REFERENCE`: per-token gather and scatter through host memory; always correct,
-      slow, and on CUDA it synchronises the host.
+    - `REFERENCE`: per-token gather and scatter through host memory; synchronises the host.
     """
 
     SINGLE_COPY = "single_copy"
@@ -58,17 +51,13 @@ class Mechanism(str, Enum):
 class PathCosts:
     """What the planner assumes each mechanism costs (defaults: bench/FINDINGS.md).
 
-    `copy_issue_s`: host time to issue one copy from Python; `copy_gbps`: the copy
-    engine between pinned host memory and the device; `device_gbps`: an on-device
-    `index_copy_` of rows; `reference_gbps`: the per-token path through host memory.
-    `copy_min_bytes`: a joint run at least this long goes to the copy engine when the
-    kernel takes the rest. `staged_min_bytes`: a host run at least this long whose
-    device slots are scattered is loaded through staging then (backups keep the
-    kernel, whose scatter beats staging then copying out). `copy_streams`: batched
-    copies of one layer are spread over this many streams, so several copy engines
-    overlap their per-copy cost. `fan_out_below_bytes`: joint runs averaging at least
-    this long stay on one stream: a copy's fixed cost is then small beside it, while
-    fanning out costs two event calls per side stream and layer.
+    `copy_issue_s`: host time to issue one copy from Python; `copy_gbps`: the copy engine
+    between pinned host memory and the device; `device_gbps`: an on-device `index_copy_`;
+    `reference_gbps`: the per-token path. With the kernel, a joint run of `copy_min_bytes`
+    goes to the copy engine, and a host run of `staged_min_bytes` with scattered device
+    slots is loaded through staging. `copy_streams`: streams one layer's batched copies are
+    spread over, unless its joint runs average `fan_out_below_bytes` or more (a copy's
+    fixed cost is then small beside fanning out's event calls).
     """
 
     copy_issue_s: float = 11e-6
@@ -92,16 +81,13 @@ class PathCosts:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """The gather/scatter kernel's budget and shape.
+    """The gather/scatter kernel's budget and shape (the rules: `kvtier.transfer.launch`).
 
     Up to `sm_budget` programs with `rows_per_program` rows per tile each (None: by row
-    size, see `launch.rows_in_flight`) and up to `stages` tiles in flight each (None: as
-    many as the device's shared memory holds, up to `launch.MAX_STAGES`; 1: no
-    pipelining; only loads of rows that are whole 128-byte lines are pipelined). Runs are
-    moved in units of up to `max_unit_bytes` rows' bytes. With `lean` (and rows chosen by
-    size), rows of `launch.LEAN_ROW_BYTES` or more take only the programs that keep the
-    grid's bytes in flight (`launch.programs_for`): they fill the link as the whole budget
-    does, and the model beside keeps the other SMs. `launch` gives one launch's shape.
+    size) and up to `stages` tiles in flight each (None: as many as shared memory holds,
+    where rows are pipelined; 1: none). Runs move in units of up to `max_unit_bytes`. With
+    `lean` (and rows by size), long rows take only the programs that keep the grid's bytes
+    in flight (`launch.programs_for`). `launch` gives one launch's shape.
     """
 
     sm_budget: int = 8
@@ -117,11 +103,8 @@ class KernelOptions:
         device: torch.device | None = None,
         direction: Direction = Direction.LOAD,
     ) -> KernelLaunch:
-        """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes` on
-        `device`, moved in `direction` (only loads are pipelined).
-
-        `device` None or the CPU: planned as for a GPU whose shared memory holds every stage.
-        """
+        """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes`, moved in
+        `direction` on `device` (None or the CPU: as for a GPU whose shared memory holds every stage)."""
         return _launch(self, row_bytes, align_bytes, rules.shared_bytes(device), direction is Direction.LOAD)
 
 
@@ -129,8 +112,7 @@ class KernelOptions:
 def _launch(
     opts: KernelOptions, row_bytes: int, align_bytes: int, shared: int | None, gather: bool
 ) -> KernelLaunch:
-    """`KernelOptions.launch` on a device with `shared` bytes per program, kept per argument set: a
-    plan asks it once per buffer and host region."""
+    """`KernelOptions.launch` on a device with `shared` bytes per program, kept per argument set."""
     stages = rules.stages_for(row_bytes, align_bytes, shared, opts.stages, gather)
     if opts.rows_per_program is not None or not opts.lean:
         programs = opts.sm_budget
@@ -143,7 +125,8 @@ def _launch(
 def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel: KernelOptions) -> None:
     """Refuse pools of different shapes (`PlanError`) and options out of range (`ConfigError`)."""
     hspec, dspec = host_pool.spec, device_pool.spec
-    if hspec is not dspec and _shape_of(hspec) != _shape_of(dspec):
+    shapes = [[(b.name, b.layers, b.row_shape) for b in spec.buffers] for spec in (hspec, dspec)]
+    if hspec is not dspec and shapes[0] != shapes[1]:
         raise PlanError(
             f"host pool spec {hspec.name!r} and device pool spec {dspec.name!r} "
             "have different buffers, layers or row shapes"
@@ -155,7 +138,3 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
         raise ConfigError(f"kernel options must be positive, got {bad} in {kernel}")
     if costs.copy_streams < 1:
         raise ConfigError(f"copy_streams must be at least 1, got {costs.copy_streams}")
-
-
-def _shape_of(spec: KVSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    return [(b.name, b.layers, b.row_shape) for b in spec.buffers]

@@ -1,17 +1,15 @@
 """The parts of a plan: one type per mechanism, each with only what its executor reads.
 
-A plan is one or more parts; each moves some of its rows by one mechanism:
-
-- `CopyPart`: joint runs the copy engine moves straight between host and device slots:
-  one torch copy per run, or one batched call per buffer and layer (`batched`);
-- `StagedPart`: host runs copied back to back into a device staging buffer, then placed
-  on their scattered device slots on the device (loads), or the reverse (backups);
-- `KernelPart`: units of rows the Triton kernel gathers or scatters, with each launch's
-  shape computed here, once (`KernelRegion.launch`, `LayerTable.programs`);
+- `CopyPart`: joint runs the copy engine moves straight between host and device slots;
+- `StagedPart`: host runs through a device staging buffer, placed on their scattered
+  device slots on the device (loads), or the reverse (backups);
+- `KernelPart`: units the Triton kernels gather or scatter, each launch's shape computed
+  here, once;
 - `ReferencePart`: per-token gather and scatter through host memory.
 
-The builders here turn runs (`kvtier.transfer.runs`) into parts; every index a part
-needs on the device is uploaded once, by the plan's `Uploader`.
+The builders turn runs (`runs`) into parts; every index a part needs on the device is
+uploaded once, by the plan's `Uploader`. Byte offsets on the host count from a region's
+first row of a layer (`HostPool.locate`).
 """
 
 from __future__ import annotations
@@ -32,9 +30,8 @@ from kvtier.transfer.runs import RunTable
 
 
 class RunBytes(NamedTuple):
-    """One buffer's runs in bytes, `[k]` int64 each: the host region, the byte offset in it (from the
-    region's first row of a layer), the device byte offset (into the layer tensor, or into the
-    staging buffer) and the bytes."""
+    """One buffer's runs in bytes, `[k]` int64 each: host region, offset in it, device offset (in the
+    layer tensor or the staging buffer) and length."""
 
     region: np.ndarray
     host: np.ndarray
@@ -44,12 +41,8 @@ class RunBytes(NamedTuple):
 
 @dataclass(frozen=True)
 class CopyPart:
-    """Joint runs the copy engine moves straight between host and device slots.
-
-    `run_bytes`: per buffer name, the runs in bytes (for raw copies). `batched`: one
-    batched call per buffer and layer (else one torch copy per run); `streams`: how many
-    streams a layer's batched copies are spread over.
-    """
+    """Joint runs the copy engine moves: one batched call per buffer and layer (`batched`, over
+    `streams` streams, from `run_bytes` per buffer name), else one torch copy per run."""
 
     mechanism: ClassVar[Mechanism] = Mechanism.COPY
     rows: int
@@ -70,14 +63,8 @@ class Window(NamedTuple):
 
 @dataclass(frozen=True)
 class StagedPart:
-    """Host runs through a device staging buffer, placed on their device slots on the device.
-
-    `runs`: host runs cut where a window ends (`device`: the run's first staging row);
-    `run_bytes`: per buffer name, those runs in bytes (device offsets into the staging
-    buffer). `device_index`: `[rows]` int64 on the device, the device slot of each of the
-    part's rows. `batched`: each window's copies in one batched call (else one torch
-    copy per run), spread over `streams` streams.
-    """
+    """Host runs cut where a window ends (`device`: a run's first staging row; in bytes per buffer:
+    `run_bytes`), through the staging buffer to `device_index` (`[rows]` int64 on the device)."""
 
     mechanism: ClassVar[Mechanism] = Mechanism.STAGED
     rows: int
@@ -91,16 +78,9 @@ class StagedPart:
 
 @dataclass(frozen=True)
 class KernelRegion:
-    """The kernel's units of one buffer in one host region, and the launch that moves them.
-
-    `src`/`dst`: `[m]` int64 word offsets (host units from the region's start of a
-    layer, device units from the layer tensor's start), already swapped for backups.
-    `word`: bytes per word of the offsets, the widest that the unit size and every
-    offset allow (so the kernel need not rescale them on the device per launch);
-    `align`: a power of two (in words) that divides every offset, found on the CPU, so
-    the kernel picks its vector width without checking offsets on the GPU. `launch`:
-    the launch's shape for these units on the pool's device.
-    """
+    """The kernel's units of one buffer in one host region, and their `launch`: `src`/`dst` `[m]`
+    int64 word offsets on the device (swapped for backups), in words of `word` bytes (the widest
+    the unit and every offset allow), all multiples of `align` words (a power of two)."""
 
     region: int
     src: torch.Tensor
@@ -112,11 +92,9 @@ class KernelRegion:
 
 @dataclass(frozen=True)
 class LayerTable:
-    """Where a buffer's layer tensors lie, so that several layers of its units move in one launch.
-
-    `offsets`: `[layers]` int64 on the device, each layer tensor's offset from the first
-    layer's in words of `word` bytes. `programs`: the grid of such a launch.
-    """
+    """Where a buffer's layer tensors lie, so that several layers of its units move in one launch:
+    `offsets` `[layers]` int64 on the device, from the first layer's, in words of `word` bytes;
+    `programs`: the launch's grid."""
 
     word: int
     offsets: torch.Tensor
@@ -125,12 +103,9 @@ class LayerTable:
 
 @dataclass(frozen=True)
 class KernelPart:
-    """Units of `unit` rows (each contiguous on both sides) that the Triton kernel moves.
-
-    `regions`: per buffer name, its units per host region. `tables`: per buffer whose
-    units are contiguous across layers on the host (`page_first`, whole pages), its
-    `LayerTable` (`groups.copy_groups` moves several layers at once).
-    """
+    """Units of `unit` rows (each contiguous on both sides) that the Triton kernel moves: per buffer
+    name, its units per host region (`regions`) and, where they are contiguous across layers on
+    the host (`page_first`, whole pages), its `LayerTable` (`tables`)."""
 
     mechanism: ClassVar[Mechanism] = Mechanism.KERNEL
     rows: int
@@ -164,11 +139,8 @@ Part = CopyPart | StagedPart | KernelPart | ReferencePart
 class RunCopies:
     """An operation that the copy engine moves whole, planned from run lists alone (`Planner.copies`).
 
-    `joint`: `[4, R]` int64, C-contiguous: where each joint run starts in the plan, its
-    first host slot, first device slot and length (host runs cut at segment edges; a
-    `RunTable`'s array). `batched`: copies go out as batched calls where a buffer has many
-    runs; `streams`: how many streams one layer's copies are spread over (from `costs`).
-    `host_pool`, `device_pool`: the planner's pools.
+    `joint`: a `RunTable`'s `[4, R]` int64 array of its joint runs (host runs cut at segment
+    edges); `batched`, `streams`: as `CopyPart`'s; `host_pool`, `device_pool`: the planner's.
     """
 
     path: TransferPath
@@ -180,10 +152,6 @@ class RunCopies:
     host_pool: HostPool = field(repr=False, compare=False)
     device_pool: DevicePool = field(repr=False, compare=False)
 
-    @property
-    def lens(self) -> np.ndarray:
-        return self.joint[3]
-
     def part(self) -> CopyPart:
         """The plan's one part."""
         return copy_part(self.host_pool, RunTable(self.joint), self.batched, self.streams)
@@ -193,11 +161,9 @@ class Uploader:
     """Copies CPU index tensors to the plan's device on one stream, then records `ready`."""
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None) -> None:
-        self.device = device
-        self.stream = stream
+        self.device, self.stream, self.used = device, stream, False
         if device.type == "cuda" and stream is None:
             self.stream = torch.cuda.current_stream(device)
-        self.used = False
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -215,11 +181,8 @@ class Uploader:
 
 
 def copy_streams(spec: KVSpec, rows: int, runs: int, batched: bool, costs: PathCosts) -> int:
-    """Streams a copy part's copies of one layer go over: `rows` in `runs`.
-
-    `costs.copy_streams` for batched copies of runs shorter on average than
-    `PathCosts.fan_out_below_bytes`, else one.
-    """
+    """Streams a copy part's copies of one layer (`rows` in `runs`) go over: `costs.copy_streams` for
+    batched runs shorter on average than `costs.fan_out_below_bytes`, else one."""
     if batched and runs and rows * spec.widest_row_bytes < costs.fan_out_below_bytes * runs:
         return costs.copy_streams
     return 1
@@ -239,11 +202,8 @@ def copy_part(host_pool: HostPool, runs: RunTable, batched: bool, streams: int) 
 def run_bytes(
     host_pool: HostPool, host_at: np.ndarray, dev_at: np.ndarray, lens: np.ndarray
 ) -> dict[str, RunBytes]:
-    """Runs in bytes, per buffer name.
-
-    `host_at`, `dev_at`, `lens`: `[runs]` int64 first host slot, first device row (a
-    slot, or a row of the staging buffer) and length of each run.
-    """
+    """Runs in bytes per buffer name: `host_at`, `dev_at`, `lens` `[runs]` int64, each run's first host
+    slot, first device row (a slot, or a staging row) and length."""
     out = {}
     for b in host_pool.spec.buffers:
         region, row = host_pool.locate(b.name, host_at)
@@ -262,12 +222,8 @@ def staged_part(
     streams: int,
     up: Uploader,
 ) -> StagedPart:
-    """Host runs through the staging buffer of `cap` rows, cut where a window ends.
-
-    `hn`, `dn`: `[n]` int64 host and device slots of the plan. `pos`, `lens`: `[runs]`
-    int64 positions and lengths of host runs (each contiguous in one host segment). The
-    part's rows are the runs' rows in order; their device slots are uploaded once.
-    """
+    """Host runs (`pos`, `lens`: `[runs]` int64) of the plan's slots `hn`, `dn` (`[n]` int64) through
+    the staging buffer of `cap` rows, cut where a window ends; its rows are the runs' in order."""
     total = int(lens.sum())
     at = np.cumsum(lens) - lens  # each run's first row in the part
     cuts = np.union1d(at, np.arange(cap, total, cap))
@@ -308,22 +264,31 @@ def kernel_part(
 ) -> KernelPart:
     """Word offsets for the kernel, per buffer and host region, uploaded once, and their launches.
 
-    Joint runs (`starts`, `lens`: `[runs]` int64 positions and lengths) are cut into
-    units of `unit` rows (the largest divisor of every run length within
-    `KernelOptions.max_unit_bytes`), each contiguous on both sides, so the kernel moves
-    fewer, wider rows when runs allow it: page-granular slots move whole pages. In the
-    `page_first` layout, units of whole pages are also contiguous across layers on the
-    host: such buffers get a `LayerTable`.
+    Joint runs (`starts`, `lens`: `[runs]` int64) are cut into units of the largest divisor of
+    every run length within `max_unit_bytes` (whole pages where slots are page-granular).
     """
     widest = host_pool.spec.widest_row_bytes
     unit = _unit(lens, max(1, opts.max_unit_bytes // widest))
     in_run = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
     rows = np.repeat(starts, lens) + in_run
     rows = rows[in_run % unit == 0]
-    regions = {
-        b.name: _kernel_regions(direction, host_pool, device_pool, b.name, hn[rows], dn[rows], unit, opts, up)
-        for b in host_pool.spec.buffers
-    }
+    regions = {}
+    for b in host_pool.spec.buffers:  # each buffer's units per host region
+        device = device_pool.layer(b.name, b.layers[0]).device
+        region, host_row = host_pool.locate(b.name, hn[rows])
+        dev_slots, out = dn[rows], []
+        for r in np.unique(region).tolist():
+            mask = region == r
+            host_off = host_row[mask] * b.row_bytes
+            dev_off = dev_slots[mask] * b.row_bytes
+            src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
+            align = kernel_args.common_alignment(src, dst)  # bytes
+            word = kernel_args.word_size(b.row_bytes * unit, [align])
+            align_words = max(1, align // word)
+            launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction)
+            src, dst = up(torch.from_numpy(src // word)), up(torch.from_numpy(dst // word))
+            out.append(KernelRegion(int(r), src, dst, align_words, word, launch))
+        regions[b.name] = tuple(out)
     tables = {}
     if host_pool.layout is HostLayout.PAGE_FIRST and unit == host_pool.spec.page_size:
         for b in host_pool.spec.buffers:
@@ -333,40 +298,6 @@ def kernel_part(
     return KernelPart(rows=int(lens.sum()), unit=unit, regions=regions, tables=tables)
 
 
-def _kernel_regions(
-    direction: Direction,
-    host_pool: HostPool,
-    device_pool: DevicePool,
-    buffer: str,
-    host_slots: np.ndarray,
-    dev_slots: np.ndarray,
-    unit: int,
-    opts: KernelOptions,
-    up: Uploader,
-) -> tuple[KernelRegion, ...]:
-    """One buffer's units (first host and device slot of each, `[m]` int64) per host region."""
-    b = host_pool.spec.buffer(buffer)
-    device = device_pool.layer(buffer, b.layers[0]).device
-    region, host_row = host_pool.locate(buffer, host_slots)
-    out = []
-    for r in np.unique(region).tolist():
-        mask = region == r
-        host_off = host_row[mask] * b.row_bytes
-        dev_off = dev_slots[mask] * b.row_bytes
-        src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
-        align = kernel_args.common_alignment(src, dst)  # bytes
-        word = kernel_args.word_size(b.row_bytes * unit, [align])
-        src, dst = src // word, dst // word
-        align_words = max(1, align // word)
-        launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction)
-        out.append(
-            KernelRegion(
-                int(r), up(torch.from_numpy(src)), up(torch.from_numpy(dst)), align_words, word, launch
-            )
-        )
-    return tuple(out)
-
-
 def _layer_table(
     device_pool: DevicePool,
     buffer: str,
@@ -374,11 +305,8 @@ def _layer_table(
     opts: KernelOptions,
     up: Uploader,
 ) -> LayerTable | None:
-    """Each layer tensor's offset from the first in words, uploaded; or None.
-
-    None where layers cannot move together: a single layer, rows the raw paths cannot
-    address, regions in words of different widths, or tensors not whole words apart.
-    """
+    """Each layer tensor's offset from the first in words, uploaded; None where layers cannot move
+    together (one layer, no raw rows, regions in words of different widths, not whole words apart)."""
     ptrs = device_pool.layer_ptrs(buffer)
     words = {r.word for r in regions}
     if len(ptrs) < 2 or not device_pool.raw_rows(buffer) or len(words) != 1:

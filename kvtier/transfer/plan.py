@@ -1,14 +1,11 @@
 """Transfer plans: decided once per operation, on CPU indices, before any layer moves.
 
 A `Planner` holds one pool pair and one set of options, checked once. A plan pairs
-host slots with device slots (`host_slots[i]` <-> `device_slots[i]`), finds their
-runs (`kvtier.transfer.runs`) and gives every row to one part (`kvtier.transfer.parts`),
-each moved by one mechanism. Every buffer of the spec and every layer reuses the same
-plan, so the MLA latent and the DSA indexer of a token always move together. Building
-a plan is the only place where indices are inspected: executing it never reads a
-device tensor back to the host, and every index it needs on the device is uploaded
-once, here, ordered by the plan's `ready` event. A plan records the pools it was built
-for; the executors refuse others.
+`host_slots[i]` with `device_slots[i]`, finds their runs (`runs`) and gives every row to
+one part (`parts`). Every buffer and layer reuses the same plan, so all buffers of a
+token move together. Only planning inspects indices: every index the device needs is
+uploaded once, here, ordered by the plan's `ready` event, and executing never reads a
+device tensor back. A plan records its pools; the executors refuse others.
 
 The choice: one joint run is a single copy; a single host run with scattered device
 slots is staged; otherwise, where the kernel can run (CUDA and Triton), long joint
@@ -19,6 +16,7 @@ cheapest of per-run copies, staging and the reference path by `PathCosts`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,16 +38,14 @@ log = logging.getLogger(__name__)
 
 
 _COPY_PATHS = (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA)
+# `(starts, lengths)` of runs, `[k]` int64 positions and lengths each.
+Runs = tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """One operation's slot pairs, their runs and the parts that move them.
-
-    `host_slots`, `device_slots`: `[n]` int64 on CPU. `ready`: a CUDA event after the
-    plan's index uploads (None on CPU); executors make their stream wait on it.
-    `host_pool`, `device_pool`: the pools it was planned for; executors refuse others.
-    """
+    """One operation's slot pairs (`[n]` int64 CPU each), their runs and the parts that move them;
+    `ready`: a CUDA event after the plan's index uploads (None on CPU), which executors wait on."""
 
     direction: Direction
     path: TransferPath
@@ -102,27 +98,17 @@ class TransferPlan:
         force: TransferPath | str | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> TransferPlan:
-        """Validate the pairs and plan the operation: `Planner(...).plan(...)`; raises before anything
-        is written. See `Planner`."""
+        """`Planner(...).plan(...)`: one operation's plan."""
         planner = Planner(host_pool, device_pool, costs, kernel, force)
         return planner.plan(direction, host_slots, device_slots, stream)
-
-    def check_pools(self, host_pool: HostPool, device_pool: DevicePool) -> None:
-        """Raise `PlanError` unless these are the pools the plan was built for."""
-        if host_pool is not self.host_pool or device_pool is not self.device_pool:
-            raise PlanError(
-                f"the plan was built for {self.host_pool} and {self.device_pool}, "
-                f"not {host_pool} and {device_pool}"
-            )
 
 
 class Planner:
     """The planner's choices for one pool pair and one set of options, checked once.
 
-    `costs` and `kernel` tune the planner; `force` picks one path instead (benchmarks and
-    tests; `MIXED` cannot be forced, `SINGLE_COPY` only on one joint run, `KERNEL` needs
-    Triton). `use_kernel` lets the planner use the kernel (default: on CUDA with Triton).
-    A caller that plans many operations on the same pools (the cache) keeps one.
+    `force` picks one path instead of the planner (benchmarks and tests; not `MIXED`,
+    `SINGLE_COPY` only on one joint run, `KERNEL` where it runs). `use_kernel` lets the
+    planner use the kernel (default: on CUDA with Triton).
     """
 
     def __init__(
@@ -158,9 +144,8 @@ class Planner:
     ) -> TransferPlan:
         """Validate the pairs and plan the operation; raises before anything is written.
 
-        `host_slots`, `device_slots`: `[n]` integer slot ids, CPU (`kvtier.slots.as_slots`).
-        For a load the device slots must be distinct, for a backup the host slots. On CUDA
-        the device indices are uploaded on `stream`.
+        `host_slots`, `device_slots`: `[n]` integer slot ids, CPU (`kvtier.slots.as_slots`); the
+        destinations distinct. On CUDA the device indices are uploaded on `stream`.
         """
         direction = Direction(direction)
         load = direction is Direction.LOAD
@@ -181,13 +166,9 @@ class Planner:
     ) -> TransferPlan:
         """Plan an operation on slots from kvtier's allocators and tree, unchecked.
 
-        `host_slots`, `device_slots`: `[n]` int64 CPU tensors, in range, the destinations
-        distinct. `whole_pages`: both sides are whole allocator pages (each page's slots
-        consecutive from a page-aligned id), so runs are found per page, not per slot (a
-        node's device slots, which a caller may have ordered freely, are not). `runs`: their
-        `(host runs, device runs)`, each a list of `(first slot, length)` in plan order (as
-        the allocators hand them out): a copy-engine plan is then built from the runs alone,
-        without a pass over the slots. On CUDA the device indices are uploaded on `stream`.
+        `host_slots`, `device_slots`: `[n]` int64 CPU, in range, the destinations distinct;
+        `whole_pages`: both whole allocator pages (runs found per page); `runs`: theirs, from
+        which alone a copy-engine plan is built, without a pass over the slots.
         """
         direction = Direction(direction)
         n = host_slots.numel()
@@ -206,7 +187,7 @@ class Planner:
             device_slots=device_slots,
             host_runs=copies.host_runs,
             device_runs=copies.device_runs,
-            joint_runs=len(copies.lens),
+            joint_runs=copies.joint.shape[1],
             kernel=self.kernel,
             ready=None,
             host_pool=self.host_pool,
@@ -221,8 +202,7 @@ class Planner:
         lens = found.runs.length
         if int(lens.sum()) != n:
             raise PlanError(f"the runs cover {int(lens.sum())} slots, the plan has {n}")
-        long_runs = int((lens * self.widest >= self.costs.copy_min_bytes).sum())
-        path = self.decide(n, found.host_runs, len(lens), long_runs)
+        path = self.decide(n, found.host_runs, lens)
         if path not in _COPY_PATHS:
             return None
         batched = self.batched and path is not TransferPath.PER_RUN
@@ -238,19 +218,27 @@ class Planner:
             self.device_pool,
         )
 
-    def decide(self, n: int, host_runs: int, joint_runs: int, long_runs: int) -> TransferPath:
-        """The path of an operation of `n` rows (`force`d, else `_choose`'s)."""
+    def decide(self, n: int, host_runs: int, joint_lens: np.ndarray) -> TransferPath:
+        """The path of `n` rows in `host_runs` host runs and joint runs of `joint_lens` (`[k]` int64):
+        `force`d, else as the module docstring says."""
+        joint_runs, costs = len(joint_lens), self.costs
         if self.force is not None:
             return _forced(self.force, joint_runs, self.device_pool.device)
-        return _choose(
-            self.costs,
-            nbytes=n * self.widest,
-            host_runs=host_runs,
-            joint_runs=joint_runs,
-            windows=-(-n // self.device_pool.staging_tokens),
-            kernel_ok=self.kernel_ok,
-            long_runs=long_runs,
-        )
+        if joint_runs <= 1:
+            return TransferPath.SINGLE_COPY
+        if host_runs == 1:
+            return TransferPath.STAGED
+        if self.kernel_ok:
+            # MIXED here means "split by run" (`_parts`); the plan's path follows its parts.
+            long_runs = int((joint_lens * self.widest >= costs.copy_min_bytes).sum())
+            return TransferPath.BATCHED_DMA if long_runs == joint_runs else TransferPath.MIXED
+        nbytes, windows = n * self.widest, -(-n // self.device_pool.staging_tokens)
+        estimates = {
+            TransferPath.PER_RUN: costs.estimate(Mechanism.COPY, nbytes, joint_runs),
+            TransferPath.STAGED: costs.estimate(Mechanism.STAGED, nbytes, host_runs + windows),
+            TransferPath.REFERENCE: costs.estimate(Mechanism.REFERENCE, nbytes, 0),
+        }
+        return min(estimates, key=estimates.__getitem__)
 
     def _plan(
         self,
@@ -264,8 +252,7 @@ class Planner:
         hn, dn = h.numpy(), d.numpy()
         found = slot_runs.scan(self.host_pool, hn, dn, step)
         _, joint_lens = found.joint
-        long_runs = int((joint_lens * self.widest >= self.costs.copy_min_bytes).sum())
-        path = self.decide(len(hn), len(found.host[0]), len(joint_lens), long_runs)
+        path = self.decide(len(hn), len(found.host[0]), joint_lens)
         up = Uploader(self.device_pool.device, stream)
         planned = self._parts(direction, path, found, hn, dn, d, up)
         if path is TransferPath.MIXED:
@@ -296,26 +283,63 @@ class Planner:
         up: Uploader,
     ) -> tuple[Part, ...]:
         """The parts of a plan on `path`: `hn`, `dn` `[n]` int64 numpy (and `d` as a tensor)."""
-        host_pool, device_pool, costs = self.host_pool, self.device_pool, self.costs
-        js, jl = found.joint
-        cap = device_pool.staging_tokens
+        build = functools.partial(self._build, direction, hn, dn, up)
         if path in _COPY_PATHS:
-            batched = self.batched and path is not TransferPath.PER_RUN
-            streams = parts.copy_streams(host_pool.spec, len(hn), len(jl), batched, costs)
-            return (parts.copy_part(host_pool, RunTable.of(js, hn[js], dn[js], jl), batched, streams),)
+            return build(copy=found.joint, batched=path is not TransferPath.PER_RUN)
         if path is TransferPath.STAGED:
-            hs, hl = found.host
-            return (parts.staged_part(host_pool, hn, dn, hs, hl, cap, self.batched, costs.copy_streams, up),)
+            return build(staged=found.host)
         if path is TransferPath.KERNEL:
-            return (parts.kernel_part(direction, host_pool, device_pool, hn, dn, js, jl, self.kernel, up),)
-        if path is TransferPath.MIXED:
-            # Backups keep the kernel for these rows: its scatter beats staging then copying out.
-            staged_min = costs.staged_min_bytes if direction is Direction.LOAD else None
-            split = _RunSplit.of(
-                js, jl, found.host_break, found.step, self.widest, costs.copy_min_bytes, staged_min
-            )
-            return split.parts(self, direction, hn, dn, up)
-        return (parts.reference_part(d, up),)
+            return build(kernel=found.joint)
+        if path is TransferPath.REFERENCE:
+            return (parts.reference_part(d, up),)
+        # Mixed: long joint runs to the copy engine, host runs of at least `staged_min_bytes` made of
+        # short joint runs (their device slots scattered) to staging, every other joint run to the kernel.
+        js, jl = found.joint
+        long = jl * self.widest >= self.costs.copy_min_bytes
+        s, n = js[~long], jl[~long]
+        # A short joint run continues the previous one on the host side: same host run.
+        cont = np.zeros(len(s), dtype=bool)
+        if len(s) > 1:
+            cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~found.host_break[s[1:] // found.step]
+        heads = np.flatnonzero(~cont)
+        rows = np.add.reduceat(n, heads) if len(heads) else n
+        # Backups keep the kernel for these rows: its scatter beats staging then copying out.
+        if direction is Direction.LOAD:
+            staged_run = rows * self.widest >= self.costs.staged_min_bytes
+        else:
+            staged_run = np.zeros(len(rows), bool)
+        staged = np.repeat(staged_run, np.diff(np.append(heads, len(s))))
+        return build(
+            copy=(js[long], jl[long]) if long.any() else None,
+            staged=(s[heads][staged_run], rows[staged_run]) if staged_run.any() else None,
+            kernel=(s[~staged], n[~staged]) if (~staged).any() else None,
+        )
+
+    def _build(
+        self,
+        direction: Direction,
+        hn: np.ndarray,
+        dn: np.ndarray,
+        up: Uploader,
+        copy: Runs | None = None,
+        staged: Runs | None = None,
+        kernel: Runs | None = None,
+        batched: bool = True,
+    ) -> tuple[Part, ...]:
+        """A part for each of `copy` (joint runs), `staged` (host runs) and `kernel` (joint runs) given."""
+        host_pool, out = self.host_pool, []
+        if copy is not None:
+            s, n = copy
+            batched = self.batched and batched
+            streams = parts.copy_streams(host_pool.spec, int(n.sum()), len(n), batched, self.costs)
+            out.append(parts.copy_part(host_pool, RunTable.of(s, hn[s], dn[s], n), batched, streams))
+        if staged is not None:
+            cap, streams = self.device_pool.staging_tokens, self.costs.copy_streams
+            out.append(parts.staged_part(host_pool, hn, dn, *staged, cap, self.batched, streams, up))
+        if kernel is not None:
+            args = (direction, host_pool, self.device_pool, hn, dn, *kernel, self.kernel, up)
+            out.append(parts.kernel_part(*args))
+        return tuple(out)
 
 
 def _forced(path: TransferPath, joint_runs: int, device: torch.device) -> TransferPath:
@@ -328,99 +352,6 @@ def _forced(path: TransferPath, joint_runs: int, device: torch.device) -> Transf
             f"the kernel path needs Triton and a CUDA device pool (or TRITON_INTERPRET=1), not {device}"
         )
     return path
-
-
-def _choose(
-    costs: PathCosts,
-    nbytes: int,
-    host_runs: int,
-    joint_runs: int,
-    windows: int,
-    kernel_ok: bool,
-    long_runs: int,
-) -> TransferPath:
-    """The path for one operation; see the module docstring."""
-    if joint_runs <= 1:
-        return TransferPath.SINGLE_COPY
-    if host_runs == 1:
-        return TransferPath.STAGED
-    if kernel_ok:
-        # MIXED here means "split by run" (`_RunSplit`); the plan's path follows its parts.
-        return TransferPath.BATCHED_DMA if long_runs == joint_runs else TransferPath.MIXED
-    estimates = {
-        TransferPath.PER_RUN: costs.estimate(Mechanism.COPY, nbytes, joint_runs),
-        TransferPath.STAGED: costs.estimate(Mechanism.STAGED, nbytes, host_runs + windows),
-        TransferPath.REFERENCE: costs.estimate(Mechanism.REFERENCE, nbytes, 0),
-    }
-    return min(estimates, key=estimates.__getitem__)
-
-
-@dataclass(frozen=True)
-class _RunSplit:
-    """Joint runs sorted by mechanism: `[runs]` int64 positions and lengths per class.
-
-    `copy`: long joint runs (batched DMA straight to their device slots). `staged`:
-    host runs of at least `staged_min_bytes` made of short joint runs (their device
-    slots are scattered), as whole host runs. `kernel`: every other joint run.
-    """
-
-    copy: tuple[np.ndarray, np.ndarray]
-    staged: tuple[np.ndarray, np.ndarray]
-    kernel: tuple[np.ndarray, np.ndarray]
-
-    @classmethod
-    def of(
-        cls,
-        starts: np.ndarray,
-        lens: np.ndarray,
-        host_break: np.ndarray,
-        step: int,
-        widest: int,
-        copy_min: int,
-        staged_min: int | None,
-    ) -> _RunSplit:
-        """Classify joint runs (`starts`, `lens` in positions); `host_break` per `step` slots.
-
-        `copy_min`, `staged_min`: the bytes (of the widest buffer) from which a joint run
-        is copied, a host run staged (None: never).
-        """
-        long = lens * widest >= copy_min
-        s, n = starts[~long], lens[~long]
-        # A short joint run continues the previous one on the host side: same host run.
-        cont = np.zeros(len(s), dtype=bool)
-        if len(s) > 1:
-            cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~host_break[s[1:] // step]
-        heads = np.flatnonzero(~cont)
-        rows = np.add.reduceat(n, heads) if len(heads) else n
-        staged_run = rows * widest >= staged_min if staged_min is not None else np.zeros(len(rows), bool)
-        staged = np.repeat(staged_run, np.diff(np.append(heads, len(s))))
-        return cls(
-            copy=(starts[long], lens[long]),
-            staged=(s[heads][staged_run], rows[staged_run]),
-            kernel=(s[~staged], n[~staged]),
-        )
-
-    def parts(
-        self, planner: Planner, direction: Direction, hn: np.ndarray, dn: np.ndarray, up: Uploader
-    ) -> tuple[Part, ...]:
-        host_pool, costs, batched = planner.host_pool, planner.costs, planner.batched
-        out: list[Part] = []
-        if len(self.copy[0]):
-            s, n = self.copy
-            streams = parts.copy_streams(host_pool.spec, int(n.sum()), len(n), batched, costs)
-            out.append(parts.copy_part(host_pool, RunTable.of(s, hn[s], dn[s], n), batched, streams))
-        if len(self.staged[0]):
-            cap = planner.device_pool.staging_tokens
-            out.append(
-                parts.staged_part(host_pool, hn, dn, *self.staged, cap, batched, costs.copy_streams, up)
-            )
-        if len(self.kernel[0]):
-            out.append(
-                parts.kernel_part(
-                    direction, host_pool, planner.device_pool, hn, dn, *self.kernel, planner.kernel, up
-                )
-            )
-        return tuple(out)
 
 
 def _path_of(planned: tuple[Part, ...]) -> TransferPath:

@@ -1,10 +1,6 @@
-"""Runs of a plan's slot pairs, found from the slots or from the allocators' run lists.
-
-A plan pairs `host_slots[i]` with `device_slots[i]`; `i` is the pair's position. A
-host run is a maximal range of positions whose host slots go up by one within one
-host segment; a device run one whose device slots go up by one; a joint run needs
-both. Runs found from run lists (`joint_runs`) equal the runs a scan of the slots
-(`scan`) finds, so a plan built either way is the same plan.
+"""Runs of a plan's slot pairs, found from the slots (`scan`) or from the allocators' run lists
+(`joint_runs`); both find the same runs (see the glossary in `kvtier.transfer`), so a plan built
+either way is the same plan.
 """
 
 from __future__ import annotations
@@ -25,11 +21,8 @@ RunPair = tuple[RunList, RunList]
 
 @dataclass(frozen=True)
 class RunTable:
-    """Runs as one `[4, k]` int64 C-contiguous array, a column per run.
-
-    Rows: `pos` (where the run starts in the pair list), `host` (its first host slot),
-    `device` (its first device slot; in a staged part its first staging row) and `length`.
-    """
+    """Runs as one `[4, k]` int64 C-contiguous array, a column per run: its position in the pair list,
+    first `host` slot, first `device` slot (in a staged part, staging row) and `length`."""
 
     table: np.ndarray
 
@@ -39,10 +32,6 @@ class RunTable:
 
     def __len__(self) -> int:
         return self.table.shape[1]
-
-    @property
-    def pos(self) -> np.ndarray:
-        return self.table[0]
 
     @property
     def host(self) -> np.ndarray:
@@ -64,12 +53,8 @@ class RunTable:
 
 @dataclass(frozen=True)
 class Scan:
-    """The runs of valid slot pairs, found by `scan`.
-
-    `host_break`, `dev_break`: `[n // step]` bool, where a host (device) run starts, per
-    `step` slots. `host`: `(starts, lengths)` of the host runs in positions; `joint`: of
-    the joint runs.
-    """
+    """The runs of valid slot pairs, found by `scan`: `host_break`, `dev_break` (`[n // step]` bool,
+    where a host or device run starts) and `(starts, lengths)` of the `host` and `joint` runs."""
 
     step: int
     host_break: np.ndarray
@@ -87,12 +72,8 @@ def scan(host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, step: int) -> Scan
 
 
 def breaks(slots: np.ndarray, step: int, segment: int | None = None, num_slots: int = 0) -> np.ndarray:
-    """Where a run starts, per `step` slots: `[n // step]` bool.
-
-    `slots`: `[n]` int64; with `step` > 1 every `step` consecutive slots are one page
-    (consecutive ids), so only page heads are compared. A run also starts at a
-    segment edge (`segment` slots, host side) when the pool has more than one.
-    """
+    """Where a run of `slots` (`[n]` int64) starts, per `step` slots: `[n // step]` bool; also at a
+    segment edge (`segment` slots, host side) when the pool has more than one segment."""
     heads = slots[::step] if step > 1 else slots
     out = np.ones(len(heads), dtype=bool)
     if len(heads) > 1:
@@ -119,11 +100,7 @@ class JointRuns:
 
 
 def joint_runs(host: RunList, dev: RunList, segment: int, num_slots: int) -> JointRuns:
-    """The joint runs of two run lists (`(first slot, length)` in plan order), as `scan` finds them.
-
-    Adjacent runs merge; host runs also break at segment edges when the pool has
-    more than one segment. O(runs) Python, no pass over the slots.
-    """
+    """The joint runs of two run lists (`RunList`), as `scan` finds them, in O(runs) Python."""
     h, d = _merged(host), _merged(dev)
     if segment < num_slots:
         h = [(a + o, take) for a, n in h for o, take in _cut(a, n, segment)]
