@@ -10,8 +10,9 @@ Contract of a `Mover`:
   direction and returns at once. It raises before anything is submitted, or, where
   the failure came part-way, after draining that lane, so the caller may free the
   destination slots as soon as the exception reaches it.
-- `Transfer.signals`: per layer for loads (layer i readable once `signals[i]` fires),
-  one for other operations; `done()` polls the last without waiting, `wait()` blocks.
+- `Transfer.signals` (`kvtier.transfer.submit.Transfer`, which any mover returns): per
+  layer for loads (layer i readable once `signals[i]` fires), one for other operations;
+  `done()` polls the last without waiting, `wait()` blocks.
 - Operations on one lane complete in submission order.
 - `drain()` waits for everything submitted; `close()` drains and releases the lanes.
   Neither is called with a submission in progress.
@@ -25,34 +26,12 @@ backups on another, so a reload never waits behind a backup. A tier below the ho
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
-from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan
-from kvtier.transfer.lanes import Lane, Signal, make_lane
-from kvtier.transfer.submit import DEFAULT_LOOP, Operation, Submitted, Transfers
-
-
-@dataclass
-class Transfer:
-    """An operation a mover has submitted: its signals and what it knows about how it moves."""
-
-    signals: Sequence[Signal]
-    submitted: Submitted | None = None
-
-    @property
-    def plan(self) -> TransferPlan | None:
-        """The transfer plan (device <-> host operations; built when first read)."""
-        return self.submitted.plan if self.submitted is not None else None
-
-    def done(self) -> bool:
-        return not self.signals or self.signals[-1].query()
-
-    def wait(self) -> None:
-        if self.signals:
-            self.signals[-1].wait_host()
+from kvtier.transfer import KernelOptions, PathCosts, TransferPath
+from kvtier.transfer.lanes import Lane, make_lane
+from kvtier.transfer.submit import DEFAULT_LOOP, Operation, Transfer, Transfers
 
 
 class Mover(ABC):
@@ -110,11 +89,10 @@ class DeviceHostMover(Mover):
     def submit(self, op: Operation) -> Transfer:
         lane = self.lane(op.direction)
         try:
-            submitted = self.transfers.submit(op, lane, per_layer=op.direction is Direction.LOAD)
+            return self.transfers.submit(op, lane, per_layer=op.direction is Direction.LOAD)
         except BaseException:
             lane.drain()  # whatever the lane took may still write the destination
             raise
-        return Transfer(submitted.signals, submitted)
 
     def drain(self) -> None:
         self.load_lane.drain()

@@ -32,6 +32,7 @@ from kvtier.cache.radix import Node, NodeState, RadixTree
 from kvtier.errors import CacheFullError, CacheStateError, InvariantError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
+from kvtier.transfer import runs
 from kvtier.transfer.submit import Operation
 
 log = logging.getLogger(__name__)
@@ -260,9 +261,5 @@ def _evict(tokens: int, queue: EvictionQueue, eligible, evict) -> int:
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
     """`(first slot, length)` runs of consecutive ids in `slots` (`[n]` int64 CPU), in order."""
     s = slots.numpy()
-    if not len(s):
-        return []
-    heads = np.flatnonzero(np.diff(s) != 1) + 1
-    starts = np.concatenate(([0], heads))
-    lens = np.diff(np.append(starts, len(s)))
-    return list(zip(s[starts].tolist(), lens.tolist(), strict=True))
+    first, lens = runs.starts(runs.breaks(s, 1))
+    return list(zip(s[first].tolist(), lens.tolist(), strict=True))

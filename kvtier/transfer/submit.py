@@ -81,17 +81,27 @@ class Operation:
 
 
 @dataclass
-class Submitted:
-    """An operation on its lane: its `signals` and the plan that moves it (built when first read)."""
+class Transfer:
+    """A submitted operation: its `signals` (per layer, or one) and its plan (built when first read).
+
+    `done()` polls the last signal without waiting; `wait()` blocks until it fires.
+    """
 
     signals: Sequence[Signal]
-    _plan: TransferPlan | Callable[[], TransferPlan]
+    _plan: TransferPlan | Callable[[], TransferPlan] | None = None
 
     @property
-    def plan(self) -> TransferPlan:
+    def plan(self) -> TransferPlan | None:
         if callable(self._plan):
             self._plan = self._plan()
         return self._plan
+
+    def done(self) -> bool:
+        return not self.signals or self.signals[-1].query()
+
+    def wait(self) -> None:
+        if self.signals:
+            self.signals[-1].wait_host()
 
 
 class Transfers:
@@ -132,14 +142,14 @@ class Transfers:
             op.direction, op.host_slots, op.device_slots, op.runs, stream, whole_pages=op.whole_pages
         )
 
-    def submit(self, op: Operation, lane: Lane, per_layer: bool) -> Submitted:
+    def submit(self, op: Operation, lane: Lane, per_layer: bool) -> Transfer:
         """Move `op` on `lane`; see the module docstring for the signals and the contract."""
         signals = self._submit_compiled(op, lane, per_layer)
         if signals is not None:
-            return Submitted(signals, functools.partial(self.plan, op, lane.stream))
+            return Transfer(signals, functools.partial(self.plan, op, lane.stream))
         plan = self.plan(op, lane.stream)
         lane.wait_for_current()
-        return Submitted(self._execute(plan, lane, per_layer), plan)
+        return Transfer(self._execute(plan, lane, per_layer), plan)
 
     def _submit_compiled(self, op: Operation, lane: Lane, per_layer: bool) -> Sequence[Signal] | None:
         """`op` through the compiled loop, or None (nothing submitted) where that route does not apply."""
