@@ -1,32 +1,23 @@
 """The tiered prefix cache a serving engine drives: the manager that holds the metadata and decides.
 
-`CacheController` owns the radix tree, both tiers' slot allocators, the leases, the
-write policies and one eviction queue per tier; it moves no bytes itself. Every
-transfer goes through its `Mover` (`DeviceHostMover` for device <-> host), which
-reports completion by signals, so the manager never touches a stream, a runtime call
-or an address. Its contract:
+`CacheController` owns the radix tree, both tiers' allocators, the leases, the write
+policies and an eviction queue per tier (through `TierState`); every byte moves through
+its `Mover`, so it never touches a stream, a runtime call or an address. Its contract:
 
-- `match(tokens)` finds the longest cached prefix: the part on the device (its slots,
-  ready to read) and the part only on the host (nodes to `load_back`).
-- `acquire(match)` locks the matched path for a request; `release(lease)` unlocks it
-  (once). Locked nodes are never evicted, from either tier.
-- `load_back(match)` allocates device slots (contiguous where possible), submits one
-  operation for every buffer of those tokens to the mover and returns a `LoadHandle`:
-  `wait_layer(i)` makes the current stream wait for layer i only (no host sync).
-- `alloc_device(n)` hands a request device slots for new tokens (evicting when short);
-  `insert(tokens, slots)` gives them to the tree; `free_device(slots)` returns slots a
-  request did not insert.
-- Write policies decide when device nodes are copied to the host: at insert
-  (`write_through`), after `selective_hits` hits (`write_through_selective`) or when
-  evicted from the device (`write_back`). A node counts as backed up only when its
-  backup's signal has fired.
-- `evict_device(k)` / `evict_host(k)` free slots from unlocked leaves in the order of the
-  configured `EvictionPolicy` (`kvtier.cache.policy`), O(evicted x log nodes).
-- `check_invariants()` raises `InvariantError` unless every slot is free or owned once
-  per tier, lock counts match the leases, the eviction queues match the tiers and
-  backed-up nodes hold identical bytes in both tiers.
-- `close()` completes every transfer, stops the mover and closes both pools; the cache
-  (and its pools) refuse every call after it (`ClosedError`). A context manager too.
+- `match(tokens)`: the longest cached prefix, its device part (slots, ready) and its
+  host-only nodes (to `load_back`); `acquire(match)` locks the path, `release(lease)`
+  unlocks it once; locked nodes are never evicted.
+- `load_back(match)`: device slots (contiguous where possible), one operation for every
+  buffer, a `LoadHandle` whose `wait_layer(i)` makes the current stream wait for layer i.
+- `alloc_device(n)` / `insert(tokens, slots)` / `free_device(slots)`: a request's slots.
+- Write policies: back up at insert (`write_through`), after `selective_hits` hits
+  (`write_through_selective`) or at eviction (`write_back`); a node counts as backed up
+  once its backup's signal has fired.
+- `evict_device(k)` / `evict_host(k)`: unlocked leaves in `EvictionPolicy` order,
+  O(evicted x log nodes).
+- `check_invariants()` raises `InvariantError` (`kvtier.cache.invariants` lists them).
+- `close()` completes every transfer, stops the mover and closes both pools; later calls
+  raise `ClosedError`.
 
 Errors (`SlotError`, `LeaseError`, `CacheStateError`, `CacheFullError`) are raised before
 anything changes.

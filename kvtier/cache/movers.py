@@ -1,26 +1,17 @@
 """Movers: the half of the cache that moves bytes, one per pair of tiers.
 
-The manager (`CacheController`) decides what moves where and when; a mover only moves
-bytes between two tiers and reports completion through signals. It never reads or
-changes the tree, the allocators or a node's state.
+The manager decides what moves and when; a mover only moves bytes between two tiers and
+reports completion through signals, never touching the tree, the allocators or a node.
 
-Contract of a `Mover`:
-
-- `submit(op) -> Transfer` starts moving one operation on the mover's lane for its
-  direction and returns at once. It raises before anything is submitted, or, where
-  the failure came part-way, after draining that lane, so the caller may free the
-  destination slots as soon as the exception reaches it.
-- `Transfer.signals` (`kvtier.transfer.submit.Transfer`, which any mover returns): per
-  layer for loads (layer i readable once `signals[i]` fires), one for other operations;
-  `done()` polls the last without waiting, `wait()` blocks.
-- Operations on one lane complete in submission order.
-- `drain()` waits for everything submitted; `close()` drains and releases the lanes.
-  Neither is called with a submission in progress.
+Contract of a `Mover`: `submit(op)` starts one operation on the lane of its direction
+and returns a `Transfer` at once (`signals`: per layer for loads, one otherwise; `done()`,
+`wait()`); it raises before submitting anything or, failing part-way, after draining that
+lane, so the caller may free the destination slots. A lane completes its operations in
+order. `drain()` waits for everything submitted; `close()` drains and takes no more.
 
 `DeviceHostMover` moves between a `DevicePool` and a `HostPool` through
-`kvtier.transfer.Transfers` (the one submission entry point), loads on one lane and
-backups on another, so a reload never waits behind a backup. A tier below the host
-(storage) plugs in as another mover with its own operation type and signals.
+`kvtier.transfer.submit.Transfers`, loads and backups on separate lanes, so a reload never
+waits behind a backup. A tier below the host plugs in as another mover.
 """
 
 from __future__ import annotations

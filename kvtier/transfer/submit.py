@@ -1,30 +1,18 @@
 """The one entry point through which KV moves between a host pool and a device pool.
 
-`Transfers(host_pool, device_pool, ...)` is built once per pool pair (it checks the
-planner's options and binds the compiled loop to the pools' addresses once);
-`submit(op, lane, per_layer)` moves one `Operation` and returns its signals. It picks
-one of two routes, and no caller chooses:
+`Transfers(host_pool, device_pool, ...)` is built once per pool pair; `submit(op, lane,
+per_layer)` moves one `Operation` on a lane and returns a `Transfer`. No caller picks the
+route: the compiled loop (`native`) where the planner moves every row by the copy engine
+and the loop takes the runs (the loop computes every layer's addresses; a plan is built
+only if someone reads it), else the plan executor (`load_layers` / `backup`, layer by
+layer or in groups of `layers_per_load` for kernel loads). Both make the same copies for
+a copy-engine operation; the loop only costs the caller less (`bench/FINDINGS.md`).
 
-- the compiled loop (`native`), where the planner moves every row by the copy engine
-  and the loop can take the operation's runs: the loop computes every layer's
-  addresses from the runs and makes the runtime calls, so the caller builds no plan
-  (the plan is made only if someone reads it);
-- the plan executor otherwise: a `TransferPlan` decided once on CPU indices, then
-  every layer (or group of `layers_per_load` layers, kernel loads) through its
-  mechanisms with `load_layers` / `backup`.
-
-Both routes make the same copies for an operation the copy engine moves whole; the
-compiled loop only costs the caller less time to submit (`bench/FINDINGS.md`).
-
-Contract:
-- the operation is ordered after the work already queued on the current compute
-  stream, and nothing waits for the device;
-- `per_layer`: one signal per model layer, layer i's set once layer i has landed
-  (its group's, with layer groups); otherwise one signal after every layer;
-- the slots are trusted: whole allocator pages, in range, distinct destinations (the
-  cache's allocators and tree hand them out); `op.runs`, where given, describe them;
-- if `submit` raises, the lane may still hold calls it took: the caller drains the
-  lane before reusing the destination slots.
+Contract: the operation is ordered after the work queued on the current compute stream
+and nothing waits for the device; `per_layer` gives one signal per model layer (layer i's
+fires once it has landed, its group's with layer groups), else one after every layer; the
+slots are trusted (from the cache's allocators and tree) and `op.runs`, where given,
+describe them; if `submit` raises, the caller drains the lane before reusing the slots.
 """
 
 from __future__ import annotations
