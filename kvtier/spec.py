@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
+from functools import cached_property
 
 import torch
 
 from kvtier.errors import SpecError
 
 # The DSA indexer row: a 128-byte fp8 index key then its fp32 scale, as raw bytes.
-INDEXER_KEY_BYTES = 128
-INDEXER_SCALE_BYTES = 4
-INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
+INDEXER_ROW_BYTES = 128 + 4
 
 # Packed fp8 MLA row: 512 fp8 latent values, four fp32 scales (one per 128 values),
 # then the 64 rotary values kept in bf16.
@@ -42,11 +41,6 @@ class BufferKind(str, Enum):
     MLA_LATENT = "mla_latent"
     INDEXER = "indexer"
     SIDECAR = "sidecar"
-
-
-def dtype_size(dtype: torch.dtype) -> int:
-    """Bytes of one element of `dtype` (no tensor is made: this runs on every plan's hot path)."""
-    return dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -72,13 +66,9 @@ class BufferSpec:
             raise SpecError(f"buffer {self.name!r}: layers {self.layers} must be ascending, distinct, >= 0")
 
     @property
-    def row_elems(self) -> int:
-        return math.prod(self.row_shape)
-
-    @property
     def row_bytes(self) -> int:
         """Bytes of one token's row on one layer."""
-        return self.row_elems * dtype_size(self.dtype)
+        return math.prod(self.row_shape) * self.dtype.itemsize
 
     def bytes_per_token(self) -> int:
         """Bytes of one token over all the layers that carry this buffer."""
@@ -91,14 +81,9 @@ class BufferSpec:
         except KeyError:
             raise SpecError(f"buffer {self.name!r} has no layer {layer}; it has {self.layers}") from None
 
-    @property
+    @cached_property  # writes the instance's __dict__, which a frozen dataclass allows
     def _layer_index(self) -> dict[int, int]:
-        # Cached on first use; the dataclass is frozen, so bypass __setattr__.
-        cache = self.__dict__.get("_layer_index_cache")
-        if cache is None:
-            cache = {layer: i for i, layer in enumerate(self.layers)}
-            object.__setattr__(self, "_layer_index_cache", cache)
-        return cache
+        return {layer: i for i, layer in enumerate(self.layers)}
 
 
 @dataclass(frozen=True)
@@ -109,7 +94,6 @@ class KVSpec:
     num_layers: int
     buffers: tuple[BufferSpec, ...]
     page_size: int = 1
-    notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0:
@@ -157,9 +141,6 @@ class KVSpec:
     def layer_bytes_per_token(self, layer: int) -> int:
         """Bytes of one token on one layer, over the buffers that layer carries."""
         return sum(b.row_bytes for b in self.buffers_on(layer))
-
-    def with_page_size(self, page_size: int) -> KVSpec:
-        return replace(self, page_size=page_size)
 
     def with_layers(self, num_layers: int) -> KVSpec:
         """The same spec cut to its first `num_layers` layers (benchmarks time one layer)."""
@@ -258,4 +239,4 @@ def preset(name: str, page_size: int = 1) -> KVSpec:
         make = PRESETS[name]
     except KeyError:
         raise SpecError(f"unknown spec preset {name!r}; known: {sorted(PRESETS)}") from None
-    return make().with_page_size(page_size)
+    return replace(make(), page_size=page_size)

@@ -29,6 +29,7 @@ to drop: a view it keeps keeps its chunk's memory alive, an address it keeps dan
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -39,7 +40,7 @@ import torch
 from kvtier.errors import ClosedError, HostMemoryError, InvariantError, LayoutError, PinError, SpecError
 from kvtier.pool.memory import GiB, default_reserve_bytes, fmt_bytes, host_memory_bytes, return_freed_memory
 from kvtier.pool.rows import as_words, word_dtype
-from kvtier.spec import BufferSpec, KVSpec, dtype_size
+from kvtier.spec import BufferSpec, KVSpec
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +364,7 @@ class HostPool:
         b = self.spec.buffer(buffer)
         local = b.local_layer(layer)
         dtype = word_dtype(b.row_bytes)
-        row_words = b.row_bytes // dtype_size(dtype)
+        row_words = b.row_bytes // dtype.itemsize
         if self.layout is HostLayout.LAYER_FIRST:
             slot = region * self.segment_slots
             for c in self._chunks_of(buffer):
@@ -442,7 +443,4 @@ def _words3(view: torch.Tensor) -> torch.Tensor:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype_size(dtype)
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape) * dtype.itemsize
