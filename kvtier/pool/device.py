@@ -1,18 +1,15 @@
 """The device tier: one `[num_slots, *row]` tensor per buffer per layer, plus staging.
 
-A pool it builds holds each buffer's layers in one allocation (the layers are views,
-evenly spaced); a wrapped engine's tensors may lie anywhere.
-
-`DevicePool` owns the tensors the model reads (or wraps tensors an engine already
-has) and two staging buffers, one per transfer direction, so a reload and a backup
-running on two streams never share one. Staging is sized when the pool is built and
-counted in `footprint_bytes`; it never grows later.
+`DevicePool` owns the tensors the model reads (one allocation per buffer, its layers
+evenly spaced views) or wraps tensors an engine already has (which may lie anywhere),
+and two staging buffers, one per transfer direction, so a reload and a backup on two
+streams never share one. Staging is sized when the pool is built, counted in
+`footprint_bytes`, and never grows.
 
 Lifetime: `close()` (or leaving a `with` block) drops the pool's tensors and staging;
-afterwards `layer`, `raw_rows`, `layer_ptrs` and `staging` raise `ClosedError`. On a
-GPU the freed blocks stay in torch's caching allocator, ready for the next pool:
-calling `torch.cuda.empty_cache()` to hand them to the driver is the caller's choice.
-A wrapped pool drops only its references; the engine's tensors stay the engine's.
+afterwards every accessor raises `ClosedError`. On a GPU the freed blocks stay in
+torch's caching allocator (`torch.cuda.empty_cache()` is the caller's choice). A wrapped
+pool drops only its references.
 """
 
 from __future__ import annotations

@@ -18,12 +18,9 @@ are contiguous in memory (`segment_slots` long, aligned). A transfer plan splits
 its runs at segment boundaries; `segment()` returns the slab of one segment.
 
 Lifetime: `close()` (or leaving a `with` block) drops every chunk and hands the memory
-back to the operating system at once: pinned blocks that torch's caching host allocator
-keeps are emptied from it, pageable ones are trimmed from the C heap. After `close()`
-every access to rows or addresses (`chunks`, `segment`, `locate`, `row_map`,
-`region_ptrs`, `region_words`, `gather`, `scatter`) raises `ClosedError` instead of
-handing out an address of freed memory. What a caller took before `close()` is its own
-to drop: a view it keeps keeps its chunk's memory alive, an address it keeps dangles.
+back to the operating system at once (`memory.return_freed_memory`). After `close()`
+every access to rows or addresses raises `ClosedError` instead of handing out an address
+of freed memory; a view taken before keeps its chunk alive, an address taken before dangles.
 """
 
 from __future__ import annotations
@@ -222,15 +219,8 @@ class HostPool:
             layer_hi = min(layers, layer_lo + group)
             for slot_lo in range(0, self.num_slots, span):
                 slot_hi = min(self.num_slots, slot_lo + span)
-                out.append(
-                    (
-                        (layer_hi - layer_lo, slot_hi - slot_lo, *b.row_shape),
-                        layer_lo,
-                        layer_hi,
-                        slot_lo,
-                        slot_hi,
-                    )
-                )
+                shape = (layer_hi - layer_lo, slot_hi - slot_lo, *b.row_shape)
+                out.append((shape, layer_lo, layer_hi, slot_lo, slot_hi))
         return out
 
     def _page_first_chunks(self, b: BufferSpec) -> list[_ChunkPlan]:
@@ -286,16 +276,18 @@ class HostPool:
         slot = index * self.segment_slots
         if not 0 <= slot < self.num_slots:
             raise SpecError(f"host pool: segment {index} is outside [0, {self.num_segments()})")
+        c = self._chunk_at(buffer, local, slot)
         if self.layout is HostLayout.LAYER_FIRST:
-            for c in self._chunks_of(buffer):
-                if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
-                    rel = slot - c.slot_lo
-                    return c.tensor[local - c.layer_lo, rel : rel + self.segment_slots]
-        else:
-            for c in self._chunks_of(buffer):
-                if c.slot_lo <= slot < c.slot_hi:
-                    return c.tensor[(slot - c.slot_lo) // self.spec.page_size, local]
-        raise InvariantError(f"host pool: no chunk holds segment {index} of {buffer!r}")
+            rel = slot - c.slot_lo
+            return c.tensor[local - c.layer_lo, rel : rel + self.segment_slots]
+        return c.tensor[(slot - c.slot_lo) // self.spec.page_size, local]
+
+    def _chunk_at(self, buffer: str, local: int, slot: int) -> _Chunk:
+        """The chunk of `buffer` that holds local layer `local` of `slot`."""
+        for c in self._chunks_of(buffer):
+            if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
+                return c
+        raise InvariantError(f"host pool: no chunk holds slot {slot} of {buffer!r} on local layer {local}")
 
     def locate(self, buffer: str, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where rows live: `(region [n], row [n])`, both int64, for `slots` (`[n]` int64).
@@ -335,14 +327,12 @@ class HostPool:
                 [[c.tensor.data_ptr() + j * ps * b.row_bytes for c in chunks] for j in range(layers)],
                 dtype=np.int64,
             )
-            out.flags.writeable = False
-            return out
-        spans = self.num_segments()
-        out = np.zeros((layers, spans), dtype=np.int64)
-        for c in chunks:
-            k = c.slot_lo // self.segment_slots
-            for j in range(c.layer_lo, c.layer_hi):
-                out[j, k] = c.tensor.data_ptr() + (j - c.layer_lo) * (c.slot_hi - c.slot_lo) * b.row_bytes
+        else:
+            out = np.zeros((layers, self.num_segments()), dtype=np.int64)
+            for c in chunks:
+                k = c.slot_lo // self.segment_slots
+                for j in range(c.layer_lo, c.layer_hi):
+                    out[j, k] = c.tensor.data_ptr() + (j - c.layer_lo) * (c.slot_hi - c.slot_lo) * b.row_bytes
         out.flags.writeable = False
         return out
 
@@ -353,11 +343,8 @@ class HostPool:
         submitting copies without building tensor views. Read-only; `ClosedError` after
         `close()`, so no copy is ever submitted to freed memory through this pool.
         """
-        self._check_open()
-        try:
-            return self._region_ptrs[buffer]
-        except KeyError:
-            raise SpecError(f"host pool has no buffer {buffer!r}; it has {list(self._chunks)}") from None
+        self._chunks_of(buffer)  # open, and a buffer of the spec
+        return self._region_ptrs[buffer]
 
     def region_words(self, buffer: str, layer: int, region: int) -> torch.Tensor:
         """1-D words of one region, from its first row of `layer` to the end of its allocation."""
@@ -366,12 +353,9 @@ class HostPool:
         dtype = word_dtype(b.row_bytes)
         row_words = b.row_bytes // dtype.itemsize
         if self.layout is HostLayout.LAYER_FIRST:
-            slot = region * self.segment_slots
-            for c in self._chunks_of(buffer):
-                if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
-                    start = (local - c.layer_lo) * (c.slot_hi - c.slot_lo) * row_words
-                    return _flat_words(c.tensor, dtype)[start:]
-            raise InvariantError(f"host pool: no chunk holds region {region} of {buffer!r} on layer {layer}")
+            c = self._chunk_at(buffer, local, region * self.segment_slots)
+            start = (local - c.layer_lo) * (c.slot_hi - c.slot_lo) * row_words
+            return _flat_words(c.tensor, dtype)[start:]
         c = self._chunks_of(buffer)[region]
         return _flat_words(c.tensor, dtype)[local * self.spec.page_size * row_words :]
 
