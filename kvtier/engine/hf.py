@@ -33,9 +33,14 @@ except ImportError:  # pragma: no cover - the engine extra is not installed
     DynamicLayer = object  # type: ignore[assignment,misc]
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's part of a transformers config (the config itself for a text-only model)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size: int = 1) -> KVSpec:
     """The `KVSpec` of a transformers model config; `SpecError` for a layout kvtier cannot map."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     name = getattr(text, "model_type", None) or "model"
     layers = getattr(text, "num_hidden_layers", None)
     if not isinstance(layers, int) or layers <= 0:
