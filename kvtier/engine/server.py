@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partialmethod
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -181,21 +182,21 @@ class Routes:
             )
         job = Job(prompt, params, asyncio.get_running_loop())
         self.worker.submit(job)
-        reply = _Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), chat)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        reply = _Reply(rid, int(time.time()), chat, self.model_name)
         if body.get("stream"):
             return StreamingResponse(self._sse(job, reply), media_type="text/event-stream")
         result = await _drain(job)
         self.stats.record(result)
-        return reply.whole(self.model_name, result, _finish_reason(result, params))
+        return reply.whole(result, _finish_reason(result, params))
 
     async def _sse(self, job: Job, reply: _Reply) -> AsyncIterator[str]:
         """The server-sent events of one streamed request: role, text deltas, finish, `[DONE]`."""
         tokens: list[int] = []
         sent = ""
-        model = self.model_name
         try:
             if reply.chat:
-                yield reply.chunk(model, {"delta": {"role": "assistant", "content": ""}})
+                yield reply.chunk({"delta": {"role": "assistant", "content": ""}})
             while True:
                 kind, value = await job.events.get()
                 if kind == "token":
@@ -203,14 +204,12 @@ class Routes:
                     text = self.engine.decode(tokens)
                     delta, sent = text[len(sent) :], text
                     if delta:
-                        yield reply.chunk(
-                            model, {"delta": {"content": delta}} if reply.chat else {"text": delta}
-                        )
+                        yield reply.chunk({"delta": {"content": delta}} if reply.chat else {"text": delta})
                 elif kind == "done":
                     self.stats.record(value)
                     end = {"delta": {}} if reply.chat else {"text": ""}
                     end["finish_reason"] = _finish_reason(value, job.params)
-                    yield reply.chunk(model, end)
+                    yield reply.chunk(end)
                     yield "data: [DONE]\n\n"
                     return
                 elif kind == "error":
@@ -226,46 +225,38 @@ class Routes:
 
 @dataclass(frozen=True)
 class _Reply:
-    """What every response object of one request repeats: its id, creation time and kind."""
+    """What every response object of one request repeats: its id, creation time, kind and model."""
 
     rid: str
     created: int
     chat: bool
+    model: str
 
-    def whole(self, model: str, result: RequestResult, finish: str) -> dict:
+    def whole(self, result: RequestResult, finish: str) -> dict:
         """The non-streamed response object."""
         if self.chat:
             message = {"role": "assistant", "content": result.text}
             choice = {"index": 0, "message": message, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
-        n = result.prompt_tokens
-        usage = {
-            "prompt_tokens": n,
-            "completion_tokens": len(result.tokens),
-            "total_tokens": n + len(result.tokens),
-        }
-        obj = "chat.completion" if self.chat else "text_completion"
+        n, k = result.prompt_tokens, len(result.tokens)
+        usage = {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
+        return {**self._object("chat.completion", [choice]), "usage": usage}
+
+    def chunk(self, choice: dict) -> str:
+        """One server-sent event of a streamed response."""
+        payload = self._object("chat.completion.chunk", [{"index": 0, "finish_reason": None, **choice}])
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def _object(self, chat_kind: str, choices: list[dict]) -> dict:
+        kind = chat_kind if self.chat else "text_completion"
         return {
             "id": self.rid,
-            "object": obj,
+            "object": kind,
             "created": self.created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage,
+            "model": self.model,
+            "choices": choices,
         }
-
-    def chunk(self, model: str, choice: dict) -> str:
-        """One server-sent event of a streamed response."""
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        payload = {
-            "id": self.rid,
-            "object": obj,
-            "created": self.created,
-            "model": model,
-            "choices": [{"index": 0, "finish_reason": None, **choice}],
-        }
-        return f"data: {json.dumps(payload)}\n\n"
 
 
 def _api_error(error: BaseException) -> APIError:
@@ -363,46 +354,28 @@ def _finish_reason(result: RequestResult, params: SamplingParams) -> str:
 
 def _prometheus(engine: Engine, stats: Stats) -> str:
     """The Prometheus text of the cache's counters and the server's; O(buckets) per scrape."""
-    m = engine.cache.metrics
-    frag = engine.cache.fragmentation()
-    out = _Exposition()
-    out.metric("cache_matches_total", "counter", "prefix lookups", [("", m.matches)])
-    tiers = [("device", m.device_hit_tokens), ("host", m.host_hit_tokens), ("none", m.miss_tokens)]
-    out.metric(
-        "cache_prompt_tokens_total",
-        "counter",
-        "prompt tokens by where they were found",
-        [(f'{{tier="{t}"}}', v) for t, v in tiers],
-    )
-    out.metric(
-        "cache_bytes_total",
-        "counter",
-        "KV bytes moved between tiers",
-        [('{direction="h2d"}', m.bytes_h2d), ('{direction="d2h"}', m.bytes_d2h)],
-    )
-    out.metric("cache_loads_total", "counter", "load backs submitted", [("", m.loads)])
-    out.metric(
-        "cache_loaded_tokens_total", "counter", "tokens loaded back from the host", [("", m.loaded_tokens)]
-    )
+    m, frag, out = engine.cache.metrics, engine.cache.fragmentation(), _Exposition()
+    out.counter("cache_matches_total", "prefix lookups", m.matches)
+    tiers = {"device": m.device_hit_tokens, "host": m.host_hit_tokens, "none": m.miss_tokens}
+    out.counter("cache_prompt_tokens_total", "prompt tokens by where they were found", tiers, "tier")
+    moved = {"h2d": m.bytes_h2d, "d2h": m.bytes_d2h}
+    out.counter("cache_bytes_total", "KV bytes moved between tiers", moved, "direction")
+    out.counter("cache_loads_total", "load backs submitted", m.loads)
+    out.counter("cache_loaded_tokens_total", "tokens loaded back from the host", m.loaded_tokens)
     out.histogram("cache_load_seconds", "time from load submission to completion", m.load_seconds)
     gbps = m.bytes_h2d / m.load_seconds.sum / 1e9 if m.load_seconds.sum else 0.0
-    out.metric("cache_reload_gbps", "gauge", "reload speed over all loads", [("", gbps)])
-    out.metric(
-        "cache_evictions_total",
-        "counter",
-        "nodes evicted",
-        [('{tier="device"}', m.device_evictions), ('{tier="host"}', m.host_evictions)],
-    )
-    out.metric("cache_backups_total", "counter", "device to host backups started", [("", m.backups)])
+    out.gauge("cache_reload_gbps", "reload speed over all loads", gbps)
+    evicted = {"device": m.device_evictions, "host": m.host_evictions}
+    out.counter("cache_evictions_total", "nodes evicted", evicted, "tier")
+    out.counter("cache_backups_total", "device to host backups started", m.backups)
     for name, help_ in (
         ("free_slots", "free slots per tier"),
         ("free_runs", "free extents per tier (fragmentation)"),
         ("largest_free_run", "largest free extent per tier"),
     ):
-        samples = [(f'{{tier="{t}"}}', frag[f"{t}_{name}"]) for t in ("device", "host")]
-        out.metric(f"cache_{name}", "gauge", help_, samples)
-    requests = [(f'{{status="{k}"}}', v) for k, v in sorted(stats.requests.items())]
-    out.metric("requests_total", "counter", "HTTP requests by status", requests or [('{status="200"}', 0)])
+        out.gauge(f"cache_{name}", help_, {t: frag[f"{t}_{name}"] for t in ("device", "host")}, "tier")
+    requests = dict(sorted(stats.requests.items())) or {"200": 0}
+    out.counter("requests_total", "HTTP requests by status", requests, "status")
     out.histogram("time_to_first_token_seconds", "time to the first token", stats.ttft)
     out.histogram("request_seconds", "request latency", stats.latency)
     return out.text()
@@ -414,9 +387,14 @@ class _Exposition:
     def __init__(self) -> None:
         self.lines: list[str] = []
 
-    def metric(self, name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+    def metric(self, kind: str, name: str, help_: str, value: Any, label: str | None = None) -> None:
+        """`value`: one number, or `{label value: number}` under the label `label`."""
+        samples = {"": value} if label is None else {f'{{{label}="{k}"}}': v for k, v in value.items()}
         self.lines += [f"# HELP kvtier_{name} {help_}", f"# TYPE kvtier_{name} {kind}"]
-        self.lines += [f"kvtier_{name}{labels} {value}" for labels, value in samples]
+        self.lines += [f"kvtier_{name}{labels} {v}" for labels, v in samples.items()]
+
+    counter = partialmethod(metric, "counter")
+    gauge = partialmethod(metric, "gauge")
 
     def histogram(self, name: str, help_: str, h: Histogram) -> None:
         """`_bucket` lines (cumulative, the last `le="+Inf"`), then `_sum` and `_count`."""
