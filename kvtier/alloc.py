@@ -1,32 +1,25 @@
-"""Slot allocation for the host KV pool.
+"""Slot allocation for a KV pool: which slots are free, handed out and taken back a page at a time.
 
-This module owns the mapping "which host slots are free" for one host pool of
-`num_slots` slots, grouped into pages of `page_size` slots. It hands out slot ids
-and takes them back; it never touches the KV bytes themselves.
+`HostSlotAllocator` owns the mapping "which slots are free" for one pool of `num_slots`
+slots in pages of `page_size`; it never touches the KV bytes.
 
 Invariants (both policies):
 
-* Work happens in whole pages. `alloc(n)` needs `n` to be a positive multiple of
-  `page_size`; every page it hands out contributes its slots
-  `page * page_size + 0 .. page_size - 1`, ascending.
-* Every page is in exactly one of three states, kept in a numpy `int8` array:
-  0 never allocated, 1 allocated, 2 free again after an allocation. A page is in
-  the free structure iff its state is not 1.
-* `alloc(n)` returns `None` exactly when `available() < n`; both policies succeed
-  and fail on the same calls, they only differ in which ids they return.
-* Every error is raised before anything changes. Slot ids handed to `free` go
-  through the one validator, `kvtier.slots.as_slots` (dtype, shape, range, repeats).
-* The cost of one call grows with the ids and free runs it touches, never with
-  the pool size (except the `free_runs` / `largest_free_run` metrics under
-  "first_fit", see there).
+* Work happens in whole pages: `alloc(n)` needs a positive multiple of `page_size`, and
+  each page it hands out contributes its slots `page * page_size + 0 .. page_size - 1`.
+* Every page is in one of three states (numpy `int8`): 0 never allocated, 1 allocated,
+  2 free again. A page is in the free structure iff its state is not 1.
+* `alloc(n)` returns `None` exactly when `available() < n`; both policies succeed and
+  fail on the same calls and differ only in which ids they return.
+* Every error is raised before anything changes; ids handed to `free` go through
+  `kvtier.slots.as_slots`.
+* A call costs what the ids and free runs it touches cost, never the pool size (except
+  `free_runs` / `largest_free_run` under "first_fit").
 
-Policies:
-
-* "first_fit" reproduces the stock allocator: a FIFO free list, initially pages
-  in order; alloc takes from the head, free appends at the tail in the order
-  given, so after churn allocations come back scrambled.
-* "contiguous" (default) keeps free pages as merged, maximal runs and returns one
-  ascending run whenever one fits (best fit), else the largest runs first.
+Policies: "first_fit" is the stock allocator, a FIFO free list (pages in order at first;
+alloc takes from the head, free appends in the order given, so churn scrambles it).
+"contiguous" (default) keeps free pages as merged maximal runs and returns one ascending
+run whenever one fits (best fit), else the largest runs first.
 """
 
 from __future__ import annotations
@@ -41,8 +34,6 @@ from sortedcontainers import SortedList
 
 from kvtier.errors import AllocatorCorruptError, InvariantError, SlotError
 from kvtier.slots import as_slots, fmt_ids
-
-__all__ = ["AllocPolicy", "HostSlotAllocator"]
 
 # Page states (see the module docstring).
 _NEVER = 0
@@ -114,24 +105,14 @@ class HostSlotAllocator:
         return self._free_pages * self.page_size
 
     def free_runs(self) -> int:
-        """Number of maximal extents of consecutive free slots (in slot-id space).
-
-        Contiguous policy: O(1), the merged run count. First_fit: the same quantity
-        (physical free extents, so both policies are comparable), computed from
-        the ownership array in one vectorised O(`num_slots / page_size`) pass; it
-        does not describe the free-list order, which is what first_fit hands out.
-        """
+        """Number of maximal extents of consecutive free slot ids (first_fit: one pass over the pages)."""
         if self.policy is AllocPolicy.CONTIGUOUS:
             return len(self._run_len)
         starts, _ = self._physical_runs()
         return len(starts)
 
     def largest_free_run(self) -> int:
-        """Length in slots of the longest extent of consecutive free slots (0 if none).
-
-        Cost as for `free_runs`: O(log runs) for contiguous, one vectorised pass
-        over the pages for first_fit.
-        """
+        """Length in slots of the longest extent of consecutive free slots (0 if none)."""
         if self.policy is AllocPolicy.CONTIGUOUS:
             if not self._runs_by_size:
                 return 0
@@ -144,14 +125,10 @@ class HostSlotAllocator:
     # -------------------------------------------------------------------- alloc
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` free slots; `None` iff fewer than `n` are free.
+        """`[n]` int64 CPU tensor of distinct free slot ids in whole pages; `None` iff fewer are free.
 
-        Returns a 1-D CPU `int64` tensor of `n` distinct slot ids, made of whole
-        pages (each page's slots ascending). `n` must be a positive int multiple
-        of `page_size`, else `SlotError`. Contiguous policy: one ascending run when
-        any free run holds `n` slots (the smallest such run, from its start), else
-        the largest runs first. First_fit: the head of the FIFO free list. The
-        tensor is read-only by contract (see `alloc_runs`).
+        `n`: a positive multiple of `page_size`, else `SlotError`. The tensor is read-only
+        by contract (see `alloc_runs`).
         """
         got = self.alloc_runs(n)
         return None if got is None else got[0]
@@ -159,9 +136,8 @@ class HostSlotAllocator:
     def alloc_runs(self, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
         """`alloc(n)` and the runs it is made of: `(slots, [(first slot, length), ...])` in order.
 
-        The runs let a caller plan a transfer without a pass over the slots. With the
-        contiguous policy a one-run allocation's slots are a view of the allocator's
-        table of slot ids: read them, never write them (as every caller here does).
+        Contiguous policy: a one-run allocation's slots are a view of the allocator's table
+        of slot ids: read them, never write them.
         """
         if not _is_int(n) or n <= 0 or n % self.page_size:
             raise SlotError(
@@ -256,13 +232,10 @@ class HostSlotAllocator:
     # --------------------------------------------------------------------- free
 
     def free(self, slots: torch.Tensor | np.ndarray | Sequence[int]) -> None:
-        """Give back slots handed out by `alloc`; all or nothing.
+        """Give back allocated slots (`[n]` ids: a tensor on any device, an array or a list); all or nothing.
 
-        `slots` is a 1-D integer tensor (any integer dtype, any device), numpy array
-        or list of ints. They must be in range, distinct, currently allocated, and
-        with `page_size > 1` form whole pages; otherwise `SlotError` naming the
-        offending ids, and nothing changes. An empty input is a no-op. Slots need
-        not come from one `alloc` call, nor cover a whole allocation.
+        They must be in range, distinct, allocated and whole pages, else `SlotError` naming
+        the offending ids; they need not come from one `alloc` call.
         """
         if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
             slots = slots.cpu()  # ids handed back from a device tensor are still ids
@@ -303,10 +276,7 @@ class HostSlotAllocator:
         state = self._state[pages]
         if (state != _LIVE).any():
             msgs = []
-            for code, what in (
-                (_FREED, "already freed (double free)"),
-                (_NEVER, "never allocated"),
-            ):
+            for code, what in ((_FREED, "already freed (double free)"), (_NEVER, "never allocated")):
                 bad_pages = pages[state == code]
                 if len(bad_pages):
                     bad = srt[np.isin(srt // ps, bad_pages)]
@@ -361,10 +331,7 @@ class HostSlotAllocator:
         return np.repeat(self._state == _LIVE, self.page_size)
 
     def check_invariants(self) -> None:
-        """Check that the free structure and the ownership array agree (O(pool); for checks).
-
-        Raises `InvariantError` naming the first disagreement.
-        """
+        """`InvariantError` naming the first disagreement of the free structure and the page states."""
         free_mask = self._state != _LIVE
         _require(int(free_mask.sum()) == self._free_pages, "the free page count disagrees with the states")
         if self.policy is AllocPolicy.FIRST_FIT:
