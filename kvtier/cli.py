@@ -20,7 +20,7 @@ from pathlib import Path
 # Module whose `command(args) -> int` runs each command.
 COMMANDS = {
     "demo": "kvtier.engine.demo",
-    "serve": "kvtier.engine.serve_cli",
+    "serve": "kvtier.engine.server",
     "bench transfer": "kvtier.bench.transfer",
     "bench overlap": "kvtier.bench.overlap",
     "bench cache": "kvtier.bench.cache",

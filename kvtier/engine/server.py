@@ -23,16 +23,21 @@ import queue
 import threading
 import time
 import uuid
+from argparse import Namespace
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partialmethod
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvtier.alloc import AllocPolicy
+from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.cache.metrics import Histogram
 from kvtier.engine.engine import Engine, RequestResult, SamplingParams
+from kvtier.engine.models import DEFAULT_MODEL
 from kvtier.errors import APIError, ConfigError, PromptTooLongError
 
 log = logging.getLogger(__name__)
@@ -110,6 +115,25 @@ class Stats:
         self.count("200")
         self.ttft.observe(result.ttft_s)
         self.latency.observe(result.total_s)
+
+
+def command(args: Namespace) -> int:
+    """`kvtier serve`: load the model, build the engine, serve until interrupted."""
+    import uvicorn
+
+    from kvtier.commands import console, engine_for
+
+    config = CacheConfig(
+        write_policy=WritePolicy(args.write_policy), host_alloc_policy=AllocPolicy(args.host_alloc)
+    )
+    dev, engine = engine_for(args, "loading the model", config, host_layout=args.host_layout)
+    name = args.model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
+    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev})")
+    try:
+        uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
 
 
 def create_app(engine: Engine, model_name: str) -> FastAPI:
