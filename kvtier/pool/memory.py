@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -44,17 +43,11 @@ def return_freed_memory(pinned: bool) -> None:
         empty = getattr(torch._C, "_host_emptyCache", None)
         if empty is not None:
             empty()
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None on another C library."""
     try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def fmt_bytes(nbytes: int) -> str:
