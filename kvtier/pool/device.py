@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_STAGING_TOKENS = 131072
 
+Tensors = Mapping[str, Sequence[torch.Tensor]]  # buffer name -> one `[num_slots, *row]` tensor per layer
+
 
 class Direction(str, Enum):
     """Which way a transfer moves rows."""
@@ -53,7 +55,7 @@ class DevicePool:
         device: torch.device | str = "cpu",
         *,
         staging_tokens: int | None = None,
-        tensors: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        tensors: Tensors | None = None,
     ) -> None:
         if num_slots <= 0:
             raise SpecError(f"device pool: num_slots {num_slots} must be positive")
@@ -86,9 +88,8 @@ class DevicePool:
             b.name: all(t.dtype == b.dtype and rows_contiguous(t) for t in self._tensors[b.name])
             for b in spec.buffers
         }
-        self.footprint_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts) + sum(
-            s.nbytes for s in self._staging.values()
-        )
+        kv_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts)
+        self.footprint_bytes = kv_bytes + sum(s.nbytes for s in self._staging.values())
         self._closed = False
         log.info(
             "device pool: %d slots on %s, %s with staging for %d tokens%s",
@@ -100,13 +101,7 @@ class DevicePool:
         )
 
     @classmethod
-    def wrap(
-        cls,
-        spec: KVSpec,
-        tensors: Mapping[str, Sequence[torch.Tensor]],
-        *,
-        staging_tokens: int | None = None,
-    ) -> DevicePool:
+    def wrap(cls, spec: KVSpec, tensors: Tensors, *, staging_tokens: int | None = None) -> DevicePool:
         """A pool over an engine's own tensors.
 
         `tensors[name][i]`: `[num_slots, *row]`, the buffer's i-th layer. Rows need not be
@@ -117,7 +112,7 @@ class DevicePool:
             raise SpecError(f"device pool: no tensors to wrap for spec {spec.name!r}")
         return cls(spec, first.shape[0], first.device, staging_tokens=staging_tokens, tensors=tensors)
 
-    def _check_tensors(self, tensors: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    def _check_tensors(self, tensors: Tensors) -> dict[str, list[torch.Tensor]]:
         out = {}
         for b in self.spec.buffers:
             ts = list(tensors.get(b.name, ()))

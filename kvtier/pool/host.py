@@ -337,11 +337,9 @@ class HostPool:
         return out
 
     def region_ptrs(self, buffer: str) -> np.ndarray:
-        """`[layers of the buffer, regions]` int64: address of each region's first row per layer.
+        """`[layers of the buffer, regions]` int64, read-only: each region's first row per layer.
 
-        The raw-pointer form of `region_words(...).data_ptr()`, computed once, for
-        submitting copies without building tensor views. Read-only; `ClosedError` after
-        `close()`, so no copy is ever submitted to freed memory through this pool.
+        `region_words(...).data_ptr()` computed once, to submit copies without tensor views.
         """
         self._chunks_of(buffer)  # open, and a buffer of the spec
         return self._region_ptrs[buffer]
@@ -358,19 +356,6 @@ class HostPool:
             return _flat_words(c.tensor, dtype)[start:]
         c = self._chunks_of(buffer)[region]
         return _flat_words(c.tensor, dtype)[local * self.spec.page_size * row_words :]
-
-    def _regions(self, buffer: str, layer: int) -> list[tuple[int, int, torch.Tensor]]:
-        """`(slot_lo, slot_hi, words)`: `words` is `[segments, segment_slots, W]`, maybe strided in dim 0."""
-        local = self.spec.buffer(buffer).local_layer(layer)
-        out = []
-        for c in self._chunks_of(buffer):
-            if self.layout is HostLayout.LAYER_FIRST:
-                if c.layer_lo <= local < c.layer_hi:
-                    view = c.tensor[local - c.layer_lo].unsqueeze(0)
-                    out.append((c.slot_lo, c.slot_hi, _words3(view)))
-            else:
-                out.append((c.slot_lo, c.slot_hi, _words3(c.tensor[:, local])))
-        return out
 
     def gather(self, buffer: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Copy of the rows at `slots` (`[n]` int64, CPU) of one layer: `[n, *row]`, pageable."""
@@ -398,11 +383,21 @@ class HostPool:
             view[rel // seg, rel % seg] = rows_w[mask]
 
     def _split(self, buffer: str, layer: int, slots: torch.Tensor):
-        """Per region: `(words, slot - slot_lo, mask)` for the slots that fall in it."""
-        for lo, hi, view in self._regions(buffer, layer):
-            mask = (slots >= lo) & (slots < hi)
+        """Per chunk holding some of `slots`: `(words, slot - slot_lo, mask)`.
+
+        `words`: the chunk's rows of `layer`, `[segments, segment_slots, W]`, maybe strided in dim 0.
+        """
+        local = self.spec.buffer(buffer).local_layer(layer)
+        for c in self._chunks_of(buffer):
+            if self.layout is HostLayout.PAGE_FIRST:
+                view = _words3(c.tensor[:, local])
+            elif c.layer_lo <= local < c.layer_hi:
+                view = _words3(c.tensor[local - c.layer_lo].unsqueeze(0))
+            else:
+                continue
+            mask = (slots >= c.slot_lo) & (slots < c.slot_hi)
             if bool(mask.any()):
-                yield view, slots[mask] - lo, mask
+                yield view, slots[mask] - c.slot_lo, mask
 
     def __repr__(self) -> str:
         state = ", closed" if self._closed else ""
