@@ -332,16 +332,12 @@ def _is_message(m: Any) -> bool:
 
 def _sampling(body: dict) -> SamplingParams:
     def number(name: str, default, kind=float):
-        value = body.get(name, default)
-        if value is None:
+        v = body.get(name, default)
+        if v is None:
             return default
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or (kind is int and value != int(value))
-        ):
+        if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and v != int(v)):
             raise APIError(400, f"{name} must be a {'integer' if kind is int else 'number'}", param=name)
-        return kind(value)
+        return kind(v)
 
     max_tokens = number("max_completion_tokens", None, int)
     if max_tokens is None:
@@ -364,12 +360,8 @@ def _sampling(body: dict) -> SamplingParams:
         raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
     if not 0 < top_p <= 1:
         raise APIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
-        )
-    except ConfigError as e:
-        raise APIError(400, str(e)) from None
+    # Every range SamplingParams checks was checked above, with the API's `param`.
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
 
 
 def _finish_reason(result: RequestResult, params: SamplingParams) -> str:
