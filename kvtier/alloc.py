@@ -49,11 +49,9 @@ class AllocPolicy(str, Enum):
 
 
 class HostSlotAllocator:
-    """Hands out and takes back slot ids of a host pool, a whole page at a time.
+    """Hands out and takes back slot ids of a pool, a whole page at a time.
 
-    `num_slots` must be a positive multiple of `page_size`. `policy` is an
-    `AllocPolicy` or its string value ("contiguous" or "first_fit").
-
+    `num_slots`: a positive multiple of `page_size`; `policy`: an `AllocPolicy` or its value.
     Read-only attributes: `num_slots`, `page_size`, `policy` (an `AllocPolicy`).
     """
 
@@ -98,8 +96,6 @@ class HostSlotAllocator:
             # writes no ids at all.
             self._ids = np.arange(self.num_slots, dtype=np.int64)
 
-    # ------------------------------------------------------------------ queries
-
     def available(self) -> int:
         """Number of free slots."""
         return self._free_pages * self.page_size
@@ -121,8 +117,6 @@ class HostSlotAllocator:
         if len(starts) == 0:
             return 0
         return int((ends - starts).max()) * self.page_size
-
-    # -------------------------------------------------------------------- alloc
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`[n]` int64 CPU tensor of distinct free slot ids in whole pages; `None` iff fewer are free.
@@ -229,8 +223,6 @@ class HostSlotAllocator:
             f"{fmt_ids(live)} that are still allocated"
         )
 
-    # --------------------------------------------------------------------- free
-
     def free(self, slots: torch.Tensor | np.ndarray | Sequence[int]) -> None:
         """Give back allocated slots (`[n]` ids: a tensor on any device, an array or a list); all or nothing.
 
@@ -307,8 +299,6 @@ class HostSlotAllocator:
                 self._remove_run(end, right_len)
                 end += right_len
             self._add_run(start, end - start)
-
-    # ---------------------------------------------------------------- run store
 
     def _add_run(self, start: int, length: int) -> None:
         self._run_len[start] = length

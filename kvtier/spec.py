@@ -214,9 +214,7 @@ def indexer_spec(name: str, num_layers: int, page_size: int = 1) -> KVSpec:
 
 # Named presets. Real ones follow the models' public configs; tiny ones are for tests.
 PRESETS: dict[str, Callable[[], KVSpec]] = {
-    # Llama-3.1-8B: 32 layers, 8 KV heads of 128 (GQA), bf16.
     "llama-3.1-8b": lambda: mha_spec("llama-3.1-8b", 32, 8, 128, torch.bfloat16),
-    # DeepSeek-V3: 61 layers, MLA latent 512 + rope 64.
     "deepseek-v3": lambda: mla_spec("deepseek-v3", 61, 512, 64, torch.bfloat16),
     "deepseek-v3-fp8": lambda: mla_spec("deepseek-v3-fp8", 61, 512, 64, torch.float8_e4m3fn),
     "deepseek-v3-fp8-packed": lambda: mla_spec("deepseek-v3-fp8-packed", 61, packed_fp8=True),

@@ -115,9 +115,8 @@ class _Request:
 class Engine:
     """Serve `model` (a transformers causal LM) through kvtier's tiered cache.
 
-    `device_tokens` / `host_tokens`: KV pool sizes of the two tiers; `prefill_chunk`:
-    the longest piece of a prompt one forward pass computes. A context manager:
-    leaving the block calls `close()`.
+    `device_tokens` / `host_tokens`: KV pool sizes of the two tiers; `prefill_chunk`: the
+    longest piece of a prompt one forward pass computes. A context manager.
     """
 
     def __init__(
@@ -153,8 +152,6 @@ class Engine:
             self.cache = CacheController(self.device_pool, self.host_pool, config)
             undo.pop_all()
 
-    # -- lifetime ----------------------------------------------------------------------
-
     @property
     def closed(self) -> bool:
         """Whether `close()` has run: the engine holds no pool memory and takes no requests."""
@@ -181,8 +178,6 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- prompts -----------------------------------------------------------------------
-
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a chat with the generation prompt appended (the tokenizer's template)."""
         if self.tokenizer is None:
@@ -194,8 +189,6 @@ class Engine:
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True) if self.tokenizer else ""
-
-    # -- requests ----------------------------------------------------------------------
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestResult:
         """Run one request on prompt token ids to the end; see the module docstring."""
@@ -211,9 +204,8 @@ class Engine:
     ) -> Generator[int, None, RequestResult]:
         """Run one request, yielding each new token; returns its `RequestResult`.
 
-        Closing the generator early (a client that went away) stops decoding; the
-        tokens whose KV was computed are inserted, every other slot is freed and the
-        lease released, so the cache stays consistent.
+        Closing the generator early stops decoding: what was computed is inserted, every
+        other slot freed and the lease released.
         """
         if self._closed:
             raise ClosedError(f"engine for {self.spec.name} was closed")

@@ -167,8 +167,6 @@ class HostPool:
             raise
         return out
 
-    # -- lifetime --------------------------------------------------------------------
-
     @property
     def closed(self) -> bool:
         """Whether `close()` has run: the pool holds no memory any more."""
@@ -194,8 +192,6 @@ class HostPool:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"host pool of {self.spec.name!r} ({self.num_slots} slots) was closed")
-
-    # -- layout planning -------------------------------------------------------------
 
     def _layer_first_span(self) -> int:
         """Slots per segment: the whole pool unless one layer of a buffer exceeds a chunk."""
@@ -252,8 +248,6 @@ class HostPool:
         if self.pinned and not raw.is_pinned():
             raise PinError(f"a host chunk of {fmt_bytes(nbytes)} came back unpinned")
         return raw.view(dtype).view(shape)
-
-    # -- access ----------------------------------------------------------------------
 
     def chunks(self, buffer: str) -> list[torch.Tensor]:
         """The raw chunk tensors of one buffer (for tests and inspection)."""

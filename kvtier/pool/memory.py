@@ -35,9 +35,8 @@ def default_reserve_bytes(total: int) -> int:
 def return_freed_memory(pinned: bool) -> None:
     """Hand memory this process just freed back to the OS instead of keeping it for reuse.
 
-    torch's caching host allocator keeps freed pinned blocks until it is emptied; glibc
-    keeps freed heap blocks below its mmap threshold until trimmed (larger blocks are
-    unmapped when freed). Both calls are skipped where this torch or C library lacks them.
+    Empties torch's caching host allocator (pinned blocks) and trims glibc's heap (pageable
+    blocks below its mmap threshold); each is skipped where this torch or C library lacks it.
     """
     if pinned:
         empty = getattr(torch._C, "_host_emptyCache", None)
