@@ -161,16 +161,9 @@ def mha_spec(
     page_size: int = 1,
 ) -> KVSpec:
     """Standard attention: separate K and V rows of `[kv_heads, head_dim]` on every layer."""
-    layers = tuple(range(num_layers))
-    return KVSpec(
-        name=name,
-        num_layers=num_layers,
-        page_size=page_size,
-        buffers=(
-            BufferSpec("k", BufferKind.K, (kv_heads, head_dim), dtype, layers),
-            BufferSpec("v", BufferKind.V, (kv_heads, head_dim), dtype, layers),
-        ),
-    )
+    k = BufferSpec("k", BufferKind.K, (kv_heads, head_dim), dtype, tuple(range(num_layers)))
+    v = replace(k, name="v", kind=BufferKind.V)
+    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=(k, v))
 
 
 def mla_spec(
@@ -189,27 +182,27 @@ def mla_spec(
     512 + 64). `indexer_layers` adds a `[132]` `uint8` row (fp8 key + fp32 scale) on
     those layers.
     """
+    if packed_fp8 and (kv_lora_rank, rope_dim) != (512, 64):
+        raise SpecError("the packed fp8 MLA row is defined for 512 + 64 only")
+    row = (PACKED_FP8_MLA_ROW_BYTES,) if packed_fp8 else (kv_lora_rank + rope_dim,)
     layers = tuple(range(num_layers))
-    if packed_fp8:
-        if (kv_lora_rank, rope_dim) != (512, 64):
-            raise SpecError("the packed fp8 MLA row is defined for 512 + 64 only")
-        latent = BufferSpec("kv", BufferKind.MLA_LATENT, (PACKED_FP8_MLA_ROW_BYTES,), torch.uint8, layers)
-    else:
-        latent = BufferSpec("kv", BufferKind.MLA_LATENT, (kv_lora_rank + rope_dim,), dtype, layers)
-    buffers = [latent]
+    buffers = (BufferSpec("kv", BufferKind.MLA_LATENT, row, torch.uint8 if packed_fp8 else dtype, layers),)
     if indexer_layers is not None:
-        idx_layers = tuple(sorted(set(indexer_layers)))
-        buffers.append(
-            BufferSpec("indexer", BufferKind.INDEXER, (INDEXER_ROW_BYTES,), torch.uint8, idx_layers)
-        )
-    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=tuple(buffers))
+        buffers += (_indexer(indexer_layers),)
+    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=buffers)
 
 
 def indexer_spec(name: str, num_layers: int, page_size: int = 1) -> KVSpec:
     """The DSA indexer rows alone (`[132]` uint8 per token on every layer), for benchmarks."""
-    layers = tuple(range(num_layers))
-    buf = BufferSpec("indexer", BufferKind.INDEXER, (INDEXER_ROW_BYTES,), torch.uint8, layers)
-    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=(buf,))
+    return KVSpec(
+        name=name, num_layers=num_layers, page_size=page_size, buffers=(_indexer(range(num_layers)),)
+    )
+
+
+def _indexer(layers: Iterable[int]) -> BufferSpec:
+    return BufferSpec(
+        "indexer", BufferKind.INDEXER, (INDEXER_ROW_BYTES,), torch.uint8, tuple(sorted(set(layers)))
+    )
 
 
 # Named presets. Real ones follow the models' public configs; tiny ones are for tests.
