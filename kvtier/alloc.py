@@ -104,19 +104,14 @@ class HostSlotAllocator:
         """Number of maximal extents of consecutive free slot ids (first_fit: one pass over the pages)."""
         if self.policy is AllocPolicy.CONTIGUOUS:
             return len(self._run_len)
-        starts, _ = self._physical_runs()
-        return len(starts)
+        return len(self._physical_runs()[0])
 
     def largest_free_run(self) -> int:
         """Length in slots of the longest extent of consecutive free slots (0 if none)."""
         if self.policy is AllocPolicy.CONTIGUOUS:
-            if not self._runs_by_size:
-                return 0
-            return self._runs_by_size[-1][0] * self.page_size
+            return self._runs_by_size[-1][0] * self.page_size if self._runs_by_size else 0
         starts, ends = self._physical_runs()
-        if len(starts) == 0:
-            return 0
-        return int((ends - starts).max()) * self.page_size
+        return int((ends - starts).max()) * self.page_size if len(starts) else 0
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`[n]` int64 CPU tensor of distinct free slot ids in whole pages; `None` iff fewer are free.
@@ -166,7 +161,9 @@ class HostSlotAllocator:
             if need == 0:
                 break
         pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        self._claim(pages)
+        if (self._state[pages] == _LIVE).any():
+            self._raise_corrupt(pages)
+        self._state[pages] = _LIVE
         # Commit: drop the fully consumed segments, advance into the last one.
         for _ in range(len(parts) - 1):
             self._segments.popleft()
@@ -209,12 +206,6 @@ class HostSlotAllocator:
             out.append(self._ids[start * ps : (start + take) * ps])
         runs = [(start * ps, take * ps) for _, start, take in plan]
         return (out[0] if len(out) == 1 else np.concatenate(out)), runs
-
-    def _claim(self, pages: np.ndarray) -> None:
-        """Check that no page in `pages` is allocated, then mark them allocated."""
-        if (self._state[pages] == _LIVE).any():
-            self._raise_corrupt(pages)
-        self._state[pages] = _LIVE
 
     def _raise_corrupt(self, pages: np.ndarray) -> None:
         live = pages[self._state[pages] == _LIVE]

@@ -335,12 +335,9 @@ class Engine:
             yield token, logits
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVTierCache) -> torch.Tensor:
+        kw = {self._cache_kw: kv}
         out = self.model(
-            input_ids=ids,
-            position_ids=pos.unsqueeze(0),
-            cache_position=pos,
-            use_cache=True,
-            **{self._cache_kw: kv},
+            input_ids=ids, position_ids=pos.unsqueeze(0), cache_position=pos, use_cache=True, **kw
         )
         return out.logits[0, -1]
 
