@@ -31,6 +31,7 @@ from kvtier.cache import CacheConfig, CacheController, token_ids
 from kvtier.engine.hf import KVTierCache, spec_from_hf_config, text_config
 from kvtier.errors import ClosedError, ConfigError, PromptTooLongError
 from kvtier.pool import DevicePool, HostPool
+from kvtier.pool.memory import Owner
 
 if TYPE_CHECKING:
     from kvtier.cache import Lease, LoadHandle, Match
@@ -112,7 +113,7 @@ class _Request:
         self.tokens.append(token)
 
 
-class Engine:
+class Engine(Owner):
     """Serve `model` (a transformers causal LM) through kvtier's tiered cache.
 
     `device_tokens` / `host_tokens`: KV pool sizes of the two tiers; `prefill_chunk`: the
@@ -141,7 +142,6 @@ class Engine:
         self.max_context = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 0)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._closed = False
         self.device_pool = DevicePool(
             self.spec, device_tokens, self.device, staging_tokens=min(device_tokens, 4096)
         )
@@ -151,11 +151,6 @@ class Engine:
             undo.callback(self.host_pool.close)
             self.cache = CacheController(self.device_pool, self.host_pool, config)
             undo.pop_all()
-
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` has run: the engine holds no pool memory and takes no requests."""
-        return self._closed
 
     def close(self) -> None:
         """Drain the cache's transfers, then release both pools' memory; idempotent.
@@ -171,12 +166,6 @@ class Engine:
             self.host_pool.close()  # idempotent: closed even where the cache's close failed
             self.device_pool.close()
         log.info("engine for %s closed", self.spec.name)
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a chat with the generation prompt appended (the tokenizer's template)."""

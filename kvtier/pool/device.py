@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ClosedError, SpecError
-from kvtier.pool.memory import fmt_bytes
+from kvtier.pool.memory import Owner, fmt_bytes
 from kvtier.pool.rows import rows_contiguous
 from kvtier.spec import KVSpec
 
@@ -40,7 +40,7 @@ class Direction(str, Enum):
     BACKUP = "backup"  # device -> host
 
 
-class DevicePool:
+class DevicePool(Owner):
     """KV rows of `num_slots` tokens for every buffer and layer of `spec` on `device`.
 
     `staging_tokens` rows (of the widest buffer) are reserved per direction for the
@@ -90,7 +90,6 @@ class DevicePool:
         }
         kv_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts)
         self.footprint_bytes = kv_bytes + sum(s.nbytes for s in self._staging.values())
-        self._closed = False
         log.info(
             "device pool: %d slots on %s, %s with staging for %d tokens%s",
             num_slots,
@@ -133,11 +132,6 @@ class DevicePool:
             raise SpecError(f"device pool: tensors for unknown buffers {sorted(extra)}")
         return out
 
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` has run: the pool holds no tensors any more."""
-        return self._closed
-
     def close(self) -> None:
         """Drop the KV tensors and staging; idempotent (see the module docstring for the GPU cache)."""
         if self._closed:
@@ -145,12 +139,6 @@ class DevicePool:
         self._closed = True
         self._tensors, self._staging, self._layer_ptrs = {}, {}, {}
         log.info("device pool closed: %s on %s released", fmt_bytes(self.footprint_bytes), self.device)
-
-    def __enter__(self) -> DevicePool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -35,13 +35,13 @@ import numpy as np
 import torch
 
 from kvtier.errors import ClosedError, HostMemoryError, InvariantError, LayoutError, PinError, SpecError
-from kvtier.pool.memory import GiB, default_reserve_bytes, fmt_bytes, host_memory_bytes, return_freed_memory
+from kvtier.pool.memory import Owner, default_reserve_bytes, fmt_bytes, host_memory_bytes, return_freed_memory
 from kvtier.pool.rows import as_words, word_dtype
 from kvtier.spec import BufferSpec, KVSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = GiB
+DEFAULT_CHUNK_BYTES = 1 << 30  # 1 GiB
 
 
 class HostLayout(str, Enum):
@@ -73,7 +73,7 @@ class _Chunk:
     slot_hi: int
 
 
-class HostPool:
+class HostPool(Owner):
     """KV rows of `num_slots` tokens for every buffer and layer of `spec`, on the host.
 
     `pin=None` pins exactly when CUDA is available; `pin=True` without CUDA is an
@@ -127,7 +127,6 @@ class HostPool:
                 f"({fmt_bytes(available)} available minus a reserve of {fmt_bytes(reserve)})"
             )
 
-        self._closed = False
         self._chunks = self._allocate_chunks(plans, progress)
         self._region_ptrs = {b.name: self._build_region_ptrs(b) for b in spec.buffers}
         log.info(
@@ -167,11 +166,6 @@ class HostPool:
             raise
         return out
 
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` has run: the pool holds no memory any more."""
-        return self._closed
-
     def close(self) -> None:
         """Drop every chunk and return its memory to the OS now; idempotent."""
         if self._closed:
@@ -182,12 +176,6 @@ class HostPool:
         self._region_ptrs = {}
         return_freed_memory(self.pinned)
         log.info("host pool closed: %s in %d chunks released", fmt_bytes(self.footprint_bytes), chunks)
-
-    def __enter__(self) -> HostPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,4 +1,5 @@
-"""Host RAM: how much a pool may take, and giving freed memory back to the OS.
+"""Memory ownership: what holds memory until `close()`, how much host RAM a pool may take,
+and giving freed memory back to the OS.
 
 A host pool asks `host_memory_bytes()` before it allocates anything and keeps
 `default_reserve_bytes` free for everything else. When it closes,
@@ -10,10 +11,33 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import TypeVar
 
 import torch
 
 GiB = 1 << 30
+
+_O = TypeVar("_O", bound="Owner")
+
+
+class Owner:
+    """Holds memory until `close()` (idempotent); a context manager that closes on leaving."""
+
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has run: the memory is released and the object takes no more work."""
+        return self._closed
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _O) -> _O:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def host_memory_bytes() -> tuple[int, int]:
