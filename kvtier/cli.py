@@ -18,13 +18,8 @@ from argparse import ArgumentTypeError
 from pathlib import Path
 
 # Module whose `command(args) -> int` runs each command.
-COMMANDS = {
-    "demo": "kvtier.engine.demo",
-    "serve": "kvtier.engine.server",
-    "bench transfer": "kvtier.bench.transfer",
-    "bench overlap": "kvtier.bench.overlap",
-    "bench cache": "kvtier.bench.cache",
-    "bench served": "kvtier.bench.served",
+COMMANDS = {"demo": "kvtier.engine.demo", "serve": "kvtier.engine.server"} | {
+    f"bench {b}": f"kvtier.bench.{b}" for b in ("transfer", "overlap", "cache", "served")
 }
 
 # The fixed values of flags, each checked by tests/test_cli.py against what its comment names.
@@ -183,7 +178,6 @@ def _timing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernel",
         type=_kernel_shape,
-        default=None,
         help="gather kernel PROGRAMSxROWS, or PROGRAMS with rows by row size (default 8); then sSTAGES",
     )
     _json_flag(p)
