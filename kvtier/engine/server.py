@@ -1,17 +1,12 @@
 """`kvtier serve`: an OpenAI-compatible HTTP API over the engine and its tiered cache.
 
-One worker thread owns the model and the GPU; requests queue in arrival order and
-run one at a time (the engine's structure leaves room for batching later). A
-streaming client that disconnects is noticed at the next token: the worker closes
-the request, which inserts what was computed and releases its locks.
-
-Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both with `stream`),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text: cache hits and
-tokens per tier, bytes moved, evictions, fragmentation, and fixed-bucket histograms
-of load and request latencies, so a scrape costs the same however long the server
-has run). Errors (`kvtier.errors.APIError`) come back in OpenAI's shape
-(`{"error": {"message", "type", "param", "code"}}`) with a 4xx status, and the server
-keeps serving.
+One worker thread owns the model and runs requests one at a time, in arrival order. A
+streaming client that disconnects is noticed at its next token: the request is closed,
+which inserts what was computed and releases its locks. Routes: `POST /v1/chat/completions`
+and `/v1/completions` (both with `stream`), `GET /v1/models`, `/health` and `/metrics`
+(Prometheus text with fixed-bucket histograms: a scrape costs the same however long the
+server has run). Errors come back in OpenAI's shape (`APIError.body`) with a 4xx status,
+and the server keeps serving.
 """
 
 from __future__ import annotations
