@@ -328,14 +328,10 @@ class HostSlotAllocator:
         starts, ends = self._physical_runs()
         expected = {int(s): int(e - s) for s, e in zip(starts, ends, strict=True)}
         _require(self._run_len == expected, "the runs are not exactly the merged free extents")
-        _require(
-            self._run_start_of_end == {s + n: s for s, n in expected.items()},
-            "the run ends do not match the runs",
-        )
-        _require(
-            list(self._runs_by_size) == sorted((n, s) for s, n in expected.items()),
-            "the runs by size do not match the runs",
-        )
+        run_ends = {s + n: s for s, n in expected.items()}
+        _require(self._run_start_of_end == run_ends, "the run ends do not match the runs")
+        by_size = sorted((n, s) for s, n in expected.items())
+        _require(list(self._runs_by_size) == by_size, "the runs by size do not match the runs")
 
 
 def _require(ok: bool, what: str) -> None:

@@ -44,7 +44,6 @@ CONVERSATIONS = [
 class Turn:
     conversation: int
     turn: int
-    question: str
     result: RequestResult
     reference: list[int]
 
@@ -68,7 +67,7 @@ def run_demo(
             prompt = engine.encode_chat(histories[i])
             result = engine.generate(prompt, params)
             reference = _plain_generate(engine, prompt, max_tokens)
-            turn = Turn(i, t, conv[t], result, reference)
+            turn = Turn(i, t, result, reference)
             turns.append(turn)
             if on_turn is not None:
                 on_turn(turn)

@@ -102,8 +102,7 @@ class HostPool(Owner):
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes
         cuda = torch.cuda.is_available()
-        if pin is None:
-            pin = cuda
+        pin = cuda if pin is None else pin
         if pin and not cuda:
             raise PinError("host pool: pin=True needs CUDA, and no CUDA device is available")
         self.pinned = pin
@@ -114,9 +113,7 @@ class HostPool(Owner):
         else:
             self.segment_slots = ps
             plans = {b.name: self._page_first_chunks(b) for b in spec.buffers}
-        self.footprint_bytes = sum(
-            _nbytes(shape, b.dtype) for b in spec.buffers for shape, *_ in plans[b.name]
-        )
+        self.footprint_bytes = sum(_nbytes(s, b.dtype) for b in spec.buffers for s, *_ in plans[b.name])
 
         available, total = host_memory_bytes()
         reserve = default_reserve_bytes(total) if reserve_bytes is None else reserve_bytes
@@ -172,8 +169,7 @@ class HostPool(Owner):
             return
         chunks = sum(len(c) for c in self._chunks.values())
         self._closed = True
-        self._chunks = {}
-        self._region_ptrs = {}
+        self._chunks, self._region_ptrs = {}, {}
         return_freed_memory(self.pinned)
         log.info("host pool closed: %s in %d chunks released", fmt_bytes(self.footprint_bytes), chunks)
 
