@@ -178,9 +178,8 @@ def mla_spec(
 ) -> KVSpec:
     """MLA: one latent row of `kv_lora_rank + rope_dim` per token; optional DSA indexer rows.
 
-    With `packed_fp8` the latent row is the packed fp8 form (`uint8`, 656 bytes for
-    512 + 64). `indexer_layers` adds a `[132]` `uint8` row (fp8 key + fp32 scale) on
-    those layers.
+    With `packed_fp8` the latent row is the packed fp8 form (`uint8`, 656 bytes for 512 + 64).
+    `indexer_layers` adds a `[132]` `uint8` row (fp8 key + fp32 scale) on those layers.
     """
     if packed_fp8 and (kv_lora_rank, rope_dim) != (512, 64):
         raise SpecError("the packed fp8 MLA row is defined for 512 + 64 only")

@@ -82,9 +82,7 @@ class RequestResult:
 
     @property
     def hit(self) -> str:
-        if self.host_hit_tokens:
-            return "host"
-        return "device" if self.device_hit_tokens else "none"
+        return "host" if self.host_hit_tokens else "device" if self.device_hit_tokens else "none"
 
 
 @dataclass(eq=False)

@@ -341,13 +341,8 @@ def _sampling(body: dict) -> SamplingParams:
     top_p = number("top_p", 1.0)
     seed = number("seed", None, int)
     stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
-        stop = tuple(stop)
-    else:
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, list | tuple) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise APIError(400, "stop must be a string or a list of at most 4 strings", param="stop")
     if max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -356,7 +351,9 @@ def _sampling(body: dict) -> SamplingParams:
     if not 0 < top_p <= 1:
         raise APIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
     # Every range SamplingParams checks was checked above, with the API's `param`.
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop), seed=seed
+    )
 
 
 def _finish_reason(result: RequestResult, params: SamplingParams) -> str:

@@ -44,8 +44,7 @@ class DevicePool(Owner):
     """KV rows of `num_slots` tokens for every buffer and layer of `spec` on `device`.
 
     `staging_tokens` rows (of the widest buffer) are reserved per direction for the
-    staged path; by default `min(num_slots, 131072)`. A context manager: leaving the
-    block calls `close()`.
+    staged path; by default `min(num_slots, 131072)`.
     """
 
     def __init__(

@@ -77,8 +77,7 @@ class HostPool(Owner):
     """KV rows of `num_slots` tokens for every buffer and layer of `spec`, on the host.
 
     `pin=None` pins exactly when CUDA is available; `pin=True` without CUDA is an
-    error. `progress(done_bytes, total_bytes)` is called after each chunk. A context
-    manager: leaving the block calls `close()`.
+    error. `progress(done_bytes, total_bytes)` is called after each chunk.
     """
 
     def __init__(
@@ -315,10 +314,7 @@ class HostPool(Owner):
         return out
 
     def region_ptrs(self, buffer: str) -> np.ndarray:
-        """`[layers of the buffer, regions]` int64, read-only: each region's first row per layer.
-
-        `region_words(...).data_ptr()` computed once, to submit copies without tensor views.
-        """
+        """`[layers, regions]` int64, read-only: `region_words(...).data_ptr()` of each, computed once."""
         self._chunks_of(buffer)  # open, and a buffer of the spec
         return self._region_ptrs[buffer]
 
@@ -361,10 +357,7 @@ class HostPool(Owner):
             view[rel // seg, rel % seg] = rows_w[mask]
 
     def _split(self, buffer: str, layer: int, slots: torch.Tensor):
-        """Per chunk holding some of `slots`: `(words, slot - slot_lo, mask)`.
-
-        `words`: the chunk's rows of `layer`, `[segments, segment_slots, W]`, maybe strided in dim 0.
-        """
+        """Per chunk holding some of `slots`: `(words [segments, segment_slots, W], slot - slot_lo, mask)`."""
         local = self.spec.buffer(buffer).local_layer(layer)
         for c in self._chunks_of(buffer):
             if self.layout is HostLayout.PAGE_FIRST:
