@@ -81,7 +81,11 @@ class DevicePool(Owner):
         self._staging = {
             d: torch.empty(staging_tokens * widest, dtype=torch.uint8, device=self.device) for d in Direction
         }
-        self._layer_ptrs: dict[str, np.ndarray] = {}
+        self._layer_ptrs = {
+            n: np.array([t.data_ptr() for t in ts], dtype=np.int64) for n, ts in self._tensors.items()
+        }
+        for ptrs in self._layer_ptrs.values():
+            ptrs.flags.writeable = False  # the tensors never move
         # Buffers whose every layer holds the spec's dtype in packed rows: raw copies may address them.
         self._raw = {
             b.name: all(t.dtype == b.dtype and rows_contiguous(t) for t in self._tensors[b.name])
@@ -121,9 +125,8 @@ class DevicePool(Owner):
             for t in ts:
                 if tuple(t.shape) != (self.num_slots, *b.row_shape) or t.device != self.device:
                     raise SpecError(
-                        f"device pool: buffer {b.name!r} tensor {tuple(t.shape)} on {t.device} "
-                        "does not match "
-                        f"{(self.num_slots, *b.row_shape)} on {self.device}"
+                        f"device pool: buffer {b.name!r} tensor {tuple(t.shape)} on {t.device} does not "
+                        f"match {(self.num_slots, *b.row_shape)} on {self.device}"
                     )
             out[b.name] = ts
         extra = set(tensors) - {b.name for b in self.spec.buffers}
@@ -157,14 +160,7 @@ class DevicePool(Owner):
     def layer_ptrs(self, buffer: str) -> np.ndarray:
         """`[layers of the buffer]` int64, read-only: the address of each layer's tensor."""
         self._check_open()
-        self.spec.buffer(buffer)
-        ptrs = self._layer_ptrs.get(buffer)
-        if ptrs is None:  # the tensors never move: computed once per buffer
-            ptrs = self._layer_ptrs[buffer] = np.array(
-                [t.data_ptr() for t in self._tensors[buffer]], dtype=np.int64
-            )
-            ptrs.flags.writeable = False
-        return ptrs
+        return self._layer_ptrs[self.spec.buffer(buffer).name]
 
     def staging(self, direction: Direction) -> torch.Tensor:
         """The raw staging bytes of one direction: `[staging_tokens * widest row bytes]` uint8."""
