@@ -17,6 +17,8 @@ import sys
 from argparse import ArgumentTypeError
 from pathlib import Path
 
+from kvtier.errors import KVTierError
+
 # Module whose `command(args) -> int` runs each command.
 COMMANDS = {"demo": "kvtier.engine.demo", "serve": "kvtier.engine.server"} | {
     f"bench {b}": f"kvtier.bench.{b}" for b in ("transfer", "overlap", "cache", "served")
@@ -301,8 +303,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     name = args.command if args.command != "bench" else f"bench {args.bench}"
-    from kvtier.errors import KVTierError
-
     try:
         return importlib.import_module(COMMANDS[name]).command(args)
     except KVTierError as e:

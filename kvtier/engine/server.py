@@ -62,9 +62,6 @@ class Worker:
         self.thread = threading.Thread(target=self._run, name="kvtier-worker", daemon=True)
         self.thread.start()
 
-    def submit(self, job: Job) -> None:
-        self.jobs.put(job)
-
     def stop(self) -> None:
         self.jobs.put(None)
         self.thread.join(timeout=30)
@@ -200,7 +197,7 @@ class Routes:
                 code="context_length_exceeded",
             )
         job = Job(prompt, params, asyncio.get_running_loop())
-        self.worker.submit(job)
+        self.worker.jobs.put(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         reply = _Reply(rid, int(time.time()), chat, self.model_name)
         if body.get("stream"):
