@@ -213,28 +213,24 @@ class Routes:
         try:
             if reply.chat:
                 yield reply.chunk({"delta": {"role": "assistant", "content": ""}})
-            while True:
+            kind, value = await job.events.get()
+            while kind == "token":
+                tokens.append(value)
+                text = self.engine.decode(tokens)
+                delta, sent = text[len(sent) :], text
+                if delta:
+                    yield reply.chunk({"delta": {"content": delta}} if reply.chat else {"text": delta})
                 kind, value = await job.events.get()
-                if kind == "token":
-                    tokens.append(value)
-                    text = self.engine.decode(tokens)
-                    delta, sent = text[len(sent) :], text
-                    if delta:
-                        yield reply.chunk({"delta": {"content": delta}} if reply.chat else {"text": delta})
-                elif kind == "done":
-                    self.stats.record(value)
-                    end = {"delta": {}} if reply.chat else {"text": ""}
-                    end["finish_reason"] = _finish_reason(value, job.params)
-                    yield reply.chunk(end)
-                    yield "data: [DONE]\n\n"
-                    return
-                elif kind == "error":
-                    error = _api_error(value)
-                    self.stats.count(str(error.status))
-                    yield f"data: {json.dumps(error.body())}\n\n"
-                    return
-                else:
-                    return
+            if kind == "done":
+                self.stats.record(value)
+                end = {"delta": {}} if reply.chat else {"text": ""}
+                end["finish_reason"] = _finish_reason(value, job.params)
+                yield reply.chunk(end)
+                yield "data: [DONE]\n\n"
+            elif kind == "error":
+                error = _api_error(value)
+                self.stats.count(str(error.status))
+                yield f"data: {json.dumps(error.body())}\n\n"
         finally:
             job.cancel.set()  # a client that went away stops the worker at its next token
 
