@@ -149,8 +149,7 @@ def _turn_line(t: Turn) -> str:
     r = t.result
     return (
         f"conv {t.conversation} turn {t.turn}: {r.prompt_tokens} prompt tokens, hit {r.hit} "
-        f"(device {r.device_hit_tokens}, host {r.host_hit_tokens}), "
-        f"reloaded {r.loaded_tokens} tokens "
+        f"(device {r.device_hit_tokens}, host {r.host_hit_tokens}), reloaded {r.loaded_tokens} tokens "
         f"({r.loaded_bytes / 1e6:.1f} MB) {_speed(r)}, TTFT {r.ttft_s * 1e3:.0f} ms: {r.text!r}"
     )
 
