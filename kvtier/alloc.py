@@ -1,32 +1,25 @@
-"""Slot allocation for the host KV pool.
+"""Slot allocation for a KV pool: which slots are free, handed out and taken back a page at a time.
 
-This module owns the mapping "which host slots are free" for one host pool of
-`num_slots` slots, grouped into pages of `page_size` slots. It hands out slot ids
-and takes them back; it never touches the KV bytes themselves.
+`HostSlotAllocator` owns the mapping "which slots are free" for one pool of `num_slots`
+slots in pages of `page_size`; it never touches the KV bytes.
 
 Invariants (both policies):
 
-* Work happens in whole pages. `alloc(n)` needs `n` to be a positive multiple of
-  `page_size`; every page it hands out contributes its slots
-  `page * page_size + 0 .. page_size - 1`, ascending.
-* Every page is in exactly one of three states, kept in a numpy `int8` array:
-  0 never allocated, 1 allocated, 2 free again after an allocation. A page is in
-  the free structure iff its state is not 1.
-* `alloc(n)` returns `None` exactly when `available() < n`; both policies succeed
-  and fail on the same calls, they only differ in which ids they return.
-* Every error is raised before anything changes. Slot ids handed to `free` go
-  through the one validator, `kvtier.slots.as_slots` (dtype, shape, range, repeats).
-* The cost of one call grows with the ids and free runs it touches, never with
-  the pool size (except the `free_runs` / `largest_free_run` metrics under
-  "first_fit", see there).
+* Work happens in whole pages: `alloc(n)` needs a positive multiple of `page_size`, and
+  each page it hands out contributes its slots `page * page_size + 0 .. page_size - 1`.
+* Every page is in one of three states (numpy `int8`): 0 never allocated, 1 allocated,
+  2 free again. A page is in the free structure iff its state is not 1.
+* `alloc(n)` returns `None` exactly when `available() < n`; both policies succeed and
+  fail on the same calls and differ only in which ids they return.
+* Every error is raised before anything changes; ids handed to `free` go through
+  `kvtier.slots.as_slots`.
+* A call costs what the ids and free runs it touches cost, never the pool size (except
+  `free_runs` / `largest_free_run` under "first_fit").
 
-Policies:
-
-* "first_fit" reproduces the stock allocator: a FIFO free list, initially pages
-  in order; alloc takes from the head, free appends at the tail in the order
-  given, so after churn allocations come back scrambled.
-* "contiguous" (default) keeps free pages as merged, maximal runs and returns one
-  ascending run whenever one fits (best fit), else the largest runs first.
+Policies: "first_fit" is the stock allocator, a FIFO free list (pages in order at first;
+alloc takes from the head, free appends in the order given, so churn scrambles it).
+"contiguous" (default) keeps free pages as merged maximal runs and returns one ascending
+run whenever one fits (best fit), else the largest runs first.
 """
 
 from __future__ import annotations
@@ -42,8 +35,6 @@ from sortedcontainers import SortedList
 from kvtier.errors import AllocatorCorruptError, InvariantError, SlotError
 from kvtier.slots import as_slots, fmt_ids
 
-__all__ = ["AllocPolicy", "HostSlotAllocator"]
-
 # Page states (see the module docstring).
 _NEVER = 0
 _LIVE = 1
@@ -58,11 +49,9 @@ class AllocPolicy(str, Enum):
 
 
 class HostSlotAllocator:
-    """Hands out and takes back slot ids of a host pool, a whole page at a time.
+    """Hands out and takes back slot ids of a pool, a whole page at a time.
 
-    `num_slots` must be a positive multiple of `page_size`. `policy` is an
-    `AllocPolicy` or its string value ("contiguous" or "first_fit").
-
+    `num_slots`: a positive multiple of `page_size`; `policy`: an `AllocPolicy` or its value.
     Read-only attributes: `num_slots`, `page_size`, `policy` (an `AllocPolicy`).
     """
 
@@ -107,51 +96,28 @@ class HostSlotAllocator:
             # writes no ids at all.
             self._ids = np.arange(self.num_slots, dtype=np.int64)
 
-    # ------------------------------------------------------------------ queries
-
     def available(self) -> int:
         """Number of free slots."""
         return self._free_pages * self.page_size
 
     def free_runs(self) -> int:
-        """Number of maximal extents of consecutive free slots (in slot-id space).
-
-        Contiguous policy: O(1), the merged run count. First_fit: the same quantity
-        (physical free extents, so both policies are comparable), computed from
-        the ownership array in one vectorised O(`num_slots / page_size`) pass; it
-        does not describe the free-list order, which is what first_fit hands out.
-        """
+        """Number of maximal extents of consecutive free slot ids (first_fit: one pass over the pages)."""
         if self.policy is AllocPolicy.CONTIGUOUS:
             return len(self._run_len)
-        starts, _ = self._physical_runs()
-        return len(starts)
+        return len(self._physical_runs()[0])
 
     def largest_free_run(self) -> int:
-        """Length in slots of the longest extent of consecutive free slots (0 if none).
-
-        Cost as for `free_runs`: O(log runs) for contiguous, one vectorised pass
-        over the pages for first_fit.
-        """
+        """Length in slots of the longest extent of consecutive free slots (0 if none)."""
         if self.policy is AllocPolicy.CONTIGUOUS:
-            if not self._runs_by_size:
-                return 0
-            return self._runs_by_size[-1][0] * self.page_size
+            return self._runs_by_size[-1][0] * self.page_size if self._runs_by_size else 0
         starts, ends = self._physical_runs()
-        if len(starts) == 0:
-            return 0
-        return int((ends - starts).max()) * self.page_size
-
-    # -------------------------------------------------------------------- alloc
+        return int((ends - starts).max()) * self.page_size if len(starts) else 0
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` free slots; `None` iff fewer than `n` are free.
+        """`[n]` int64 CPU tensor of distinct free slot ids in whole pages; `None` iff fewer are free.
 
-        Returns a 1-D CPU `int64` tensor of `n` distinct slot ids, made of whole
-        pages (each page's slots ascending). `n` must be a positive int multiple
-        of `page_size`, else `SlotError`. Contiguous policy: one ascending run when
-        any free run holds `n` slots (the smallest such run, from its start), else
-        the largest runs first. First_fit: the head of the FIFO free list. The
-        tensor is read-only by contract (see `alloc_runs`).
+        `n`: a positive multiple of `page_size`, else `SlotError`. The tensor is read-only
+        by contract (see `alloc_runs`).
         """
         got = self.alloc_runs(n)
         return None if got is None else got[0]
@@ -159,9 +125,8 @@ class HostSlotAllocator:
     def alloc_runs(self, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
         """`alloc(n)` and the runs it is made of: `(slots, [(first slot, length), ...])` in order.
 
-        The runs let a caller plan a transfer without a pass over the slots. With the
-        contiguous policy a one-run allocation's slots are a view of the allocator's
-        table of slot ids: read them, never write them (as every caller here does).
+        Contiguous policy: a one-run allocation's slots are a view of the allocator's table
+        of slot ids: read them, never write them.
         """
         if not _is_int(n) or n <= 0 or n % self.page_size:
             raise SlotError(
@@ -196,7 +161,9 @@ class HostSlotAllocator:
             if need == 0:
                 break
         pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        self._claim(pages)
+        if (self._state[pages] == _LIVE).any():
+            self._raise_corrupt(pages)
+        self._state[pages] = _LIVE
         # Commit: drop the fully consumed segments, advance into the last one.
         for _ in range(len(parts) - 1):
             self._segments.popleft()
@@ -240,12 +207,6 @@ class HostSlotAllocator:
         runs = [(start * ps, take * ps) for _, start, take in plan]
         return (out[0] if len(out) == 1 else np.concatenate(out)), runs
 
-    def _claim(self, pages: np.ndarray) -> None:
-        """Check that no page in `pages` is allocated, then mark them allocated."""
-        if (self._state[pages] == _LIVE).any():
-            self._raise_corrupt(pages)
-        self._state[pages] = _LIVE
-
     def _raise_corrupt(self, pages: np.ndarray) -> None:
         live = pages[self._state[pages] == _LIVE]
         raise AllocatorCorruptError(
@@ -253,16 +214,11 @@ class HostSlotAllocator:
             f"{fmt_ids(live)} that are still allocated"
         )
 
-    # --------------------------------------------------------------------- free
-
     def free(self, slots: torch.Tensor | np.ndarray | Sequence[int]) -> None:
-        """Give back slots handed out by `alloc`; all or nothing.
+        """Give back allocated slots (`[n]` ids: a tensor on any device, an array or a list); all or nothing.
 
-        `slots` is a 1-D integer tensor (any integer dtype, any device), numpy array
-        or list of ints. They must be in range, distinct, currently allocated, and
-        with `page_size > 1` form whole pages; otherwise `SlotError` naming the
-        offending ids, and nothing changes. An empty input is a no-op. Slots need
-        not come from one `alloc` call, nor cover a whole allocation.
+        They must be in range, distinct, allocated and whole pages, else `SlotError` naming
+        the offending ids; they need not come from one `alloc` call.
         """
         if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
             slots = slots.cpu()  # ids handed back from a device tensor are still ids
@@ -303,10 +259,7 @@ class HostSlotAllocator:
         state = self._state[pages]
         if (state != _LIVE).any():
             msgs = []
-            for code, what in (
-                (_FREED, "already freed (double free)"),
-                (_NEVER, "never allocated"),
-            ):
+            for code, what in ((_FREED, "already freed (double free)"), (_NEVER, "never allocated")):
                 bad_pages = pages[state == code]
                 if len(bad_pages):
                     bad = srt[np.isin(srt // ps, bad_pages)]
@@ -338,8 +291,6 @@ class HostSlotAllocator:
                 end += right_len
             self._add_run(start, end - start)
 
-    # ---------------------------------------------------------------- run store
-
     def _add_run(self, start: int, length: int) -> None:
         self._run_len[start] = length
         self._run_start_of_end[start + length] = start
@@ -361,10 +312,7 @@ class HostSlotAllocator:
         return np.repeat(self._state == _LIVE, self.page_size)
 
     def check_invariants(self) -> None:
-        """Check that the free structure and the ownership array agree (O(pool); for checks).
-
-        Raises `InvariantError` naming the first disagreement.
-        """
+        """`InvariantError` naming the first disagreement of the free structure and the page states."""
         free_mask = self._state != _LIVE
         _require(int(free_mask.sum()) == self._free_pages, "the free page count disagrees with the states")
         if self.policy is AllocPolicy.FIRST_FIT:
@@ -380,14 +328,10 @@ class HostSlotAllocator:
         starts, ends = self._physical_runs()
         expected = {int(s): int(e - s) for s, e in zip(starts, ends, strict=True)}
         _require(self._run_len == expected, "the runs are not exactly the merged free extents")
-        _require(
-            self._run_start_of_end == {s + n: s for s, n in expected.items()},
-            "the run ends do not match the runs",
-        )
-        _require(
-            list(self._runs_by_size) == sorted((n, s) for s, n in expected.items()),
-            "the runs by size do not match the runs",
-        )
+        run_ends = {s + n: s for s, n in expected.items()}
+        _require(self._run_start_of_end == run_ends, "the run ends do not match the runs")
+        by_size = sorted((n, s) for s, n in expected.items())
+        _require(list(self._runs_by_size) == by_size, "the runs by size do not match the runs")
 
 
 def _require(ok: bool, what: str) -> None:

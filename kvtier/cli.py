@@ -1,15 +1,10 @@
 """The `kvtier` command's arguments: `kvtier demo | serve | bench transfer | overlap | cache | served`.
 
-This module parses and checks; it runs nothing. Every flag is checked here, before
-any model or pool is built: fixed values are `choices`, counts must be positive, and
-a bad value is argparse's usage line on stderr and exit code 2. `main` then calls
-`command(args)` in the module of the command's subject (`COMMANDS`); a `KVTierError`
-that a command raises before it builds anything (a CUDA device this process lacks, a
-layer count the spec does not have) is one line on stderr and exit code 2 as well.
-
-Parsing imports neither torch nor transformers, so `kvtier --help` is fast: the
-choices are spelled out here, and `tests/test_cli.py` checks them against the enums
-and tables they name.
+This module parses and checks; it runs nothing. Every flag is checked before any model or
+pool is built: a bad value is argparse's usage line on stderr and exit code 2. `main` then
+calls `command(args)` in the module `COMMANDS` names; a `KVTierError` it raises is one line
+on stderr and exit code 2 as well. Parsing imports neither torch nor transformers, so
+`kvtier --help` is fast and the choices are spelled out here.
 """
 
 from __future__ import annotations
@@ -19,57 +14,29 @@ import importlib
 import logging
 import re
 import sys
+from argparse import ArgumentTypeError
 from pathlib import Path
 
+from kvtier.errors import KVTierError
+
 # Module whose `command(args) -> int` runs each command.
-COMMANDS = {
-    "demo": "kvtier.engine.demo",
-    "serve": "kvtier.engine.serve_cli",
-    "bench transfer": "kvtier.bench.transfer",
-    "bench overlap": "kvtier.bench.overlap",
-    "bench cache": "kvtier.bench.cache",
-    "bench served": "kvtier.bench.served",
+COMMANDS = {"demo": "kvtier.engine.demo", "serve": "kvtier.engine.server"} | {
+    f"bench {b}": f"kvtier.bench.{b}" for b in ("transfer", "overlap", "cache", "served")
 }
 
-# The fixed values of flags (checked against their sources by tests/test_cli.py).
-SPECS = (
-    "deepseek-v3",
-    "deepseek-v3-fp8",
-    "deepseek-v3-fp8-packed",
-    "glm-5",
-    "glm-5-fp8",
-    "glm-5-indexer",
-    "llama-3.1-8b",
-    "tiny-dsa",
-    "tiny-mha",
-    "tiny-mha-fp16",
-    "tiny-mla",
-    "tiny-mla-fp8",
-)  # kvtier.spec.PRESETS
+# The fixed values of flags, each checked by tests/test_cli.py against what its comment names.
+SPECS = (  # sorted(kvtier.spec.PRESETS)
+    *("deepseek-v3", "deepseek-v3-fp8", "deepseek-v3-fp8-packed", "glm-5", "glm-5-fp8", "glm-5-indexer"),
+    *("llama-3.1-8b", "tiny-dsa", "tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8"),
+)
 LAYOUTS = ("layer_first", "page_first")  # kvtier.pool.HostLayout
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvtier.cache.WritePolicy
 ALLOC_POLICIES = ("contiguous", "first_fit")  # kvtier.alloc.AllocPolicy
 DIRECTIONS = ("load", "backup", "both")  # kvtier.pool.device.Direction, or both
-HOST_SETS = (
-    "contiguous",
-    "runs-256",
-    "runs-64",
-    "runs-16",
-    "runs-1",
-    "contiguous-churn",
-    "first_fit-churn",
-)  # kvtier.bench.transfer.HOST_SETS
+# kvtier.bench.transfer.HOST_SETS and VARIANTS
+HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
+VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kernel", "stock", "reference")
 DEVICE_SETS = ("contiguous", "scattered")
-VARIANTS = (
-    "planned",
-    "single_copy",
-    "batched_dma",
-    "per_run",
-    "staged",
-    "kernel",
-    "stock",
-    "reference",
-)  # kvtier.bench.transfer.VARIANTS
 SETUPS = ("smollm2", "deepseek-v3")  # kvtier.bench.served.SETUPS
 CACHE_PARTS = ("trace", "alloc", "reload", "eviction")
 ID_DTYPES = ("int32", "int64")
@@ -91,23 +58,23 @@ def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        raise ArgumentTypeError(f"expected {what}, got {text!r}") from None
     if value < low:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        raise ArgumentTypeError(f"expected {what}, got {value}")
     return value
 
 
 def port(text: str) -> int:
     value = positive(text)
     if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {value}")
+        raise ArgumentTypeError(f"expected a port in [1, 65535], got {value}")
     return value
 
 
 def device_name(text: str) -> str:
     """`auto`, `cpu`, `cuda` or `cuda:N` (whether CUDA is there is checked when the command starts)."""
     if not _DEVICE.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+        raise ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
     return text
 
 
@@ -118,7 +85,7 @@ def csv_of(choices: tuple[str, ...]):
         items = tuple(x for x in text.split(",") if x)
         bad = [x for x in items if x not in choices]
         if bad or not items:
-            raise argparse.ArgumentTypeError(
+            raise ArgumentTypeError(
                 f"invalid choice(s) {', '.join(bad) or repr(text)} (choose from {', '.join(choices)})"
             )
         return items
@@ -130,7 +97,7 @@ def positive_list(text: str) -> tuple[int, ...]:
     """A comma list of positive integers, as a tuple."""
     items = tuple(positive(x) for x in text.split(",") if x)
     if not items:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+        raise ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
     return items
 
 
@@ -142,11 +109,9 @@ def _kernel_shape(text: str):
         sm, *rows = (int(x) for x in shape.split("x"))
         depth = int(stages) if sep else None
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected PROGRAMSxROWS such as 8x32 or 8x32s2, got {text!r}"
-        ) from None
+        raise ArgumentTypeError(f"expected PROGRAMSxROWS such as 8x32 or 8x32s2, got {text!r}") from None
     if len(rows) > 1 or min(sm, *rows, 1 if depth is None else depth) < 1:
-        raise argparse.ArgumentTypeError(f"kernel shape {text!r} must be one or two positive numbers")
+        raise ArgumentTypeError(f"kernel shape {text!r} must be one or two positive numbers")
     from kvtier.transfer import KernelOptions  # only when the flag is given: --help stays torch-free
 
     return KernelOptions(sm_budget=sm, rows_per_program=rows[0] if rows else None, stages=depth)
@@ -166,6 +131,11 @@ def _write_policy_flag(p: argparse.ArgumentParser, choices: tuple[str, ...], def
     p.add_argument(
         "--policy", dest="write_policy", choices=choices, default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
+
+
+def _csv_flag(p: argparse.ArgumentParser, flag: str, choices: tuple[str, ...]) -> None:
+    """A comma list of `choices`, all of them by default."""
+    p.add_argument(flag, type=csv_of(choices), default=choices, help=f"comma list of {','.join(choices)}")
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:
@@ -210,7 +180,6 @@ def _timing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernel",
         type=_kernel_shape,
-        default=None,
         help="gather kernel PROGRAMSxROWS, or PROGRAMS with rows by row size (default 8); then sSTAGES",
     )
     _json_flag(p)
@@ -221,18 +190,9 @@ def _bench_transfer(bench) -> None:
     _timing_flags(t)
     t.add_argument("--direction", choices=DIRECTIONS, default="both")
     t.add_argument("--cycles", type=non_negative, default=8, help="fill/evict cycles before the churn rows")
-    t.add_argument(
-        "--host-sets", type=csv_of(HOST_SETS), default=HOST_SETS, help=f"comma list of {','.join(HOST_SETS)}"
-    )
-    t.add_argument(
-        "--device-sets",
-        type=csv_of(DEVICE_SETS),
-        default=DEVICE_SETS,
-        help=f"comma list of {','.join(DEVICE_SETS)}",
-    )
-    t.add_argument(
-        "--variants", type=csv_of(VARIANTS), default=VARIANTS, help=f"comma list of {','.join(VARIANTS)}"
-    )
+    _csv_flag(t, "--host-sets", HOST_SETS)
+    _csv_flag(t, "--device-sets", DEVICE_SETS)
+    _csv_flag(t, "--variants", VARIANTS)
     t.add_argument(
         "--kernel-sweep",
         type=_kernel_shapes,
@@ -260,7 +220,7 @@ def _bench_overlap(bench) -> None:
 
 def _bench_served(bench) -> None:
     sv = bench.add_parser("served", help="TTFT of a miss, a device hit and a host hit, kvtier vs stock")
-    sv.add_argument("--setups", type=csv_of(SETUPS), default=SETUPS, help=f"comma list of {','.join(SETUPS)}")
+    _csv_flag(sv, "--setups", SETUPS)
     sv.add_argument(
         "--prefix", type=positive_list, help="prefix lengths (default: 8k-128k on CUDA, 256,1024 on CPU)"
     )
@@ -343,8 +303,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     name = args.command if args.command != "bench" else f"bench {args.bench}"
-    from kvtier.errors import KVTierError
-
     try:
         return importlib.import_module(COMMANDS[name]).command(args)
     except KVTierError as e:

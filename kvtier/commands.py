@@ -1,28 +1,31 @@
-"""What the `kvtier` commands share: the console they print to, progress, their device, JSON out.
+"""What the `kvtier` commands share: the console, progress, their device and engine, JSON out.
 
-`kvtier.cli` parses and checks the arguments, then calls one `command(args)`
-function beside the command's subject (`kvtier.bench.transfer.command`,
-`kvtier.engine.demo.command`, ...). Those functions and this module are the only
-code that prints; library functions log through `logging`.
+`kvtier.cli` parses the arguments, then calls one `command(args)` beside the command's
+subject (`kvtier.engine.demo.command`, `kvtier.bench.transfer.command`, ...). Those
+functions and this module are the only code that prints.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from argparse import Namespace
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
 
 from kvtier.errors import ConfigError
 
+if TYPE_CHECKING:
+    from kvtier.cache import CacheConfig
+    from kvtier.engine import Engine
+
 # Wide enough for the tables when output goes to a file or a pipe.
 console = Console(width=None if sys.stdout.isatty() else 140)
-
-Report = Callable[[str], None]
 
 
 def device(name: str) -> torch.device:
@@ -39,8 +42,22 @@ def device(name: str) -> torch.device:
     return dev
 
 
+def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) -> tuple[torch.device, Engine]:
+    """`--model` loaded on `--device` (`loading` on the console meanwhile), and an engine over it."""
+    from kvtier.engine import Engine
+    from kvtier.engine.models import load_model
+
+    dev = device(args.device)
+    with console.status(loading):
+        model, tokenizer = load_model(args.model, dev)
+    engine = Engine(
+        model, tokenizer, device_tokens=args.device_tokens, host_tokens=args.host_tokens, config=config, **kw
+    )
+    return dev, engine
+
+
 @contextmanager
-def progress() -> Iterator[Report]:
+def progress() -> Iterator[Callable[[str], None]]:
     """A reporter of one-line progress messages: a spinner's text on a terminal, else a line each."""
     if not console.is_terminal:
         yield lambda msg: console.print(msg, highlight=False)

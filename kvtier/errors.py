@@ -1,9 +1,7 @@
-"""Every exception kvtier raises: all are `KVTierError`.
+"""Every exception kvtier raises: all are `KVTierError`, and each the built-in one it refines.
 
 Errors are raised before any state changes and carry the offending values in their
-message, so a caller can log one and go on with the cache intact. Each subclass also
-derives from the built-in exception it refines (`ValueError`, `RuntimeError`, ...), so
-code that catches those keeps working.
+message, so a caller can log one and go on with the cache intact.
 """
 
 from __future__ import annotations
@@ -54,11 +52,7 @@ class CudaRuntimeError(KVTierError, RuntimeError):
 
 
 class AllocatorCorruptError(KVTierError, RuntimeError):
-    """The allocator's free structure names a page that is still allocated.
-
-    This is a bug in the allocator, not in the caller: the free structure and the
-    ownership array disagree. It is raised before the page is handed out twice.
-    """
+    """The allocator's free structure names a page still allocated (its bug, raised before reuse)."""
 
 
 class InvariantError(KVTierError, AssertionError):

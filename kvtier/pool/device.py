@@ -1,18 +1,15 @@
 """The device tier: one `[num_slots, *row]` tensor per buffer per layer, plus staging.
 
-A pool it builds holds each buffer's layers in one allocation (the layers are views,
-evenly spaced); a wrapped engine's tensors may lie anywhere.
-
-`DevicePool` owns the tensors the model reads (or wraps tensors an engine already
-has) and two staging buffers, one per transfer direction, so a reload and a backup
-running on two streams never share one. Staging is sized when the pool is built and
-counted in `footprint_bytes`; it never grows later.
+`DevicePool` owns the tensors the model reads (one allocation per buffer, its layers
+evenly spaced views) or wraps tensors an engine already has (which may lie anywhere),
+and two staging buffers, one per transfer direction, so a reload and a backup on two
+streams never share one. Staging is sized when the pool is built, counted in
+`footprint_bytes`, and never grows.
 
 Lifetime: `close()` (or leaving a `with` block) drops the pool's tensors and staging;
-afterwards `layer`, `raw_rows`, `layer_ptrs` and `staging` raise `ClosedError`. On a
-GPU the freed blocks stay in torch's caching allocator, ready for the next pool:
-calling `torch.cuda.empty_cache()` to hand them to the driver is the caller's choice.
-A wrapped pool drops only its references; the engine's tensors stay the engine's.
+afterwards every accessor raises `ClosedError`. On a GPU the freed blocks stay in
+torch's caching allocator (`torch.cuda.empty_cache()` is the caller's choice). A wrapped
+pool drops only its references.
 """
 
 from __future__ import annotations
@@ -25,13 +22,15 @@ import numpy as np
 import torch
 
 from kvtier.errors import ClosedError, SpecError
-from kvtier.pool.memory import fmt_bytes
+from kvtier.pool.memory import Owner, fmt_bytes
 from kvtier.pool.rows import rows_contiguous
 from kvtier.spec import KVSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_STAGING_TOKENS = 131072
+
+Tensors = Mapping[str, Sequence[torch.Tensor]]  # buffer name -> one `[num_slots, *row]` tensor per layer
 
 
 class Direction(str, Enum):
@@ -41,12 +40,11 @@ class Direction(str, Enum):
     BACKUP = "backup"  # device -> host
 
 
-class DevicePool:
+class DevicePool(Owner):
     """KV rows of `num_slots` tokens for every buffer and layer of `spec` on `device`.
 
     `staging_tokens` rows (of the widest buffer) are reserved per direction for the
-    staged path; by default `min(num_slots, 131072)`. A context manager: leaving the
-    block calls `close()`.
+    staged path; by default `min(num_slots, 131072)`.
     """
 
     def __init__(
@@ -56,7 +54,7 @@ class DevicePool:
         device: torch.device | str = "cpu",
         *,
         staging_tokens: int | None = None,
-        tensors: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        tensors: Tensors | None = None,
     ) -> None:
         if num_slots <= 0:
             raise SpecError(f"device pool: num_slots {num_slots} must be positive")
@@ -83,16 +81,18 @@ class DevicePool:
         self._staging = {
             d: torch.empty(staging_tokens * widest, dtype=torch.uint8, device=self.device) for d in Direction
         }
-        self._layer_ptrs: dict[str, np.ndarray] = {}
+        self._layer_ptrs = {
+            n: np.array([t.data_ptr() for t in ts], dtype=np.int64) for n, ts in self._tensors.items()
+        }
+        for ptrs in self._layer_ptrs.values():
+            ptrs.flags.writeable = False  # the tensors never move
         # Buffers whose every layer holds the spec's dtype in packed rows: raw copies may address them.
         self._raw = {
             b.name: all(t.dtype == b.dtype and rows_contiguous(t) for t in self._tensors[b.name])
             for b in spec.buffers
         }
-        self.footprint_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts) + sum(
-            s.nbytes for s in self._staging.values()
-        )
-        self._closed = False
+        kv_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts)
+        self.footprint_bytes = kv_bytes + sum(s.nbytes for s in self._staging.values())
         log.info(
             "device pool: %d slots on %s, %s with staging for %d tokens%s",
             num_slots,
@@ -103,13 +103,7 @@ class DevicePool:
         )
 
     @classmethod
-    def wrap(
-        cls,
-        spec: KVSpec,
-        tensors: Mapping[str, Sequence[torch.Tensor]],
-        *,
-        staging_tokens: int | None = None,
-    ) -> DevicePool:
+    def wrap(cls, spec: KVSpec, tensors: Tensors, *, staging_tokens: int | None = None) -> DevicePool:
         """A pool over an engine's own tensors.
 
         `tensors[name][i]`: `[num_slots, *row]`, the buffer's i-th layer. Rows need not be
@@ -120,7 +114,7 @@ class DevicePool:
             raise SpecError(f"device pool: no tensors to wrap for spec {spec.name!r}")
         return cls(spec, first.shape[0], first.device, staging_tokens=staging_tokens, tensors=tensors)
 
-    def _check_tensors(self, tensors: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    def _check_tensors(self, tensors: Tensors) -> dict[str, list[torch.Tensor]]:
         out = {}
         for b in self.spec.buffers:
             ts = list(tensors.get(b.name, ()))
@@ -131,20 +125,14 @@ class DevicePool:
             for t in ts:
                 if tuple(t.shape) != (self.num_slots, *b.row_shape) or t.device != self.device:
                     raise SpecError(
-                        f"device pool: buffer {b.name!r} tensor {tuple(t.shape)} on {t.device} "
-                        "does not match "
-                        f"{(self.num_slots, *b.row_shape)} on {self.device}"
+                        f"device pool: buffer {b.name!r} tensor {tuple(t.shape)} on {t.device} does not "
+                        f"match {(self.num_slots, *b.row_shape)} on {self.device}"
                     )
             out[b.name] = ts
         extra = set(tensors) - {b.name for b in self.spec.buffers}
         if extra:
             raise SpecError(f"device pool: tensors for unknown buffers {sorted(extra)}")
         return out
-
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` has run: the pool holds no tensors any more."""
-        return self._closed
 
     def close(self) -> None:
         """Drop the KV tensors and staging; idempotent (see the module docstring for the GPU cache)."""
@@ -153,12 +141,6 @@ class DevicePool:
         self._closed = True
         self._tensors, self._staging, self._layer_ptrs = {}, {}, {}
         log.info("device pool closed: %s on %s released", fmt_bytes(self.footprint_bytes), self.device)
-
-    def __enter__(self) -> DevicePool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -178,14 +160,7 @@ class DevicePool:
     def layer_ptrs(self, buffer: str) -> np.ndarray:
         """`[layers of the buffer]` int64, read-only: the address of each layer's tensor."""
         self._check_open()
-        self.spec.buffer(buffer)
-        ptrs = self._layer_ptrs.get(buffer)
-        if ptrs is None:  # the tensors never move: computed once per buffer
-            ptrs = self._layer_ptrs[buffer] = np.array(
-                [t.data_ptr() for t in self._tensors[buffer]], dtype=np.int64
-            )
-            ptrs.flags.writeable = False
-        return ptrs
+        return self._layer_ptrs[self.spec.buffer(buffer).name]
 
     def staging(self, direction: Direction) -> torch.Tensor:
         """The raw staging bytes of one direction: `[staging_tokens * widest row bytes]` uint8."""

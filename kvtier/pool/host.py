@@ -18,17 +18,15 @@ are contiguous in memory (`segment_slots` long, aligned). A transfer plan splits
 its runs at segment boundaries; `segment()` returns the slab of one segment.
 
 Lifetime: `close()` (or leaving a `with` block) drops every chunk and hands the memory
-back to the operating system at once: pinned blocks that torch's caching host allocator
-keeps are emptied from it, pageable ones are trimmed from the C heap. After `close()`
-every access to rows or addresses (`chunks`, `segment`, `locate`, `row_map`,
-`region_ptrs`, `region_words`, `gather`, `scatter`) raises `ClosedError` instead of
-handing out an address of freed memory. What a caller took before `close()` is its own
-to drop: a view it keeps keeps its chunk's memory alive, an address it keeps dangles.
+back to the operating system at once (`memory.return_freed_memory`). After `close()`
+every access to rows or addresses raises `ClosedError` instead of handing out an address
+of freed memory; a view taken before keeps its chunk alive, an address taken before dangles.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -37,13 +35,13 @@ import numpy as np
 import torch
 
 from kvtier.errors import ClosedError, HostMemoryError, InvariantError, LayoutError, PinError, SpecError
-from kvtier.pool.memory import GiB, default_reserve_bytes, fmt_bytes, host_memory_bytes, return_freed_memory
+from kvtier.pool.memory import Owner, default_reserve_bytes, fmt_bytes, host_memory_bytes, return_freed_memory
 from kvtier.pool.rows import as_words, word_dtype
-from kvtier.spec import BufferSpec, KVSpec, dtype_size
+from kvtier.spec import BufferSpec, KVSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = GiB
+DEFAULT_CHUNK_BYTES = 1 << 30  # 1 GiB
 
 
 class HostLayout(str, Enum):
@@ -75,12 +73,11 @@ class _Chunk:
     slot_hi: int
 
 
-class HostPool:
+class HostPool(Owner):
     """KV rows of `num_slots` tokens for every buffer and layer of `spec`, on the host.
 
     `pin=None` pins exactly when CUDA is available; `pin=True` without CUDA is an
-    error. `progress(done_bytes, total_bytes)` is called after each chunk. A context
-    manager: leaving the block calls `close()`.
+    error. `progress(done_bytes, total_bytes)` is called after each chunk.
     """
 
     def __init__(
@@ -104,8 +101,7 @@ class HostPool:
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes
         cuda = torch.cuda.is_available()
-        if pin is None:
-            pin = cuda
+        pin = cuda if pin is None else pin
         if pin and not cuda:
             raise PinError("host pool: pin=True needs CUDA, and no CUDA device is available")
         self.pinned = pin
@@ -116,9 +112,7 @@ class HostPool:
         else:
             self.segment_slots = ps
             plans = {b.name: self._page_first_chunks(b) for b in spec.buffers}
-        self.footprint_bytes = sum(
-            _nbytes(shape, b.dtype) for b in spec.buffers for shape, *_ in plans[b.name]
-        )
+        self.footprint_bytes = sum(_nbytes(s, b.dtype) for b in spec.buffers for s, *_ in plans[b.name])
 
         available, total = host_memory_bytes()
         reserve = default_reserve_bytes(total) if reserve_bytes is None else reserve_bytes
@@ -129,7 +123,6 @@ class HostPool:
                 f"({fmt_bytes(available)} available minus a reserve of {fmt_bytes(reserve)})"
             )
 
-        self._closed = False
         self._chunks = self._allocate_chunks(plans, progress)
         self._region_ptrs = {b.name: self._build_region_ptrs(b) for b in spec.buffers}
         log.info(
@@ -169,35 +162,19 @@ class HostPool:
             raise
         return out
 
-    # -- lifetime --------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` has run: the pool holds no memory any more."""
-        return self._closed
-
     def close(self) -> None:
         """Drop every chunk and return its memory to the OS now; idempotent."""
         if self._closed:
             return
         chunks = sum(len(c) for c in self._chunks.values())
         self._closed = True
-        self._chunks = {}
-        self._region_ptrs = {}
+        self._chunks, self._region_ptrs = {}, {}
         return_freed_memory(self.pinned)
         log.info("host pool closed: %s in %d chunks released", fmt_bytes(self.footprint_bytes), chunks)
-
-    def __enter__(self) -> HostPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"host pool of {self.spec.name!r} ({self.num_slots} slots) was closed")
-
-    # -- layout planning -------------------------------------------------------------
 
     def _layer_first_span(self) -> int:
         """Slots per segment: the whole pool unless one layer of a buffer exceeds a chunk."""
@@ -221,15 +198,8 @@ class HostPool:
             layer_hi = min(layers, layer_lo + group)
             for slot_lo in range(0, self.num_slots, span):
                 slot_hi = min(self.num_slots, slot_lo + span)
-                out.append(
-                    (
-                        (layer_hi - layer_lo, slot_hi - slot_lo, *b.row_shape),
-                        layer_lo,
-                        layer_hi,
-                        slot_lo,
-                        slot_hi,
-                    )
-                )
+                shape = (layer_hi - layer_lo, slot_hi - slot_lo, *b.row_shape)
+                out.append((shape, layer_lo, layer_hi, slot_lo, slot_hi))
         return out
 
     def _page_first_chunks(self, b: BufferSpec) -> list[_ChunkPlan]:
@@ -262,8 +232,6 @@ class HostPool:
             raise PinError(f"a host chunk of {fmt_bytes(nbytes)} came back unpinned")
         return raw.view(dtype).view(shape)
 
-    # -- access ----------------------------------------------------------------------
-
     def chunks(self, buffer: str) -> list[torch.Tensor]:
         """The raw chunk tensors of one buffer (for tests and inspection)."""
         return [c.tensor for c in self._chunks_of(buffer)]
@@ -285,16 +253,18 @@ class HostPool:
         slot = index * self.segment_slots
         if not 0 <= slot < self.num_slots:
             raise SpecError(f"host pool: segment {index} is outside [0, {self.num_segments()})")
+        c = self._chunk_at(buffer, local, slot)
         if self.layout is HostLayout.LAYER_FIRST:
-            for c in self._chunks_of(buffer):
-                if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
-                    rel = slot - c.slot_lo
-                    return c.tensor[local - c.layer_lo, rel : rel + self.segment_slots]
-        else:
-            for c in self._chunks_of(buffer):
-                if c.slot_lo <= slot < c.slot_hi:
-                    return c.tensor[(slot - c.slot_lo) // self.spec.page_size, local]
-        raise InvariantError(f"host pool: no chunk holds segment {index} of {buffer!r}")
+            rel = slot - c.slot_lo
+            return c.tensor[local - c.layer_lo, rel : rel + self.segment_slots]
+        return c.tensor[(slot - c.slot_lo) // self.spec.page_size, local]
+
+    def _chunk_at(self, buffer: str, local: int, slot: int) -> _Chunk:
+        """The chunk of `buffer` that holds local layer `local` of `slot`."""
+        for c in self._chunks_of(buffer):
+            if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
+                return c
+        raise InvariantError(f"host pool: no chunk holds slot {slot} of {buffer!r} on local layer {local}")
 
     def locate(self, buffer: str, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where rows live: `(region [n], row [n])`, both int64, for `slots` (`[n]` int64).
@@ -334,58 +304,32 @@ class HostPool:
                 [[c.tensor.data_ptr() + j * ps * b.row_bytes for c in chunks] for j in range(layers)],
                 dtype=np.int64,
             )
-            out.flags.writeable = False
-            return out
-        spans = self.num_segments()
-        out = np.zeros((layers, spans), dtype=np.int64)
-        for c in chunks:
-            k = c.slot_lo // self.segment_slots
-            for j in range(c.layer_lo, c.layer_hi):
-                out[j, k] = c.tensor.data_ptr() + (j - c.layer_lo) * (c.slot_hi - c.slot_lo) * b.row_bytes
+        else:
+            out = np.zeros((layers, self.num_segments()), dtype=np.int64)
+            for c in chunks:
+                k = c.slot_lo // self.segment_slots
+                for j in range(c.layer_lo, c.layer_hi):
+                    out[j, k] = c.tensor.data_ptr() + (j - c.layer_lo) * (c.slot_hi - c.slot_lo) * b.row_bytes
         out.flags.writeable = False
         return out
 
     def region_ptrs(self, buffer: str) -> np.ndarray:
-        """`[layers of the buffer, regions]` int64: address of each region's first row per layer.
-
-        The raw-pointer form of `region_words(...).data_ptr()`, computed once, for
-        submitting copies without building tensor views. Read-only; `ClosedError` after
-        `close()`, so no copy is ever submitted to freed memory through this pool.
-        """
-        self._check_open()
-        try:
-            return self._region_ptrs[buffer]
-        except KeyError:
-            raise SpecError(f"host pool has no buffer {buffer!r}; it has {list(self._chunks)}") from None
+        """`[layers, regions]` int64, read-only: `region_words(...).data_ptr()` of each, computed once."""
+        self._chunks_of(buffer)  # open, and a buffer of the spec
+        return self._region_ptrs[buffer]
 
     def region_words(self, buffer: str, layer: int, region: int) -> torch.Tensor:
         """1-D words of one region, from its first row of `layer` to the end of its allocation."""
         b = self.spec.buffer(buffer)
         local = b.local_layer(layer)
         dtype = word_dtype(b.row_bytes)
-        row_words = b.row_bytes // dtype_size(dtype)
+        row_words = b.row_bytes // dtype.itemsize
         if self.layout is HostLayout.LAYER_FIRST:
-            slot = region * self.segment_slots
-            for c in self._chunks_of(buffer):
-                if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
-                    start = (local - c.layer_lo) * (c.slot_hi - c.slot_lo) * row_words
-                    return _flat_words(c.tensor, dtype)[start:]
-            raise InvariantError(f"host pool: no chunk holds region {region} of {buffer!r} on layer {layer}")
+            c = self._chunk_at(buffer, local, region * self.segment_slots)
+            start = (local - c.layer_lo) * (c.slot_hi - c.slot_lo) * row_words
+            return _flat_words(c.tensor, dtype)[start:]
         c = self._chunks_of(buffer)[region]
         return _flat_words(c.tensor, dtype)[local * self.spec.page_size * row_words :]
-
-    def _regions(self, buffer: str, layer: int) -> list[tuple[int, int, torch.Tensor]]:
-        """`(slot_lo, slot_hi, words)`: `words` is `[segments, segment_slots, W]`, maybe strided in dim 0."""
-        local = self.spec.buffer(buffer).local_layer(layer)
-        out = []
-        for c in self._chunks_of(buffer):
-            if self.layout is HostLayout.LAYER_FIRST:
-                if c.layer_lo <= local < c.layer_hi:
-                    view = c.tensor[local - c.layer_lo].unsqueeze(0)
-                    out.append((c.slot_lo, c.slot_hi, _words3(view)))
-            else:
-                out.append((c.slot_lo, c.slot_hi, _words3(c.tensor[:, local])))
-        return out
 
     def gather(self, buffer: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Copy of the rows at `slots` (`[n]` int64, CPU) of one layer: `[n, *row]`, pageable."""
@@ -413,11 +357,18 @@ class HostPool:
             view[rel // seg, rel % seg] = rows_w[mask]
 
     def _split(self, buffer: str, layer: int, slots: torch.Tensor):
-        """Per region: `(words, slot - slot_lo, mask)` for the slots that fall in it."""
-        for lo, hi, view in self._regions(buffer, layer):
-            mask = (slots >= lo) & (slots < hi)
+        """Per chunk holding some of `slots`: `(words [segments, segment_slots, W], slot - slot_lo, mask)`."""
+        local = self.spec.buffer(buffer).local_layer(layer)
+        for c in self._chunks_of(buffer):
+            if self.layout is HostLayout.PAGE_FIRST:
+                view = _words3(c.tensor[:, local])
+            elif c.layer_lo <= local < c.layer_hi:
+                view = _words3(c.tensor[local - c.layer_lo].unsqueeze(0))
+            else:
+                continue
+            mask = (slots >= c.slot_lo) & (slots < c.slot_hi)
             if bool(mask.any()):
-                yield view, slots[mask] - lo, mask
+                yield view, slots[mask] - c.slot_lo, mask
 
     def __repr__(self) -> str:
         state = ", closed" if self._closed else ""
@@ -442,7 +393,4 @@ def _words3(view: torch.Tensor) -> torch.Tensor:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype_size(dtype)
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape) * dtype.itemsize

@@ -1,4 +1,5 @@
-"""Host RAM: how much a pool may take, and giving freed memory back to the OS.
+"""Memory ownership: what holds memory until `close()`, how much host RAM a pool may take,
+and giving freed memory back to the OS.
 
 A host pool asks `host_memory_bytes()` before it allocates anything and keeps
 `default_reserve_bytes` free for everything else. When it closes,
@@ -10,11 +11,33 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 GiB = 1 << 30
+
+_O = TypeVar("_O", bound="Owner")
+
+
+class Owner:
+    """Holds memory until `close()` (idempotent); a context manager that closes on leaving."""
+
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has run: the memory is released and the object takes no more work."""
+        return self._closed
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _O) -> _O:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def host_memory_bytes() -> tuple[int, int]:
@@ -36,25 +59,18 @@ def default_reserve_bytes(total: int) -> int:
 def return_freed_memory(pinned: bool) -> None:
     """Hand memory this process just freed back to the OS instead of keeping it for reuse.
 
-    torch's caching host allocator keeps freed pinned blocks until it is emptied; glibc
-    keeps freed heap blocks below its mmap threshold until trimmed (larger blocks are
-    unmapped when freed). Both calls are skipped where this torch or C library lacks them.
+    Empties torch's caching host allocator (pinned blocks) and trims glibc's heap (pageable
+    blocks below its mmap threshold); each is skipped where this torch or C library lacks it.
     """
     if pinned:
         empty = getattr(torch._C, "_host_emptyCache", None)
         if empty is not None:
             empty()
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None on another C library."""
     try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def fmt_bytes(nbytes: int) -> str:
