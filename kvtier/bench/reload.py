@@ -85,14 +85,7 @@ def run_prefix_reload(
     through the kernel moves per launch (in `page_first`, as layer groups).
     """
     device = torch.device(device)
-    ps = spec.page_size
-    if tokens <= 0 or host_runs < 1 or tokens % (ps * host_runs):
-        raise ConfigError(
-            f"tokens {tokens} must be a positive multiple of the page size {ps} times host_runs {host_runs}"
-        )
-    layout = HostLayout.parse(host_layout)
-    if isinstance(layers_per_load, bool) or not isinstance(layers_per_load, int) or layers_per_load < 1:
-        raise ConfigError(f"layers_per_load must be a positive int, got {layers_per_load!r}")
+    layout = _checked(spec, tokens, host_runs, host_layout, layers_per_load)
     progress(f"reload: pools of {tokens} slots ({tokens * spec.bytes_per_token() / 1e9:.2f} GB per tier)")
     config = CacheConfig(write_policy=WritePolicy(policy), layers_per_load=layers_per_load)
     cache, backups = _cache_for(spec, tokens, device, config, host_runs, layout, seed, query_ids)
@@ -100,8 +93,11 @@ def run_prefix_reload(
         node, ids = _prefix_in_cache(cache, tokens, seed, query_ids, host_runs)
         cuda = device.type == "cuda"
         ceiling = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0)) if cuda else None
-        if cuda and backups:
-            back = ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0), Direction.BACKUP)
+        back = (
+            ceiling_gbps(device, tokens * spec.layer_bytes_per_token(0), Direction.BACKUP)
+            if backups
+            else None
+        )
         samples, loaded_bytes = [], 0
         for r in range(repeats):
             progress(f"reload: repeat {r + 1}/{repeats}")
@@ -130,17 +126,38 @@ def run_prefix_reload(
         samples=samples,
     )
     if ceiling is not None:
-        row.reload_ms = _median(samples, "reload_ms")
-        row.first_layer_ms = _median(samples, "first_layer_ms")
-        row.ceiling_gbps = round(ceiling, 2)
-        row.ideal_ms = round(loaded_bytes / (ceiling * 1e9) * 1e3, 3)
-        row.ratio = round(row.reload_ms / row.ideal_ms, 3)
-        row.ratio_met = row.ratio <= RELOAD_RATIO_TARGET
-        if backups:
-            row.backup_ms = round(statistics.median(backups), 3)
-            row.backup_ceiling_gbps = round(back, 2)
-            row.backup_ratio = round(row.backup_ms / (loaded_bytes / (back * 1e9) * 1e3), 3)
+        _add_device_times(row, samples, ceiling, backups, back)
     return row
+
+
+def _checked(
+    spec: KVSpec, tokens: int, host_runs: int, host_layout: HostLayout | str, layers_per_load: int
+) -> HostLayout:
+    """`run_prefix_reload`'s arguments checked before any pool is built; the host layout."""
+    ps = spec.page_size
+    if tokens <= 0 or host_runs < 1 or tokens % (ps * host_runs):
+        raise ConfigError(
+            f"tokens {tokens} must be a positive multiple of the page size {ps} times host_runs {host_runs}"
+        )
+    if isinstance(layers_per_load, bool) or not isinstance(layers_per_load, int) or layers_per_load < 1:
+        raise ConfigError(f"layers_per_load must be a positive int, got {layers_per_load!r}")
+    return HostLayout.parse(host_layout)
+
+
+def _add_device_times(
+    row: ReloadRow, samples: list[dict], ceiling: float, backups: list[float], back: float | None
+) -> None:
+    """Fill the CUDA fields of `row`: the reload against `ceiling`, the backups against `back` (GB/s)."""
+    row.reload_ms = _median(samples, "reload_ms")
+    row.first_layer_ms = _median(samples, "first_layer_ms")
+    row.ceiling_gbps = round(ceiling, 2)
+    row.ideal_ms = round(row.loaded_bytes / (ceiling * 1e9) * 1e3, 3)
+    row.ratio = round(row.reload_ms / row.ideal_ms, 3)
+    row.ratio_met = row.ratio <= RELOAD_RATIO_TARGET
+    if backups and back is not None:
+        row.backup_ms = round(statistics.median(backups), 3)
+        row.backup_ceiling_gbps = round(back, 2)
+        row.backup_ratio = round(row.backup_ms / (row.loaded_bytes / (back * 1e9) * 1e3), 3)
 
 
 def _cache_for(
