@@ -33,12 +33,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtier.cache.handles import CacheConfig, Lease, LoadHandle, Match, WritePolicy
-from kvtier.cache.movers import Mover, Transfer
+from kvtier.cache.handles import Lease, LoadHandle, Match, WritePolicy
+from kvtier.cache.movers import Transfer
 from kvtier.cache.radix import Node, NodeState, token_ids
 from kvtier.cache.tiers import TierState
 from kvtier.errors import CacheFullError, CacheStateError, ClosedError, LeaseError, SlotError
-from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.slots import NO_SLOTS, as_slots, concat_slots, fmt_ids
 from kvtier.transfer.submit import Operation
@@ -52,17 +51,6 @@ class CacheController(TierState):
     `mover`: what moves bytes between the two pools (default: a `DeviceHostMover` with the
     config's transfer options). The controller owns both pools from here on and closes them.
     """
-
-    def __init__(
-        self,
-        device_pool: DevicePool,
-        host_pool: HostPool,
-        config: CacheConfig | None = None,
-        *,
-        mover: Mover | None = None,
-    ) -> None:
-        super().__init__(device_pool, host_pool, config, mover)
-        self._closed = False
 
     # -- lifetime ----------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class TierState:
         device_pool: DevicePool,
         host_pool: HostPool,
         config: CacheConfig | None = None,
+        *,
         mover: Mover | None = None,
     ) -> None:
         dspec, hspec = device_pool.spec, host_pool.spec
@@ -76,6 +77,7 @@ class TierState:
         self._submitted: dict[Direction, deque[Transfer]] = {d: deque() for d in Direction}
         self.metrics = CacheMetrics()
         self.bytes_per_token = self.spec.bytes_per_token()
+        self._closed = False
 
     # -- bookkeeping -------------------------------------------------------------------
 
