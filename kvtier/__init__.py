@@ -19,7 +19,7 @@ _MODULES = {
     "kvtier.errors": (
         "APIError AllocatorCorruptError BackendUnavailableError CacheFullError CacheStateError ClosedError "
         "ConfigError CudaRuntimeError HostMemoryError InvariantError KVTierError LayoutError LeaseError "
-        "ModelLoadError PinError PlanError PromptTooLongError SlotError SpecError TransferError"
+        "ModelLoadError PinError PlanError PromptTooLongError SlotError SpecError StorageError TransferError"
     ),
     "kvtier.spec": "PRESETS BufferKind BufferSpec KVSpec preset",
     "kvtier.alloc": "AllocPolicy HostSlotAllocator",

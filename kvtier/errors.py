@@ -75,6 +75,10 @@ class ClosedError(KVTierError, RuntimeError):
     """A pool, cache or engine was used after `close()`."""
 
 
+class StorageError(KVTierError, RuntimeError):
+    """A storage backend failed (unreachable, full, a bad value); the storage tier counts it as a miss."""
+
+
 class ModelLoadError(KVTierError, RuntimeError):
     """A model could not be found or loaded."""
 

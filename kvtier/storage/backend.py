@@ -1,0 +1,116 @@
+"""The interface every storage backend implements, and `open_backend(url)` that picks one.
+
+A backend stores opaque values under string keys; it knows nothing of pages, tokens or
+checksums (`kvtier.storage.values` makes and checks the values). Every call is batched:
+
+- `exists(keys) -> int`: how many of `keys`, from the first, are present (stops at the
+  first absent one; a prefix's pages are asked for in order).
+- `get_into(keys, buffers) -> list[int]`: for each key, the value's bytes written into
+  that key's buffers in order, as `readv` does (`buffers[i]`: a list of writable
+  C-contiguous memoryviews, pinned host slots where the caller has them); the entry is
+  the value's length, or `-1` where the key is absent or the value is longer than its
+  buffers (nothing of a `-1` value counts as written; a shorter value fills the buffers
+  from the start and its length says so).
+- `put(keys, values) -> list[bool]`: store `values[i]` (a list of byte chunks, written as
+  one value in order) under `keys[i]`; True where it was stored. A key written by two
+  writers at once ends with one of the two values whole, never a mix.
+- `usage() -> (pages, bytes) | None`: what the backend holds now where it knows (the
+  file backend does; a shared server may not), for metrics.
+- `close()`: release connections and files; idempotent.
+
+Errors: a backend may raise `StorageError` (or any exception) from a call; the storage tier
+catches it, counts it under the call's operation, logs it and treats the call's keys as
+misses or writes not stored. A backend never needs to retry: the tier calls again later.
+A backend may be called from several threads at once.
+
+`open_backend(url, **options)`:
+- `file://PATH` (`FileBackend`, the default tier below the host), options `size_bytes`;
+- `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,HOST:PORT...]` (`RedisBackend`),
+  options `pool_size`, `ttl_s`, `timeout_s`;
+- `MODULE:CLASS[?key=value&...]`: a third-party backend, built as `CLASS(**kwargs)` from
+  the query's `key=value` pairs (strings) updated with `options`. A Mooncake or
+  Valkey-GLIDE backend is one file with one `StorageBackend` subclass implementing the
+  methods above.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl
+
+from kvtier.errors import ConfigError
+
+Chunks = Sequence[memoryview | bytes]
+
+
+class StorageBackend(ABC):
+    """A batched key-value store below the host tier; see the module docstring for the contract."""
+
+    #: Short name for logs and metrics (`file`, `redis`, `redis+cluster`, or the class's).
+    name: str = "custom"
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, are present."""
+
+    @abstractmethod
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
+        """Read each key's value into its buffers; per key its length or -1 (absent, too long)."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
+        """Store each value (its chunks in order) under its key; per key whether it was stored."""
+
+    def usage(self) -> tuple[int, int] | None:
+        """`(values, bytes)` held now, or None where the backend cannot tell cheaply."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 (optional: most backends hold something to release)
+        """Release connections and files (idempotent)."""
+
+    def describe(self) -> str:
+        return self.name
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_PLUGIN = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_]\w*)(?:\?(.*))?$")
+
+
+def open_backend(url: str, **options: Any) -> StorageBackend:
+    """The backend `url` names (see the module docstring); `ConfigError` for an unknown one."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"storage URL must be a non-empty string, got {url!r}")
+    scheme = url.split("://", 1)[0] if "://" in url else None
+    if scheme == "file":
+        from kvtier.storage.file import FileBackend
+
+        return FileBackend(url[len("file://") :], **options)
+    if scheme in ("redis", "redis+cluster"):
+        from kvtier.storage.redis import RedisBackend
+
+        return RedisBackend(url, **options)
+    if scheme is None and (m := _PLUGIN.match(url)):
+        return _plugin(m.group(1), m.group(2), m.group(3) or "", options)
+    raise ConfigError(
+        f"storage URL {url!r}: use file://PATH, redis://HOST:PORT[/DB], "
+        "redis+cluster://HOST:PORT[,HOST:PORT...] or MODULE:CLASS[?key=value]"
+    )
+
+
+def _plugin(module: str, cls: str, query: str, options: dict[str, Any]) -> StorageBackend:
+    try:
+        kind = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"storage backend {module}:{cls} cannot be loaded: {e}") from e
+    if not (isinstance(kind, type) and issubclass(kind, StorageBackend)):
+        raise ConfigError(f"storage backend {module}:{cls} is not a kvtier.storage.StorageBackend")
+    return kind(**{**dict(parse_qsl(query)), **options})
