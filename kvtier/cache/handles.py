@@ -8,12 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 
 from kvtier.alloc import AllocPolicy
 from kvtier.cache.movers import Transfer
 from kvtier.cache.policy import PolicyName
 from kvtier.cache.radix import Node
+from kvtier.cache.storage_mover import Fetch
 from kvtier.errors import ConfigError
 from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan
 from kvtier.transfer.lanes import Signal
@@ -75,6 +77,9 @@ class Match:
 
     `device_slots`: `[device_tokens]` int64 CPU, the resident part, readable now.
     `host_nodes`: the nodes after it that are only on the host (`load_back` them).
+    `storage_hashes` / `storage_key`: the leading pages after those that storage holds
+    (their hashes; their tokens, `[storage_tokens]`), prefetched from `acquire` on
+    (`prefetch`); `load_back` adds what arrived to `host_nodes` and `tokens`.
     """
 
     tokens: int
@@ -83,10 +88,19 @@ class Match:
     device_nodes: list[Node]
     host_nodes: list[Node]
     last_node: Node
+    storage_hashes: list[bytes] = field(default_factory=list)
+    storage_key: np.ndarray | None = None
+    prefetch: Fetch | None = None
+    storage_tokens_used: int = 0
 
     @property
     def host_tokens(self) -> int:
-        return self.tokens - self.device_tokens
+        return self.tokens - self.device_tokens - self.storage_tokens_used
+
+    @property
+    def storage_tokens(self) -> int:
+        """Tokens storage holds after the tree's part (all may not arrive: see `storage_tokens_used`)."""
+        return 0 if self.storage_key is None else len(self.storage_key)
 
 
 @dataclass(eq=False)

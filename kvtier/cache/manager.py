@@ -60,6 +60,7 @@ class CacheController(TierState):
             return
         try:
             self.flush()
+            self._close_storage()
             self.mover.close()
         finally:
             self._closed = True
@@ -96,21 +97,26 @@ class CacheController(TierState):
         self.poll()
         key = self.tree.whole_pages(token_ids(tokens))
         nodes, _, partial, shared = self.tree.walk(key)
-        if partial is not None:
+        if partial is not None and partial.state is not NodeState.FETCHING:
             nodes.append(self._split(partial, shared))
         for n in nodes:
             if n.state is NodeState.LOADING:
                 self._complete(n.transfer, wait=True)
         device_nodes = list(itertools.takewhile(lambda n: n.state.on_device, nodes))
-        host_nodes = nodes[len(device_nodes) :]
+        host_nodes = list(
+            itertools.takewhile(lambda n: n.state is NodeState.HOST, nodes[len(device_nodes) :])
+        )
+        nodes = device_nodes + host_nodes  # a FETCHING node ends the match: its bytes are not here yet
         self._touch(nodes, hit=True)
         device_tokens = sum(len(n) for n in device_nodes)
         matched = device_tokens + sum(len(n) for n in host_nodes)
+        last = nodes[-1] if nodes else self.tree.root
+        storage_hashes, storage_key = self._lookup(key, matched, last)
         m = self.metrics
         m.matches += 1
         m.device_hit_tokens += device_tokens
         m.host_hit_tokens += matched - device_tokens
-        m.miss_tokens += len(tokens) - matched
+        m.miss_tokens += len(tokens) - matched - len(storage_key)
         if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for n in device_nodes:
                 if n.state is NodeState.DEVICE and n.hits >= self.config.selective_hits:
@@ -121,7 +127,9 @@ class CacheController(TierState):
             device_slots=concat_slots([n.device_slots for n in device_nodes]),
             device_nodes=device_nodes,
             host_nodes=host_nodes,
-            last_node=nodes[-1] if nodes else self.tree.root,
+            last_node=last,
+            storage_hashes=storage_hashes,
+            storage_key=storage_key if len(storage_key) else None,
         )
 
     def active_leases(self) -> list[Lease]:
@@ -135,7 +143,7 @@ class CacheController(TierState):
     # -- locks -------------------------------------------------------------------------
 
     def acquire(self, match: Match | Node) -> Lease:
-        """Lock the path to the match's last node for a request."""
+        """Lock the path to the match's last node for a request; start prefetching its storage pages."""
         self._open()
         node = match.last_node if isinstance(match, Match) else match
         if node.state is NodeState.DROPPED:
@@ -143,12 +151,15 @@ class CacheController(TierState):
         lease = Lease(next(self._lease_ids), node)
         self.tree.lock_path(node, +1)
         self._leases[lease.id] = lease
+        if isinstance(match, Match) and match.storage_hashes and match.prefetch is None:
+            self._start_fetch(match, lease)
         return lease
 
     def release(self, lease: Lease) -> None:
-        """Unlock a lease's path; a lease is released once."""
+        """Unlock a lease's path (ending its prefetch, if one runs); a lease is released once."""
         if lease.released or self._leases.get(lease.id) is not lease:
             raise LeaseError(f"lease {lease.id} is not held (released twice, or not from this cache)")
+        self._settle_fetches_of(lease)
         lease.released = True
         del self._leases[lease.id]
         self.tree.lock_path(lease.node, -1)
@@ -190,6 +201,7 @@ class CacheController(TierState):
         self.poll()
         key = token_ids(tokens, copy=True)
         key.flags.writeable = False
+        self._settle_fetches_on(key)
         s = self._check_insert(key, device_slots)
         nodes, pos, partial, shared = self.tree.walk(key)
         if partial is not None:
@@ -208,6 +220,13 @@ class CacheController(TierState):
             for n in adopted:
                 self._backup(n)
         return last
+
+    def _settle_fetches_on(self, key: np.ndarray) -> None:
+        """End the fetches whose nodes lie on `key`'s path, so an insert never meets one."""
+        nodes, _, partial, _ = self.tree.walk(key)
+        for n in [*nodes, *([partial] if partial is not None else [])]:
+            if n.state is NodeState.FETCHING:
+                self._settle_fetch(n.io, wait=False)
 
     def _check_insert(self, key: np.ndarray, device_slots: torch.Tensor) -> np.ndarray:
         """`insert`'s checks, before anything changes: the slots as `[n]` int64."""
@@ -257,9 +276,21 @@ class CacheController(TierState):
     # -- load back ---------------------------------------------------------------------
 
     def load_back(self, match: Match) -> LoadHandle:
-        """Bring the match's host-only nodes to the device; returns a handle with per-layer readiness."""
+        """Bring the match's host-only nodes to the device; returns a handle with per-layer readiness.
+
+        A prefetch from storage (started by `acquire`) is first waited for as the storage
+        config's policy says; what arrived joins the match's host nodes.
+        """
         self._open()
         self.poll()
+        if match.prefetch is not None:
+            got = self._settle_fetch(match.prefetch, wait=True)
+            match.prefetch = None
+            if got is not None:
+                match.host_nodes.append(got)
+                match.last_node = got
+                match.tokens += len(got)
+                match.storage_tokens_used = len(got)
         nodes = list(match.host_nodes)
         self._check_load(nodes)
         total = sum(len(n) for n in nodes)
@@ -345,12 +376,16 @@ class CacheController(TierState):
                         break
                     self._complete(transfer, wait=False)
                 queue.popleft()
+        self._poll_storage()
 
     def flush(self) -> None:
-        """Wait for every transfer in flight and complete it (tests, shutdown)."""
+        """Wait for every transfer in flight and every storage write, and complete them (tests, shutdown)."""
         self.mover.drain()
         for transfer, _, _ in list(self._inflight.values()):
             self._complete(transfer, wait=True)
+        for store, _ in list(self._storing.values()):
+            store.wait()
+            self._store_done(store)
 
     # -- reporting ---------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ class NodeState(str, Enum):
     BOTH = "both"  # device and host, identical
     HOST = "host"  # host only
     LOADING = "loading"  # host, device copy in flight
+    FETCHING = "fetching"  # host slots allocated, bytes in flight from storage (not yet readable)
     DROPPED = "dropped"  # removed from the tree
 
     @property
@@ -47,7 +48,13 @@ class NodeState(str, Enum):
 
     @property
     def on_host(self) -> bool:
-        return self in (NodeState.BACKING_UP, NodeState.BOTH, NodeState.HOST, NodeState.LOADING)
+        return self in (
+            NodeState.BACKING_UP,
+            NodeState.BOTH,
+            NodeState.HOST,
+            NodeState.LOADING,
+            NodeState.FETCHING,
+        )
 
 
 _ids = itertools.count(1)
@@ -62,7 +69,10 @@ class Node:
     node has no copy (or one still in flight for `host_slots` while `BACKING_UP`:
     allocated, not yet valid). `host_runs`: `host_slots` as `(first slot, length)`
     runs in order, kept with them so a reload is planned without a pass over the
-    slots. `transfer`: the transfer in flight, if any.
+    slots. `transfer`: the device <-> host transfer in flight, if any. Storage:
+    `page_hashes` (each page's chained hash, computed when first needed), `stored` (every
+    page is in storage), `io` (the storage read or write in flight over its host slots),
+    `evict_when_stored` (a write-back eviction waits for that write).
     """
 
     key: np.ndarray
@@ -76,6 +86,10 @@ class Node:
     last_access: int = 0
     hits: int = 0
     transfer: Transfer | None = None
+    page_hashes: list[bytes] | None = None
+    stored: bool = False
+    io: object | None = None
+    evict_when_stored: bool = False
     id: int = field(default_factory=lambda: next(_ids))
 
     def __len__(self) -> int:
@@ -157,6 +171,9 @@ class RadixTree:
             last_access=node.last_access,
             hits=node.hits,
             transfer=node.transfer,
+            page_hashes=None if node.page_hashes is None else node.page_hashes[: at // self.page_size],
+            stored=node.stored,
+            io=node.io,
         )
         parent.children[self.page_key(node.key)] = head
         node.key = node.key[at:]
@@ -167,11 +184,14 @@ class RadixTree:
             node.host_slots = node.host_slots[at:]
         if node.host_runs is not None:
             node.host_runs = split_runs(node.host_runs, at)[1]
+        if node.page_hashes is not None:
+            node.page_hashes = node.page_hashes[at // self.page_size :]
         head.children[self.page_key(node.key)] = node
         return head
 
-    def add_child(self, parent: Node, key: np.ndarray, device_slots: torch.Tensor) -> Node:
-        node = Node(key=key, parent=parent, device_slots=device_slots, last_access=self.tick())
+    def add_child(self, parent: Node, key: np.ndarray, device_slots: torch.Tensor | None, **fields) -> Node:
+        """A new leaf under `parent` (a device node unless `fields` say otherwise)."""
+        node = Node(key=key, parent=parent, device_slots=device_slots, last_access=self.tick(), **fields)
         parent.children[self.page_key(key)] = node
         return node
 

@@ -29,17 +29,23 @@ from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.movers import DeviceHostMover, Mover, Transfer
 from kvtier.cache.policy import EvictionQueue
 from kvtier.cache.radix import Node, NodeState, RadixTree
+from kvtier.cache.storage_mover import HostStorageMover
+from kvtier.cache.storage_tier import StorageTransitions
 from kvtier.errors import CacheFullError, CacheStateError, InvariantError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
+from kvtier.storage.config import StorageWrite
 from kvtier.transfer import runs
 from kvtier.transfer.submit import Operation
 
 log = logging.getLogger(__name__)
 
 
-class TierState:
-    """The tree, allocators, queues and in-flight transfers of a cache; see the module docstring."""
+class TierState(StorageTransitions):
+    """The tree, allocators, queues and in-flight transfers of a cache; see the module docstring.
+
+    `storage`: the mover to a third tier below the host (`kvtier.cache.storage_tier`), or None.
+    """
 
     def __init__(
         self,
@@ -48,6 +54,7 @@ class TierState:
         config: CacheConfig | None = None,
         *,
         mover: Mover | None = None,
+        storage: HostStorageMover | None = None,
     ) -> None:
         dspec, hspec = device_pool.spec, host_pool.spec
         if dspec.buffers != hspec.buffers or dspec.page_size != hspec.page_size:
@@ -78,6 +85,7 @@ class TierState:
         self.metrics = CacheMetrics()
         self.bytes_per_token = self.spec.bytes_per_token()
         self._closed = False
+        self._init_storage(storage)
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -184,6 +192,8 @@ class TierState:
         return True
 
     def _drop_from_host(self, n: Node) -> int:
+        if self._write_back(n):
+            return 0  # freed once storage holds it
         tokens = len(n)
         self.metrics.host_evictions += 1
         self.metrics.host_evicted_tokens += tokens
@@ -208,6 +218,7 @@ class TierState:
         if n.host_slots is not None:
             if n.state is NodeState.BACKING_UP:
                 self._complete(n.transfer, wait=True)
+            self._await_io(n)
             self.host_alloc.free(n.host_slots)
             n.host_slots = n.host_runs = None
 
@@ -229,7 +240,7 @@ class TierState:
 
     @staticmethod
     def _host_leaf(n: Node) -> bool:
-        return n.state is NodeState.HOST and n.lock == 0 and not n.children
+        return n.state is NodeState.HOST and n.lock == 0 and not n.children and n.io is None
 
     def _complete(self, transfer: Transfer | None, wait: bool) -> None:
         """Finish `transfer` (waiting for it with `wait`): its nodes' states, the load's lock."""
@@ -239,9 +250,16 @@ class TierState:
             transfer.wait()
         _, nodes, handle = self._inflight.pop(id(transfer))
         for n in nodes:
+            backed_up = n.state is NodeState.BACKING_UP
             if n.state in (NodeState.BACKING_UP, NodeState.LOADING):
                 n.state = NodeState.BOTH
             n.transfer = None
+            if (
+                backed_up
+                and self.storage is not None
+                and self.storage.config.write is StorageWrite.WRITE_THROUGH
+            ):
+                self._store(n)
         if handle is not None:
             handle.done = True
             self.metrics.load_seconds.observe(time.perf_counter() - handle.submitted_at)

@@ -9,9 +9,14 @@ leaves the cache consistent (its slots go back, its lease is released); one that
 fit the model's context or the device pool is refused with `PromptTooLongError` before
 the cache is touched. Per-request state lives in a `_Request`, so batching stays possible.
 
-Lifetime: the engine owns its cache and both pools; `close()` (or leaving a `with` block)
-drains the cache's transfers and releases the pools' memory at once. The model is the
-caller's.
+Storage (`storage=URL` or a `StorageConfig`): a third tier below the host, keyed by the
+model's identity (`model_name`, else the config's name or path) and its config, so a
+restarted engine or another process over the same store finds the prefixes computed
+before (see `kvtier.cache.storage_tier`).
+
+Lifetime: the engine owns its cache, both pools and the storage tier; `close()` (or leaving
+a `with` block) drains the cache's transfers, finishes pending storage writes and releases
+the pools' memory at once. The model is the caller's.
 """
 
 from __future__ import annotations
@@ -28,10 +33,19 @@ import numpy as np
 import torch
 
 from kvtier.cache import CacheConfig, CacheController, token_ids
-from kvtier.engine.hf import KVTierCache, spec_from_hf_config, text_config
+from kvtier.cache.storage_mover import open_storage
+from kvtier.engine.hf import (
+    KVTierCache,
+    model_config_identity,
+    model_identity,
+    spec_from_hf_config,
+    text_config,
+)
 from kvtier.errors import ClosedError, ConfigError, PromptTooLongError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.memory import Owner
+from kvtier.storage.config import StorageConfig
+from kvtier.storage.keys import Fingerprint
 
 if TYPE_CHECKING:
     from kvtier.cache import Lease, LoadHandle, Match
@@ -62,6 +76,7 @@ class SamplingParams:
 class RequestResult:
     """What one request did: its tokens, text and where its prefix came from.
 
+    `storage_hit_tokens`: of the host hit, tokens prefetched from storage first.
     `load_s`: host time to submit the reload; `reload_s`: the reload's own time where
     it can be told apart from the forward (CPU), else None (on a GPU it overlaps
     the forward layer by layer).
@@ -77,11 +92,14 @@ class RequestResult:
     loaded_tokens: int
     loaded_bytes: int
     load_s: float
+    storage_hit_tokens: int = 0
     reload_s: float | None = None
     first_logits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def hit(self) -> str:
+        if self.storage_hit_tokens:
+            return "storage"
         return "host" if self.host_hit_tokens else "device" if self.device_hit_tokens else "none"
 
 
@@ -128,7 +146,11 @@ class Engine(Owner):
         config: CacheConfig | None = None,
         host_layout: str = "layer_first",
         prefill_chunk: int = 8192,
+        storage: StorageConfig | str | None = None,
+        model_name: str | None = None,
     ) -> None:
+        if isinstance(storage, str):
+            storage = StorageConfig(storage)
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -147,7 +169,13 @@ class Engine(Owner):
             undo.callback(self.device_pool.close)
             self.host_pool = HostPool(self.spec, host_tokens, host_layout)
             undo.callback(self.host_pool.close)
-            self.cache = CacheController(self.device_pool, self.host_pool, config)
+            self.storage = None
+            if storage is not None:
+                name = model_name or storage.model or model_identity(model.config)
+                fingerprint = Fingerprint.of(name, self.spec, model_config_identity(model.config))
+                self.storage = open_storage(storage, self.host_pool, fingerprint)
+                undo.callback(self.storage.close)
+            self.cache = CacheController(self.device_pool, self.host_pool, config, storage=self.storage)
             undo.pop_all()
 
     def close(self) -> None:
@@ -286,6 +314,7 @@ class Engine(Owner):
             device_hit_tokens=req.match.device_tokens,
             host_hit_tokens=req.match.host_tokens,
             loaded_tokens=loaded,
+            storage_hit_tokens=req.match.storage_tokens_used,
             loaded_bytes=loaded * self.spec.bytes_per_token(),
             load_s=load.submit_s,
             reload_s=req.reload_s,

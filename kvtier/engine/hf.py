@@ -34,6 +34,26 @@ def text_config(config: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def model_identity(config: Any) -> str:
+    """A model's name for storage keys: its config's name or path, else its architecture."""
+    name = getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "")
+    if name:
+        return str(name).rstrip("/").rsplit("/", 1)[-1] if "/" in str(name) and _is_path(name) else str(name)
+    archs = getattr(config, "architectures", None) or [type(config).__name__]
+    return str(archs[0])
+
+
+def _is_path(name: str) -> bool:
+    return name.startswith(("/", ".", "~"))
+
+
+def model_config_identity(config: Any) -> dict[str, Any]:
+    """The parts of a transformers config that decide a model's KV (no paths, versions or dtypes)."""
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    drop = {"transformers_version", "torch_dtype", "dtype", "name_or_path"}
+    return {k: v for k, v in raw.items() if not k.startswith("_") and k not in drop}
+
+
 def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size: int = 1) -> KVSpec:
     """The `KVSpec` of a transformers model config; `SpecError` for a layout kvtier cannot map."""
     text = text_config(config)

@@ -34,7 +34,15 @@ from enum import Enum
 import numpy as np
 import torch
 
-from kvtier.errors import ClosedError, HostMemoryError, InvariantError, LayoutError, PinError, SpecError
+from kvtier.errors import (
+    ClosedError,
+    HostMemoryError,
+    InvariantError,
+    LayoutError,
+    PinError,
+    SlotError,
+    SpecError,
+)
 from kvtier.pool.memory import Owner, default_reserve_bytes, fmt_bytes, host_memory_bytes, return_freed_memory
 from kvtier.pool.rows import as_words, word_dtype
 from kvtier.spec import BufferSpec, KVSpec
@@ -125,6 +133,7 @@ class HostPool(Owner):
 
         self._chunks = self._allocate_chunks(plans, progress)
         self._region_ptrs = {b.name: self._build_region_ptrs(b) for b in spec.buffers}
+        self._np_bytes: dict[str, list[np.ndarray]] = {}
         log.info(
             "host pool: %d slots, layout %s, %s in %d chunks, pinned=%s",
             num_slots,
@@ -168,7 +177,7 @@ class HostPool(Owner):
             return
         chunks = sum(len(c) for c in self._chunks.values())
         self._closed = True
-        self._chunks, self._region_ptrs = {}, {}
+        self._chunks, self._region_ptrs, self._np_bytes = {}, {}, {}
         return_freed_memory(self.pinned)
         log.info("host pool closed: %s in %d chunks released", fmt_bytes(self.footprint_bytes), chunks)
 
@@ -330,6 +339,42 @@ class HostPool(Owner):
             return _flat_words(c.tensor, dtype)[start:]
         c = self._chunks_of(buffer)[region]
         return _flat_words(c.tensor, dtype)[local * self.spec.page_size * row_words :]
+
+    def page_views(self, slot: int) -> list[memoryview]:
+        """The bytes of the page starting at `slot`, writable uint8 views into the pool.
+
+        In the order of a storage value's payload: buffer by buffer, each buffer's layers in
+        order, each layer's `page_size` rows (one view per buffer in `page_first`, one per
+        buffer and layer in `layer_first`). A view keeps its chunk alive.
+        """
+        self._check_open()
+        ps = self.spec.page_size
+        if isinstance(slot, bool) or not 0 <= slot < self.num_slots or slot % ps:
+            raise SlotError(f"page_views({slot!r}): not the first slot of a page in [0, {self.num_slots})")
+        out = []
+        for b in self.spec.buffers:
+            n = ps * b.row_bytes
+            for c, raw in zip(self._chunks_of(b.name), self._bytes_of(b.name), strict=True):
+                if not c.slot_lo <= slot < c.slot_hi:
+                    continue
+                rel = slot - c.slot_lo
+                if self.layout is HostLayout.PAGE_FIRST:
+                    at = rel * len(b.layers) * b.row_bytes
+                    out.append(raw[at : at + n * len(b.layers)].data)
+                    continue
+                stride = (c.slot_hi - c.slot_lo) * b.row_bytes
+                out.extend(
+                    raw[j * stride + rel * b.row_bytes :][:n].data for j in range(c.layer_hi - c.layer_lo)
+                )
+        return out
+
+    def _bytes_of(self, buffer: str) -> list[np.ndarray]:
+        """Each chunk of `buffer` as a flat uint8 numpy view (made once)."""
+        views = self._np_bytes.get(buffer)
+        if views is None:
+            views = [c.tensor.view(-1).view(torch.uint8).numpy() for c in self._chunks_of(buffer)]
+            self._np_bytes[buffer] = views
+        return views
 
     def gather(self, buffer: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Copy of the rows at `slots` (`[n]` int64, CPU) of one layer: `[n, *row]`, pageable."""
