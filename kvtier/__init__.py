@@ -32,6 +32,10 @@ _MODULES = {
         "LFU LRU CacheConfig CacheController CacheMetrics DeviceHostMover EvictionPolicy LoadHandle Match "
         "Mover PolicyName WritePolicy"
     ),
+    "kvtier.storage": (
+        "Compression Fingerprint PageCodec PageKeys PrefetchPolicy StorageBackend StorageConfig StorageWrite "
+        "open_backend"
+    ),
     "kvtier.engine": "Engine KVTierCache RequestResult SamplingParams spec_from_hf_config",
     "kvtier.engine.models": "load_model",
 }

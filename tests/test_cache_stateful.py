@@ -53,6 +53,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.dev,
             self.host,
             CacheConfig(write_policy=self.policy, selective_hits=2, eviction=self.eviction),
+            storage=self._storage(),
         )
         self.gen = torch.Generator().manual_seed(7)
         self.truth: dict[tuple[int, ...], dict[tuple[str, int], torch.Tensor]] = {}
@@ -60,14 +61,27 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _random_kv(self, slots: torch.Tensor) -> list[dict[tuple[str, int], torch.Tensor]]:
-        """Write random words to `slots` of every buffer and layer; one dict per page of rows."""
+    def _storage(self):
+        return None
+
+    def _new_kv(
+        self, tokens: tuple[int, ...], first_page: int, slots: torch.Tensor
+    ) -> list[dict[tuple[str, int], torch.Tensor]]:
+        """Write new KV for pages `first_page`... of `tokens` to `slots`; one dict per page of rows.
+
+        Random words: a recomputed prefix gets other bytes, so a stale copy anywhere shows.
+        """
+        return self._write_kv(slots, self.gen)
+
+    def _write_kv(
+        self, slots: torch.Tensor, gen: torch.Generator
+    ) -> list[dict[tuple[str, int], torch.Tensor]]:
         per_page = [{} for _ in range(len(slots) // PS)]
         for b in self.spec.buffers:
             for layer in b.layers:
                 w = as_words(self.dev.layer(b.name, layer))
                 raw = torch.randint(
-                    0, 256, (len(slots), w.shape[1] * w.element_size()), dtype=torch.uint8, generator=self.gen
+                    0, 256, (len(slots), w.shape[1] * w.element_size()), dtype=torch.uint8, generator=gen
                 )
                 rows = raw.view(w.dtype)
                 w[slots] = rows
@@ -107,8 +121,8 @@ class CacheMachine(RuleBasedStateMachine):
                 new = c.alloc_device(len(tokens) - len(reused))
             except CacheFullError:
                 return
-            pages = self._random_kv(new)
             first_new = len(reused) // PS
+            pages = self._new_kv(tokens, first_new, new)
             for i, page in enumerate(pages):
                 self.truth[tokens[: (first_new + i + 1) * PS]] = page
             c.insert(tokens, torch.cat([reused, new]))

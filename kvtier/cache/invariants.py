@@ -8,7 +8,10 @@ O(cache): for tests and debugging, never on a hot path. What it checks:
   under prefixes;
 - the eviction queues hold exactly each tier's nodes, and no node's priority is above
   its parent's in a tier (the rule eviction's cost rests on);
-- a node on both tiers holds identical bytes in both (`compare_bytes`).
+- a node on both tiers holds identical bytes in both (`compare_bytes`);
+- storage: a FETCHING node is a locked leaf whose `io` is a fetch the cache tracks; a
+  node's `io` is otherwise a store the cache tracks, over host slots it has; page hashes
+  count the node's pages.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def check(c: CacheController, compare_bytes: bool = True) -> None:
     _check_owners(c, nodes)
     _check_locks(c, nodes)
     _check_queues(c, nodes)
+    _check_storage(c, nodes)
     if compare_bytes:
         for n in nodes:
             if n.state is NodeState.BOTH:
@@ -95,6 +99,20 @@ def _check_queues(c: CacheController, nodes: list[Node]) -> None:
             if p is not None and p in queue:
                 rank, parent_rank = queue.policy.priority(n), queue.policy.priority(p)
                 _require(parent_rank >= rank, f"{n} ranks {rank} above its parent's {parent_rank} ({tier})")
+
+
+def _check_storage(c: CacheController, nodes: list[Node]) -> None:
+    fetching = {id(node) for _, node, _ in c._fetching.values()}
+    storing = {id(n) for _, group in c._storing.values() for n in group}
+    for n in nodes:
+        if n.page_hashes is not None:
+            _require(len(n.page_hashes) * c.spec.page_size == len(n), f"{n}: page hashes for another length")
+        if n.state is NodeState.FETCHING:
+            _require(id(n) in fetching and n.io is not None, f"{n}: fetching with no fetch tracked")
+            _require(n.lock > 0 and not n.children, f"{n}: a fetching node must be a locked leaf")
+        elif n.io is not None:
+            _require(id(n) in storing, f"{n}: storage I/O {n.io} the cache does not track")
+            _require(n.host_slots is not None, f"{n}: a store over host slots it does not have")
 
 
 def _check_node(c: CacheController, n: Node, ps: int) -> None:

@@ -116,7 +116,7 @@ class CacheController(TierState):
         m.matches += 1
         m.device_hit_tokens += device_tokens
         m.host_hit_tokens += matched - device_tokens
-        m.miss_tokens += len(tokens) - matched - len(storage_key)
+        m.miss_tokens += len(tokens) - matched  # storage tokens move from here once they arrive
         if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for n in device_nodes:
                 if n.state is NodeState.DEVICE and n.hits >= self.config.selective_hits:
@@ -201,8 +201,8 @@ class CacheController(TierState):
         self.poll()
         key = token_ids(tokens, copy=True)
         key.flags.writeable = False
-        self._settle_fetches_on(key)
         s = self._check_insert(key, device_slots)
+        self._settle_fetches_on(key)  # (after the checks: a refused insert changes nothing)
         nodes, pos, partial, shared = self.tree.walk(key)
         if partial is not None:
             nodes.append(self._split(partial, shared))

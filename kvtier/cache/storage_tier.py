@@ -107,6 +107,7 @@ class StorageTransitions:
             page_hashes=list(match.storage_hashes[:pages]),
             stored=True,
         )
+        self._touch(node.path(), hit=False)  # one tick for the path: no node ranks above its parent
         self.tree.lock_path(node, +1)  # the lease now holds the path down to the fetch
         self.tree.lock_path(lease.node, -1)
         lease.node = node
@@ -134,10 +135,12 @@ class StorageTransitions:
         m = self.storage.metrics
         m.observe("prefetch_seconds", time.perf_counter() - fetch.started)
         m.add("prefetched_tokens", arrived)
-        m.add("prefetch_abandoned_tokens", len(node) - arrived)
+        m.add("prefetch_abandoned_tokens", len(node) - arrived)  # before the cut below
         self.metrics.storage_hit_tokens += arrived
-        head = self.tree.split(node, arrived) if 0 < arrived < len(node) else node
-        if arrived < len(node):  # the tail that did not arrive: its slots back, the leaf cut
+        self.metrics.miss_tokens -= arrived  # counted a miss by `match` until it came
+        total = len(node)
+        head = self.tree.split(node, arrived) if 0 < arrived < total else node
+        if arrived < total:  # the tail that did not arrive: its slots back, the leaf cut
             tail = node
             keep = head if arrived else tail.parent
             self.tree.lock_path(keep, +1)
@@ -182,7 +185,8 @@ class StorageTransitions:
         self._pending_write_tokens += len(n)
         return True
 
-    def _store_done(self: TierState, store: Store) -> None:
+    def _store_done(self: TierState, store: Store, drop: bool = True) -> None:
+        """Mark `store`'s nodes stored (or not); with `drop`, free those write-back evicts."""
         rec = self._storing.pop(id(store), None)
         if rec is None:
             return
@@ -191,14 +195,14 @@ class StorageTransitions:
             self._pending_write_tokens -= len(n)
             n.io = None
             n.stored = store.ok
-            if n.evict_when_stored and n.state is NodeState.HOST and self._host_leaf(n):
+            if drop and n.evict_when_stored and n.state is NodeState.HOST and self._host_leaf(n):
                 self._drop_from_host(n)
 
     def _await_io(self: TierState, n: Node) -> None:
         """Wait for the storage I/O over `n`'s host slots to end (before they are freed)."""
         if isinstance(n.io, Store):
             n.io.wait()
-            self._store_done(n.io)
+            self._store_done(n.io, drop=False)  # the caller frees the slots itself
         elif n.io is not None:
             raise InvariantError(f"{n}: its host slots are freed while a fetch writes them")
 

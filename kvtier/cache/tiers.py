@@ -117,6 +117,8 @@ class TierState(StorageTransitions):
         head = self.tree.split(node, at)
         if head.transfer is not None and id(head.transfer) in self._inflight:
             self._inflight[id(head.transfer)][1].append(head)
+        if head.io is not None and id(head.io) in self._storing:
+            self._storing[id(head.io)][1].append(head)
         self._place(head)
         return head
 

@@ -76,7 +76,8 @@ class SamplingParams:
 class RequestResult:
     """What one request did: its tokens, text and where its prefix came from.
 
-    `storage_hit_tokens`: of the host hit, tokens prefetched from storage first.
+    `storage_hit_tokens`: tokens prefetched from storage (then loaded like a host hit; not
+    counted in `host_hit_tokens`).
     `load_s`: host time to submit the reload; `reload_s`: the reload's own time where
     it can be told apart from the forward (CPU), else None (on a GPU it overlaps
     the forward layer by layer).
