@@ -95,3 +95,66 @@ def pin():
     yield pin_
     for probe in pinned:
         probe.reset()
+
+
+# -- Real Redis servers for the storage tests (see tests/redis_servers.py) ---------------------
+
+
+def _need_redis() -> None:
+    """Skip without redis-server, except under CI (env `CI` set), where its absence fails."""
+    from redis_servers import have_redis
+
+    if not have_redis():
+        msg = "redis-server and redis-cli are not on PATH (apt-get install redis-server)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{msg}; CI must provide them (.ci/redis.sh)", pytrace=False)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A standalone Redis: `$KVTIER_TEST_REDIS_URL`, else a server started for this session.
+
+    Shared by every test of the session: use keys of your own (a uuid prefix), never FLUSHALL."""
+    from redis_servers import STANDALONE_ENV, RedisServer
+
+    if url := os.environ.get(STANDALONE_ENV):
+        yield url
+        return
+    _need_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory):
+    """A 3-master Redis Cluster: `$KVTIER_TEST_REDIS_CLUSTER_URL`, else one started for this session."""
+    from redis_servers import CLUSTER_ENV, RedisClusterServers
+
+    if url := os.environ.get(CLUSTER_ENV):
+        yield url
+        return
+    _need_redis()
+    cluster = RedisClusterServers.start(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster.url
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path):
+    """`start() -> RedisServer`: a private standalone server (`.kill()`, `.start()` on the same port,
+    `.url`); every one started is stopped by PID after the test."""
+    from redis_servers import RedisServer
+
+    _need_redis()
+    started = []
+
+    def start():
+        server = RedisServer(tmp_path / f"redis{len(started)}")
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,51 @@
+"""A third-party storage backend as `open_backend` loads one by module path: a dict in memory.
+
+Used by tests to prove `MODULE:CLASS?key=value` loading; `options` records what it was built with.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvtier.storage.backend import Chunks, StorageBackend
+
+
+class MemoryBackend(StorageBackend):
+    name = "memory"
+
+    def __init__(self, **options: str) -> None:
+        self.options = options
+        self._values: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def exists(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return next((n for n, k in enumerate(keys) if k not in self._values), len(keys))
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
+        out = []
+        for key, views in zip(keys, buffers, strict=True):
+            with self._lock:
+                value = self._values.get(key)
+            flat = [memoryview(v).cast("B") for v in views]
+            if value is None or len(value) > sum(len(v) for v in flat):
+                out.append(-1)
+                continue
+            off = 0
+            for v in flat:
+                n = min(len(v), len(value) - off)
+                v[:n] = value[off : off + n]
+                off += n
+            out.append(len(value))
+        return out
+
+    def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
+        with self._lock:
+            for key, chunks in zip(keys, values, strict=True):
+                self._values[key] = b"".join(memoryview(c).cast("B") for c in chunks)
+        return [True] * len(keys)
+
+    def usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._values), sum(map(len, self._values.values()))
