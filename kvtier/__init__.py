@@ -32,10 +32,10 @@ _MODULES = {
         "LFU LRU CacheConfig CacheController CacheMetrics DeviceHostMover EvictionPolicy LoadHandle Match "
         "Mover PolicyName WritePolicy"
     ),
-    "kvtier.storage": (
-        "Compression Fingerprint PageCodec PageKeys PrefetchPolicy StorageBackend StorageConfig StorageWrite "
-        "open_backend"
-    ),
+    "kvtier.storage.config": "Compression PrefetchPolicy StorageConfig StorageWrite",
+    "kvtier.storage.backend": "StorageBackend open_backend",
+    "kvtier.storage.keys": "Fingerprint PageKeys",
+    "kvtier.storage.values": "PageCodec",
     "kvtier.engine": "Engine KVTierCache RequestResult SamplingParams spec_from_hf_config",
     "kvtier.engine.models": "load_model",
 }

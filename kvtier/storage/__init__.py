@@ -3,22 +3,6 @@
 `keys` names pages (a fingerprint, chained page hashes), `values` encodes and checks one
 page's value, `backend` is the interface every store implements (`file`, `redis`, or a
 class by module path) and `config` the tier's policies. The cache drives them through
-`kvtier.cache.storage_mover.HostStorageMover`.
+`kvtier.cache.storage_mover.HostStorageMover`. Nothing is imported here, so the CLI reads
+`config` without torch; the public names are `kvtier`'s (`kvtier.StorageConfig`, ...).
 """
-
-from kvtier.storage.backend import StorageBackend, open_backend
-from kvtier.storage.config import Compression, PrefetchPolicy, StorageConfig, StorageWrite
-from kvtier.storage.keys import Fingerprint, PageKeys
-from kvtier.storage.values import PageCodec
-
-__all__ = [
-    "Compression",
-    "Fingerprint",
-    "PageCodec",
-    "PageKeys",
-    "PrefetchPolicy",
-    "StorageBackend",
-    "StorageConfig",
-    "StorageWrite",
-    "open_backend",
-]
