@@ -39,9 +39,15 @@ VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kerne
 DEVICE_SETS = ("contiguous", "scattered")
 SETUPS = ("smollm2", "deepseek-v3")  # kvtier.bench.served.SETUPS
 CACHE_PARTS = ("trace", "alloc", "reload", "eviction")
+STORAGE_WRITES = ("write_through", "write_back")  # kvtier.storage.config.StorageWrite
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # kvtier.storage.config.PrefetchPolicy
+COMPRESSIONS = ("none", "lz4", "zstd")  # kvtier.storage.config.Compression
 ID_DTYPES = ("int32", "int64")
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# The forms `kvtier.storage.backend.open_backend` takes; the rest of a URL is checked when it opens.
+_STORAGE_URL = re.compile(r"file://.+|redis://.+|redis\+cluster://.+|[A-Za-z_][\w.]*:[A-Za-z_]\w*(\?.*)?")
+_SIZE = re.compile(r"(\d+)\s*([KMGT]?)(i?B)?", re.IGNORECASE)
 
 
 def positive(text: str) -> int:
@@ -62,6 +68,35 @@ def _int_at_least(text: str, low: int, what: str) -> int:
     if value < low:
         raise ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """Bytes: an integer with an optional binary suffix K, M, G or T (`512M`, `10G`, `10GiB`)."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise ArgumentTypeError(f"expected a size in bytes such as 1073741824, 512M or 10G, got {text!r}")
+    return int(m.group(1)) << (10 * " KMGT".index(m.group(2).upper() or " "))
+
+
+def storage_url(text: str) -> str:
+    """`file://PATH`, `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,...]` or `MODULE:CLASS`."""
+    if not _STORAGE_URL.fullmatch(text):
+        raise ArgumentTypeError(
+            f"expected file://PATH, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT[,HOST:PORT...] "
+            f"or MODULE:CLASS, got {text!r}"
+        )
+    return text
 
 
 def port(text: str) -> int:
@@ -149,6 +184,45 @@ def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: in
     p.add_argument("--host-tokens", type=positive, default=host_tokens, help="host KV pool in tokens")
 
 
+def _storage_flags(p: argparse.ArgumentParser, default: str) -> None:
+    """The storage tier's flags; each left None unless given, so `StorageConfig`'s defaults hold."""
+    g = p.add_argument_group("storage tier (below the host; see kvtier.storage.config)")
+    g.add_argument(
+        "--storage",
+        type=storage_url,
+        metavar="URL",
+        help=f"file://PATH, redis://HOST:PORT/DB, redis+cluster://H:P,H:P or MODULE:CLASS ({default})",
+    )
+    g.add_argument("--storage-write", choices=STORAGE_WRITES, help="write_through (default) or write_back")
+    g.add_argument(
+        "--storage-prefetch",
+        choices=PREFETCH_POLICIES,
+        help="how long a request waits for pages from storage: best_effort, wait_complete, timeout (default)",
+    )
+    g.add_argument(
+        "--storage-prefetch-timeout",
+        type=non_negative_float,
+        metavar="SECONDS",
+        help="the timeout policy's base wait, before its per-1k-token part (default 2)",
+    )
+    g.add_argument(
+        "--storage-min-tokens", type=non_negative, metavar="N", help="shorter storage hits are recomputed"
+    )
+    g.add_argument("--storage-compression", choices=COMPRESSIONS, help="none (default), lz4 or zstd")
+    g.add_argument(
+        "--storage-size", type=byte_size, metavar="BYTES", help="file:// cap, e.g. 10G (default: none)"
+    )
+    g.add_argument("--storage-pool-size", type=positive, metavar="N", help="redis connections (default 16)")
+    g.add_argument(
+        "--storage-ttl", type=non_negative, metavar="SECONDS", help="redis key TTL (default 0: none)"
+    )
+    g.add_argument(
+        "--storage-model",
+        metavar="NAME",
+        help="the model identity page keys are namespaced by (default: the checkpoint's name or path)",
+    )
+
+
 def _serve(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible server over the tiered cache")
     _model_flags(s, 16384, 131072, "device KV pool in tokens")
@@ -158,6 +232,7 @@ def _serve(sub) -> None:
     s.add_argument("--host-alloc", choices=ALLOC_POLICIES, default="contiguous", help="host allocator policy")
     s.add_argument("--host", default="127.0.0.1", help="bind address")
     s.add_argument("--port", type=port, default=8000)
+    _storage_flags(s, "default: none, no third tier")
 
 
 def _demo(sub) -> None:
@@ -165,6 +240,7 @@ def _demo(sub) -> None:
     _model_flags(d, 320, 16384, "device KV budget in tokens (small: forces reloads)")
     d.add_argument("--max-tokens", type=positive, default=32, help="tokens to generate per answer")
     _write_policy_flag(d, WRITE_POLICIES, "write_through")
+    _storage_flags(d, "default: the turns use none; the restart part a temporary file:// store")
 
 
 def _timing_flags(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,20 @@ from kvtier.errors import ConfigError
 if TYPE_CHECKING:
     from kvtier.cache import CacheConfig
     from kvtier.engine import Engine
+    from kvtier.storage.config import StorageConfig
+
+# `--storage-*` flag -> the `StorageConfig` field it sets (`kvtier.cli._storage_flags`).
+STORAGE_FIELDS = {
+    "storage_write": "write",
+    "storage_prefetch": "prefetch",
+    "storage_prefetch_timeout": "timeout_base_s",
+    "storage_min_tokens": "min_tokens",
+    "storage_compression": "compression",
+    "storage_size": "size_bytes",
+    "storage_pool_size": "pool_size",
+    "storage_ttl": "ttl_s",
+    "storage_model": "model",
+}
 
 # Wide enough for the tables when output goes to a file or a pipe.
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -42,8 +56,30 @@ def device(name: str) -> torch.device:
     return dev
 
 
+def storage_config(args: Namespace, url: str | None = None) -> StorageConfig | None:
+    """The storage tier `--storage` (else `url`) and the `--storage-*` flags give; None for no tier.
+
+    A flag left out keeps `StorageConfig`'s default. `ConfigError` for a flag given without
+    a URL, or for a value the config refuses.
+    """
+    from kvtier.storage.config import StorageConfig
+
+    given = {flag: v for flag in STORAGE_FIELDS if (v := getattr(args, flag, None)) is not None}
+    url = getattr(args, "storage", None) or url
+    if url is None:
+        if given:
+            flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+            raise ConfigError(f"{flags} given without --storage: there is no storage tier to apply it to")
+        return None
+    return StorageConfig(url, **{STORAGE_FIELDS[flag]: v for flag, v in given.items()})
+
+
 def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) -> tuple[torch.device, Engine]:
-    """`--model` loaded on `--device` (`loading` on the console meanwhile), and an engine over it."""
+    """`--model` loaded on `--device` (`loading` on the console meanwhile), and an engine over it.
+
+    `kw` goes to `Engine` (`storage=storage_config(args)`, built before this call so that
+    a bad flag is refused before the model loads).
+    """
     from kvtier.engine import Engine
     from kvtier.engine.models import load_model
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -98,6 +100,7 @@ def test_every_subcommand_parses_with_its_defaults() -> None:
         "contiguous",
         8000,
     )
+    assert demo.storage is None and serve.storage is None  # no third tier unless asked for
     transfer = p.parse_args(["bench", "transfer"])
     assert transfer.host_sets == cli.HOST_SETS and transfer.variants == cli.VARIANTS
     assert (transfer.direction, transfer.cycles, transfer.layers, transfer.kernel) == ("both", 8, 1, None)
@@ -123,6 +126,54 @@ def test_lists_and_shapes_parse() -> None:
     assert c.parts == ("reload", "eviction") and c.evict_nodes == 200000
 
 
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_the_storage_flags_build_the_storage_config(command: str) -> None:
+    from kvtier.commands import storage_config
+    from kvtier.storage.config import Compression, PrefetchPolicy, StorageConfig, StorageWrite
+
+    p = cli.build_parser()
+    argv = [command, "--storage", "redis+cluster://10.0.0.1:7000,10.0.0.2:7000"]
+    argv += ["--storage-write", "write_back", "--storage-prefetch", "best_effort"]
+    argv += ["--storage-prefetch-timeout", "0.5", "--storage-min-tokens", "256"]
+    argv += ["--storage-compression", "zstd", "--storage-size", "10G", "--storage-pool-size", "4"]
+    argv += ["--storage-ttl", "3600", "--storage-model", "my-model"]
+    config = storage_config(p.parse_args(argv))
+    assert config == StorageConfig(
+        "redis+cluster://10.0.0.1:7000,10.0.0.2:7000",
+        write=StorageWrite.WRITE_BACK,
+        prefetch=PrefetchPolicy.BEST_EFFORT,
+        timeout_base_s=0.5,
+        min_tokens=256,
+        compression=Compression.ZSTD,
+        size_bytes=10 << 30,
+        pool_size=4,
+        ttl_s=3600,
+        model="my-model",
+    )
+    # A flag left out keeps the config's default; no --storage is no tier.
+    assert storage_config(p.parse_args([command, "--storage", "file:///kv"])) == StorageConfig("file:///kv")
+    assert storage_config(p.parse_args([command])) is None
+    # The demo's restart part has a store of its own when --storage is left out.
+    only = p.parse_args([command, "--storage-compression", "lz4"])
+    assert storage_config(only, "file:///tmp/x") == StorageConfig("file:///tmp/x", compression="lz4")
+
+
+def test_the_defaults_the_storage_help_states_are_the_configs() -> None:
+    from kvtier.storage.config import StorageConfig
+
+    c = StorageConfig("file:///kv")
+    stated = (c.write, c.prefetch, c.timeout_base_s, c.compression, c.size_bytes, c.pool_size, c.ttl_s)
+    assert stated == ("write_through", "timeout", 2.0, "none", 0, 16, 0)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0", 0), ("1024", 1024), ("512M", 512 << 20), ("10G", 10 << 30), ("10GiB", 10 << 30), ("2t", 2 << 40)],
+)
+def test_sizes_take_binary_suffixes(text: str, value: int) -> None:
+    assert cli.byte_size(text) == value
+
+
 def test_the_write_policy_has_one_name_and_the_old_one_still_works(capsys) -> None:
     p = cli.build_parser()
     assert p.parse_args(["demo", "--write-policy", "write_back"]).write_policy == "write_back"
@@ -139,9 +190,11 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     from kvtier.alloc import AllocPolicy
     from kvtier.bench import served, transfer
     from kvtier.cache import WritePolicy
+    from kvtier.commands import STORAGE_FIELDS
     from kvtier.pool import HostLayout
     from kvtier.pool.device import Direction
     from kvtier.spec import PRESETS
+    from kvtier.storage.config import Compression, PrefetchPolicy, StorageConfig, StorageWrite
 
     assert tuple(sorted(PRESETS)) == cli.SPECS
     assert tuple(m.value for m in HostLayout) == cli.LAYOUTS
@@ -150,6 +203,15 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     assert (*(m.value for m in Direction), "both") == cli.DIRECTIONS
     assert cli.HOST_SETS == transfer.HOST_SETS and cli.VARIANTS == transfer.VARIANTS
     assert cli.SETUPS == served.SETUPS
+    assert tuple(m.value for m in StorageWrite) == cli.STORAGE_WRITES
+    assert tuple(m.value for m in PrefetchPolicy) == cli.PREFETCH_POLICIES
+    assert tuple(m.value for m in Compression) == cli.COMPRESSIONS
+    # Every --storage-* flag of both commands sets a field of StorageConfig.
+    for command in ("serve", "demo"):
+        parsed = vars(cli.build_parser().parse_args([command]))
+        flags = {name for name in parsed if name.startswith("storage_")}
+        assert flags == set(STORAGE_FIELDS)
+    assert set(STORAGE_FIELDS.values()) <= {f.name for f in dataclasses.fields(StorageConfig)}
     assert set(cli.COMMANDS) == {
         "demo",
         "serve",
@@ -169,6 +231,19 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
         (["serve", "--host-alloc", "best_fit"], "invalid choice"),
         (["serve", "--port", "70000"], "expected a port"),
         (["serve", "--host-tokens", "many"], "expected a positive integer, got 'many'"),
+        (["serve", "--storage", "s3://bucket/kv"], "expected file://PATH, redis://HOST:PORT[/DB]"),
+        (["serve", "--storage", "file://"], "expected file://PATH"),
+        (["demo", "--storage", "/var/kv"], "expected file://PATH"),
+        (["serve", "--storage-write", "write_around"], "invalid choice: 'write_around'"),
+        (["demo", "--storage-prefetch", "never"], "invalid choice: 'never'"),
+        (["serve", "--storage-prefetch-timeout", "-1"], "expected a non-negative number, got '-1'"),
+        (["serve", "--storage-prefetch-timeout", "nan"], "expected a non-negative number"),
+        (["serve", "--storage-min-tokens", "-5"], "expected a non-negative integer, got -5"),
+        (["demo", "--storage-compression", "gzip"], "invalid choice: 'gzip'"),
+        (["serve", "--storage-size", "10X"], "expected a size in bytes such as 1073741824, 512M or 10G"),
+        (["serve", "--storage-size", "1.5G"], "expected a size in bytes"),
+        (["serve", "--storage-pool-size", "0"], "expected a positive integer, got 0"),
+        (["demo", "--storage-ttl", "soon"], "expected a non-negative integer, got 'soon'"),
         (["bench", "transfer", "--layout", "page_last"], "invalid choice"),
         (["bench", "transfer", "--spec", "gpt-5"], "invalid choice: 'gpt-5'"),
         (["bench", "transfer", "--host-sets", "runs-1,runs-2"], "invalid choice(s) runs-2"),
@@ -252,6 +327,26 @@ def test_the_demo_on_a_missing_cuda_says_so_without_a_traceback() -> None:
     assert out.stderr.strip().splitlines() == [
         f"kvtier demo: error: --device cuda: no CUDA device is available (torch {torch.__version__})"
     ]
+
+
+def test_a_storage_option_without_a_store_is_refused_before_the_model_loads(capsys) -> None:
+    """Formerly ignored; the model named does not exist, so a refusal after loading would say so instead."""
+    argv = [
+        "serve",
+        "--device",
+        "cpu",
+        "--model",
+        "/nonexistent",
+        "--storage-size",
+        "1G",
+        "--storage-ttl",
+        "60",
+    ]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvtier serve: error: --storage-size, --storage-ttl given without --storage: "
+        "there is no storage tier to apply it to"
+    )
 
 
 @pytest.mark.parametrize(("layers", "tokens"), [("4", "64"), ("9", "64")])
@@ -383,13 +478,15 @@ def test_bench_cache_eviction_part(tmp_path: Path) -> None:
     assert report["eviction"] and "eviction" in report["meta"]
 
 
-def test_the_demo_end_to_end_on_a_tiny_checkpoint(tmp_path: Path, capsys) -> None:
-    """Every answer equals plain `generate` while earlier turns come back from the host."""
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Llama and a BPE tokenizer with a chat template, saved as a checkpoint folder."""
     pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     import transformers
     from tiny_models import tiny_llama
 
+    path = tmp_path_factory.mktemp("tiny-checkpoint")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -407,13 +504,44 @@ def test_the_demo_end_to_end_on_a_tiny_checkpoint(tmp_path: Path, capsys) -> Non
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     model = tiny_llama(len(tokenizer), 2048, eos_token_id=tokenizer.eos_token_id)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    argv = ["demo", "--model", str(tmp_path), "--device", "cpu", "--device-tokens", "512"]
-    assert cli.main([*argv, "--host-tokens", "8192", "--max-tokens", "4"]) == 0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def demo_argv(checkpoint: Path) -> list[str]:
+    argv = ["demo", "--model", str(checkpoint), "--device", "cpu", "--device-tokens", "512"]
+    return [*argv, "--host-tokens", "8192", "--max-tokens", "4"]
+
+
+RESTARTED = "tokens identical to the first engine's and to plain generation: yes"
+
+
+def test_the_demo_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint: Path, capsys) -> None:
+    """Every answer equals plain `generate` while earlier turns come back from the host; then a
+    restarted engine gets the first conversation back from a temporary store."""
+    assert cli.main(demo_argv(tiny_checkpoint)) == 0
     text = capsys.readouterr().out
     assert "answers identical to plain generation without cache reuse: 9 of 9" in text
     assert "hit host" in text  # a conversation came back from the host
+    assert "after the restart: hit storage" in text and RESTARTED in text
+    # Nothing came from storage before the restart: the turns ran without a storage tier.
+    assert "storage 0)" in text and "prompt tokens from storage" in text
+    store = re.search(r"an engine over file://(\S+),", text).group(1)
+    assert not Path(store).exists()  # the temporary store is gone with the demo
+
+
+def test_the_demo_over_a_given_store_leaves_its_pages_there(
+    tiny_checkpoint: Path, tmp_path: Path, capsys
+) -> None:
+    store = tmp_path / "store"
+    argv = [*demo_argv(tiny_checkpoint), "--storage", f"file://{store}", "--storage-compression", "zstd"]
+    assert cli.main([*argv, "--storage-prefetch", "wait_complete", "--storage-size", "64M"]) == 0
+    text = capsys.readouterr().out
+    assert "after the restart: hit storage" in text and RESTARTED in text
+    hit = re.search(r"hit storage, (\d+) of (\d+) prompt tokens from storage", text)
+    assert 0 < int(hit.group(1)) < int(hit.group(2))  # all but the last prompt token
+    assert sum(1 for f in store.rglob("*") if f.is_file()) >= int(hit.group(1))  # page size 1: a file a page
 
 
 def test_a_trace_too_long_for_the_device_pool_is_refused_before_pools_are_built(capsys) -> None:

@@ -1,11 +1,19 @@
-"""`kvtier serve` against the official openai client, on 127.0.0.1, with a tiny random model."""
+"""`kvtier serve` against the official openai client, on 127.0.0.1, with a tiny random model.
+
+Most tests run the app in this process; the storage tests run `kvtier serve` as a process
+of its own, stopped by SIGTERM and by Ctrl-C, over a `file://` store that outlives it.
+"""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -52,9 +60,7 @@ def server():
     model = tiny_llama(len(tokenizer), 256, eos_token_id=tokenizer.eos_token_id)
     engine = Engine(model, tokenizer, device_tokens=512, host_tokens=2048)
     app = create_app(engine, MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -66,7 +72,13 @@ def server():
     yield base, engine, app
     srv.should_exit = True
     thread.join(timeout=10)
-    app.state.worker.stop()
+    assert engine.closed  # the app's shutdown closed the engine it was given
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -79,6 +91,16 @@ MESSAGES = [
     {"role": "system", "content": "the quick brown fox"},
     {"role": "user", "content": "jumps over the lazy dog"},
 ]
+
+
+def samples(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text: `name{labels}` -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
 
 
 def metric(base: str, name: str) -> float:
@@ -131,6 +153,13 @@ def test_metrics_are_histograms_of_fixed_size(server, client) -> None:
         >= metric(base, "kvtier_time_to_first_token_seconds_count")
         >= 4
     )
+
+
+def test_without_storage_metrics_name_no_storage_tier(server, client) -> None:
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    names = samples(httpx.get(server[0] + "/metrics").text)
+    assert 'kvtier_cache_prompt_tokens_total{tier="host"}' in names
+    assert not [n for n in names if "storage" in n]
 
 
 def test_streaming_chat_equals_the_non_streaming_answer(client) -> None:
@@ -198,3 +227,97 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_lock(server) -> None:
     engine.cache.check_invariants()
     engine.cache.evict_device(10**9)
     assert engine.cache.device_alloc.available() == engine.device_pool.num_slots
+
+
+# -- `kvtier serve` as a process, over a file:// store ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = tiny_tokenizer()
+    tiny_llama(len(tokenizer), 256, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class Served:
+    """`kvtier serve` running as a process of its own on a free loopback port."""
+
+    def __init__(self, checkpoint: Path, *flags: str) -> None:
+        self.base = f"http://127.0.0.1:{free_port()}"
+        argv = [sys.executable, "-m", "kvtier", "serve", "--model", str(checkpoint), "--device", "cpu"]
+        argv += ["--device-tokens", "512", "--host-tokens", "2048", "--model-name", MODEL]
+        argv += ["--port", self.base.rsplit(":", 1)[1], *flags]
+        root = Path(__file__).resolve().parents[1]
+        self.proc = subprocess.Popen(
+            argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.time() + 90
+        while time.time() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.proc.kill()
+        out, err = self.proc.communicate()
+        raise AssertionError(f"kvtier serve did not start (exit {self.proc.returncode}):\n{out}\n{err}")
+
+    def chat(self) -> str:
+        client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+        return reply.choices[0].message.content
+
+    def stop(self, sig: signal.Signals) -> tuple[int, str, str]:
+        """Send `sig`; the exit code, stdout and stderr once the process has ended."""
+        self.proc.send_signal(sig)
+        try:
+            out, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        return self.proc.returncode, out, err
+
+
+@pytest.fixture
+def served():
+    started: list[Served] = []
+
+    def start(*args: str) -> Served:
+        started.append(Served(*args))
+        return started[-1]
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+
+
+def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
+    checkpoint: Path, tmp_path: Path, served
+) -> None:
+    store = tmp_path / "store"
+    first = served(checkpoint, "--storage", f"file://{store}")
+    answer = first.chat()
+    code, out, err = first.stop(signal.SIGTERM)
+    assert code == 0 and "Traceback" not in err, err
+    written = int(out.split("stopped; ")[1].split(" pages")[0])
+    files = [f for f in store.rglob("*") if f.is_file()]
+    assert written > 5 and len(files) == written  # page size 1: a file per token, none left half-written
+    assert not [f for f in files if "~" in f.name]
+
+    second = served(checkpoint, "--storage", f"file://{store}")
+    assert second.chat() == answer
+    got = samples(httpx.get(second.base + "/metrics").text)
+    assert got['kvtier_cache_prompt_tokens_total{tier="storage"}'] > 5
+    assert got["kvtier_storage_pages_read_total"] == got['kvtier_cache_prompt_tokens_total{tier="storage"}']
+    assert got["kvtier_storage_bytes_read_total"] > 0
+    assert got["kvtier_storage_prefetch_seconds_count"] == 1
+    assert got["kvtier_storage_stored_pages"] >= written and got["kvtier_storage_stored_bytes"] > 0
+    for op in ("exists", "get", "put"):
+        assert got[f'kvtier_storage_errors_total{{op="{op}"}}'] == 0
+    assert not [v for n, v in got.items() if n.startswith("kvtier_storage_rejected_total") and v]
+    code, _, err = second.stop(signal.SIGINT)  # Ctrl-C
+    assert code == 0 and "Traceback" not in err, err

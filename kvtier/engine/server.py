@@ -5,8 +5,12 @@ streaming client that disconnects is noticed at its next token: the request is c
 which inserts what was computed and releases its locks. Routes: `POST /v1/chat/completions`
 and `/v1/completions` (both with `stream`), `GET /v1/models`, `/health` and `/metrics`
 (Prometheus text with fixed-bucket histograms: a scrape costs the same however long the
-server has run). Errors come back in OpenAI's shape (`APIError.body`) with a 4xx status,
-and the server keeps serving.
+server has run; the storage tier's families only where the engine has one). Errors come
+back in OpenAI's shape (`APIError.body`) with a 4xx status, and the server keeps serving.
+
+Lifetime: the app owns the engine. Its shutdown (uvicorn's, on SIGTERM or Ctrl-C, once the
+requests in flight are answered) stops the worker and closes the engine, which flushes
+pending storage writes; `kvtier serve` then exits 0.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import asyncio
 import json
 import logging
 import queue
+import signal
 import threading
 import time
 import uuid
 from argparse import Namespace
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partialmethod
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +35,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvtier.alloc import AllocPolicy
 from kvtier.cache import CacheConfig, WritePolicy
-from kvtier.cache.metrics import Histogram
+from kvtier.cache.storage_mover import HostStorageMover
 from kvtier.engine.engine import Engine, RequestResult, SamplingParams
 from kvtier.engine.models import DEFAULT_MODEL
+from kvtier.engine.prometheus import Stats, exposition
 from kvtier.errors import APIError, ConfigError, PromptTooLongError
 
 log = logging.getLogger(__name__)
@@ -92,47 +98,60 @@ class Worker:
                 job.emit("error", e)
 
 
-@dataclass
-class Stats:
-    """Request counters and fixed-bucket latency histograms for /metrics: fixed in size."""
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread once uvicorn has shut down and re-raised the signal."""
 
-    requests: dict[str, int] = field(default_factory=dict)  # by HTTP status: a handful of keys
-    ttft: Histogram = field(default_factory=Histogram)
-    latency: Histogram = field(default_factory=Histogram)
 
-    def count(self, status: str) -> None:
-        self.requests[status] = self.requests.get(status, 0) + 1
-
-    def record(self, result: RequestResult) -> None:
-        self.count("200")
-        self.ttft.observe(result.ttft_s)
-        self.latency.observe(result.total_s)
+def _terminated(_signum: int, _frame: Any) -> None:
+    raise _Terminated
 
 
 def command(args: Namespace) -> int:
-    """`kvtier serve`: load the model, build the engine, serve until interrupted."""
+    """`kvtier serve`: load the model, build the engine, serve until SIGTERM or Ctrl-C; 0 then."""
     import uvicorn
 
-    from kvtier.commands import console, engine_for
+    from kvtier.commands import console, engine_for, storage_config
 
     config = CacheConfig(
         write_policy=WritePolicy(args.write_policy), host_alloc_policy=AllocPolicy(args.host_alloc)
     )
-    dev, engine = engine_for(args, "loading the model", config, host_layout=args.host_layout)
+    storage = storage_config(args)
+    dev, engine = engine_for(args, "loading the model", config, host_layout=args.host_layout, storage=storage)
     name = args.model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
-    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev})")
+    tier = f", storage on {engine.storage.backend.describe()}" if engine.storage is not None else ""
+    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev}{tier})")
+    app = create_app(engine, name)
+    # uvicorn handles SIGTERM and SIGINT itself (a graceful shutdown, the app's included),
+    # then raises the signal again for the handler it found: this one, and Python's for SIGINT.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    except (_Terminated, KeyboardInterrupt):
+        pass
     finally:
-        engine.close()
+        signal.signal(signal.SIGTERM, previous)
+        app.state.shutdown()  # done by the app's shutdown already, unless uvicorn never started
+    console.print(f"stopped; {_stored(engine.storage)}" if engine.storage is not None else "stopped")
     return 0
 
 
+def _stored(storage: HostStorageMover) -> str:
+    m = storage.metrics.snapshot()
+    return f"{m['pages_written']} pages ({m['bytes_written'] / 1e6:.1f} MB) written to storage"
+
+
 def create_app(engine: Engine, model_name: str) -> FastAPI:
-    """The FastAPI app serving `engine` under the name `model_name`."""
-    app = FastAPI(title="kvtier")
+    """The FastAPI app serving `engine` under the name `model_name`; it closes `engine` at shutdown."""
     api = Routes(engine, model_name, Worker(engine), Stats())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        api.shutdown()
+
+    app = FastAPI(title="kvtier", lifespan=lifespan)
     app.state.worker, app.state.engine, app.state.stats = api.worker, engine, api.stats
+    app.state.shutdown = api.shutdown
     app.add_exception_handler(APIError, api.api_error)
     app.get("/health")(api.health)
     app.get("/v1/models")(api.models)
@@ -151,6 +170,11 @@ class Routes:
     worker: Worker
     stats: Stats
 
+    def shutdown(self) -> None:
+        """Stop the worker, then close the engine (pending storage writes flushed); idempotent."""
+        self.worker.stop()
+        self.engine.close()
+
     async def api_error(self, _request: Request, exc: APIError) -> JSONResponse:
         self.stats.count(str(exc.status))
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -163,7 +187,7 @@ class Routes:
         return {"object": "list", "data": [card]}
 
     async def metrics(self) -> PlainTextResponse:
-        text = _prometheus(self.engine, self.stats)
+        text = exposition(self.engine, self.stats)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request):
@@ -351,59 +375,3 @@ def _sampling(body: dict) -> SamplingParams:
 
 def _finish_reason(result: RequestResult, params: SamplingParams) -> str:
     return "length" if len(result.tokens) >= params.max_tokens else "stop"
-
-
-def _prometheus(engine: Engine, stats: Stats) -> str:
-    """The Prometheus text of the cache's counters and the server's; O(buckets) per scrape."""
-    m, frag, out = engine.cache.metrics, engine.cache.fragmentation(), _Exposition()
-    out.counter("cache_matches_total", "prefix lookups", m.matches)
-    tiers = {"device": m.device_hit_tokens, "host": m.host_hit_tokens, "none": m.miss_tokens}
-    out.counter("cache_prompt_tokens_total", "prompt tokens by where they were found", tiers, "tier")
-    moved = {"h2d": m.bytes_h2d, "d2h": m.bytes_d2h}
-    out.counter("cache_bytes_total", "KV bytes moved between tiers", moved, "direction")
-    out.counter("cache_loads_total", "load backs submitted", m.loads)
-    out.counter("cache_loaded_tokens_total", "tokens loaded back from the host", m.loaded_tokens)
-    out.histogram("cache_load_seconds", "time from load submission to completion", m.load_seconds)
-    gbps = m.bytes_h2d / m.load_seconds.sum / 1e9 if m.load_seconds.sum else 0.0
-    out.gauge("cache_reload_gbps", "reload speed over all loads", gbps)
-    evicted = {"device": m.device_evictions, "host": m.host_evictions}
-    out.counter("cache_evictions_total", "nodes evicted", evicted, "tier")
-    out.counter("cache_backups_total", "device to host backups started", m.backups)
-    for name, help_ in (
-        ("free_slots", "free slots per tier"),
-        ("free_runs", "free extents per tier (fragmentation)"),
-        ("largest_free_run", "largest free extent per tier"),
-    ):
-        out.gauge(f"cache_{name}", help_, {t: frag[f"{t}_{name}"] for t in ("device", "host")}, "tier")
-    requests = dict(sorted(stats.requests.items())) or {"200": 0}
-    out.counter("requests_total", "HTTP requests by status", requests, "status")
-    out.histogram("time_to_first_token_seconds", "time to the first token", stats.ttft)
-    out.histogram("request_seconds", "request latency", stats.latency)
-    return out.text()
-
-
-class _Exposition:
-    """Prometheus text, one metric family at a time, every name prefixed `kvtier_`."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def metric(self, kind: str, name: str, help_: str, value: Any, label: str | None = None) -> None:
-        """`value`: one number, or `{label value: number}` under the label `label`."""
-        samples = {"": value} if label is None else {f'{{{label}="{k}"}}': v for k, v in value.items()}
-        self.lines += [f"# HELP kvtier_{name} {help_}", f"# TYPE kvtier_{name} {kind}"]
-        self.lines += [f"kvtier_{name}{labels} {v}" for labels, v in samples.items()]
-
-    counter = partialmethod(metric, "counter")
-    gauge = partialmethod(metric, "gauge")
-
-    def histogram(self, name: str, help_: str, h: Histogram) -> None:
-        """`_bucket` lines (cumulative, the last `le="+Inf"`), then `_sum` and `_count`."""
-        self.lines += [f"# HELP kvtier_{name} {help_}", f"# TYPE kvtier_{name} histogram"]
-        for bound, n in h.cumulative():
-            le = "+Inf" if bound == float("inf") else f"{bound:g}"
-            self.lines.append(f'kvtier_{name}_bucket{{le="{le}"}} {n}')
-        self.lines += [f"kvtier_{name}_sum {h.sum}", f"kvtier_{name}_count {h.count}"]
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
