@@ -18,6 +18,10 @@ checksums (`kvtier.storage.values` makes and checks the values). Every call is b
   file backend does; a shared server may not), for metrics.
 - `close()`: release connections and files; idempotent.
 
+Keys are 1-200 characters of `[A-Za-z0-9._-]` (`check_keys`; kvtier's are
+`<fingerprint>.<page hash>` in hex), so any backend may use them as file or object names;
+`byte_views` flattens a value's chunks or a key's buffers into byte memoryviews.
+
 Errors: a backend may raise `StorageError` (or any exception) from a call; the storage tier
 catches it, counts it under the call's operation, logs it and treats the call's keys as
 misses or writes not stored. A backend never needs to retry: the tier calls again later.
@@ -42,7 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, StorageError
 
 Chunks = Sequence[memoryview | bytes]
 
@@ -80,6 +84,28 @@ class StorageBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# What a key may be: the file backend makes it a file name, so `/` and the like are out.
+KEY = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """`StorageError` unless every key is 1-200 of `[A-Za-z0-9._-]` and not `.` or `..`."""
+    bad = [k for k in keys if not (isinstance(k, str) and KEY.fullmatch(k)) or k in (".", "..")]
+    if bad:
+        raise StorageError(f"storage keys must be 1-200 of [A-Za-z0-9._-], not '.' or '..': {bad[:4]!r}")
+
+
+def byte_views(chunks: Chunks, writable: bool = False) -> list[memoryview]:
+    """Each chunk as a flat byte view; `StorageError` for one not C-contiguous (or read-only)."""
+    try:
+        views = [memoryview(c).cast("B") for c in chunks]
+    except (TypeError, ValueError) as e:
+        raise StorageError(f"storage buffers must be C-contiguous: {e}") from e
+    if writable and any(v.readonly for v in views):
+        raise StorageError("storage get_into: every destination buffer must be writable")
+    return views
 
 
 _PLUGIN = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_]\w*)(?:\?(.*))?$")

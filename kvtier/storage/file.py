@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -43,33 +42,14 @@ from collections.abc import Sequence
 import xxhash
 
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import Chunks, StorageBackend
+from kvtier.storage.backend import KEY, Chunks, StorageBackend, byte_views, check_keys
 
 log = logging.getLogger(__name__)
 
-_KEY = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _TEMP_MARK = "~"
 # A temporary file older than this belongs to a writer that died.
 STALE_TEMP_S = 600.0
 _IOV_MAX = 512
-
-
-def check_keys(keys: Sequence[str]) -> None:
-    """`StorageError` unless every key is 1-200 of `[A-Za-z0-9._-]` and not `.` or `..`."""
-    bad = [k for k in keys if not (isinstance(k, str) and _KEY.fullmatch(k)) or k in (".", "..")]
-    if bad:
-        raise StorageError(f"storage keys must be 1-200 of [A-Za-z0-9._-], not '.' or '..': {bad[:4]!r}")
-
-
-def byte_views(chunks: Chunks, writable: bool = False) -> list[memoryview]:
-    """Each chunk as a flat byte view; `StorageError` for one not C-contiguous (or read-only)."""
-    try:
-        views = [memoryview(c).cast("B") for c in chunks]
-    except (TypeError, ValueError) as e:
-        raise StorageError(f"storage buffers must be C-contiguous: {e}") from e
-    if writable and any(v.readonly for v in views):
-        raise StorageError("storage get_into: every destination buffer must be writable")
-    return views
 
 
 class FileBackend(StorageBackend):
@@ -260,7 +240,7 @@ class FileBackend(StorageBackend):
         )
 
     def _belongs(self, name: str, leaf: str) -> bool:
-        return bool(_KEY.fullmatch(name)) and os.path.dirname(self.path_of(name)) == leaf
+        return bool(KEY.fullmatch(name)) and os.path.dirname(self.path_of(name)) == leaf
 
 
 def _subdirs(path: str) -> list[os.DirEntry]:

@@ -25,7 +25,7 @@ Contract (beyond `kvtier.storage.backend`):
   touching the network; the first call after it tries again, and a success resets it.
   redis-py reconnects by itself once the server is back. Every other redis-py error is
   raised as `StorageError` too (from it), without a back-off.
-- Keys as `kvtier.storage.file.check_keys` allows; `usage()` is None (a shared server's
+- Keys as `kvtier.storage.backend.check_keys` allows; `usage()` is None (a shared server's
   contents are not this process's to count).
 """
 
@@ -52,8 +52,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import Chunks, StorageBackend
-from kvtier.storage.file import byte_views, check_keys
+from kvtier.storage.backend import Chunks, StorageBackend, byte_views, check_keys
 
 log = logging.getLogger(__name__)
 
