@@ -11,6 +11,7 @@ import hashlib
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -59,11 +60,19 @@ def assert_kv(dev: DevicePool, tokens: np.ndarray, slots: torch.Tensor) -> None:
             assert torch.equal(t[slots], want), f"{b.name} layer {layer} differs"
 
 
-def make_cache(tmp_path, spec_name="tiny-mha", layout="layer_first", dev_slots=64, host_slots=64, **storage):
+def make_cache(
+    tmp_path,
+    spec_name="tiny-mha",
+    layout="layer_first",
+    dev_slots=64,
+    host_slots=64,
+    model="test-model",
+    **storage,
+):
     spec = preset(spec_name, page_size=PS)
     dev, host = DevicePool(spec, dev_slots, "cpu"), HostPool(spec, host_slots, layout)
     cfg = StorageConfig(storage.pop("url", f"file://{tmp_path / 'store'}"), **storage)
-    mover = open_storage(cfg, host, Fingerprint.of("test-model", spec))
+    mover = open_storage(cfg, host, Fingerprint.of(model, spec))
     return CacheController(dev, host, CacheConfig(), storage=mover)
 
 
@@ -100,11 +109,22 @@ def reload(c: CacheController, tokens: np.ndarray):
     return m, h, lease
 
 
+@pytest.fixture(params=["file", "redis", "redis+cluster"])
+def store_url(request, tmp_path) -> str:
+    """A store of each backend: a fresh directory, or the session's Redis servers."""
+    if request.param == "file":
+        return f"file://{tmp_path / 'store'}"
+    return request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
+
+
 @pytest.mark.parametrize("spec_name", ["tiny-mha", "tiny-mla-fp8", "tiny-dsa"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("compression", ["none", "zstd", "lz4"])
-def test_a_prefix_comes_back_from_storage_byte_identical(tmp_path, spec_name, layout, compression) -> None:
-    with make_cache(tmp_path, spec_name, layout, compression=compression) as c:
+def test_a_prefix_comes_back_from_storage_byte_identical(
+    tmp_path, store_url, spec_name, layout, compression
+) -> None:
+    model = f"round-trip-{uuid.uuid4().hex}"  # the Redis servers are shared: keys of this test only
+    with make_cache(tmp_path, spec_name, layout, url=store_url, model=model, compression=compression) as c:
         tokens = np.arange(100, 132)
         compute(c, tokens)
         evict_all(c)
