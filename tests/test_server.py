@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,43 +19,26 @@ for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokeniz
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import transformers  # noqa: E402
 import uvicorn  # noqa: E402
-from tiny_models import tiny_llama  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from redis_servers import free_port  # noqa: E402
+from served import (  # noqa: E402
+    MESSAGES,
+    MODEL,
+    ServedProcesses,
+    samples,
+    save_checkpoint,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 from kvtier.engine import Engine  # noqa: E402
 from kvtier.engine.server import create_app  # noqa: E402
-
-MODEL = "tiny-llama"
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer trained here on a few sentences, with a chat template."""
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["the quick brown fox jumps over the lazy dog", "kvtier keeps prefixes in host memory"] * 20
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
-    fast.chat_template = TEMPLATE
-    return fast
 
 
 @pytest.fixture(scope="module")
 def server():
     tokenizer = tiny_tokenizer()
-    model = tiny_llama(len(tokenizer), 256, eos_token_id=tokenizer.eos_token_id)
-    engine = Engine(model, tokenizer, device_tokens=512, host_tokens=2048)
+    engine = Engine(tiny_model(tokenizer), tokenizer, device_tokens=512, host_tokens=2048)
     app = create_app(engine, MODEL)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -75,32 +55,10 @@ def server():
     assert engine.closed  # the app's shutdown closed the engine it was given
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def client(server):
     base = server[0]
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
-MESSAGES = [
-    {"role": "system", "content": "the quick brown fox"},
-    {"role": "user", "content": "jumps over the lazy dog"},
-]
-
-
-def samples(text: str) -> dict[str, float]:
-    """Every sample of a Prometheus text: `name{labels}` -> value."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def metric(base: str, name: str) -> float:
@@ -234,65 +192,14 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_lock(server) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = tiny_tokenizer()
-    tiny_llama(len(tokenizer), 256, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-class Served:
-    """`kvtier serve` running as a process of its own on a free loopback port."""
-
-    def __init__(self, checkpoint: Path, *flags: str) -> None:
-        self.base = f"http://127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "kvtier", "serve", "--model", str(checkpoint), "--device", "cpu"]
-        argv += ["--device-tokens", "512", "--host-tokens", "2048", "--model-name", MODEL]
-        argv += ["--port", self.base.rsplit(":", 1)[1], *flags]
-        root = Path(__file__).resolve().parents[1]
-        self.proc = subprocess.Popen(
-            argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        deadline = time.time() + 90
-        while time.time() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        self.proc.kill()
-        out, err = self.proc.communicate()
-        raise AssertionError(f"kvtier serve did not start (exit {self.proc.returncode}):\n{out}\n{err}")
-
-    def chat(self) -> str:
-        client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
-        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
-        return reply.choices[0].message.content
-
-    def stop(self, sig: signal.Signals) -> tuple[int, str, str]:
-        """Send `sig`; the exit code, stdout and stderr once the process has ended."""
-        self.proc.send_signal(sig)
-        try:
-            out, err = self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        return self.proc.returncode, out, err
+    return save_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture
 def served():
-    started: list[Served] = []
-
-    def start(*args: str) -> Served:
-        started.append(Served(*args))
-        return started[-1]
-
-    yield start
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait()
+    processes = ServedProcesses()
+    yield processes.start
+    processes.kill()
 
 
 def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
@@ -300,7 +207,7 @@ def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
 ) -> None:
     store = tmp_path / "store"
     first = served(checkpoint, "--storage", f"file://{store}")
-    answer = first.chat()
+    answer = first.chat().choices[0].message.content
     code, out, err = first.stop(signal.SIGTERM)
     assert code == 0 and "Traceback" not in err, err
     written = int(out.split("stopped; ")[1].split(" pages")[0])
@@ -309,8 +216,8 @@ def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
     assert not [f for f in files if "~" in f.name]
 
     second = served(checkpoint, "--storage", f"file://{store}")
-    assert second.chat() == answer
-    got = samples(httpx.get(second.base + "/metrics").text)
+    assert second.chat().choices[0].message.content == answer
+    got = second.metrics()
     assert got['kvtier_cache_prompt_tokens_total{tier="storage"}'] > 5
     assert got["kvtier_storage_pages_read_total"] == got['kvtier_cache_prompt_tokens_total{tier="storage"}']
     assert got["kvtier_storage_bytes_read_total"] > 0

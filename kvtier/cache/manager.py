@@ -13,6 +13,8 @@ its `Mover`, so it never touches a stream, a runtime call or an address. Its con
 - Write policies: back up at insert (`write_through`), after `selective_hits` hits
   (`write_through_selective`) or at eviction (`write_back`); a node counts as backed up
   once its backup's signal has fired.
+- `settle()` completes every transfer in flight (starting the storage writes they
+  release); `flush()` also waits for those writes.
 - `evict_device(k)` / `evict_host(k)`: unlocked leaves in `EvictionPolicy` order,
   O(evicted x log nodes).
 - `check_invariants()` raises `InvariantError` (`kvtier.cache.invariants` lists them).
@@ -378,11 +380,20 @@ class CacheController(TierState):
                 queue.popleft()
         self._poll_storage()
 
-    def flush(self) -> None:
-        """Wait for every transfer in flight and every storage write, and complete them (tests, shutdown)."""
+    def settle(self) -> None:
+        """Wait for every transfer in flight and complete it, starting the storage writes it releases.
+
+        Those writes are not waited for (`flush` does): what a server does while it idles, so
+        write-through pages reach storage without waiting for the next request's `poll`.
+        """
         self.mover.drain()
         for transfer, _, _ in list(self._inflight.values()):
             self._complete(transfer, wait=True)
+        self._poll_storage()
+
+    def flush(self) -> None:
+        """Wait for every transfer in flight and every storage write, and complete them (tests, shutdown)."""
+        self.settle()
         for store, _ in list(self._storing.values()):
             store.wait()
             self._store_done(store)

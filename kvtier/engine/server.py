@@ -1,8 +1,10 @@
 """`kvtier serve`: an OpenAI-compatible HTTP API over the engine and its tiered cache.
 
-One worker thread owns the model and runs requests one at a time, in arrival order. A
-streaming client that disconnects is noticed at its next token: the request is closed,
-which inserts what was computed and releases its locks. Routes: `POST /v1/chat/completions`
+One worker thread owns the model and runs requests one at a time, in arrival order; when
+none is waiting it settles the cache, so write-through pages reach storage while the
+server idles (another server sharing the store finds them). A streaming client that
+disconnects is noticed at its next token: the request is closed, which inserts what was
+computed and releases its locks. Routes: `POST /v1/chat/completions`
 and `/v1/completions` (both with `stream`), `GET /v1/models`, `/health` and `/metrics`
 (Prometheus text with fixed-bucket histograms: a scrape costs the same however long the
 server has run; the storage tier's families only where the engine has one). Errors come
@@ -43,6 +45,9 @@ from kvtier.errors import APIError, ConfigError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
+# How long the worker waits for another request before it settles the cache's transfers.
+IDLE_S = 0.05
+
 
 @dataclass(eq=False)
 class Job:
@@ -72,8 +77,26 @@ class Worker:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
+    def _next(self) -> Job | None:
+        """The next job; once none has come for `IDLE_S`, the cache is settled before waiting on.
+
+        Settling runs the backups of the requests answered (on the CPU nothing runs them
+        otherwise), which starts their write-through storage writes: another server sharing
+        the store can then read the pages while this one idles.
+        """
+        try:
+            return self.jobs.get(timeout=IDLE_S)
+        except queue.Empty:
+            pass
+        if not self.engine.closed:
+            try:
+                self.engine.cache.settle()
+            except Exception:
+                log.exception("settling the cache between requests failed")
+        return self.jobs.get()
+
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while (job := self._next()) is not None:
             if job.cancel.is_set():
                 continue
             try:
