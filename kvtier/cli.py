@@ -182,6 +182,12 @@ def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: in
     _device_flag(p)
     p.add_argument("--device-tokens", type=positive, default=device_tokens, help=what)
     p.add_argument("--host-tokens", type=positive, default=host_tokens, help="host KV pool in tokens")
+    p.add_argument(
+        "--page-size",
+        type=positive,
+        default=None,
+        help="tokens per cache page (default: 1, or 64 with --storage: one storage value per page)",
+    )
 
 
 def _storage_flags(p: argparse.ArgumentParser, default: str) -> None:

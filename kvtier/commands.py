@@ -87,7 +87,13 @@ def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) ->
     with console.status(loading):
         model, tokenizer = load_model(args.model, dev)
     engine = Engine(
-        model, tokenizer, device_tokens=args.device_tokens, host_tokens=args.host_tokens, config=config, **kw
+        model,
+        tokenizer,
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        config=config,
+        page_size=getattr(args, "page_size", None),
+        **kw,
     )
     return dev, engine
 

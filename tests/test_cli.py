@@ -535,7 +535,15 @@ def test_the_demo_over_a_given_store_leaves_its_pages_there(
     tiny_checkpoint: Path, tmp_path: Path, capsys
 ) -> None:
     store = tmp_path / "store"
-    argv = [*demo_argv(tiny_checkpoint), "--storage", f"file://{store}", "--storage-compression", "zstd"]
+    argv = [
+        *demo_argv(tiny_checkpoint),
+        "--storage",
+        f"file://{store}",
+        "--storage-compression",
+        "zstd",
+        "--page-size",
+        "1",
+    ]
     assert cli.main([*argv, "--storage-prefetch", "wait_complete", "--storage-size", "64M"]) == 0
     text = capsys.readouterr().out
     assert "after the restart: hit storage" in text and RESTARTED in text

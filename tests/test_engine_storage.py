@@ -17,10 +17,14 @@ pytest.importorskip("transformers")
 from tiny_models import tiny_llama
 
 from kvtier.engine import Engine, RequestResult, SamplingParams
+from kvtier.errors import ConfigError
 from kvtier.storage.config import StorageConfig
 
 DEVICE_TOKENS, HOST_TOKENS = 512, 2048
 PARAMS = SamplingParams(max_tokens=6)
+# One token per page, so a page count is a token count below (the default with storage is
+# 64; tests/test_cache_storage.py covers pages of several tokens).
+PAGE = 1
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,9 @@ def test_redis_killed_mid_run_recomputes_counts_errors_then_reconnects(
     server = redis_server_factory()
     config = StorageConfig(server.url, timeout_s=0.5, model=f"killed-{uuid.uuid4().hex}")
     first, *others = prompts(40, 40, seed=1)
-    with Engine(model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, storage=config) as eng:
+    with Engine(
+        model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, page_size=PAGE, storage=config
+    ) as eng:
         assert_same(eng.generate(first, PARAMS), cold(first))
         eng.cache.flush()
         before = counts(eng)
@@ -139,14 +145,18 @@ def conversation(eng: Engine, turns: list[list[int]]) -> tuple[list[int], list[R
 def test_a_conversation_comes_back_from_disk_after_a_restart(tmp_path, model, cold) -> None:
     url = f"file://{tmp_path / 'store'}"
     turns = prompts(4, 30, seed=2)
-    with Engine(model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, storage=url) as eng:
+    with Engine(
+        model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, page_size=PAGE, storage=url
+    ) as eng:
         last, results = conversation(eng, turns)
         assert [r.hit for r in results] == ["none", "device", "device", "device"]
     stored = counts(eng)["pages_written"]  # close() wrote what was still pending
     assert stored >= len(last)
     assert sum(1 for f in (tmp_path / "store").rglob("*") if f.is_file()) == stored
 
-    with Engine(model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, storage=url) as again:
+    with Engine(
+        model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, page_size=PAGE, storage=url
+    ) as again:
         back = again.generate(last, PARAMS)
         assert back.hit == "storage" and back.storage_hit_tokens == len(last) - 1
         assert_same(back, cold(last))
@@ -159,7 +169,7 @@ def test_the_size_cap_evicts_older_pages_and_answers_stay_right(tmp_path, model,
     store = tmp_path / "store"
     asked = prompts(6, 40, seed=3)
     with Engine(
-        model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, storage=f"file://{store}"
+        model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, page_size=PAGE, storage=f"file://{store}"
     ) as eng:
         eng.generate(asked[0], PARAMS)
         eng.cache.flush()
@@ -167,7 +177,9 @@ def test_the_size_cap_evicts_older_pages_and_answers_stay_right(tmp_path, model,
         page = m["bytes_written"] // m["pages_written"]  # one value: header and payload
     cap = 100 * page  # about two of the requests below
     config = StorageConfig(f"file://{tmp_path / 'capped'}", size_bytes=cap)
-    with Engine(model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, storage=config) as eng:
+    with Engine(
+        model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, page_size=PAGE, storage=config
+    ) as eng:
         backend = eng.storage.backend
         for prompt in asked:
             assert_same(eng.generate(prompt, PARAMS), cold(prompt))
@@ -187,3 +199,28 @@ def test_the_size_cap_evicts_older_pages_and_answers_stay_right(tmp_path, model,
         m = counts(eng)
         assert not any(m["errors"].values()) and not any(m["rejected"].values())
         assert backend.usage()[1] <= cap
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_pages_of_several_tokens_come_back_from_storage_with_the_same_tokens(
+    model, cold, tmp_path, page
+) -> None:
+    """The default page with storage is 64 tokens: whole pages are kept, a page's tail recomputed."""
+    url = f"file://{tmp_path / 'store'}"
+    (prompt,) = prompts(1, 150, seed=7)
+    with Engine(
+        model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, page_size=page, storage=url
+    ) as eng:
+        assert_same(eng.generate(prompt, PARAMS), cold(prompt))
+    with Engine(
+        model, device_tokens=DEVICE_TOKENS, host_tokens=HOST_TOKENS, page_size=page, storage=url
+    ) as eng:
+        again = eng.generate(prompt, PARAMS)
+        assert again.hit == "storage" and again.storage_hit_tokens == (len(prompt) - 1) // page * page
+        assert_same(again, cold(prompt))
+        eng.cache.check_invariants()
+
+
+def test_a_page_size_that_does_not_divide_the_pools_is_refused(model) -> None:
+    with pytest.raises(ConfigError, match="multiples of the page size"):
+        Engine(model, device_tokens=500, host_tokens=HOST_TOKENS, page_size=64)

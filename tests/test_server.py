@@ -206,7 +206,7 @@ def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
     checkpoint: Path, tmp_path: Path, served
 ) -> None:
     store = tmp_path / "store"
-    first = served(checkpoint, "--storage", f"file://{store}")
+    first = served(checkpoint, "--storage", f"file://{store}", "--page-size", "1")
     answer = first.chat().choices[0].message.content
     code, out, err = first.stop(signal.SIGTERM)
     assert code == 0 and "Traceback" not in err, err
@@ -215,7 +215,7 @@ def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
     assert written > 5 and len(files) == written  # page size 1: a file per token, none left half-written
     assert not [f for f in files if "~" in f.name]
 
-    second = served(checkpoint, "--storage", f"file://{store}")
+    second = served(checkpoint, "--storage", f"file://{store}", "--page-size", "1")
     assert second.chat().choices[0].message.content == answer
     got = second.metrics()
     assert got['kvtier_cache_prompt_tokens_total{tier="storage"}'] > 5

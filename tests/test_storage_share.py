@@ -64,7 +64,7 @@ def assert_no_storage_faults(got: dict[str, float]) -> None:
 
 
 def test_a_second_server_answers_from_the_pages_the_first_wrote(checkpoint, served, store_url) -> None:
-    flags = ("--storage", store_url, "--storage-model", f"share-{uuid.uuid4().hex}")
+    flags = ("--storage", store_url, "--storage-model", f"share-{uuid.uuid4().hex}", "--page-size", "1")
     first = served.start(checkpoint, *flags, ready=False)
     second = served.start(checkpoint, *flags, ready=False)  # both load their model at once
     first.ready()
@@ -106,7 +106,12 @@ def test_an_idle_server_writes_its_pages_without_another_request(tmp_path) -> No
     """
     tokenizer = tiny_tokenizer()
     engine = Engine(
-        tiny_model(tokenizer), tokenizer, device_tokens=512, host_tokens=2048, storage=f"file://{tmp_path}"
+        tiny_model(tokenizer),
+        tokenizer,
+        device_tokens=512,
+        host_tokens=2048,
+        page_size=1,
+        storage=f"file://{tmp_path}",
     )
     body = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 4, "temperature": 0}
     with TestClient(create_app(engine, MODEL)) as http:

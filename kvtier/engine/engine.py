@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Tokens per page when a storage tier is on and no page size is given.
+STORAGE_PAGE_SIZE = 64
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -133,8 +136,12 @@ class _Request:
 class Engine(Owner):
     """Serve `model` (a transformers causal LM) through kvtier's tiered cache.
 
-    `device_tokens` / `host_tokens`: KV pool sizes of the two tiers; `prefill_chunk`: the
-    longest piece of a prompt one forward pass computes. A context manager.
+    `device_tokens` / `host_tokens`: KV pool sizes of the two tiers (multiples of the page
+    size); `prefill_chunk`: the longest piece of a prompt one forward pass computes.
+    `page_size`: tokens per page of every tier (the cache matches and keeps whole pages);
+    by default 1, or `STORAGE_PAGE_SIZE` with a storage tier, whose values are one page
+    each (a one-token value is far too small to read at the store's rate: bench/FINDINGS.md).
+    A context manager.
     """
 
     def __init__(
@@ -149,22 +156,32 @@ class Engine(Owner):
         prefill_chunk: int = 8192,
         storage: StorageConfig | str | None = None,
         model_name: str | None = None,
+        page_size: int | None = None,
     ) -> None:
         if isinstance(storage, str):
             storage = StorageConfig(storage)
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        ps = page_size if page_size is not None else (STORAGE_PAGE_SIZE if storage is not None else 1)
+        if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
+            raise ConfigError(f"page_size must be a positive int, got {page_size!r}")
+        if device_tokens % ps or host_tokens % ps:
+            raise ConfigError(
+                f"device_tokens ({device_tokens}) and host_tokens ({host_tokens}) must be multiples of "
+                f"the page size ({ps})"
+            )
+        self.page_size = ps
         self.prefill_chunk = prefill_chunk
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.spec = spec_from_hf_config(model.config, dtype=dtype)
+        self.spec = spec_from_hf_config(model.config, dtype=dtype, page_size=ps)
         self.max_context = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 0)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.device_pool = DevicePool(
-            self.spec, device_tokens, self.device, staging_tokens=min(device_tokens, 4096)
+            self.spec, device_tokens, self.device, staging_tokens=min(device_tokens, 4096 // ps * ps or ps)
         )
         with ExitStack() as undo:  # a failure below closes the pools made so far
             undo.callback(self.device_pool.close)
@@ -233,7 +250,9 @@ class Engine(Owner):
             try:
                 self._load_prefix(req)
                 n_prefix = req.prefix.numel()
-                req.new_slots = self.cache.alloc_device(len(req.prompt) - n_prefix + params.max_tokens)
+                req.new_slots = self.cache.alloc_device(
+                    self._pages(len(req.prompt) - n_prefix + params.max_tokens)
+                )
                 load = None if req.load.recompute else req.load
                 req.kv = KVTierCache(self.spec, self.device_pool, req.prefix, req.new_slots, load)
                 for token, logits in self._decode(req.prompt, n_prefix, req.kv, params):
@@ -263,12 +282,17 @@ class Engine(Owner):
                 f"prompt of {len(ids)} tokens + {params.max_tokens} to generate exceeds the model's "
                 f"context of {self.max_context}"
             )
+        need = self._pages(need)
         if need > self.device_pool.num_slots:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens + {params.max_tokens} to generate needs {need} device "
                 f"slots; the device pool has {self.device_pool.num_slots}"
             )
         return ids
+
+    def _pages(self, tokens: int) -> int:
+        """`tokens` rounded up to whole pages."""
+        return -(-tokens // self.page_size) * self.page_size
 
     def _start(self, ids: np.ndarray, params: SamplingParams) -> _Request:
         """Match the prompt and lock the match (released by `_finish`)."""
@@ -295,11 +319,12 @@ class Engine(Owner):
         try:
             if req.new_slots is not None:
                 written = req.kv.written if req.kv is not None else 0
-                if written:
-                    n = req.prefix.numel() + written
+                kept = (req.prefix.numel() + written) // self.page_size * self.page_size - req.prefix.numel()
+                if kept > 0:  # the whole pages computed; a page's tail is recomputed when next needed
+                    n = req.prefix.numel() + kept
                     seq = np.concatenate([req.ids, np.asarray(req.tokens, dtype=np.int64)])
-                    cache.insert(seq[:n], torch.cat([req.prefix, req.new_slots[:written]]))
-                cache.free_device(req.new_slots[written:])
+                    cache.insert(seq[:n], torch.cat([req.prefix, req.new_slots[:kept]]))
+                cache.free_device(req.new_slots[max(kept, 0) :])
         finally:
             cache.release(req.lease)
 
