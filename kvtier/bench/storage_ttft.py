@@ -3,14 +3,16 @@
 For each prefix of `n` tokens (cut to the model's context as `kvtier bench served` cuts it),
 on a store directory of its own:
 
-1. an engine answers prompts of `n + 16` tokens it has not seen (misses: the full prefill;
-   the last of them is the prompt the hits ask again), then waits until its write-through
-   values are stored (`flush`);
+1. an engine answers a prompt of `n + 16` tokens (a miss: the full prefill), then waits
+   until its write-through values are stored (`flush`); before it, an engine without
+   storage answers `miss_repeats - 1` other prompts of that length (more misses, whose
+   values nothing would read);
 2. it answers the prompt again `repeats` times, each after evicting every device page (host
    hits), and is closed;
-3. `repeats` fresh engines over the same store, as after a restart, answer the prompt once
-   each: the prefix comes from storage (storage hits). Their prefetch policy is
-   `wait_complete`, so a hit reads the whole prefix, not what arrived by a deadline.
+3. `repeats` fresh engines over the same store, as after a restart, answer a short other
+   prompt (so no row pays for an engine's first request), then the prompt: the prefix
+   comes from storage (storage hits). Their prefetch policy is `wait_complete`, so a hit
+   reads the whole prefix, not what arrived by a deadline.
 
 `storage_read_s` is the prefetch's time (the tier's `prefetch_seconds`), `raw_read_gbps` the
 rate of reading the same store's files plainly (`storage_stores.read_files`, the mover's
@@ -42,6 +44,7 @@ from kvtier.storage.config import PrefetchPolicy, StorageConfig
 WARMUP_TOKENS = 256
 QUESTION = 16  # tokens of each prompt past its prefix, as in `bench served`
 PARAMS = SamplingParams(max_tokens=1)
+WARM_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 @dataclass
@@ -109,37 +112,44 @@ def measure_prefix(model, setup: str, n: int, plan: TTFTPlan) -> TTFTRow:
     vocab = int(model.config.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in range(n + QUESTION)] for _ in range(plan.miss_repeats)]
     try:
-        misses, host, spec = _first_engine(model, config, prompts, n, plan.repeats)
+        misses = _other_misses(model, prompts[:-1], n)
+        miss, host, spec = _first_engine(model, config, prompts[-1], n, plan.repeats)
         hits = [_storage_hit(model, config, prompts[-1], n, plan.drop_caches) for _ in range(plan.repeats)]
         raw = [_raw_read(store, config, plan.drop_caches) for _ in range(plan.repeats)]
     finally:
         shutil.rmtree(store, ignore_errors=True)
-    return _row(setup, n, spec, plan, misses, host, hits, raw)
+    return _row(setup, n, spec, plan, [*misses, miss], host, hits, raw)
 
 
-def _first_engine(model, config: StorageConfig, prompts: list[list[int]], n: int, repeats: int):
-    """`(miss results, host-hit TTFTs, the engine's spec)` of an engine over an empty store.
+def _other_misses(model, prompts: list[list[int]], n: int) -> list[RequestResult]:
+    """Misses of `prompts` on an engine without storage (theirs would be values nothing reads)."""
+    if not prompts:
+        return []
+    with Engine(model, device_tokens=n + 256, host_tokens=n + 1024) as eng:
+        return [eng.generate(p, PARAMS) for p in prompts]
 
-    The misses' values are stored before the host hits start (`flush`), and every write is
+
+def _first_engine(model, config: StorageConfig, prompt: list[int], n: int, repeats: int):
+    """`(the miss, host-hit TTFTs, the engine's spec)` of `prompt` on an engine over an empty store.
+
+    The miss's values are stored before the host hits start (`flush`), and every write is
     finished when the engine is closed and collected here.
     """
-    eng = Engine(model, device_tokens=n + 256, host_tokens=2 * n + 1024, storage=config)
+    eng = Engine(model, device_tokens=n + 256, host_tokens=n + 1024, storage=config)
     try:
-        misses = []
-        for p in prompts:
-            misses.append(eng.generate(p, PARAMS))
-            eng.cache.flush()
+        miss = eng.generate(prompt, PARAMS)
+        eng.cache.flush()
         host = []
         for _ in range(repeats):
             eng.cache.evict_device(10**9)
-            host.append(eng.generate(prompts[-1], PARAMS).ttft_s)
+            host.append(eng.generate(prompt, PARAMS).ttft_s)
             eng.cache.flush()
         spec = eng.spec
     finally:
         close(eng)
     del eng
     collect()
-    return misses, host, spec
+    return miss, host, spec
 
 
 def _storage_hit(model, config: StorageConfig, prompt: list[int], n: int, drop: bool) -> StorageHit:
@@ -148,6 +158,7 @@ def _storage_hit(model, config: StorageConfig, prompt: list[int], n: int, drop: 
         drop_page_cache()
     eng = Engine(model, device_tokens=n + 256, host_tokens=n + 1024, storage=config)
     try:
+        eng.generate(WARM_PROMPT, PARAMS)  # a restarted server has answered something before
         result = eng.generate(prompt, PARAMS)
         m = eng.storage.metrics.snapshot()
     finally:
