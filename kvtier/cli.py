@@ -37,10 +37,10 @@ DIRECTIONS = ("load", "backup", "both")  # kvtier.pool.device.Direction, or both
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
 VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kernel", "stock", "reference")
 DEVICE_SETS = ("contiguous", "scattered")
-SETUPS = ("smollm2", "deepseek-v3")  # kvtier.bench.served.SETUPS
-CACHE_PARTS = ("trace", "alloc", "reload", "eviction")
 STORAGE_PARTS = ("throughput", "compression", "ttft")  # kvtier.bench.storage.Part
 STORAGE_BACKENDS = ("file", "redis")  # kvtier.bench.storage.BACKENDS
+SETUPS = ("smollm2", "deepseek-v3")  # kvtier.bench.served.SETUPS
+CACHE_PARTS = ("trace", "alloc", "reload", "eviction")
 ID_DTYPES = ("int32", "int64")
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
