@@ -6,6 +6,8 @@
   (copied out only for the check).
 - `FileSide` / `RedisSide`: the store URL and raw store of each put sample, and deleting a
   sample's values once it is done with (a directory per sample; keys on a shared server).
+- `read_files(paths, threads, batch)`: every file of a file store read plainly, as the
+  tier's readers would (the TTFT part's raw read rate).
 - `local_redis()`: a `redis-server` of this process on a free loopback port, persistence
   off, stopped by its PID; `drop_page_cache()`: `sync`, then `/proc/sys/vm/drop_caches`.
 """

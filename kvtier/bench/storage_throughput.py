@@ -45,6 +45,9 @@ TIMEOUT_S = 60.0
 
 @dataclass
 class ThroughputRow:
+    """One point: GB/s of each op (None where it was not timed); `identical`: the check held and
+    every timed sample completed, else `failure` says what went wrong first."""
+
     backend: str
     setup: str
     page_size: int

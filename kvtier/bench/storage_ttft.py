@@ -103,7 +103,7 @@ def run_ttft(model, setup: str, plan: TTFTPlan, progress: Callable[[str], None])
 
 def measure_prefix(model, setup: str, n: int, plan: TTFTPlan) -> TTFTRow:
     """The miss, host-hit and storage-hit TTFTs of one prefix of `n` tokens; see the module docstring."""
-    if n + QUESTION + PROMPT_ROOM > int(model.config.max_position_embeddings):
+    if n + PROMPT_ROOM > int(model.config.max_position_embeddings):
         raise ConfigError(f"a prefix of {n} tokens does not fit the model's context")
     store = plan.root / f"ttft-{setup}-{n}"
     shutil.rmtree(store, ignore_errors=True)
