@@ -154,10 +154,11 @@ def test_a_wrong_decode_fails_the_compression_check(tmp_path: Path, monkeypatch)
 
 
 def test_ttft_rows_come_back_from_storage_after_a_restart(tmp_path: Path) -> None:
-    bench = _bench(tmp_path, storage.Part.TTFT, tokens=(256, 384), miss_repeats=2)
-    report = storage.run(bench, make_model=lambda setup, device: tiny_llama(max_positions=1024))
+    """A prefix past the context is cut to the longest that fits (as `bench served` does) and measured."""
+    bench = _bench(tmp_path, storage.Part.TTFT, tokens=(256, 1024), miss_repeats=2)
+    report = storage.run(bench, make_model=lambda setup, device: tiny_llama(max_positions=512))
     rows = json.loads(json.dumps(report))["ttft"]
-    assert [r["prefix_tokens"] for r in rows] == [256, 384]
+    assert [r["prefix_tokens"] for r in rows] == [256, 448]
     for r in rows:
         n = r["prefix_tokens"]
         assert r["storage_hit_tokens"] == n + 15  # the prompt but its last token, from storage
