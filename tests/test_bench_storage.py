@@ -17,6 +17,7 @@ from tiny_models import tiny_llama
 from kvtier import cli
 from kvtier.bench import storage, storage_codec, storage_stores, storage_throughput
 from kvtier.engine import Engine
+from kvtier.errors import ConfigError
 from kvtier.storage.values import PageCodec
 
 CPU = torch.device("cpu")
@@ -167,4 +168,12 @@ def test_ttft_rows_come_back_from_storage_after_a_restart(tmp_path: Path) -> Non
         assert r["same_first_token"] and r["page_cache"] == "warm"
         assert min(r["ttft_miss_s"], r["ttft_host_hit_s"], r["ttft_storage_hit_s"], r["storage_read_s"]) > 0
         assert r["raw_read_gbps"] > 0 and r["read_vs_raw"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_plan_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'backends': \['s3'\]"):
+        storage.StorageBench(tmp_path, backends=("file", "s3"))
+    with pytest.raises(ConfigError, match=r"'page_sizes': \[0\]"):
+        storage.StorageBench(tmp_path, page_sizes=(16, 0))
     assert list(tmp_path.iterdir()) == []

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
@@ -33,10 +33,12 @@ import torch
 from rich.console import Group
 from rich.table import Table
 
-from kvtier.bench import storage_codec, storage_throughput, storage_ttft
+from kvtier.bench import served, storage_codec, storage_throughput, storage_ttft
 from kvtier.bench.common import Progress, collect, environment, quiet
 from kvtier.bench.storage_stores import DROP_CACHES, FileSide, RedisSide, drop_page_cache, local_redis
+from kvtier.engine.hf import spec_from_hf_config
 from kvtier.errors import ConfigError
+from kvtier.spec import preset
 from kvtier.storage.config import StorageConfig
 
 SPECS = ("smollm2", "deepseek-v3")
@@ -73,10 +75,20 @@ class StorageBench:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(Part(p) for p in self.parts))
+        bad = {
+            "backends": [b for b in self.backends if b not in BACKENDS],
+            "specs": [s for s in (*self.specs, self.setup) if s not in SPECS],
+            "page_sizes": [p for p in self.page_sizes if p < 1],
+            "tokens": [n for n in self.tokens if n < 1],
+            "counts": [n for n in (self.repeats, self.miss_repeats, self.min_pages) if n < 1],
+        }
+        if any(bad.values()):
+            raise ConfigError(f"storage bench: unknown or below 1: { ({k: v for k, v in bad.items() if v}) }")
+
     def quick(self) -> StorageBench:
         """The same parts at smoke-test sizes (tiny points, one repeat, 256-token prefixes)."""
-        from dataclasses import replace
-
         return replace(
             self, point_bytes=1 << 20, min_pages=4, repeats=1, compression_tokens=256, tokens=(256,)
         )
@@ -84,14 +96,10 @@ class StorageBench:
 
 def spec_of(setup: str, page_size: int):
     """The KV spec of a throughput point: the SmolLM2 shape in bf16, or the DeepSeek-V3 preset."""
-    from kvtier.bench.served import model_config
-    from kvtier.engine.hf import spec_from_hf_config
-    from kvtier.spec import preset
-
     if setup == "deepseek-v3":
         return preset("deepseek-v3", page_size=page_size)
     if setup == "smollm2":
-        return spec_from_hf_config(model_config("smollm2"), dtype=torch.bfloat16, page_size=page_size)
+        return spec_from_hf_config(served.model_config("smollm2"), dtype=torch.bfloat16, page_size=page_size)
     raise ConfigError(f"unknown spec {setup!r}; known: {SPECS}")
 
 
@@ -185,10 +193,8 @@ def _throughput(bench: StorageBench, work: Path, report: dict, progress: Progres
 
 
 def _ttft(bench: StorageBench, work: Path, make_model: Callable | None, progress: Progress) -> list:
-    from kvtier.bench.served import make_model as served_model
-
     progress(f"ttft: building the {bench.setup}-shaped model (random weights)")
-    model = (make_model or served_model)(bench.setup, bench.device)
+    model = (make_model or served.make_model)(bench.setup, bench.device)
     plan = storage_ttft.TTFTPlan(bench.tokens, work, bench.repeats, bench.miss_repeats, bench.drop_caches)
     try:
         return storage_ttft.run_ttft(model, bench.setup, plan, progress)
@@ -298,8 +304,6 @@ def _ttft_table(rows: list[dict], meta: dict) -> list:
 
 def command(args) -> int:
     """`kvtier bench storage`: 0 when every check held, else 1."""
-    from dataclasses import replace
-
     from kvtier.commands import console, device, progress, write_json
 
     dev = device(args.device)

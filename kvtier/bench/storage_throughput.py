@@ -38,8 +38,8 @@ from kvtier.storage.config import StorageConfig
 from kvtier.storage.keys import Fingerprint, PageKeys
 from kvtier.storage.values import PageCodec
 
-# The socket timeout of the bench's stores: the default (2 s) is shorter than one batch of
-# 16 values of 18 MB takes on a slow host, and a timed-out batch is a miss, not a rate.
+# The bench's socket timeout: a batch of large values can outlast the tier's default on a
+# slow host, and a timed-out batch is a miss, not a rate (bench/FINDINGS.md, "The storage tier").
 TIMEOUT_S = 60.0
 
 
