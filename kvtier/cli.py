@@ -1,4 +1,4 @@
-"""The `kvtier` command's arguments: `kvtier demo | serve | bench transfer | overlap | cache | served`.
+"""The `kvtier` command's arguments: `kvtier demo | serve | bench` (transfer, overlap, cache, served, storage)
 
 This module parses and checks; it runs nothing. Every flag is checked before any model or
 pool is built: a bad value is argparse's usage line on stderr and exit code 2. `main` then
@@ -21,7 +21,7 @@ from kvtier.errors import KVTierError
 
 # Module whose `command(args) -> int` runs each command.
 COMMANDS = {"demo": "kvtier.engine.demo", "serve": "kvtier.engine.server"} | {
-    f"bench {b}": f"kvtier.bench.{b}" for b in ("transfer", "overlap", "cache", "served")
+    f"bench {b}": f"kvtier.bench.{b}" for b in ("transfer", "overlap", "cache", "served", "storage")
 }
 
 # The fixed values of flags, each checked by tests/test_cli.py against what its comment names.
@@ -37,6 +37,8 @@ DIRECTIONS = ("load", "backup", "both")  # kvtier.pool.device.Direction, or both
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
 VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kernel", "stock", "reference")
 DEVICE_SETS = ("contiguous", "scattered")
+STORAGE_PARTS = ("throughput", "compression", "ttft")  # kvtier.bench.storage.Part
+STORAGE_BACKENDS = ("file", "redis")  # kvtier.bench.storage.BACKENDS
 SETUPS = ("smollm2", "deepseek-v3")  # kvtier.bench.served.SETUPS
 CACHE_PARTS = ("trace", "alloc", "reload", "eviction")
 STORAGE_WRITES = ("write_through", "write_back")  # kvtier.storage.config.StorageWrite
@@ -363,6 +365,29 @@ def _bench_cache(bench) -> None:
     _json_flag(c)
 
 
+def _bench_storage(bench) -> None:
+    st = bench.add_parser("storage", help="the storage tier: put/get beside raw stores, compression, TTFT")
+    _csv_flag(st, "--parts", STORAGE_PARTS)
+    _csv_flag(st, "--backends", STORAGE_BACKENDS)
+    st.add_argument("--page-sizes", type=positive_list, default=(16, 64, 256), help="throughput page sizes")
+    _csv_flag(st, "--specs", SETUPS)
+    st.add_argument("--layout", choices=LAYOUTS, default="layer_first", help="host pool layout (throughput)")
+    st.add_argument(
+        "--tokens", type=positive_list, help="TTFT prefixes (default: 2k-8k on CPU, 2k-32k on CUDA)"
+    )
+    st.add_argument(
+        "--setup", choices=SETUPS, help="TTFT model shape (default: deepseek-v3 on CUDA, else smollm2)"
+    )
+    st.add_argument("--dir", type=Path, help="where the stores go (default: the temporary directory)")
+    st.add_argument("--redis", help="redis://HOST:PORT/DB to use (default: start a redis-server)")
+    st.add_argument("--repeats", type=positive, help="timed samples per row (default 3)")
+    st.add_argument("--miss-repeats", type=positive, default=1, help="TTFT misses per prefix")
+    st.add_argument("--drop-caches", action="store_true", help="drop the page cache before each read (root)")
+    st.add_argument("--quick", action="store_true", help="smoke-test sizes")
+    _device_flag(st)
+    _json_flag(st)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; building it imports nothing heavy."""
     p = argparse.ArgumentParser(prog="kvtier", description="Hierarchical KV cache for LLM serving.")
@@ -375,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_overlap(bench)
     _bench_served(bench)
     _bench_cache(bench)
+    _bench_storage(bench)
     return p
 
 

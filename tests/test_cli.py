@@ -60,6 +60,7 @@ def refused(argv: list[str], capsys) -> str:
         ["bench", "overlap", "--help"],
         ["bench", "cache", "--help"],
         ["bench", "served", "--help"],
+        ["bench", "storage", "--help"],
     ],
 )
 def test_help_imports_neither_torch_nor_transformers(argv: list[str]) -> None:
@@ -215,7 +216,7 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     assert set(cli.COMMANDS) == {
         "demo",
         "serve",
-        *(f"bench {b}" for b in ("transfer", "overlap", "cache", "served")),
+        *(f"bench {b}" for b in ("transfer", "overlap", "cache", "served", "storage")),
     }
 
 

@@ -60,8 +60,17 @@ def make_model(setup: str, device: torch.device):
     import transformers
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = model_config(setup)
+    kind = transformers.LlamaForCausalLM if setup == "smollm2" else transformers.DeepseekV3ForCausalLM
+    return kind(cfg).to(device=device, dtype=dtype).eval()
+
+
+def model_config(setup: str):
+    """The transformers config of the setup's shape (see the module docstring)."""
+    import transformers
+
     if setup == "smollm2":
-        cfg = transformers.LlamaConfig(
+        return transformers.LlamaConfig(
             vocab_size=49152,
             hidden_size=576,
             intermediate_size=1536,
@@ -72,9 +81,8 @@ def make_model(setup: str, device: torch.device):
             rope_theta=100000.0,
             tie_word_embeddings=True,
         )
-        model = transformers.LlamaForCausalLM(cfg)
-    elif setup == "deepseek-v3":
-        cfg = transformers.DeepseekV3Config(
+    if setup == "deepseek-v3":
+        return transformers.DeepseekV3Config(
             vocab_size=1024,
             hidden_size=128,
             intermediate_size=128,
@@ -95,10 +103,7 @@ def make_model(setup: str, device: torch.device):
             v_head_dim=32,
             max_position_embeddings=163840,
         )
-        model = transformers.DeepseekV3ForCausalLM(cfg)
-    else:
-        raise ConfigError(f"unknown setup {setup!r}; known: {SETUPS}")
-    return model.to(device=device, dtype=dtype).eval()
+    raise ConfigError(f"unknown setup {setup!r}; known: {SETUPS}")
 
 
 def run(
