@@ -65,7 +65,7 @@ class BufferSpec:
         if list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
             raise SpecError(f"buffer {self.name!r}: layers {self.layers} must be ascending, distinct, >= 0")
 
-    @property
+    @cached_property  # hot (every page view, every plan): computed once
     def row_bytes(self) -> int:
         """Bytes of one token's row on one layer."""
         return math.prod(self.row_shape) * self.dtype.itemsize

@@ -133,7 +133,7 @@ class HostPool(Owner):
 
         self._chunks = self._allocate_chunks(plans, progress)
         self._region_ptrs = {b.name: self._build_region_ptrs(b) for b in spec.buffers}
-        self._np_bytes: dict[str, list[np.ndarray]] = {}
+        self._pages: list | None = None  # `_page_map`, made when first needed
         log.info(
             "host pool: %d slots, layout %s, %s in %d chunks, pinned=%s",
             num_slots,
@@ -177,7 +177,7 @@ class HostPool(Owner):
             return
         chunks = sum(len(c) for c in self._chunks.values())
         self._closed = True
-        self._chunks, self._region_ptrs, self._np_bytes = {}, {}, {}
+        self._chunks, self._region_ptrs, self._pages = {}, {}, None
         return_freed_memory(self.pinned)
         log.info("host pool closed: %s in %d chunks released", fmt_bytes(self.footprint_bytes), chunks)
 
@@ -351,30 +351,41 @@ class HostPool(Owner):
         ps = self.spec.page_size
         if isinstance(slot, bool) or not 0 <= slot < self.num_slots or slot % ps:
             raise SlotError(f"page_views({slot!r}): not the first slot of a page in [0, {self.num_slots})")
-        out = []
-        for b in self.spec.buffers:
-            n = ps * b.row_bytes
-            for c, raw in zip(self._chunks_of(b.name), self._bytes_of(b.name), strict=True):
-                if not c.slot_lo <= slot < c.slot_hi:
-                    continue
-                rel = slot - c.slot_lo
-                if self.layout is HostLayout.PAGE_FIRST:
-                    at = rel * len(b.layers) * b.row_bytes
-                    out.append(raw[at : at + n * len(b.layers)].data)
-                    continue
-                stride = (c.slot_hi - c.slot_lo) * b.row_bytes
-                out.extend(
-                    raw[j * stride + rel * b.row_bytes :][:n].data for j in range(c.layer_hi - c.layer_lo)
-                )
+        out: list[memoryview] = []
+        for raw, lo, hi, first, step, n, count in self._page_map():
+            if lo <= slot < hi:
+                at = first + (slot - lo) * step[1]
+                out.extend(raw[at + k * step[0] : at + k * step[0] + n] for k in range(count))
         return out
 
-    def _bytes_of(self, buffer: str) -> list[np.ndarray]:
-        """Each chunk of `buffer` as a flat uint8 numpy view (made once)."""
-        views = self._np_bytes.get(buffer)
-        if views is None:
-            views = [c.tensor.view(-1).view(torch.uint8).numpy() for c in self._chunks_of(buffer)]
-            self._np_bytes[buffer] = views
-        return views
+    def _page_map(self) -> list[tuple[memoryview, int, int, int, tuple[int, int], int, int]]:
+        """Per chunk, in payload order: `(bytes, slot_lo, slot_hi, first byte, (stride per view,
+        bytes per slot), bytes per view, views)`, so `page_views` is arithmetic and slicing only."""
+        if self._pages is None:
+            ps, out = self.spec.page_size, []
+            for b in self.spec.buffers:
+                row = b.row_bytes
+                for c in self._chunks_of(b.name):
+                    raw = memoryview(c.tensor.view(-1).view(torch.uint8).numpy())
+                    if self.layout is HostLayout.PAGE_FIRST:  # [pages, L, ps, row]: one view a page
+                        out.append(
+                            (
+                                raw,
+                                c.slot_lo,
+                                c.slot_hi,
+                                0,
+                                (0, len(b.layers) * row),
+                                ps * len(b.layers) * row,
+                                1,
+                            )
+                        )
+                    else:  # [L, slots, row]: one view a layer
+                        stride = (c.slot_hi - c.slot_lo) * row
+                        out.append(
+                            (raw, c.slot_lo, c.slot_hi, 0, (stride, row), ps * row, c.layer_hi - c.layer_lo)
+                        )
+            self._pages = out
+        return self._pages
 
     def gather(self, buffer: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Copy of the rows at `slots` (`[n]` int64, CPU) of one layer: `[n, *row]`, pageable."""

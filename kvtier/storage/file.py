@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import xxhash
 
@@ -278,26 +278,48 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
 
 
 def _read_pieces(fd: int, views: list[memoryview], on_piece) -> int:
-    """Read into `views` a `PIECE_BYTES` stretch at a time, handing each to `on_piece(j, stretch)`.
-
-    Returns the bytes read, one more than the views hold where the file is longer.
-    """
+    """Read into `views` about `PIECE_BYTES` at a time (one `preadv` each), handing each view's
+    stretch to `on_piece(j, stretch)` right after; the bytes read, one more than the views hold
+    where the file is longer."""
     at = 0
-    for j, v in enumerate(views):
-        for lo in range(0, len(v), PIECE_BYTES):
-            piece = v[lo : lo + PIECE_BYTES]
-            got = 0
-            while got < len(piece):
-                n = os.preadv(fd, [piece[got:]], at + got)
-                if n == 0:
-                    break
-                got += n
-            if got:
-                on_piece(j, piece[:got])
-            at += got
-            if got < len(piece):
-                return at
+    for batch in _batches(views):
+        want = sum(len(piece) for _, piece in batch)
+        got = 0
+        while got < want:
+            n = os.preadv(fd, _after([piece for _, piece in batch], got), at + got)
+            if n == 0:
+                break
+            got += n
+        left = got
+        for j, piece in batch:
+            if left <= 0:
+                break
+            on_piece(j, piece[: min(left, len(piece))])
+            left -= len(piece)
+        at += got
+        if got < want:
+            return at
     return at + os.preadv(fd, [bytearray(1)], at)
+
+
+def _batches(views: list[memoryview]) -> Iterator[list[tuple[int, memoryview]]]:
+    """`(view index, stretch)` lists of at most `PIECE_BYTES` (a longer view cut in stretches), in order."""
+    batch: list[tuple[int, memoryview]] = []
+    size = 0
+    for j, v in enumerate(views):
+        pieces = (
+            (v,)
+            if len(v) <= PIECE_BYTES
+            else [v[lo : lo + PIECE_BYTES] for lo in range(0, len(v), PIECE_BYTES)]
+        )
+        for piece in pieces:
+            if batch and (size + len(piece) > PIECE_BYTES or len(batch) == _IOV_MAX):
+                yield batch
+                batch, size = [], 0
+            batch.append((j, piece))
+            size += len(piece)
+    if batch:
+        yield batch
 
 
 def _after(views: list[memoryview], n: int) -> list[memoryview]:
