@@ -371,7 +371,7 @@ def _bench_storage(bench) -> None:
     _csv_flag(st, "--backends", STORAGE_BACKENDS)
     st.add_argument("--page-sizes", type=positive_list, default=(16, 64, 256), help="throughput page sizes")
     _csv_flag(st, "--specs", SETUPS)
-    st.add_argument("--layout", choices=LAYOUTS, default="layer_first", help="host pool layout (throughput)")
+    st.add_argument("--layout", choices=LAYOUTS, default="layer_first", help="host pool layout")
     st.add_argument(
         "--tokens", type=positive_list, help="TTFT prefixes (default: 2k-8k on CPU, 2k-32k on CUDA)"
     )

@@ -95,7 +95,7 @@ def test_bytes_the_tier_did_not_write_fail_the_check(tmp_path: Path, monkeypatch
         return real(self, keys, [[b[0], *(memoryview(bytearray(len(v))) for v in b[1:])] for b in buffers])
 
     monkeypatch.setattr(FileBackend, "get_into", header_only)
-    monkeypatch.setattr(PageCodec, "check", lambda self, h, n, bufs: None)
+    monkeypatch.setattr(PageCodec, "check", lambda self, h, n, bufs, digest=None: None)
     row = storage_throughput.measure(storage_stores.FileSide(tmp_path), _point(), 1, False, 0)
     assert not row.identical and row.failure == "kvtier get: page 0 of 6 differs from the bytes put"
 
@@ -162,9 +162,11 @@ def test_ttft_rows_come_back_from_storage_after_a_restart(tmp_path: Path) -> Non
     assert [r["prefix_tokens"] for r in rows] == [256, 448]
     for r in rows:
         n = r["prefix_tokens"]
-        assert r["storage_hit_tokens"] == n + 15  # the prompt but its last token, from storage
-        assert r["storage_values_read"] == n + 15 and r["page_size"] == 1
-        assert r["storage_bytes_read"] > r["kv_bytes"] == n * r["value_bytes"]
+        ps = r["page_size"]
+        assert ps == 64  # the engine's page with a storage tier
+        hit = (n + 15) // ps * ps  # the prompt's whole pages but its last token, from storage
+        assert r["storage_hit_tokens"] == hit and r["storage_values_read"] == hit // ps
+        assert r["storage_bytes_read"] > r["kv_bytes"] == n // ps * r["value_bytes"]
         assert r["same_first_token"] and r["page_cache"] == "warm"
         assert min(r["ttft_miss_s"], r["ttft_host_hit_s"], r["ttft_storage_hit_s"], r["storage_read_s"]) > 0
         assert r["raw_read_gbps"] > 0 and r["read_vs_raw"] > 0

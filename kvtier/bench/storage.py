@@ -195,7 +195,9 @@ def _throughput(bench: StorageBench, work: Path, report: dict, progress: Progres
 def _ttft(bench: StorageBench, work: Path, make_model: Callable | None, progress: Progress) -> list:
     progress(f"ttft: building the {bench.setup}-shaped model (random weights)")
     model = (make_model or served.make_model)(bench.setup, bench.device)
-    plan = storage_ttft.TTFTPlan(bench.tokens, work, bench.repeats, bench.miss_repeats, bench.drop_caches)
+    plan = storage_ttft.TTFTPlan(
+        bench.tokens, work, bench.repeats, bench.miss_repeats, bench.drop_caches, bench.layout
+    )
     try:
         return storage_ttft.run_ttft(model, bench.setup, plan, progress)
     finally:

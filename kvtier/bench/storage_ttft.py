@@ -86,6 +86,7 @@ class TTFTPlan:
     repeats: int = 3
     miss_repeats: int = 1
     drop_caches: bool = False
+    layout: str = "layer_first"
 
 
 def run_ttft(model, setup: str, plan: TTFTPlan, progress: Callable[[str], None]) -> list[TTFTRow]:
@@ -93,7 +94,7 @@ def run_ttft(model, setup: str, plan: TTFTPlan, progress: Callable[[str], None])
     context = int(model.config.max_position_embeddings)
     rows = []
     progress(f"ttft, {setup}: warm-up of {WARMUP_TOKENS} tokens")
-    measure_prefix(model, setup, WARMUP_TOKENS, TTFTPlan((), plan.root, 1, 1, False))
+    measure_prefix(model, setup, WARMUP_TOKENS, TTFTPlan((), plan.root, 1, 1, False, plan.layout))
     for n in fit_prefixes(plan.prefixes, context, progress, setup):
         progress(f"ttft, {setup}: prefix of {n} tokens")
         rows.append(measure_prefix(model, setup, n, plan))
@@ -112,30 +113,33 @@ def measure_prefix(model, setup: str, n: int, plan: TTFTPlan) -> TTFTRow:
     vocab = int(model.config.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in range(n + QUESTION)] for _ in range(plan.miss_repeats)]
     try:
-        misses = _other_misses(model, prompts[:-1], n)
-        miss, host, spec = _first_engine(model, config, prompts[-1], n, plan.repeats)
-        hits = [_storage_hit(model, config, prompts[-1], n, plan.drop_caches) for _ in range(plan.repeats)]
+        misses = _other_misses(model, prompts[:-1], n, plan.layout)
+        miss, host, spec = _first_engine(model, config, prompts[-1], n, plan.repeats, plan.layout)
+        hits = [
+            _storage_hit(model, config, prompts[-1], n, plan.drop_caches, plan.layout)
+            for _ in range(plan.repeats)
+        ]
         raw = [_raw_read(store, config, plan.drop_caches) for _ in range(plan.repeats)]
     finally:
         shutil.rmtree(store, ignore_errors=True)
     return _row(setup, n, spec, plan, [*misses, miss], host, hits, raw)
 
 
-def _other_misses(model, prompts: list[list[int]], n: int) -> list[RequestResult]:
+def _other_misses(model, prompts: list[list[int]], n: int, layout: str) -> list[RequestResult]:
     """Misses of `prompts` on an engine without storage (theirs would be values nothing reads)."""
     if not prompts:
         return []
-    with Engine(model, device_tokens=n + 256, host_tokens=n + 1024) as eng:
+    with Engine(model, device_tokens=n + 256, host_tokens=n + 1024, host_layout=layout) as eng:
         return [eng.generate(p, PARAMS) for p in prompts]
 
 
-def _first_engine(model, config: StorageConfig, prompt: list[int], n: int, repeats: int):
+def _first_engine(model, config: StorageConfig, prompt: list[int], n: int, repeats: int, layout: str):
     """`(the miss, host-hit TTFTs, the engine's spec)` of `prompt` on an engine over an empty store.
 
     The miss's values are stored before the host hits start (`flush`), and every write is
     finished when the engine is closed and collected here.
     """
-    eng = Engine(model, device_tokens=n + 256, host_tokens=n + 1024, storage=config)
+    eng = Engine(model, device_tokens=n + 256, host_tokens=n + 1024, host_layout=layout, storage=config)
     try:
         miss = eng.generate(prompt, PARAMS)
         eng.cache.flush()
@@ -152,11 +156,13 @@ def _first_engine(model, config: StorageConfig, prompt: list[int], n: int, repea
     return miss, host, spec
 
 
-def _storage_hit(model, config: StorageConfig, prompt: list[int], n: int, drop: bool) -> StorageHit:
+def _storage_hit(
+    model, config: StorageConfig, prompt: list[int], n: int, drop: bool, layout: str
+) -> StorageHit:
     """The prompt on a fresh engine over the store, and what its tier read."""
     if drop:
         drop_page_cache()
-    eng = Engine(model, device_tokens=n + 256, host_tokens=n + 1024, storage=config)
+    eng = Engine(model, device_tokens=n + 256, host_tokens=n + 1024, host_layout=layout, storage=config)
     try:
         eng.generate(WARM_PROMPT, PARAMS)  # a restarted server has answered something before
         result = eng.generate(prompt, PARAMS)

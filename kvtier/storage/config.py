@@ -65,7 +65,7 @@ class StorageConfig:
     size_bytes: int = 0
     pool_size: int = 16
     ttl_s: int = 0
-    timeout_s: float = 2.0
+    timeout_s: float = 5.0
     workers: int = 4
     writers: int = 2
     batch_pages: int = 16

@@ -59,7 +59,7 @@ class FileBackend(StorageBackend):
     """Values as files under `path`; see the module docstring for layout and contract."""
 
     name = "file"
-    streams_pieces = True
+    streams_pieces = False  # measured slower with many workers: bench/FINDINGS.md, storage
 
     def __init__(self, path: str, size_bytes: int = 0) -> None:
         if not isinstance(path, str) or not path:

@@ -152,7 +152,7 @@ class _Backoff:
 class RedisBackend(StorageBackend):
     """Values in Redis or a Redis Cluster; see the module docstring for URLs and contract."""
 
-    def __init__(self, url: str, pool_size: int = 16, ttl_s: int = 0, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, pool_size: int = 16, ttl_s: int = 0, timeout_s: float = 5.0) -> None:
         self.target = parse_redis_url(url)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ConfigError(f"Redis storage: pool_size must be an int >= 1, got {pool_size!r}")
