@@ -87,6 +87,8 @@ class StorageTransitions:
         """Give the match's storage pages host slots and start reading them (see the module docstring)."""
         ps = self.spec.page_size
         want = len(match.storage_hashes) * ps
+        if self.tree.page_key(match.storage_key) in match.last_node.children:
+            return  # these pages were inserted since the match: nothing to fetch
         got = self.host_alloc.alloc_runs(want)
         if got is None:
             self._evict_host(want - self.host_alloc.available())
