@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import random_rows, same_bytes
 
-from kvtier.errors import ClosedError, HostMemoryError, LayoutError, PinError, SpecError
+from kvtier.errors import ClosedError, HostMemoryError, LayoutError, PinError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.pool.memory import host_memory_bytes
@@ -178,3 +178,27 @@ def test_a_closed_device_pool_drops_its_tensors_and_refuses_access() -> None:
         with pytest.raises(ClosedError, match="device pool"):
             access()
     pool.close()  # idempotent
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("spec_name", ["tiny-mha", "tiny-dsa"])
+def test_page_views_hold_a_page_buffer_by_buffer_layer_by_layer(layout: str, spec_name: str) -> None:
+    """A storage value's payload order, read through the views, over pools cut into many chunks."""
+    spec = preset(spec_name, page_size=4)
+    pool = HostPool(spec, 64, layout, chunk_bytes=3 * 4 * spec.num_layers * spec.widest_row_bytes)
+    assert sum(len(pool.chunks(b.name)) for b in spec.buffers) > len(spec.buffers)  # several chunks
+    gen = torch.Generator().manual_seed(3)
+    for b in spec.buffers:
+        for chunk in pool.chunks(b.name):
+            raw = chunk.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    for slot in range(0, 64, 4):
+        slots = torch.arange(slot, slot + 4)
+        want = b"".join(
+            pool.gather(b.name, layer, slots).contiguous().view(torch.uint8).numpy().tobytes()
+            for b in spec.buffers
+            for layer in b.layers
+        )
+        assert b"".join(bytes(v) for v in pool.page_views(slot)) == want
+    with pytest.raises(SlotError):
+        pool.page_views(2)  # not a page's first slot

@@ -352,38 +352,26 @@ class HostPool(Owner):
         if isinstance(slot, bool) or not 0 <= slot < self.num_slots or slot % ps:
             raise SlotError(f"page_views({slot!r}): not the first slot of a page in [0, {self.num_slots})")
         out: list[memoryview] = []
-        for raw, lo, hi, first, step, n, count in self._page_map():
+        for raw, lo, hi, per_slot, stride, n, count in self._page_map():
             if lo <= slot < hi:
-                at = first + (slot - lo) * step[1]
-                out.extend(raw[at + k * step[0] : at + k * step[0] + n] for k in range(count))
+                at = (slot - lo) * per_slot
+                out.extend(raw[at + k * stride : at + k * stride + n] for k in range(count))
         return out
 
-    def _page_map(self) -> list[tuple[memoryview, int, int, int, tuple[int, int], int, int]]:
-        """Per chunk, in payload order: `(bytes, slot_lo, slot_hi, first byte, (stride per view,
-        bytes per slot), bytes per view, views)`, so `page_views` is arithmetic and slicing only."""
+    def _page_map(self) -> list[tuple[memoryview, int, int, int, int, int, int]]:
+        """Per chunk, in payload order: `(bytes, slot_lo, slot_hi, bytes per slot, stride between
+        views, bytes per view, views per page)`, so `page_views` is arithmetic and slicing only."""
         if self._pages is None:
             ps, out = self.spec.page_size, []
             for b in self.spec.buffers:
-                row = b.row_bytes
+                row, layers = b.row_bytes, len(b.layers)
                 for c in self._chunks_of(b.name):
                     raw = memoryview(c.tensor.view(-1).view(torch.uint8).numpy())
                     if self.layout is HostLayout.PAGE_FIRST:  # [pages, L, ps, row]: one view a page
-                        out.append(
-                            (
-                                raw,
-                                c.slot_lo,
-                                c.slot_hi,
-                                0,
-                                (0, len(b.layers) * row),
-                                ps * len(b.layers) * row,
-                                1,
-                            )
-                        )
+                        out.append((raw, c.slot_lo, c.slot_hi, layers * row, 0, ps * layers * row, 1))
                     else:  # [L, slots, row]: one view a layer
-                        stride = (c.slot_hi - c.slot_lo) * row
-                        out.append(
-                            (raw, c.slot_lo, c.slot_hi, 0, (stride, row), ps * row, c.layer_hi - c.layer_lo)
-                        )
+                        stride, count = (c.slot_hi - c.slot_lo) * row, c.layer_hi - c.layer_lo
+                        out.append((raw, c.slot_lo, c.slot_hi, row, stride, ps * row, count))
             self._pages = out
         return self._pages
 
