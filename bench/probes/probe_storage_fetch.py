@@ -1,7 +1,8 @@
 """Where a file-backend fetch of DeepSeek-V3 pages spends its time, beside plain reads (one JSON line each).
 
 Variants over the same files (page cache warm, destinations touched first): `raw` readinto into
-distinct memory on N threads; `kvtier` HostStorageMover.fetch (stretches checksummed as read);
+distinct memory on N threads; `kvtier` HostStorageMover.fetch as configured; `stretches_K` read in
+stretches of K KiB, each checksummed while in cache;
 `no_hash` the same reads with the checksum taken from the header (what the hash costs); `one_preadv`
 each value read by one preadv into the pool's views, no hash (what reading in stretches costs).
 Usage: python3 bench/probes/probe_storage_fetch.py [layout] [tokens]
@@ -19,6 +20,7 @@ import numpy as np
 from kvtier.cache.storage_mover import open_storage
 from kvtier.pool import HostPool
 from kvtier.spec import preset
+from kvtier.storage import file as file_backend
 from kvtier.storage.config import StorageConfig
 from kvtier.storage.keys import Fingerprint
 
@@ -73,7 +75,11 @@ for workers in (4, 8):
         f.wait()
         assert f.arrived() == len(pages)
 
-    out["kvtier_gbps"] = total / timed(fetch) / 1e9
+    out["kvtier_gbps"] = total / timed(fetch) / 1e9  # as configured (file.FileBackend.streams_pieces)
+    st.backend.streams_pieces = True  # read in stretches, each checksummed while in cache
+    for piece in (256 << 10, 1 << 20, 4 << 20):
+        file_backend.PIECE_BYTES = piece
+        out[f"stretches_{piece >> 10}k_gbps"] = total / timed(fetch) / 1e9
     st.backend.streams_pieces = False  # one preadv a value, then the checksum in a second pass
     out["one_preadv_then_hash_gbps"] = total / timed(fetch) / 1e9
     codec_check = st.codec.check
