@@ -81,7 +81,9 @@ class StorageTransitions:
             m.add("skipped_short_tokens", tokens)
             return [], rest[:0]
         m.add("hit_tokens", tokens)
-        return hashes[:k], rest[:tokens].copy()
+        found = rest[:tokens].copy()
+        found.flags.writeable = False  # it becomes a node's key
+        return hashes[:k], found
 
     def _start_fetch(self: TierState, match: Match, lease: Lease) -> None:
         """Give the match's storage pages host slots and start reading them (see the module docstring)."""
