@@ -13,6 +13,11 @@ its `Mover`, so it never touches a stream, a runtime call or an address. Its con
 - Write policies: back up at insert (`write_through`), after `selective_hits` hits
   (`write_through_selective`) or at eviction (`write_back`); a node counts as backed up
   once its backup's signal has fired.
+- Storage (with a `HostStorageMover`, `kvtier.cache.storage_tier`): `match` also asks the
+  store how many following pages it holds (`Match.storage_tokens`), `acquire` starts
+  fetching them into host slots, `load_back` waits as the prefetch policy says and loads
+  what arrived; host pages are written to the store in the background; a store fault is a
+  miss, counted in `storage.metrics`.
 - `settle()` completes every transfer in flight (starting the storage writes they
   release); `flush()` also waits for those writes.
 - `evict_device(k)` / `evict_host(k)`: unlocked leaves in `EvictionPolicy` order,

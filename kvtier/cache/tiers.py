@@ -7,6 +7,7 @@ transfers in flight. Its methods are the node transitions the manager composes:
     (insert) -> DEVICE --backup--> BACKING_UP --signal--> BOTH --evict device--> HOST
     HOST --load back--> LOADING --signal--> BOTH;  HOST --evict host--> dropped
     DEVICE --evict device, no host copy--> dropped (with its host-only subtree)
+    (acquire of storage pages) -> FETCHING --arrived--> HOST   (`kvtier.cache.storage_tier`)
 
 Each transition keeps the tier queues exact (`_place`): the device queue holds every node
 with device slots, the host queue every host-only node. Bytes move only through the
