@@ -158,3 +158,21 @@ def redis_server_factory(tmp_path):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint on disk for `kvtier serve` processes (tests/served.py)."""
+    from served import save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def served():
+    """`kvtier serve` processes started by the test (`.start(...)`), killed when it ends."""
+    from served import ServedProcesses
+
+    processes = ServedProcesses()
+    yield processes
+    processes.kill()

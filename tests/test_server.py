@@ -24,9 +24,7 @@ from redis_servers import free_port  # noqa: E402
 from served import (  # noqa: E402
     MESSAGES,
     MODEL,
-    ServedProcesses,
     samples,
-    save_checkpoint,
     tiny_model,
     tiny_tokenizer,
 )
@@ -190,23 +188,11 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_lock(server) -> None:
 # -- `kvtier serve` as a process, over a file:// store ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def served():
-    processes = ServedProcesses()
-    yield processes.start
-    processes.kill()
-
-
 def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
     checkpoint: Path, tmp_path: Path, served
 ) -> None:
     store = tmp_path / "store"
-    first = served(checkpoint, "--storage", f"file://{store}", "--page-size", "1")
+    first = served.start(checkpoint, "--storage", f"file://{store}", "--page-size", "1")
     answer = first.chat().choices[0].message.content
     code, out, err = first.stop(signal.SIGTERM)
     assert code == 0 and "Traceback" not in err, err
@@ -215,7 +201,7 @@ def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
     assert written > 5 and len(files) == written  # page size 1: a file per token, none left half-written
     assert not [f for f in files if "~" in f.name]
 
-    second = served(checkpoint, "--storage", f"file://{store}", "--page-size", "1")
+    second = served.start(checkpoint, "--storage", f"file://{store}", "--page-size", "1")
     assert second.chat().choices[0].message.content == answer
     got = second.metrics()
     assert got['kvtier_cache_prompt_tokens_total{tier="storage"}'] > 5

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +18,7 @@ for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokeniz
     pytest.importorskip(needed)
 
 from fastapi.testclient import TestClient  # noqa: E402
-from served import MESSAGES, MODEL, ServedProcesses, save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
+from served import MESSAGES, MODEL, tiny_model, tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine  # noqa: E402
 from kvtier.engine.server import create_app  # noqa: E402
@@ -30,18 +29,6 @@ CONVERSATION = [
     {"role": "user", "content": "kvtier keeps prefixes: the quick brown fox jumps again"},
 ]
 STORAGE_TIER = 'kvtier_cache_prompt_tokens_total{tier="storage"}'
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def served():
-    processes = ServedProcesses()
-    yield processes
-    processes.kill()
 
 
 @pytest.fixture(params=["redis", "redis+cluster"])

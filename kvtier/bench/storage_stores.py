@@ -72,11 +72,7 @@ class RawFiles:
     def get(self, idx: range, dst: np.ndarray, check: bool = False) -> None:
         """Read value `i` into `dst[i]` (`[n, value_bytes]` uint8) for each `i` in `idx`, checked or not."""
         for i in idx:
-            row = memoryview(dst[i])
-            with open(self.path(i), "rb", buffering=0) as f:
-                at = 0
-                while at < len(row) and (n := f.readinto(row[at:])):
-                    at += n
+            read_into(self.path(i), memoryview(dst[i]))
 
 
 class RawRedis:
@@ -190,6 +186,14 @@ def local_redis() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def read_into(path: str | Path, row: memoryview) -> None:
+    """Fill `row` from the start of the file at `path`, plainly (`readinto`, resuming short reads)."""
+    with open(path, "rb", buffering=0) as f:
+        at = 0
+        while at < len(row) and (n := f.readinto(row[at:])):
+            at += n
+
+
 def store_files(root: Path) -> list[str]:
     """Every file under `root` (a file store's values), in directory order."""
     return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
@@ -204,11 +208,7 @@ def read_files(paths: list[str], threads: int, batch: int) -> tuple[float, int]:
 
     def read(idx: range) -> None:
         for i in idx:
-            row = dst[offsets[i] : offsets[i + 1]]
-            with open(paths[i], "rb", buffering=0) as f:
-                at = 0
-                while at < len(row) and (n := f.readinto(row[at:])):
-                    at += n
+            read_into(paths[i], dst[offsets[i] : offsets[i + 1]])
 
     with ThreadPoolExecutor(threads) as pool:
         t0 = time.perf_counter()

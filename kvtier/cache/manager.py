@@ -399,9 +399,7 @@ class CacheController(TierState):
     def flush(self) -> None:
         """Wait for every transfer in flight and every storage write, and complete them (tests, shutdown)."""
         self.settle()
-        for store, _ in list(self._storing.values()):
-            store.wait()
-            self._store_done(store)
+        self._finish_stores()
 
     # -- reporting ---------------------------------------------------------------------
 

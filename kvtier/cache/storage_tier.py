@@ -227,6 +227,12 @@ class StorageTransitions:
         for store, _ in [r for r in self._storing.values() if r[0].done]:
             self._store_done(store)
 
+    def _finish_stores(self: TierState) -> None:
+        """Wait for every storage write in flight and complete it."""
+        for store, _ in list(self._storing.values()):
+            store.wait()
+            self._store_done(store)
+
     def _close_storage(self: TierState) -> None:
         """Stop every fetch (keeping what arrived), write what write-back holds, finish every write."""
         if self.storage is None:
@@ -236,7 +242,5 @@ class StorageTransitions:
         if self.storage.config.write is StorageWrite.WRITE_BACK:
             for n in self.tree.nodes():
                 self._store(n, force=True)
-        for store, _ in list(self._storing.values()):
-            store.wait()
-            self._store_done(store)
+        self._finish_stores()
         self.storage.close()
