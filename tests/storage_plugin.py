@@ -23,9 +23,7 @@ class MemoryBackend(StorageBackend):
         with self._lock:
             return next((n for n, k in enumerate(keys) if k not in self._values), len(keys))
 
-    def get_into(
-        self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]], on_piece=None
-    ) -> list[int]:
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
         out = []
         for key, views in zip(keys, buffers, strict=True):
             with self._lock:

@@ -95,7 +95,7 @@ def test_bytes_the_tier_did_not_write_fail_the_check(tmp_path: Path, monkeypatch
         return real(self, keys, [[b[0], *(memoryview(bytearray(len(v))) for v in b[1:])] for b in buffers])
 
     monkeypatch.setattr(FileBackend, "get_into", header_only)
-    monkeypatch.setattr(PageCodec, "check", lambda self, h, n, bufs, digest=None: None)
+    monkeypatch.setattr(PageCodec, "check", lambda self, h, n, bufs: None)
     row = storage_throughput.measure(storage_stores.FileSide(tmp_path), _point(), 1, False, 0)
     assert not row.identical and row.failure == "kvtier get: page 0 of 6 differs from the bytes put"
 

@@ -241,7 +241,6 @@ class Flaky(StorageBackend):
     """A real file backend whose calls fail while `broken` is set, or take `delay_s` each."""
 
     name = "flaky"
-    streams_pieces = True
 
     def __init__(self, path: str, delay_s: str = "0") -> None:
         self.inner = FileBackend(path)
@@ -257,10 +256,10 @@ class Flaky(StorageBackend):
     def exists(self, keys):
         return self.inner.exists(keys)
 
-    def get_into(self, keys, buffers, on_piece=None):
+    def get_into(self, keys, buffers):
         self.gets += 1
         self._maybe_fail()
-        return self.inner.get_into(keys, buffers, on_piece)
+        return self.inner.get_into(keys, buffers)
 
     def put(self, keys, values):
         self._maybe_fail()

@@ -230,24 +230,12 @@ class HostStorageMover:
         """Read and check `pages`; returns how many of them, from the first, are verified."""
         views = [self.host_pool.page_views(slot) for _, slot in pages]
         bufs = [self.codec.read_buffers(v) for v in views]
-        keys = self.keys.keys([h for h, _ in pages])
-        digests: list[int | None] = [None] * len(pages)
-        if self.backend.streams_pieces:  # checksum each stretch while it is in cache
-            running = [self.codec.digest() for _ in pages]
-
-            def on_piece(i: int, j: int, view: memoryview) -> None:
-                if j:  # buffer 0 is the header
-                    running[i].update(view)
-
-            lengths = self.backend.get_into(keys, bufs, on_piece)
-            digests = [d.intdigest() for d in running]
-        else:
-            lengths = self.backend.get_into(keys, bufs)
+        lengths = self.backend.get_into(self.keys.keys([h for h, _ in pages]), bufs)
         m, ok = self.metrics, 0
-        for (h, _), n, b, d in zip(pages, lengths, bufs, digests, strict=True):
+        for (h, _), n, b in zip(pages, lengths, bufs, strict=True):
             if n < 0:
                 break
-            why = self.codec.check(h, n, b, d)
+            why = self.codec.check(h, n, b)
             if why is not None:
                 m.reject(why)
                 log.warning("storage value of page %s refused (%s): a miss", h.hex()[:16], why)

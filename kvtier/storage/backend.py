@@ -5,15 +5,12 @@ checksums (`kvtier.storage.values` makes and checks the values). Every call is b
 
 - `exists(keys) -> int`: how many of `keys`, from the first, are present (stops at the
   first absent one; a prefix's pages are asked for in order).
-- `get_into(keys, buffers, on_piece=None) -> list[int]`: for each key, the value's bytes
-  written into that key's buffers in order, as `readv` does (`buffers[i]`: a list of
-  writable C-contiguous memoryviews, pinned host slots where the caller has them); the
-  entry is the value's length, or `-1` where the key is absent or the value is longer
-  than its buffers (nothing of a `-1` value counts as written; a shorter value fills the
-  buffers from the start and its length says so). A backend whose `streams_pieces` is
-  True calls `on_piece(i, j, view)` (when given) with each stretch of key `i`'s buffer `j`
-  right after writing it, in order, so the caller digests bytes while they are still in
-  the processor's cache instead of in a second pass over memory.
+- `get_into(keys, buffers) -> list[int]`: for each key, the value's bytes written into
+  that key's buffers in order, as `readv` does (`buffers[i]`: a list of writable
+  C-contiguous memoryviews, pinned host slots where the caller has them); the entry is
+  the value's length, or `-1` where the key is absent or the value is longer than its
+  buffers (nothing of a `-1` value counts as written; a shorter value fills the buffers
+  from the start and its length says so).
 - `put(keys, values) -> list[bool]`: store `values[i]` (a list of byte chunks, written as
   one value in order) under `keys[i]`; True where it was stored. A key written by two
   writers at once ends with one of the two values whole, never a mix.
@@ -45,15 +42,13 @@ from __future__ import annotations
 import importlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl
 
 from kvtier.errors import ConfigError, StorageError
 
 Chunks = Sequence[memoryview | bytes]
-# `on_piece(key index, buffer index, the stretch just written)`.
-OnPiece = Callable[[int, int, memoryview], None]
 
 
 class StorageBackend(ABC):
@@ -61,17 +56,13 @@ class StorageBackend(ABC):
 
     #: Short name for logs and metrics (`file`, `redis`, `redis+cluster`, or the class's).
     name: str = "custom"
-    #: Whether `get_into` calls `on_piece` (see the module docstring).
-    streams_pieces: bool = False
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> int:
         """How many of `keys`, from the first, are present."""
 
     @abstractmethod
-    def get_into(
-        self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]], on_piece: OnPiece | None = None
-    ) -> list[int]:
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
         """Read each key's value into its buffers; per key its length or -1 (absent, too long)."""
 
     @abstractmethod

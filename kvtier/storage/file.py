@@ -31,19 +31,18 @@ Contract (beyond `kvtier.storage.backend`):
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import xxhash
 
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import KEY, Chunks, OnPiece, StorageBackend, byte_views, check_keys
+from kvtier.storage.backend import KEY, Chunks, StorageBackend, byte_views, check_keys
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +50,12 @@ _TEMP_MARK = "~"
 # A temporary file older than this belongs to a writer that died.
 STALE_TEMP_S = 600.0
 _IOV_MAX = 512
-# A stretch read then digested while still in cache (`on_piece`); bench/FINDINGS.md, storage.
-PIECE_BYTES = 256 << 10
 
 
 class FileBackend(StorageBackend):
     """Values as files under `path`; see the module docstring for layout and contract."""
 
     name = "file"
-    streams_pieces = False  # measured slower with many workers: bench/FINDINGS.md, storage
 
     def __init__(self, path: str, size_bytes: int = 0) -> None:
         if not isinstance(path, str) or not path:
@@ -112,18 +108,13 @@ class FileBackend(StorageBackend):
                     self._index[key] = size
         return len(keys)
 
-    def get_into(
-        self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]], on_piece: OnPiece | None = None
-    ) -> list[int]:
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
         self._check_open()
         check_keys(keys)
         if len(buffers) != len(keys):
             raise StorageError(f"file storage: {len(keys)} keys but {len(buffers)} buffer lists")
         views = [byte_views(b, writable=True) for b in buffers]
-        return [
-            self._read(key, v, None if on_piece is None else functools.partial(on_piece, i))
-            for i, (key, v) in enumerate(zip(keys, views, strict=True))
-        ]
+        return [self._read(key, v) for key, v in zip(keys, views, strict=True)]
 
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
         self._check_open()
@@ -142,7 +133,7 @@ class FileBackend(StorageBackend):
 
     # -- one value ------------------------------------------------------------------------
 
-    def _read(self, key: str, views: list[memoryview], on_piece=None) -> int:
+    def _read(self, key: str, views: list[memoryview]) -> int:
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -152,16 +143,13 @@ class FileBackend(StorageBackend):
             raise StorageError(f"file storage: open of {key!r} failed: {e}") from e
         capacity = sum(len(v) for v in views)
         try:
-            if on_piece is not None:
-                n = _read_pieces(fd, views, on_piece)
-            else:
-                # One byte past the buffers tells a longer value from one that fits exactly.
-                n = os.preadv(fd, [*views, bytearray(1)], 0)
-                while 0 < n < capacity:
-                    more = os.preadv(fd, _after(views, n), n)
-                    if more == 0:
-                        break
-                    n += more
+            # One byte past the buffers tells a longer value from one that fits exactly.
+            n = os.preadv(fd, [*views, bytearray(1)], 0)
+            while 0 < n < capacity:
+                more = os.preadv(fd, _after(views, n), n)
+                if more == 0:
+                    break
+                n += more
         except OSError as e:
             raise StorageError(f"file storage: read of {key!r} failed: {e}") from e
         finally:
@@ -275,51 +263,6 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
     while pending:
         n = os.writev(fd, pending[:_IOV_MAX])
         pending = _after(pending, n)
-
-
-def _read_pieces(fd: int, views: list[memoryview], on_piece) -> int:
-    """Read into `views` about `PIECE_BYTES` at a time (one `preadv` each), handing each view's
-    stretch to `on_piece(j, stretch)` right after; the bytes read, one more than the views hold
-    where the file is longer."""
-    at = 0
-    for batch in _batches(views):
-        want = sum(len(piece) for _, piece in batch)
-        got = 0
-        while got < want:
-            n = os.preadv(fd, _after([piece for _, piece in batch], got), at + got)
-            if n == 0:
-                break
-            got += n
-        left = got
-        for j, piece in batch:
-            if left <= 0:
-                break
-            on_piece(j, piece[: min(left, len(piece))])
-            left -= len(piece)
-        at += got
-        if got < want:
-            return at
-    return at + os.preadv(fd, [bytearray(1)], at)
-
-
-def _batches(views: list[memoryview]) -> Iterator[list[tuple[int, memoryview]]]:
-    """`(view index, stretch)` lists of at most `PIECE_BYTES` (a longer view cut in stretches), in order."""
-    batch: list[tuple[int, memoryview]] = []
-    size = 0
-    for j, v in enumerate(views):
-        pieces = (
-            (v,)
-            if len(v) <= PIECE_BYTES
-            else [v[lo : lo + PIECE_BYTES] for lo in range(0, len(v), PIECE_BYTES)]
-        )
-        for piece in pieces:
-            if batch and (size + len(piece) > PIECE_BYTES or len(batch) == _IOV_MAX):
-                yield batch
-                batch, size = [], 0
-            batch.append((j, piece))
-            size += len(piece)
-    if batch:
-        yield batch
 
 
 def _after(views: list[memoryview], n: int) -> list[memoryview]:

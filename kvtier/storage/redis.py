@@ -52,7 +52,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import Chunks, OnPiece, StorageBackend, byte_views, check_keys
+from kvtier.storage.backend import Chunks, StorageBackend, byte_views, check_keys
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +184,7 @@ class RedisBackend(StorageBackend):
                 return n
         return len(keys)
 
-    def get_into(
-        self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]], on_piece: OnPiece | None = None
-    ) -> list[int]:
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
         check_keys(keys)
         if len(buffers) != len(keys):
             raise StorageError(f"{self._where}: {len(keys)} keys but {len(buffers)} buffer lists")

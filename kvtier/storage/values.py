@@ -98,20 +98,11 @@ class PageCodec:
         """Where a backend's `get_into` writes one value: a header buffer, then the page's `views`."""
         return [memoryview(bytearray(self.header_bytes)), *views]
 
-    @staticmethod
-    def digest() -> xxhash.xxh3_64:
-        """A running checksum of a payload: `update` it with the payload's bytes in order."""
-        return xxhash.xxh3_64()
-
-    def check(
-        self, page_hash: bytes, length: int, buffers: Sequence[memoryview], digest: int | None = None
-    ) -> str | None:
+    def check(self, page_hash: bytes, length: int, buffers: Sequence[memoryview]) -> str | None:
         """Verify a value read into `buffers` (from `read_buffers`); None when the page's views hold it.
 
         A compressed value is decompressed into the views here. Returns the `REJECTIONS`
-        reason of a refused value; `length` is what `get_into` returned (>= 0). `digest`:
-        the checksum of the bytes read after the header, taken while they were read
-        (`digest()`), so they are not read again here.
+        reason of a refused value; `length` is what `get_into` returned (>= 0).
         """
         header = buffers[0]
         if length < self.header_bytes:
@@ -132,14 +123,12 @@ class PageCodec:
         if kind is Compression.NONE:
             if n != self.payload_bytes:
                 return "header"
-            if digest is None:
-                h = xxhash.xxh3_64()
-                for v in views:
-                    h.update(v)
-                digest = h.intdigest()
-            return None if digest == checksum else "checksum"
+            h = xxhash.xxh3_64()
+            for v in views:
+                h.update(v)
+            return None if h.intdigest() == checksum else "checksum"
         packed = b"".join(bytes(v) for v in views)[:n]  # copied out: the views are overwritten below
-        if (digest if digest is not None else xxhash.xxh3_64_intdigest(packed)) != checksum:
+        if xxhash.xxh3_64_intdigest(packed) != checksum:
             return "checksum"
         try:
             planes = _decompress(kind, packed, self.payload_bytes)
