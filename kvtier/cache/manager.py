@@ -230,6 +230,8 @@ class CacheController(TierState):
 
     def _settle_fetches_on(self, key: np.ndarray) -> None:
         """End the fetches whose nodes lie on `key`'s path, so an insert never meets one."""
+        if not self._fetching:
+            return  # (no second walk of the tree when nothing is being fetched)
         nodes, _, partial, _ = self.tree.walk(key)
         for n in [*nodes, *([partial] if partial is not None else [])]:
             if n.state is NodeState.FETCHING:
