@@ -65,10 +65,13 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    timeout_s: float | None = None  # from `submit`; a request past it ends with finish_reason "timeout"
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(
                 f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
@@ -99,12 +102,25 @@ class RequestResult:
     storage_hit_tokens: int = 0
     reload_s: float | None = None
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+    finish_reason: str = "stop"  # "stop" (EOS or a stop string), "length", "cancelled", "timeout"
+    preemptions: int = 0  # times the request was preempted and resumed
+    token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter of each token
 
     @property
     def hit(self) -> str:
         if self.storage_hit_tokens:
             return "storage"
         return "host" if self.host_hit_tokens else "device" if self.device_hit_tokens else "none"
+
+
+@dataclass
+class EngineStats:
+    """The engine's counters since it started (plain ints; the server exports them)."""
+
+    prompt_tokens: int = 0  # prompt tokens of the requests admitted
+    generation_tokens: int = 0  # tokens generated
+    preemptions: int = 0  # running requests preempted under memory pressure
+    finished: dict[str, int] = field(default_factory=dict)  # requests finished, by finish reason
 
 
 @dataclass(eq=False)
@@ -171,6 +187,8 @@ class Engine(Owner):
                 f"the page size ({ps})"
             )
         self.page_size = ps
+        self.stats = EngineStats()
+        self._running = 0
         self.prefill_chunk = prefill_chunk
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -195,6 +213,33 @@ class Engine(Owner):
                 undo.callback(self.storage.close)
             self.cache = CacheController(self.device_pool, self.host_pool, config, storage=self.storage)
             undo.pop_all()
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding device slots now (prefilling or decoding)."""
+        return self._running
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet admitted (or preempted and waiting to resume)."""
+        return 0
+
+    def summary(self) -> dict[str, Any]:
+        """What the engine runs: model, dtype, both pools in tokens and bytes, KV bytes per token."""
+        per_token = self.spec.bytes_per_token()
+        return {
+            "model": self.spec.name,
+            "dtype": str(self.spec.buffers[0].dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "kv_bytes_per_token": per_token,
+            "device_pool_tokens": self.device_pool.num_slots,
+            "device_pool_bytes": self.device_pool.num_slots * per_token,
+            "host_pool_tokens": self.host_pool.num_slots,
+            "host_pool_bytes": self.host_pool.num_slots * per_token,
+            "page_size": self.page_size,
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": self.prefill_chunk,
+        }
 
     def close(self) -> None:
         """Drain the cache's transfers, then release both pools' memory; idempotent.
