@@ -126,8 +126,8 @@ def test_bad_input_raises_and_leaves_the_cache_consistent(model) -> None:
         SamplingParams(max_tokens=0)
     with pytest.raises(ConfigError, match="top_p"):
         SamplingParams(top_p=0)
-    with pytest.raises(ConfigError, match="prefill_chunk"):
-        Engine(model, device_tokens=256, host_tokens=1024, prefill_chunk=0)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        Engine(model, device_tokens=256, host_tokens=1024, max_num_batched_tokens=0)
     assert eng.cache.fragmentation() == before
     assert eng.cache.match(list(range(30))).tokens == 30  # what the good request cached is still there
     assert_nothing_held(eng)
@@ -179,7 +179,7 @@ def test_closing_a_stream_early_keeps_the_cache_consistent(model) -> None:
 
 
 def test_chunked_prefill_generates_the_same_tokens(model) -> None:
-    eng = Engine(model, device_tokens=256, host_tokens=1024, prefill_chunk=7)
+    eng = Engine(model, device_tokens=256, host_tokens=1024, max_num_batched_tokens=7)
     prompt = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(5)).tolist()
     assert_same(eng.generate(prompt, SamplingParams(max_tokens=6)), *reference(model, prompt, 6))
     eng.cache.flush()

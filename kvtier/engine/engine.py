@@ -66,6 +66,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     timeout_s: float | None = None  # from `submit`; a request past it ends with finish_reason "timeout"
+    ignore_eos: bool = False  # generate `max_tokens` whatever the model says (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -169,15 +170,20 @@ class Engine(Owner):
         host_tokens: int = 65536,
         config: CacheConfig | None = None,
         host_layout: str = "layer_first",
-        prefill_chunk: int = 8192,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        prefix_cache: bool = True,
         storage: StorageConfig | str | None = None,
         model_name: str | None = None,
         page_size: int | None = None,
     ) -> None:
         if isinstance(storage, str):
             storage = StorageConfig(storage)
-        if prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens and max_num_seqs must be positive, got {max_num_batched_tokens}, "
+                f"{max_num_seqs}"
+            )
         ps = page_size if page_size is not None else (STORAGE_PAGE_SIZE if storage is not None else 1)
         if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
             raise ConfigError(f"page_size must be a positive int, got {page_size!r}")
@@ -189,7 +195,9 @@ class Engine(Owner):
         self.page_size = ps
         self.stats = EngineStats()
         self._running = 0
-        self.prefill_chunk = prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.prefix_cache = prefix_cache
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -237,8 +245,8 @@ class Engine(Owner):
             "host_pool_tokens": self.host_pool.num_slots,
             "host_pool_bytes": self.host_pool.num_slots * per_token,
             "page_size": self.page_size,
-            "max_num_seqs": 1,
-            "max_num_batched_tokens": self.prefill_chunk,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
         }
 
     def close(self) -> None:
@@ -403,8 +411,8 @@ class Engine(Owner):
                 gen.manual_seed(params.seed)
         # The uncached suffix in chunks, so attention over a long prompt never builds a
         # prompt-by-prompt mask; only the last chunk's logits are needed.
-        for lo in range(n_prefix, len(prompt), self.prefill_chunk):
-            hi = min(lo + self.prefill_chunk, len(prompt))
+        for lo in range(n_prefix, len(prompt), self.max_num_batched_tokens):
+            hi = min(lo + self.max_num_batched_tokens, len(prompt))
             ids = torch.tensor([prompt[lo:hi]], device=self.device)
             logits = self._forward(ids, torch.arange(lo, hi, device=self.device), kv)
         token = self._pick(logits, params, gen)
