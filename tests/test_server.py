@@ -97,7 +97,11 @@ def test_metrics_are_histograms_of_fixed_size(server, client) -> None:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
     after = httpx.get(base + "/metrics").text.splitlines()
     assert len(after) == len(before)
-    for name in ("kvtier_time_to_first_token_seconds", "kvtier_request_seconds", "kvtier_cache_load_seconds"):
+    for name in (
+        "kvtier_time_to_first_token_seconds",
+        "kvtier_e2e_request_latency_seconds",
+        "kvtier_cache_load_seconds",
+    ):
         assert f"# TYPE {name} histogram" in after
         buckets = [line for line in after if line.startswith(name + "_bucket{")]
         counts = [float(line.rsplit(" ", 1)[1]) for line in buckets]
@@ -105,7 +109,7 @@ def test_metrics_are_histograms_of_fixed_size(server, client) -> None:
         assert counts == sorted(counts)  # cumulative
         assert counts[-1] == metric(base, name + "_count")
     assert (
-        metric(base, "kvtier_request_seconds_count")
+        metric(base, "kvtier_e2e_request_latency_seconds_count")
         >= metric(base, "kvtier_time_to_first_token_seconds_count")
         >= 4
     )
