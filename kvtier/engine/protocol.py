@@ -79,6 +79,7 @@ def unfinished_error(result: RequestResult, params: SamplingParams) -> APIError 
 
 
 def too_large(limit: int) -> APIError:
+    """The answer to a body over `limit` bytes."""
     return APIError(
         413, f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large"
     )
@@ -128,6 +129,8 @@ def _is_message(m: Any) -> bool:
 
 
 def sampling(body: dict, timeout_s: float) -> SamplingParams:
+    """The body's sampling fields, each range checked with its `param`; `timeout_s` is the server's."""
+
     def number(name: str, default, kind=float):
         v = body.get(name, default)
         if v is None:
