@@ -103,3 +103,18 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server) -> None
     assert worker.cancelled == cancelled + 1
     assert engine.stats.finished.get("cancelled", 0) >= 1
     assert_nothing_held(engine)
+
+
+def test_streamed_text_deltas_add_up_to_the_whole_answer(server) -> None:
+    """`TextStream` decodes a window per token; its deltas and the rest equal the whole decode."""
+    from kvtier.engine.protocol import TextStream
+
+    tokenizer = server[3]
+    gen = __import__("random").Random(3)
+    for _ in range(20):
+        tokens = [gen.randrange(len(tokenizer)) for _ in range(gen.randrange(1, 60))]
+        decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+        stream = TextStream(decode)
+        text = "".join(stream.push(t) for t in tokens)
+        whole = decode(tokens)
+        assert text + stream.rest(whole) == whole

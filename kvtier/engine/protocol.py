@@ -11,6 +11,7 @@ answered with.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,3 +166,33 @@ def sampling(body: dict, timeout_s: float) -> SamplingParams:
         seed=seed,
         timeout_s=timeout_s,
     )
+
+
+class TextStream:
+    """The text deltas of a growing answer, decoding a few tokens per token (not the whole answer).
+
+    Each delta is the text a new token adds after the tokens before it, decoded over a
+    short window (so a tokenizer that drops a leading space at the start of a decode still
+    gives the space); a token that ends inside a multi-byte character waits for the next.
+    `rest(text)`: what of the whole answer's text was not sent yet.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.prefix = self.read = 0
+        self.sent = ""
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self.prefix : self.read])
+        text = self.decode(self.tokens[self.prefix :])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        delta = text[len(before) :]
+        self.sent += delta
+        return delta
+
+    def rest(self, text: str) -> str:
+        return text[len(self.sent) :] if text.startswith(self.sent) else ""

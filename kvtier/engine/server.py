@@ -280,20 +280,18 @@ class Routes:
 
         A request that fails or times out ends with an error event, then `[DONE]`.
         """
-        tokens: list[int] = []
-        sent = ""
+        text = api.TextStream(self.engine.decode)
         try:
             if reply.chat:
                 yield reply.chunk({"delta": {"role": "assistant", "content": ""}})
             kind, value = await job.events.get()
             while kind == "token":
-                tokens.append(value)
-                text = self.engine.decode(tokens)
-                delta, sent = text[len(sent) :], text
-                if delta:
+                if delta := text.push(value):
                     yield reply.chunk({"delta": {"content": delta}} if reply.chat else {"text": delta})
                 kind, value = await job.events.get()
             if kind == "done":
+                if delta := text.rest(value.text):
+                    yield reply.chunk({"delta": {"content": delta}} if reply.chat else {"text": delta})
                 self.metrics.observe(value)
                 error = api.unfinished_error(value, job.params)
             elif kind == "error":
