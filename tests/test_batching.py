@@ -1,7 +1,8 @@
-"""Continuous batching: many requests in one forward give the tokens each gives alone, and `generate`'s.
+"""Continuous batching: many requests in one forward give the tokens each gives alone, and the model's.
 
-Tiny random GQA and MLA models in fp32; every batched run is compared with plain
-`model.generate` (no cache) and with the same request run alone through the engine.
+Tiny random GQA and MLA models in fp32; every batched run is compared with plain greedy
+forwards of the model (no cache) and with the same request run alone through the engine;
+`test_engine.py` compares the engine with `model.generate`.
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ _refs: dict[tuple, list[int]] = {}
 
 
 def reference(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of plain `model.generate` (memoised per model and prompt)."""
+    """Greedy tokens of plain forwards over the whole sequence, no cache, EOS not special (memoised).
+
+    (Not `generate(min_new_tokens=n)`: that masks EOS, where the engine's `ignore_eos`
+    keeps an EOS the model picks and goes on.)
+    """
     key = (id(model), tuple(prompt), n)
     if key not in _refs:
+        seq = list(prompt)
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-        _refs[key] = out[0, len(prompt) :].tolist()
+            for _ in range(n):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        _refs[key] = seq[len(prompt) :]
     return _refs[key]
 
 
@@ -90,6 +97,9 @@ def test_mixed_lengths_shared_prefixes_and_late_joins_give_generates_tokens(mode
         res = by_prompt[tuple(p)]
         assert res.tokens == reference(model, p, n), (len(p), res.tokens)
         assert res.finish_reason == "length"
+        with torch.no_grad():  # `generate` stops at EOS, where `ignore_eos` goes on
+            gen = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
+        assert res.tokens[: len(gen)] == gen
     assert not eng.busy
     assert_nothing_held(eng)
 
