@@ -237,3 +237,43 @@ def test_batching_sizes_are_checked() -> None:
         batching.BatchingBench(parts=("warp",))
     bench = batching.BatchingBench(requests=2, prompt_tokens=10, output_tokens=5, running=(3,), steps=4)
     assert bench.max_num_seqs() == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["multiturn", "--configs", "kvtier,lmcache"], "invalid choice(s) lmcache"),
+        (["multiturn", "--request-rate", "0"], "expected a positive number, got '0'"),
+        (["multiturn", "--request-rate", "inf"], "expected a non-negative number"),
+        (["multiturn", "--clients", "0"], "expected a positive integer, got 0"),
+        (["multiturn", "--context-tokens", "-1"], "expected a non-negative integer"),
+        (["multiturn", "--shape", "llama-70b"], "invalid choice: 'llama-70b'"),
+        (["multiturn", "--shape", "tiny", "--model", "x"], "not allowed with argument --shape"),
+        (["multiturn", "--dtype", "int8"], "invalid choice: 'int8'"),
+        (["batching", "--running", "1,0"], "expected a positive integer, got 0"),
+        (["batching", "--parts", "decode,prefill"], "invalid choice(s) prefill"),
+        (["batching", "--steps", "0"], "expected a positive integer"),
+    ],
+)
+def test_a_bad_flag_is_refused_by_the_parser(argv: list[str], says: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", *argv])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: argument" in last and says in last
+
+
+def test_the_flags_default_to_a_closed_loop_over_all_three_configurations() -> None:
+    p = cli.build_parser()
+    m = p.parse_args(["bench", "multiturn"])
+    assert (m.configs, m.request_rate, m.shape, m.model, m.dtype, m.plot, m.from_json) == (
+        multiturn.CONFIGS,
+        None,
+        None,
+        None,
+        "auto",
+        None,
+        None,
+    )
+    b = p.parse_args(["bench", "batching"])
+    assert (b.concurrent, b.running, b.parts, b.device_tokens) == (6, (1, 8, 32, 64), batching.PARTS, None)
