@@ -214,6 +214,7 @@ def run_config(
         records, duration = drive(eng, workload, vocab, progress, config)
         cache = {k: getattr(eng.cache.metrics, k) - getattr(before, k) for k in CACHE_COUNTERS}
         preemptions = eng.stats.preemptions - preempted
+        log.info("%s: %d requests in %.2f s, %d preemptions", config, len(records), duration, preemptions)
     finally:
         close(eng)
     return summarize(config, records, duration, workload.rounds, preemptions, cache)
