@@ -36,7 +36,7 @@ _MODULES = {
     "kvtier.storage.backend": "StorageBackend open_backend",
     "kvtier.storage.keys": "Fingerprint PageKeys",
     "kvtier.storage.values": "PageCodec",
-    "kvtier.engine": "Engine KVTierCache RequestResult SamplingParams spec_from_hf_config",
+    "kvtier.engine": "Engine RequestResult SamplingParams Update spec_from_hf_config",
     "kvtier.engine.models": "load_model",
 }
 # Public name -> the module that defines it.

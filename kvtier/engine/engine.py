@@ -1,18 +1,27 @@
-"""The request loop: prompt -> cache match -> load back -> prefill of the suffix -> decode -> insert.
+"""The engine: many requests at once over a transformers causal LM and kvtier's tiered cache.
 
-`Engine` runs one request at a time over a transformers causal LM and a
-`CacheController`: it matches the prompt against the cache, locks the match, loads back
-what is only on the host (each layer of the forward waits for its own layer of the
-load), prefills only the uncached suffix in chunks of `prefill_chunk` tokens, decodes,
-inserts the sequence whose KV was computed and releases its lock. A request that fails
-leaves the cache consistent (its slots go back, its lease is released); one that cannot
-fit the model's context or the device pool is refused with `PromptTooLongError` before
-the cache is touched. Per-request state lives in a `_Request`, so batching stays possible.
+`submit(prompt, params)` queues a request (refused at once, before the cache is touched,
+with `PromptTooLongError` when it cannot fit the model's context or the whole device
+pool even alone); `step()` runs one forward over every running request (the
+`Scheduler` picks the decodes, the prefill pieces and the requests it admits, under
+`max_num_batched_tokens` and `max_num_seqs`) and returns an `Update` per request that
+got a token or finished; `cancel(req)` finishes one now. `generate` / `stream` drive
+the engine themselves for one request.
+
+Each forward is one packed sequence through the model with `StepBatch` as its cache:
+every layer waits for its own layer of the requests' pending loads, writes the new rows
+to their device slots and attends each request to its context where it lives in the
+device pool (`kvtier.engine.batch`). A finished request's whole computed pages are
+inserted into the cache, its other slots freed and its lease released, whatever ended
+it (length, EOS or a stop string, cancellation, timeout, a failed step).
 
 Storage (`storage=URL` or a `StorageConfig`): a third tier below the host, keyed by the
 model's identity (`model_name`, else the config's name or path) and its config, so a
 restarted engine or another process over the same store finds the prefixes computed
 before (see `kvtier.cache.storage_tier`).
+
+Threads: an engine is driven from one thread at a time (the server's worker); its
+counters (`num_running`, `num_waiting`, `stats`) may be read from any.
 
 Lifetime: the engine owns its cache, both pools and the storage tier; `close()` (or leaving
 a `with` block) drains the cache's transfers, finishes pending storage writes and releases
@@ -21,62 +30,40 @@ the pools' memory at once. The model is the caller's.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 import logging
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvtier.cache import CacheConfig, CacheController, token_ids
 from kvtier.cache.storage_mover import open_storage
+from kvtier.engine.batch import Piece, StepBatch, kvtier_attention
 from kvtier.engine.hf import (
-    KVTierCache,
     model_config_identity,
     model_identity,
     spec_from_hf_config,
     text_config,
 )
+from kvtier.engine.sampling import SamplingParams, pick
+from kvtier.engine.scheduler import Request, Scheduler
 from kvtier.errors import ClosedError, ConfigError, PromptTooLongError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.memory import Owner
 from kvtier.storage.config import StorageConfig
 from kvtier.storage.keys import Fingerprint
 
-if TYPE_CHECKING:
-    from kvtier.cache import Lease, LoadHandle, Match
-
 log = logging.getLogger(__name__)
 
 # Tokens per page when a storage tier is on and no page size is given.
 STORAGE_PAGE_SIZE = 64
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens: greedy when `temperature == 0`."""
-
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    timeout_s: float | None = None  # from `submit`; a request past it ends with finish_reason "timeout"
-    ignore_eos: bool = False  # generate `max_tokens` whatever the model says (benchmarks)
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(
-                f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
-            )
 
 
 @dataclass
@@ -124,37 +111,26 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)  # requests finished, by finish reason
 
 
-@dataclass(eq=False)
-class _Request:
-    """One request's state between its start and its `_finish` (the engine keeps none)."""
+@dataclass(frozen=True)
+class Update:
+    """What one step did for one request: a new token, and its result once it finished.
 
-    ids: np.ndarray  # `[P]` int64 prompt ids, as the cache matches them
-    prompt: list[int]
-    params: SamplingParams
-    t0: float
-    match: Match
-    lease: Lease
-    load: LoadHandle | None = None
-    prefix: torch.Tensor | None = None  # `[n_prefix]` int64 device slots of the cached prefix
-    reload_s: float | None = None
-    new_slots: torch.Tensor | None = None  # `[N]` int64 device slots for the tokens computed
-    kv: KVTierCache | None = None
-    tokens: list[int] = field(default_factory=list)
-    ttft_s: float = 0.0
-    first_logits: torch.Tensor | None = None
+    `error`: the step failed for this request (it is finished; `result` is None).
+    """
 
-    def add(self, token: int, logits: torch.Tensor) -> None:
-        if not self.tokens:
-            self.first_logits = logits
-            self.ttft_s = time.perf_counter() - self.t0
-        self.tokens.append(token)
+    request: Request
+    token: int | None = None
+    result: RequestResult | None = None
+    error: BaseException | None = None
 
 
 class Engine(Owner):
     """Serve `model` (a transformers causal LM) through kvtier's tiered cache.
 
     `device_tokens` / `host_tokens`: KV pool sizes of the two tiers (multiples of the page
-    size); `prefill_chunk`: the longest piece of a prompt one forward pass computes.
+    size). `max_num_batched_tokens`: tokens one step computes at most (prompt pieces and
+    decode tokens together); `max_num_seqs`: requests running at once; `prefix_cache`:
+    match and insert prefixes (off: every request computes its whole prompt).
     `page_size`: tokens per page of every tier (the cache matches and keeps whole pages);
     by default 1, or `STORAGE_PAGE_SIZE` with a storage tier, whose values are one page
     each (a one-token value is far too small to read at the store's rate: bench/FINDINGS.md).
@@ -194,10 +170,7 @@ class Engine(Owner):
             )
         self.page_size = ps
         self.stats = EngineStats()
-        self._running = 0
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.prefix_cache = prefix_cache
+        self._ids = itertools.count(1)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -221,16 +194,22 @@ class Engine(Owner):
                 undo.callback(self.storage.close)
             self.cache = CacheController(self.device_pool, self.host_pool, config, storage=self.storage)
             undo.pop_all()
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache)
 
     @property
     def num_running(self) -> int:
         """Requests holding device slots now (prefilling or decoding)."""
-        return self._running
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
         """Requests submitted and not yet admitted (or preempted and waiting to resume)."""
-        return 0
+        return len(self.scheduler.waiting)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is running or waiting."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
 
     def summary(self) -> dict[str, Any]:
         """What the engine runs: model, dtype, both pools in tokens and bytes, KV bytes per token."""
@@ -245,8 +224,8 @@ class Engine(Owner):
             "host_pool_tokens": self.host_pool.num_slots,
             "host_pool_bytes": self.host_pool.num_slots * per_token,
             "page_size": self.page_size,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
         }
 
     def close(self) -> None:
@@ -277,7 +256,7 @@ class Engine(Owner):
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True) if self.tokenizer else ""
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestResult:
-        """Run one request on prompt token ids to the end; see the module docstring."""
+        """Run one request on prompt token ids to the end; see `stream`."""
         stream = self.stream(prompt, params)
         while True:
             try:
@@ -288,54 +267,159 @@ class Engine(Owner):
     def stream(
         self, prompt: Sequence[int], params: SamplingParams | None = None
     ) -> Generator[int, None, RequestResult]:
-        """Run one request, yielding each new token; returns its `RequestResult`.
+        """Submit one request and step the engine until it finishes, yielding its tokens.
 
-        Closing the generator early stops decoding: what was computed is inserted, every
-        other slot freed and the lease released.
+        Steps run every request submitted, but only this one's tokens are yielded: drive a
+        shared engine through `submit` / `step` instead. Closing the generator early
+        cancels the request (computed pages inserted, slots freed, lease released).
+        """
+        req = self.submit(prompt, params)
+        try:
+            while True:
+                for u in self.step():
+                    if u.request is not req:
+                        continue
+                    if u.error is not None:
+                        raise u.error
+                    if u.token is not None:
+                        yield u.token
+                    if u.result is not None:
+                        return u.result
+        finally:
+            if not req.finished:
+                self.cancel(req)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None) -> Request:
+        """Queue a request on prompt token ids; refused at once (nothing changed) if it cannot fit.
+
+        `ConfigError` for an empty prompt, `PromptTooLongError` when prompt + `max_tokens`
+        exceed the model's context or the whole device pool, `ClosedError` after `close`.
         """
         if self._closed:
             raise ClosedError(f"engine for {self.spec.name} was closed")
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt, params)
-        log.debug("request: %d prompt tokens, up to %d new", len(ids), params.max_tokens)
+        req = Request(next(self._ids), ids, params, time.perf_counter(), params.generator(self.device))
+        self.scheduler.waiting.append(req)
+        self.stats.prompt_tokens += len(ids)
+        log.debug("request %d: %d prompt tokens, up to %d new", req.id, len(ids), params.max_tokens)
+        return req
+
+    def cancel(self, req: Request) -> RequestResult:
+        """Finish `req` now (computed pages inserted, slots freed, lease released); idempotent."""
+        if not req.finished:
+            self._end(req, "cancelled")
+        return self._result(req)
+
+    def step(self) -> list[Update]:
+        """One forward over the running requests (admitting waiting ones first); what each got.
+
+        Requests past their `timeout_s` finish first ("timeout"). A forward that fails
+        finishes every request in it with the error (`Update.error`); the engine goes on.
+        """
+        if self._closed:
+            raise ClosedError(f"engine for {self.spec.name} was closed")
+        updates = self._expire()
         with torch.inference_mode():
-            req = self._start(ids, params)
+            plan = self.scheduler.schedule()
+            if not plan:
+                return updates
             try:
-                self._load_prefix(req)
-                n_prefix = req.prefix.numel()
-                req.new_slots = self.cache.alloc_device(
-                    self._pages(len(req.prompt) - n_prefix + params.max_tokens)
-                )
-                load = None if req.load.recompute else req.load
-                req.kv = KVTierCache(self.spec, self.device_pool, req.prefix, req.new_slots, load)
-                for token, logits in self._decode(req.prompt, n_prefix, req.kv, params):
-                    req.add(token, logits)
-                    yield token
-            finally:
-                self._finish(req)
-        result = self._result(req)
-        log.debug(
-            "request done: %d tokens, hit %s (%d on the device, %d from the host), TTFT %.1f ms",
-            len(result.tokens),
-            result.hit,
-            result.device_hit_tokens,
-            result.host_hit_tokens,
-            result.ttft_s * 1e3,
-        )
-        return result
+                logits = self._forward(plan)
+            except Exception as e:
+                log.exception("a step over %d requests failed", len(plan))
+                for req, _ in plan:
+                    self._end(req, "error")
+                    updates.append(Update(req, error=e))
+                return updates
+            return updates + self._advance(plan, logits)
+
+    # -- a step ------------------------------------------------------------------------
+
+    def _expire(self) -> list[Update]:
+        now = time.perf_counter()
+        late = [
+            r
+            for r in [*self.scheduler.running, *self.scheduler.waiting]
+            if r.deadline is not None and now > r.deadline
+        ]
+        for req in late:
+            self._end(req, "timeout")
+        return [Update(req, result=self._result(req)) for req in late]
+
+    def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
+        """`[R, V]` logits of each piece's last token after one forward over the whole plan."""
+        pieces, ids = [], []
+        for req, n in plan:
+            lo = req.computed
+            pieces.append(Piece(torch.from_numpy(req.table[: lo + n]), n, req.load))
+            ids.append(req.context(lo + n)[lo:])
+        batch = StepBatch(self.spec, self.device_pool, pieces)
+        input_ids = torch.from_numpy(np.concatenate(ids)).to(self.device).unsqueeze(0)
+        pos = batch.positions
+        kw = {self._cache_kw: batch}
+        with kvtier_attention(self.model.config), batch.active():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=pos.unsqueeze(0),
+                cache_position=pos,
+                use_cache=True,
+                logits_to_keep=batch.last,
+                **kw,
+            )
+        return out.logits[0]
+
+    def _advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> list[Update]:
+        """Record what the step computed; sample the requests whose context is complete."""
+        sched, updates = self.scheduler, []
+        greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request of the step
+        now = time.perf_counter()
+        for i, (req, n) in enumerate(plan):
+            if not sched.computed(req, n):
+                continue
+            p = req.params
+            token = greedy[i] if p.temperature == 0 else pick(logits[i], p, req.generator)
+            if not req.tokens:
+                req.first_logits = logits[i].float().cpu()
+            if n > 1 or not req.tokens:
+                sched.publish(req)  # its prompt's pages, for requests arriving meanwhile
+            req.tokens.append(token)
+            req.token_times.append(now)
+            self.stats.generation_tokens += 1
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._end(req, reason)
+            updates.append(Update(req, token, self._result(req) if reason is not None else None))
+        return updates
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if len(req.tokens) >= p.max_tokens:
+            return "length"
+        if (not p.ignore_eos and token in self._eos) or self._stopped(req.tokens, p):
+            return "stop"
+        return None
+
+    def _end(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        self.stats.preemptions = self.scheduler.preemptions
+
+    # -- requests ----------------------------------------------------------------------
 
     def _prompt_ids(self, prompt: Sequence[int], params: SamplingParams) -> np.ndarray:
         """`[P]` int64 ids of a prompt that fits; `ConfigError` / `PromptTooLongError` otherwise."""
-        ids = token_ids(prompt)  # the cache matches and inserts arrays; decoding uses the list
+        ids = token_ids(prompt, copy=True)  # the cache matches and inserts arrays
         if not len(ids):
             raise ConfigError("a prompt needs at least one token, got an empty one")
+        ids = ids.astype(np.int64, copy=False)
         need = len(ids) + params.max_tokens
         if self.max_context and need > self.max_context:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens + {params.max_tokens} to generate exceeds the model's "
                 f"context of {self.max_context}"
             )
-        need = self._pages(need)
+        need = self.scheduler.pages(need)
         if need > self.device_pool.num_slots:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens + {params.max_tokens} to generate needs {need} device "
@@ -343,118 +427,36 @@ class Engine(Owner):
             )
         return ids
 
-    def _pages(self, tokens: int) -> int:
-        """`tokens` rounded up to whole pages."""
-        return -(-tokens // self.page_size) * self.page_size
-
-    def _start(self, ids: np.ndarray, params: SamplingParams) -> _Request:
-        """Match the prompt and lock the match (released by `_finish`)."""
-        t0 = time.perf_counter()
-        # The last prompt token is always computed: its logits pick the first new token.
-        match = self.cache.match(ids[:-1])
-        lease = self.cache.acquire(match)
-        return _Request(ids, ids.tolist(), params, t0, match, lease, prefix=match.device_slots)
-
-    def _load_prefix(self, req: _Request) -> None:
-        """Load back what of the match is only on the host; the prefix is then resident plus loaded."""
-        req.load = load = self.cache.load_back(req.match)
-        if not load.recompute:
-            req.prefix = torch.cat([req.prefix, load.device_slots])
-        if load.tokens and not load.recompute and self.device.type != "cuda":
-            # On the CPU the copies run on the host anyway: time them on their own.
-            t_load = time.perf_counter()
-            load.wait()
-            req.reload_s = time.perf_counter() - t_load
-
-    def _finish(self, req: _Request) -> None:
-        """Insert the tokens whose KV is in place, free the other slots, release the lease."""
-        cache = self.cache
-        try:
-            if req.new_slots is not None:
-                written = req.kv.written if req.kv is not None else 0
-                kept = (req.prefix.numel() + written) // self.page_size * self.page_size - req.prefix.numel()
-                if kept > 0:  # the whole pages computed; a page's tail is recomputed when next needed
-                    n = req.prefix.numel() + kept
-                    seq = np.concatenate([req.ids, np.asarray(req.tokens, dtype=np.int64)])
-                    cache.insert(seq[:n], torch.cat([req.prefix, req.new_slots[:kept]]))
-                cache.free_device(req.new_slots[max(kept, 0) :])
-        finally:
-            cache.release(req.lease)
-
-    def _result(self, req: _Request) -> RequestResult:
-        load = req.load
-        loaded = 0 if load.recompute else load.tokens
+    def _result(self, req: Request) -> RequestResult:
+        m = req.match
+        end = req.token_times[-1] if req.finished and req.token_times else time.perf_counter()
         return RequestResult(
             prompt_tokens=len(req.prompt),
-            tokens=req.tokens,
+            tokens=list(req.tokens),
             text=self.decode(req.tokens),
-            ttft_s=req.ttft_s,
-            total_s=time.perf_counter() - req.t0,
-            device_hit_tokens=req.match.device_tokens,
-            host_hit_tokens=req.match.host_tokens,
-            loaded_tokens=loaded,
-            storage_hit_tokens=req.match.storage_tokens_used,
-            loaded_bytes=loaded * self.spec.bytes_per_token(),
-            load_s=load.submit_s,
+            ttft_s=req.token_times[0] - req.t0 if req.token_times else 0.0,
+            total_s=end - req.t0,
+            device_hit_tokens=m.device_tokens if m is not None else 0,
+            host_hit_tokens=m.host_tokens if m is not None else 0,
+            loaded_tokens=req.load_tokens,
+            storage_hit_tokens=m.storage_tokens_used if m is not None else 0,
+            loaded_bytes=req.load_tokens * self.spec.bytes_per_token(),
+            load_s=req.load_s,
             reload_s=req.reload_s,
             first_logits=req.first_logits,
+            finish_reason=req.finish_reason or "running",
+            preemptions=req.preemptions,
+            token_times=list(req.token_times),
         )
 
-    def _decode(
-        self, prompt: list[int], n_prefix: int, kv: KVTierCache, params: SamplingParams
-    ) -> Iterator[tuple[int, torch.Tensor]]:
-        """`(token, logits)` for each new token: the suffix prefill, then one forward per token."""
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator(device=self.device)
-            if params.seed is not None:
-                gen.manual_seed(params.seed)
-        # The uncached suffix in chunks, so attention over a long prompt never builds a
-        # prompt-by-prompt mask; only the last chunk's logits are needed.
-        for lo in range(n_prefix, len(prompt), self.max_num_batched_tokens):
-            hi = min(lo + self.max_num_batched_tokens, len(prompt))
-            ids = torch.tensor([prompt[lo:hi]], device=self.device)
-            logits = self._forward(ids, torch.arange(lo, hi, device=self.device), kv)
-        token = self._pick(logits, params, gen)
-        yield token, logits.float().cpu()
-        tokens = [token]
-        eos = self._eos()
-        length = len(prompt)
-        while len(tokens) < params.max_tokens and token not in eos and not self._stopped(tokens, params):
-            ids = torch.tensor([[token]], device=self.device)
-            pos = torch.tensor([length], device=self.device)
-            logits = self._forward(ids, pos, kv)
-            length += 1
-            token = self._pick(logits, params, gen)
-            tokens.append(token)
-            yield token, logits
-
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVTierCache) -> torch.Tensor:
-        kw = {self._cache_kw: kv}
-        out = self.model(
-            input_ids=ids, position_ids=pos.unsqueeze(0), cache_position=pos, use_cache=True, **kw
-        )
-        return out.logits[0, -1]
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-        if params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-        if params.top_p < 1:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-
-    def _eos(self) -> set[int]:
+    @functools.cached_property
+    def _eos(self) -> frozenset[int]:
         ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.eos_token_id
         if ids is None:
-            return set()
-        return {int(i) for i in (ids if isinstance(ids, list | tuple) else [ids])}
+            return frozenset()
+        return frozenset(int(i) for i in (ids if isinstance(ids, list | tuple) else [ids]))
 
     def _stopped(self, tokens: list[int], params: SamplingParams) -> bool:
         if not params.stop or self.tokenizer is None:

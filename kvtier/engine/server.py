@@ -1,10 +1,11 @@
 """`kvtier serve`: an OpenAI-compatible HTTP API over the engine and its tiered cache.
 
-One worker thread owns the model and runs requests one at a time, in arrival order; when
-none is waiting it settles the cache, so write-through pages reach storage while the
-server idles (another server sharing the store finds them). A streaming client that
-disconnects is noticed at its next token: the request is closed, which inserts what was
-computed and releases its locks. Routes: `POST /v1/chat/completions`
+One worker thread owns the engine and steps it while any request is in it (continuous
+batching: new requests join at the next step); when none is left it settles the cache,
+so write-through pages reach storage while the server idles (another server sharing the
+store finds them). A client that disconnects (streaming or not) has its request
+cancelled before the next step, which inserts what was computed, frees its slots and
+releases its locks. Routes: `POST /v1/chat/completions`
 and `/v1/completions` (both with `stream`), `GET /v1/models`, `/health` and `/metrics`
 (Prometheus text with fixed-bucket histograms: a scrape costs the same however long the
 server has run; the storage tier's families only where the engine has one). Errors come
@@ -41,12 +42,15 @@ from kvtier.cache.storage_mover import HostStorageMover
 from kvtier.engine.engine import Engine, RequestResult, SamplingParams
 from kvtier.engine.models import DEFAULT_MODEL
 from kvtier.engine.prometheus import Stats, exposition
+from kvtier.engine.scheduler import Request as EngineRequest
 from kvtier.errors import APIError, ConfigError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
 # How long the worker waits for another request before it settles the cache's transfers.
 IDLE_S = 0.05
+# How often a non-streamed request checks that its client is still there.
+DISCONNECT_POLL_S = 0.2
 
 
 @dataclass(eq=False)
@@ -64,12 +68,20 @@ class Job:
 
 
 class Worker:
-    """The thread that owns the engine: runs jobs one at a time, in arrival order."""
+    """The thread that owns the engine: submits jobs as they come and steps while any is in it.
+
+    Between steps it takes every job queued (a job whose client has gone is dropped
+    before it is submitted), cancels the requests whose clients went away (their slots
+    are freed and what was computed inserted at once) and routes each step's tokens and
+    results to their jobs. A job the engine refuses, or a step that fails, answers its
+    jobs with the error; the worker keeps serving.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.cancelled = 0  # requests stopped because their client went away
         self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self._active: dict[EngineRequest, Job] = {}
         self.thread = threading.Thread(target=self._run, name="kvtier-worker", daemon=True)
         self.thread.start()
 
@@ -78,7 +90,8 @@ class Worker:
         self.thread.join(timeout=30)
 
     def _next(self) -> Job | None:
-        """The next job; once none has come for `IDLE_S`, the cache is settled before waiting on.
+        """The next job when the engine is idle; once none has come for `IDLE_S`, the cache is
+        settled before waiting on.
 
         Settling runs the backups of the requests answered (on the CPU nothing runs them
         otherwise), which starts their write-through storage writes: another server sharing
@@ -96,29 +109,72 @@ class Worker:
         return self.jobs.get()
 
     def _run(self) -> None:
-        while (job := self._next()) is not None:
+        running = True
+        while running:
+            if not self.engine.busy:
+                job = self._next()
+                if job is None:
+                    break
+                self._submit(job)
+            while True:  # every job queued meanwhile joins the next step
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    running = False
+                    break
+                self._submit(job)
+            self._cancel_gone()
+            if running and self.engine.busy:
+                self._step()
+        for req, job in list(self._active.items()):  # stopping: what runs is cancelled
+            self.engine.cancel(req)
+            job.emit("cancelled", None)
+        self._active.clear()
+
+    def _submit(self, job: Job) -> None:
+        if job.cancel.is_set():
+            return
+        try:
+            self._active[self.engine.submit(job.prompt, job.params)] = job
+        except (PromptTooLongError, ConfigError) as e:  # refused: the client's to fix
+            log.info("request refused: %s", e)
+            job.emit("error", e)
+        except Exception as e:
+            log.exception("submitting a request failed")
+            job.emit("error", e)
+
+    def _cancel_gone(self) -> None:
+        for req, job in list(self._active.items()):
             if job.cancel.is_set():
+                self.engine.cancel(req)  # inserts what was computed, frees the rest, releases the lease
+                del self._active[req]
+                self.cancelled += 1
+                job.emit("cancelled", None)
+
+    def _step(self) -> None:
+        try:
+            updates = self.engine.step()
+        except Exception as e:  # the engine could not step at all: fail what it runs
+            log.exception("an engine step failed")
+            for req, job in list(self._active.items()):
+                self.engine.cancel(req)
+                job.emit("error", e)
+            self._active.clear()
+            return
+        for u in updates:
+            job = self._active.get(u.request)
+            if job is None:
                 continue
-            try:
-                stream = self.engine.stream(job.prompt, job.params)
-                while True:
-                    if job.cancel.is_set():
-                        stream.close()  # inserts what was computed, frees the rest, releases the lease
-                        self.cancelled += 1
-                        job.emit("cancelled", None)
-                        break
-                    try:
-                        token = next(stream)
-                    except StopIteration as done:
-                        job.emit("done", done.value)
-                        break
-                    job.emit("token", token)
-            except (PromptTooLongError, ConfigError) as e:  # refused: the client's to fix
-                log.info("request refused: %s", e)
-                job.emit("error", e)
-            except Exception as e:  # the request fails; the worker keeps serving
-                log.exception("request failed")
-                job.emit("error", e)
+            if u.token is not None:
+                job.emit("token", u.token)
+            if u.error is not None:
+                job.emit("error", u.error)
+            elif u.result is not None:
+                job.emit("done", u.result)
+            if u.error is not None or u.result is not None:
+                del self._active[u.request]
 
 
 class _Terminated(Exception):
@@ -222,7 +278,7 @@ class Routes:
                 400, "messages must be a non-empty list of {role, content} objects", param="messages"
             )
         prompt = self.engine.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
-        return await self._complete(body, prompt, chat=True)
+        return await self._complete(request, body, prompt, chat=True)
 
     async def completions(self, request: Request):
         body = await _json(request)
@@ -230,9 +286,9 @@ class Routes:
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
             raise APIError(400, "prompt must be a non-empty string", param="prompt")
-        return await self._complete(body, self.engine.tokenizer.encode(text), chat=False)
+        return await self._complete(request, body, self.engine.tokenizer.encode(text), chat=False)
 
-    async def _complete(self, body: dict, prompt: list[int], chat: bool):
+    async def _complete(self, request: Request, body: dict, prompt: list[int], chat: bool):
         params = _sampling(body)
         context = self.engine.max_context
         if context and len(prompt) + params.max_tokens > context:
@@ -249,7 +305,7 @@ class Routes:
         reply = _Reply(rid, int(time.time()), chat, self.model_name)
         if body.get("stream"):
             return StreamingResponse(self._sse(job, reply), media_type="text/event-stream")
-        result = await _drain(job)
+        result = await _drain(job, request)
         self.stats.record(result)
         return reply.whole(result, _finish_reason(result, params))
 
@@ -327,15 +383,26 @@ def _api_error(error: BaseException) -> APIError:
     return APIError(500, f"generation failed: {error}", type_="server_error")
 
 
-async def _drain(job: Job) -> RequestResult:
-    while True:
-        kind, value = await job.events.get()
-        if kind == "done":
-            return value
-        if kind == "error":
-            raise _api_error(value)
-        if kind == "cancelled":
-            raise APIError(499, "request cancelled", type_="cancelled")
+async def _drain(job: Job, request: Request) -> RequestResult:
+    """The result of a non-streamed job; a client that goes away meanwhile cancels it."""
+    watch = asyncio.create_task(_cancel_when_gone(job, request))
+    try:
+        while True:
+            kind, value = await job.events.get()
+            if kind == "done":
+                return value
+            if kind == "error":
+                raise _api_error(value)
+            if kind == "cancelled":
+                raise APIError(499, "request cancelled", type_="cancelled")
+    finally:
+        watch.cancel()
+
+
+async def _cancel_when_gone(job: Job, request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    job.cancel.set()
 
 
 async def _json(request: Request) -> dict:

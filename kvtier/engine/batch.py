@@ -1,0 +1,219 @@
+"""One step's forward over many requests, reading and writing KV where it lives in the device pool.
+
+A step packs the tokens of every scheduled request into one sequence (`[1, T]`): a
+decode request brings its one new token, a prefilling request a piece of its prompt.
+`StepBatch` is the transformers `Cache` of that forward: at layer i it waits for the
+layer's share of every request's pending load, writes each new token's rows to the
+request's device slots (`write_index`), and gathers every request's whole context
+(cached prefix, tokens computed before, this step's) from the pool (`read_index`), a
+transient per-layer buffer. No request keeps a copy of its KV outside the pool.
+
+`attend` (registered with transformers as the attention implementation `"kvtier"`) then
+attends each request to its own context only: the leading pieces with one new token
+(decodes) in one padded call, keys past a request's length masked; every other piece
+alone with its causal mask offset by the tokens before it. Outside a step (no active
+batch) it is transformers' own SDPA, so a model switched to it still runs on its own.
+
+The step's layout (`read_index`):
+    [decode 0: Lmax slots][decode 1: Lmax slots]...[piece k: L_k slots]...
+A decode shorter than `Lmax` is padded with its own first slot (masked out).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.errors import InvariantError
+from kvtier.pool import DevicePool
+from kvtier.spec import BufferKind, KVSpec
+
+try:
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, DynamicLayer
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError:  # pragma: no cover - the engine extra is not installed
+    AttentionInterface = None  # type: ignore[assignment,misc]
+    Cache = object  # type: ignore[assignment,misc]
+    DynamicLayer = object  # type: ignore[assignment,misc]
+
+ATTENTION = "kvtier"
+
+_active: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("kvtier_step", default=None)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One request's part of a step.
+
+    `slots`: `[L]` int64 CPU, the device slots of the request's context in order, this
+    step's `new` tokens last. `load`: a load handle whose `wait_layer(i)` must pass
+    before layer i reads the context, or None.
+    """
+
+    slots: torch.Tensor
+    new: int
+    load: Any | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.numel())
+
+
+class _StepLayer(DynamicLayer):
+    """One layer of a `StepBatch`: `update` writes the new rows and returns the gathered contexts."""
+
+    def __init__(self, owner: StepBatch, layer: int) -> None:
+        super().__init__()
+        self.owner, self.layer = owner, layer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.owner.update_layer(self.layer, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+class StepBatch(Cache):
+    """The `Cache` of one step over `pieces` (decodes first: see the module docstring)."""
+
+    def __init__(self, spec: KVSpec, pool: DevicePool, pieces: Sequence[Piece]) -> None:
+        if not pieces:
+            raise InvariantError("a step needs at least one piece")
+        super().__init__(layers=[_StepLayer(self, i) for i in range(spec.num_layers)])
+        self.spec, self.pool, self.pieces = spec, pool, list(pieces)
+        self._mla = spec.buffers[0].kind is BufferKind.MLA_LATENT
+        dev = pool.device
+        self.decodes = next((i for i, p in enumerate(self.pieces) if p.new != 1), len(self.pieces))
+        lmax = max((p.length for p in self.pieces[: self.decodes]), default=0)
+        self.lmax = lmax
+        reads, writes, positions, last = [], [], [], []
+        mask = torch.zeros(self.decodes, lmax, dtype=torch.bool)
+        t = 0
+        for i, p in enumerate(self.pieces):
+            if p.new < 1 or p.new > p.length:
+                raise InvariantError(f"piece {i}: {p.new} new tokens of a context of {p.length}")
+            if i < self.decodes:
+                pad = p.slots[:1].expand(lmax - p.length)
+                reads.append(torch.cat([p.slots, pad]))
+                mask[i, : p.length] = True
+            else:
+                reads.append(p.slots)
+            writes.append(p.slots[p.length - p.new :])
+            positions.append(torch.arange(p.length - p.new, p.length))
+            t += p.new
+            last.append(t - 1)
+        self.tokens = t
+        self.read_index = torch.cat(reads).to(dev)
+        self.write_index = torch.cat(writes).to(dev)
+        self.positions = torch.cat(positions).to(dev)  # `[T]` int64
+        self.last = torch.tensor(last, device=dev)  # `[R]` int64: each piece's last token in the pack
+        self.decode_mask = mask.view(self.decodes, 1, 1, lmax).to(dev)
+        self._masks: dict[int, torch.Tensor] = {}
+        self._waited = -1
+
+    @contextmanager
+    def active(self) -> Iterator[StepBatch]:
+        """Make `attend` read this step's layout (for the current thread or task)."""
+        token = _active.set(self)
+        try:
+            yield self
+        finally:
+            _active.reset(token)
+
+    def update_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Write the step's rows of `layer` and return every context: `[1, H, N, D]` each (N = reads)."""
+        if layer > self._waited:
+            for p in self.pieces:
+                if p.load is not None:
+                    p.load.wait_layer(layer)
+            self._waited = layer
+        idx, dst = self.write_index, self.read_index
+        if self._mla:
+            kv = self.pool.layer("kv", layer)  # [S, rank + rope]
+            kv.index_copy_(0, idx, torch.cat([key_states[0, 0], value_states[0, 0]], dim=-1).to(kv.dtype))
+            rows = kv[dst]
+            rank = key_states.shape[-1]
+            k = rows[:, :rank].unsqueeze(0).unsqueeze(0)
+            v = rows[:, rank:].unsqueeze(0).unsqueeze(0)
+        else:
+            kp, vp = self.pool.layer("k", layer), self.pool.layer("v", layer)  # [S, H, D]
+            kp.index_copy_(0, idx, key_states[0].transpose(0, 1).to(kp.dtype))
+            vp.index_copy_(0, idx, value_states[0].transpose(0, 1).to(vp.dtype))
+            k = kp[dst].permute(1, 0, 2).unsqueeze(0)
+            v = vp[dst].permute(1, 0, 2).unsqueeze(0)
+        return k.to(key_states.dtype), v.to(value_states.dtype)
+
+    def causal_mask(self, i: int) -> torch.Tensor:
+        """`[new, L]` bool: piece i's new tokens see every earlier token and themselves."""
+        if i not in self._masks:
+            p = self.pieces[i]
+            q = torch.arange(p.length - p.new, p.length).unsqueeze(1)
+            self._masks[i] = (torch.arange(p.length).unsqueeze(0) <= q).to(self.pool.device)
+        return self._masks[i]
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None):
+        """`[1, T, Hq, Dv]`: each piece's queries over its own context; see the module docstring.
+
+        `query`: `[1, Hq, T, Dq]`; `key` / `value`: `[1, Hkv, N, D]` in `read_index` order.
+        """
+        hq, hkv = query.shape[1], key.shape[1]
+        group = hq // hkv
+        outs = []
+        b, lmax = self.decodes, self.lmax
+        if b:
+            # One token per request: its `group` query heads of a KV head act as `group`
+            # query rows over that head's keys (same mask row), so no KV head is repeated.
+            q = query[0, :, :b].view(hkv, group, b, -1).permute(2, 0, 1, 3)  # [B, Hkv, G, D]
+            k = key[0, :, : b * lmax].unflatten(1, (b, lmax)).transpose(0, 1)  # [B, Hkv, Lmax, D]
+            v = value[0, :, : b * lmax].unflatten(1, (b, lmax)).transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask, scale=scale)
+            outs.append(o.reshape(b, hq, -1))  # [B, Hq, Dv]: head h = kv head h // G, as transformers
+        t, n = b, b * lmax
+        for i in range(b, len(self.pieces)):
+            p = self.pieces[i]
+            q = query[:, :, t : t + p.new]
+            k, v = key[:, :, n : n + p.length], value[:, :, n : n + p.length]
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            if p.new == p.length:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal_mask(i), scale=scale)
+            outs.append(o[0].transpose(0, 1))  # [new, Hq, Dv]
+            t, n = t + p.new, n + p.length
+        return torch.cat(outs).unsqueeze(0), None
+
+
+def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs):
+    """The `"kvtier"` attention implementation: the active step's layout, else transformers' SDPA."""
+    step = _active.get()
+    if step is None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
+    return step.attend(query, key, value, kwargs.get("scaling"))
+
+
+if AttentionInterface is not None:
+    AttentionInterface.register(ATTENTION, attend)
+
+
+@contextmanager
+def kvtier_attention(config: Any) -> Iterator[None]:
+    """Switch a model's config (and its text part) to `"kvtier"` attention for a forward."""
+    configs = {id(config): config}
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    configs[id(text)] = text
+    before = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = ATTENTION
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = before[k]

@@ -1,0 +1,105 @@
+"""The server batches: concurrent clients share steps, and a client that leaves is dropped.
+
+The official `openai` client (async, 16 streams at once) and httpx, against the app in
+this process with the tiny random model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokenizers"):
+    pytest.importorskip(needed)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import uvicorn  # noqa: E402
+from redis_servers import free_port  # noqa: E402
+from served import MESSAGES, MODEL, tiny_model, tiny_tokenizer  # noqa: E402
+
+from kvtier.engine import Engine, SamplingParams  # noqa: E402
+from kvtier.engine.server import create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server():
+    tokenizer = tiny_tokenizer()
+    engine = Engine(tiny_model(tokenizer), tokenizer, device_tokens=2048, host_tokens=2048, max_num_seqs=16)
+    app = create_app(engine, MODEL)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{port}", engine, app, tokenizer
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def question(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"the quick brown fox number {i} jumps over the lazy dog"}]
+
+
+def assert_nothing_held(engine: Engine) -> None:
+    deadline = time.time() + 20
+    while engine.busy and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.busy
+    assert not engine.cache.active_leases() and len(engine.cache.held_slots()) == 0
+
+
+def test_sixteen_concurrent_streams_share_steps_and_match_their_solo_answers(server) -> None:
+    base, engine, _app, tokenizer = server
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=question(i), max_tokens=12, temperature=0, stream=True
+        )
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+        finally:
+            await client.close()
+
+    steps_before = engine.stats.generation_tokens
+    answers = asyncio.run(all_of_them())
+    assert all(finish in ("stop", "length") for _, finish in answers)
+    assert engine.stats.generation_tokens > steps_before
+    # Each answer is the one the same request gets alone (greedy).
+    solo_engine = Engine(tiny_model(tokenizer), tokenizer, device_tokens=512, host_tokens=512)
+    for i, (text, _) in enumerate(answers):
+        ids = solo_engine.encode_chat(question(i))
+        alone = solo_engine.generate(ids, SamplingParams(max_tokens=12))
+        assert text == alone.text, i
+    solo_engine.close()
+    assert_nothing_held(engine)
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server) -> None:
+    base, engine, app, _ = server
+    worker = app.state.worker
+    cancelled = worker.cancelled
+    # A long greedy answer that cannot end early: eos is never the argmax of this random model here.
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base + "/v1/chat/completions", json=body, timeout=0.05)  # gives up and disconnects
+    deadline = time.time() + 20
+    while worker.cancelled == cancelled and time.time() < deadline:
+        time.sleep(0.05)
+    assert worker.cancelled == cancelled + 1
+    assert engine.stats.finished.get("cancelled", 0) >= 1
+    assert_nothing_held(engine)
