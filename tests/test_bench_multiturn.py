@@ -184,13 +184,22 @@ def test_each_engine_is_closed_and_collected_before_the_next(tiny, monkeypatch) 
     monkeypatch.setattr(multiturn, "Engine", Recording)
     w = multiturn.Workload(2, 2, question_tokens=16, output_tokens=2)
     setup = multiturn.EngineSetup(device_tokens=128, host_tokens=512)
+    saved: list[list[str]] = []
     gc.collect()
     gc.disable()
     try:
-        configs = multiturn.run(tiny, None, multiturn.CONFIGS, setup, w)
+        configs = multiturn.run(
+            tiny,
+            None,
+            multiturn.CONFIGS,
+            setup,
+            w,
+            on_config=lambda done: saved.append([c["config"] for c in done]),
+        )
     finally:
         gc.enable()
     assert [c["config"] for c in configs] == list(multiturn.CONFIGS)
+    assert saved == [list(multiturn.CONFIGS[:k]) for k in (1, 2, 3)]  # what a run cut short keeps
     assert alive_at_build == [0, 0, 0] and len(live) == 0
     assert host_tokens == [512, 1, 1]
 

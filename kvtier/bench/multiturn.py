@@ -227,14 +227,19 @@ def run(
     setup: EngineSetup,
     workload: Workload,
     progress: Callable[[str], None] = quiet,
+    on_config: Callable[[list[dict]], None] = lambda _done: None,
 ) -> list[dict]:
-    """Each configuration in turn over the same model and workload, one engine alive at a time."""
+    """Each configuration in turn over the same model and workload, one engine alive at a time.
+
+    `on_config` gets the summaries so far after each configuration (a run cut short keeps them).
+    """
     check_fits(model, setup, workload)
-    out = []
+    out: list[dict] = []
     for config in configs:
         progress(f"{config}: {workload.clients} clients x {workload.rounds} rounds")
         out.append(run_config(config, model, tokenizer, setup, workload, progress))
         collect()  # the engine run_config closed is unreachable now
+        on_config(out)
     return out
 
 
@@ -290,39 +295,49 @@ def command(args: Namespace) -> int:
 
     `--from-json FILE` runs nothing: it shows the table of a report written before, and plots it.
     """
-    from kvtier.commands import console, device, progress, write_json
+    from kvtier.commands import console
 
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text())
         meta, configs = report["meta"], report["configs"]
     else:
-        dev = device(args.device)
-        workload = Workload(
-            clients=args.clients,
-            rounds=args.rounds,
-            context_tokens=args.context_tokens,
-            question_tokens=args.question_tokens,
-            output_tokens=args.output_tokens,
-            request_rate=args.request_rate,
-            seed=args.seed,
-        )
-        setup = EngineSetup(
-            device_tokens=args.device_tokens,
-            host_tokens=args.host_tokens,
-            page_size=args.page_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
-        with progress() as report_progress:
-            report_progress("building the model")
-            model, tokenizer, name = bench_model(args.model, args.shape, dev, resolve_dtype(args.dtype, dev))
-            meta = meta_of(model, name, setup, workload, dev)
-            configs = run(model, tokenizer, args.configs, setup, workload, report_progress)
-        meta["ratios"] = ratios(configs)
+        meta, configs = _measure(args)
     console.print(render(configs, meta))
-    if args.from_json is None:
-        write_json(args.json, {"meta": meta, "configs": configs})
     if args.plot is not None:
         write_plot(args.plot, configs, meta)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _measure(args: Namespace) -> tuple[dict, list[dict]]:
+    """Build the model and run the configurations; `--json` is rewritten after each one."""
+    from kvtier.commands import device, progress, write_json
+
+    dev = device(args.device)
+    workload = Workload(
+        clients=args.clients,
+        rounds=args.rounds,
+        context_tokens=args.context_tokens,
+        question_tokens=args.question_tokens,
+        output_tokens=args.output_tokens,
+        request_rate=args.request_rate,
+        seed=args.seed,
+    )
+    setup = EngineSetup(
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+    def save(done: list[dict]) -> None:
+        meta["ratios"] = ratios(done)
+        write_json(args.json, {"meta": meta, "configs": done})
+
+    with progress() as report:
+        report("building the model")
+        model, tokenizer, name = bench_model(args.model, args.shape, dev, resolve_dtype(args.dtype, dev))
+        meta = meta_of(model, name, setup, workload, dev)
+        configs = run(model, tokenizer, args.configs, setup, workload, report, save)
+    return meta, configs

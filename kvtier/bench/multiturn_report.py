@@ -86,11 +86,11 @@ def summarize(
     inputs = sum(r.prompt_tokens for r in records)
     outputs = sum(r.output_tokens for r in records)
     per_round = []
-    for k in range(rounds):
+    for k in range(1, rounds + 1):
         these = [r for r in records if r.round == k]
         per_round.append(
             {
-                "round": k + 1,
+                "round": k,
                 "requests": len(these),
                 **percentiles([r.ttft_s for r in these]),
                 **tier_tokens(these),
