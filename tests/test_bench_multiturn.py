@@ -165,6 +165,25 @@ def test_poisson_rounds_go_at_their_instants_and_never_before_the_previous_round
             assert after.submitted_s >= before.submitted_s + before.total_s - 1e-3
 
 
+def test_a_failed_step_stops_the_run_with_its_error(tiny, monkeypatch) -> None:
+    """The engine finishes the requests of a failed forward with the error; the bench raises it
+    instead of waiting for answers that never come."""
+    w = multiturn.Workload(2, 2, question_tokens=16, output_tokens=2)
+    eng = multiturn.build_engine(
+        "kvtier", tiny, None, multiturn.EngineSetup(device_tokens=128, host_tokens=512)
+    )
+
+    def lost(*_args, **_kw):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(tiny, "forward", lost)
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            multiturn.drive(eng, w, engines.vocab_size(tiny))
+    finally:
+        eng.close()
+
+
 def test_each_engine_is_closed_and_collected_before_the_next(tiny, monkeypatch) -> None:
     """Each engine here sits in a reference cycle and the collector is off, as between its automatic
     runs: it is freed before the next is built only if the bench closes it and collects. device-only

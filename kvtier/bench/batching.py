@@ -27,7 +27,7 @@ from rich.console import Group
 from rich.table import Table
 
 from kvtier.bench.common import close, environment, quiet
-from kvtier.bench.engines import bench_model, drain, resolve_dtype, run_alone, vocab_size
+from kvtier.bench.engines import bench_model, drain, resolve_dtype, run_alone, step, vocab_size
 from kvtier.engine import Engine, SamplingParams
 from kvtier.errors import ConfigError, InvariantError
 
@@ -88,7 +88,7 @@ def concurrent(eng: Engine, bench: BatchingBench, rng: np.random.Generator, voca
     reqs = [eng.submit(p, params) for p in prompts[0]]
     finished: dict[int, float] = {}
     while eng.busy:
-        for update in eng.step():
+        for update in step(eng):
             if update.result is not None:
                 finished[update.request.id] = time.perf_counter() - t0
     together = time.perf_counter() - t0
@@ -119,15 +119,15 @@ def decode_rate(eng: Engine, n: int, bench: BatchingBench, rng: np.random.Genera
         while eng.num_waiting or any(not r.tokens for r in reqs):
             if not eng.busy:
                 raise InvariantError(f"{n} decode requests finished before all of them decoded")
-            eng.step()
+            step(eng)
         for _ in range(WARM_STEPS):
-            eng.step()
+            step(eng)
         if eng.num_running != n:
             raise InvariantError(f"{eng.num_running} requests running, expected {n}: raise --device-tokens")
         tokens = 0
         t0 = time.perf_counter()
         for _ in range(bench.steps):
-            tokens += sum(u.token is not None for u in eng.step())
+            tokens += sum(u.token is not None for u in step(eng))
         seconds = time.perf_counter() - t0
     finally:
         for r in reqs:

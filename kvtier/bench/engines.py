@@ -23,6 +23,7 @@ from kvtier.errors import ConfigError, InvariantError
 
 if TYPE_CHECKING:
     from kvtier.engine import Engine, RequestResult, SamplingParams
+    from kvtier.engine.engine import Update
 
 SHAPES = ("tiny", "llama-3.1-8b")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -111,11 +112,20 @@ def context_of(model: Any) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 0)
 
 
+def step(eng: Engine) -> list[Update]:
+    """One `eng.step()`; a request that failed in it raises its error (a benchmark cannot go on)."""
+    updates = eng.step()
+    for update in updates:
+        if update.error is not None:
+            raise update.error
+    return updates
+
+
 def drain(eng: Engine) -> dict[int, RequestResult]:
     """Step `eng` until nothing runs or waits; the result of each request that finished, by id."""
     done = {}
     while eng.busy:
-        for update in eng.step():
+        for update in step(eng):
             if update.result is not None:
                 done[update.request.id] = update.result
     return done

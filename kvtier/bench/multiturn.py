@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import close, collect, environment, quiet
-from kvtier.bench.engines import bench_model, context_of, resolve_dtype, run_alone, vocab_size
+from kvtier.bench.engines import bench_model, context_of, resolve_dtype, run_alone, step, vocab_size
 from kvtier.bench.multiturn_report import RequestRecord, render, summarize, write_plot
 from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.engine import Engine, SamplingParams
@@ -186,7 +186,7 @@ def drive(
                 )
             time.sleep(max(0.0, ticks[sent] - (time.perf_counter() - t0)))
             continue
-        for update in eng.step():
+        for update in step(eng):
             if update.result is None:
                 continue
             conv, prompt, at = inflight.pop(update.request.id)
