@@ -446,8 +446,8 @@ def _bench_batching(bench) -> None:
     b = bench.add_parser("batching", help="K requests at once against one by one; decode rate by batch size")
     _csv_flag(b, "--parts", BATCHING_PARTS)
     b.add_argument("--concurrent", type=positive, default=6, help="requests submitted at once")
-    b.add_argument("--prompt-tokens", type=positive, default=256, help="prompt of each concurrent request")
-    b.add_argument("--output-tokens", type=positive, default=32, help="answer of each concurrent request")
+    b.add_argument("--prompt-tokens", type=positive, default=128, help="prompt of each concurrent request")
+    b.add_argument("--output-tokens", type=positive, default=64, help="answer of each concurrent request")
     b.add_argument(
         "--running", type=positive_list, default=(1, 8, 32, 64), help="requests decoding at once, per row"
     )

@@ -40,8 +40,8 @@ class BatchingBench:
     """The sizes of both parts (see the module docstring)."""
 
     requests: int = 6
-    prompt_tokens: int = 256
-    output_tokens: int = 32
+    prompt_tokens: int = 128
+    output_tokens: int = 64
     running: tuple[int, ...] = (1, 8, 32, 64)
     decode_prompt_tokens: int = 32
     steps: int = 16
