@@ -47,9 +47,9 @@ STORAGE_WRITES = ("write_through", "write_back")  # kvtier.storage.config.Storag
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # kvtier.storage.config.PrefetchPolicy
 COMPRESSIONS = ("none", "lz4", "zstd")  # kvtier.storage.config.Compression
 ID_DTYPES = ("int32", "int64")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto, then kvtier.engine.models.DTYPES
 MULTITURN_CONFIGS = ("kvtier", "device-only", "no-cache")  # kvtier.bench.multiturn.CONFIGS
 SHAPES = ("tiny", "llama-3.1-8b")  # kvtier.bench.engines.SHAPES
-MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto and kvtier.bench.engines.DTYPES
 BATCHING_PARTS = ("concurrent", "decode")  # kvtier.bench.batching.PARTS
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -91,8 +91,11 @@ def non_negative_float(text: str) -> float:
 
 def positive_float(text: str) -> float:
     """A finite number above 0."""
-    value = non_negative_float(text)
-    if value == 0:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
         raise ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
@@ -204,6 +207,19 @@ def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: in
         default=None,
         help="tokens per cache page (default: 1, or 64 with --storage: one storage value per page)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights and KV pools: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, float16",
+    )
+    p.add_argument("--max-num-seqs", type=positive, default=64, help="requests running at once (default 64)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive,
+        default=2048,
+        help="tokens one forward computes over all running requests (default 2048)",
+    )
 
 
 def _storage_flags(p: argparse.ArgumentParser, default: str) -> None:
@@ -254,6 +270,26 @@ def _serve(sub) -> None:
     s.add_argument("--host-alloc", choices=ALLOC_POLICIES, default="contiguous", help="host allocator policy")
     s.add_argument("--host", default="127.0.0.1", help="bind address")
     s.add_argument("--port", type=port, default=8000)
+    s.add_argument(
+        "--max-queue",
+        type=positive,
+        default=256,
+        help="waiting requests before new ones get 429 (default 256)",
+    )
+    s.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a request running longer is answered 504 (default 600)",
+    )
+    s.add_argument(
+        "--max-body-mb",
+        type=positive_float,
+        default=16.0,
+        metavar="MIB",
+        help="larger request bodies are answered 413 (default 16)",
+    )
     _storage_flags(s, "default: none, no third tier")
 
 
@@ -410,9 +446,7 @@ def _engine_bench_flags(p: argparse.ArgumentParser) -> None:
         "--shape", choices=SHAPES, help="random weights of this shape instead (llama-3.1-8b: the real KV)"
     )
     _device_flag(p)
-    p.add_argument(
-        "--dtype", choices=MODEL_DTYPES, default="auto", help="auto: bfloat16 on CUDA, else float32"
-    )
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, else float32")
     p.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="tokens per engine step")
     p.add_argument("--seed", type=int, default=0, help="the random prompts' seed")
     _json_flag(p)

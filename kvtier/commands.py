@@ -75,27 +75,47 @@ def storage_config(args: Namespace, url: str | None = None) -> StorageConfig | N
 
 
 def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) -> tuple[torch.device, Engine]:
-    """`--model` loaded on `--device` (`loading` on the console meanwhile), and an engine over it.
+    """`--model` loaded on `--device` in `--dtype` (`loading` on the console meanwhile), and an engine.
 
-    `kw` goes to `Engine` (`storage=storage_config(args)`, built before this call so that
-    a bad flag is refused before the model loads).
+    The engine takes the pool sizes, `--page-size`, `--max-num-seqs` and
+    `--max-num-batched-tokens`; `kw` goes to it too (`storage=storage_config(args)`, built
+    before this call so that a bad flag is refused before the model loads).
     """
     from kvtier.engine import Engine
     from kvtier.engine.models import load_model
 
     dev = device(args.device)
     with console.status(loading):
-        model, tokenizer = load_model(args.model, dev)
+        model, tokenizer = load_model(args.model, dev, args.dtype)
     engine = Engine(
         model,
         tokenizer,
         device_tokens=args.device_tokens,
         host_tokens=args.host_tokens,
         config=config,
-        page_size=getattr(args, "page_size", None),
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         **kw,
     )
     return dev, engine
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """`Engine.summary()` as two lines for the console: the model and its KV, then the limits."""
+    per_token = summary["kv_bytes_per_token"]
+    per = f"{per_token / 1024:.1f} KiB" if per_token >= 1024 else f"{per_token} B"
+
+    def pool(name: str) -> str:
+        tokens, gb = summary[f"{name}_pool_tokens"], summary[f"{name}_pool_bytes"] / 1e9
+        return f"{name} pool {tokens} tokens ({gb:.2f} GB)"
+
+    return [
+        f"{summary['model']}, {summary['dtype']} on {summary['device']}: {per} of KV per token; "
+        f"{pool('device')}, {pool('host')}",
+        f"up to {summary['max_num_seqs']} running requests and {summary['max_num_batched_tokens']} "
+        f"batched tokens per step; pages of {summary['page_size']} tokens",
+    ]
 
 
 @contextmanager

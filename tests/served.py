@@ -1,19 +1,24 @@
-"""`kvtier serve` for tests: a tiny tokenizer and checkpoint, and the server run as a process of its own.
+"""`kvtier serve` for tests: a tiny tokenizer and checkpoint, an app served in a thread, and the
+server run as a process of its own.
 
-Shared by `test_server.py` and `test_storage_share.py`; import it after `pytest.importorskip`
-of transformers, httpx and openai.
+Shared by `test_server.py`, `test_server_admission.py` and `test_storage_share.py`; import
+it after `pytest.importorskip` of transformers, fastapi, uvicorn, httpx and openai.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import transformers
+import uvicorn
 from redis_servers import free_port
 from tiny_models import tiny_llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -57,6 +62,24 @@ def save_checkpoint(path: Path) -> Path:
     tiny_model(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """`app` served by uvicorn in a thread on a free loopback port: its base URL; stopped after."""
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
 
 
 def samples(text: str) -> dict[str, float]:

@@ -90,7 +90,7 @@ def test_mixed_lengths_shared_prefixes_and_late_joins_give_generates_tokens(mode
         res = by_prompt[tuple(p)]
         assert res.tokens == reference(model, p, n), (len(p), res.tokens)
         assert res.finish_reason == "length"
-    assert max(len(u) for u in [eng.scheduler.running]) == 0
+    assert not eng.busy
     assert_nothing_held(eng)
 
 
@@ -114,11 +114,11 @@ def test_a_prefix_being_computed_is_computed_once(model) -> None:
     """Two requests with one long prompt: the second waits for the first's prefill and reuses it."""
     p = prompts(4, [90])[0]
     eng = Engine(model, device_tokens=512, host_tokens=512, max_num_batched_tokens=32)
-    a, b = eng.submit(p, params(4)), eng.submit(p + [7, 8], params(4))
+    a, b = eng.submit(p, params(4)), eng.submit([*p, 7, 8], params(4))
     results = run_all(eng, [a, b])
     assert results[a.id].device_hit_tokens == 0
     assert results[b.id].device_hit_tokens == len(p)  # the whole of a's prompt, none recomputed
-    assert results[b.id].tokens == reference(model, p + [7, 8], 4)
+    assert results[b.id].tokens == reference(model, [*p, 7, 8], 4)
     assert eng.cache.metrics.miss_tokens < 2 * len(p)
     assert_nothing_held(eng)
 

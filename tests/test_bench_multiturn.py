@@ -67,7 +67,6 @@ def tiny():
 def test_the_cli_choices_match_what_they_name() -> None:
     assert cli.MULTITURN_CONFIGS == multiturn.CONFIGS
     assert cli.SHAPES == engines.SHAPES
-    assert ("auto", *engines.DTYPES) == cli.MODEL_DTYPES
     assert cli.BATCHING_PARTS == batching.PARTS
 
 
@@ -76,8 +75,8 @@ def test_the_shape_is_made_in_the_dtype_asked_and_leaves_the_defaults_alone() ->
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32
     assert torch.empty(1).device == CPU
-    assert engines.resolve_dtype("auto", CPU) == torch.float32
-    assert engines.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    auto, *_ = engines.bench_model(None, "tiny", CPU, "auto")
+    assert {p.dtype for p in auto.parameters()} == {torch.float32}
     with pytest.raises(ConfigError, match="give a model or a shape"):
         engines.bench_model("some/path", "tiny", CPU, torch.float32)
 

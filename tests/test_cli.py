@@ -104,6 +104,9 @@ def test_every_subcommand_parses_with_its_defaults() -> None:
         8000,
     )
     assert demo.storage is None and serve.storage is None  # no third tier unless asked for
+    for args in (demo, serve):  # the engine's own defaults
+        assert (args.dtype, args.max_num_seqs, args.max_num_batched_tokens) == ("auto", 64, 2048)
+    assert (serve.max_queue, serve.request_timeout, serve.max_body_mb) == (256, 600.0, 16.0)
     transfer = p.parse_args(["bench", "transfer"])
     assert transfer.host_sets == cli.HOST_SETS and transfer.variants == cli.VARIANTS
     assert (transfer.direction, transfer.cycles, transfer.layers, transfer.kernel) == ("both", 8, 1, None)
@@ -194,6 +197,7 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     from kvtier.bench import served, transfer
     from kvtier.cache import WritePolicy
     from kvtier.commands import STORAGE_FIELDS
+    from kvtier.engine.models import DTYPES
     from kvtier.pool import HostLayout
     from kvtier.pool.device import Direction
     from kvtier.spec import PRESETS
@@ -209,6 +213,7 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     assert tuple(m.value for m in StorageWrite) == cli.STORAGE_WRITES
     assert tuple(m.value for m in PrefetchPolicy) == cli.PREFETCH_POLICIES
     assert tuple(m.value for m in Compression) == cli.COMPRESSIONS
+    assert ("auto", *DTYPES) == cli.DTYPES
     # Every --storage-* flag of both commands sets a field of StorageConfig.
     for command in ("serve", "demo"):
         parsed = vars(cli.build_parser().parse_args([command]))
@@ -250,6 +255,17 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
         (["serve", "--storage-size", "1.5G"], "expected a size in bytes"),
         (["serve", "--storage-pool-size", "0"], "expected a positive integer, got 0"),
         (["demo", "--storage-ttl", "soon"], "expected a non-negative integer, got 'soon'"),
+        (["serve", "--dtype", "float8"], "invalid choice: 'float8'"),
+        (["demo", "--dtype", "fp16"], "invalid choice: 'fp16'"),
+        (["serve", "--max-num-seqs", "0"], "expected a positive integer, got 0"),
+        (["demo", "--max-num-seqs", "many"], "expected a positive integer, got 'many'"),
+        (["serve", "--max-num-batched-tokens", "-1"], "expected a positive integer, got -1"),
+        (["demo", "--max-num-batched-tokens", "0"], "expected a positive integer, got 0"),
+        (["serve", "--max-queue", "0"], "expected a positive integer, got 0"),
+        (["serve", "--request-timeout", "0"], "expected a positive number, got '0'"),
+        (["serve", "--request-timeout", "inf"], "expected a positive number, got 'inf'"),
+        (["serve", "--request-timeout", "soon"], "expected a positive number, got 'soon'"),
+        (["serve", "--max-body-mb", "-1"], "expected a positive number, got '-1'"),
         (["bench", "transfer", "--layout", "page_last"], "invalid choice"),
         (["bench", "transfer", "--spec", "gpt-5"], "invalid choice: 'gpt-5'"),
         (["bench", "transfer", "--host-sets", "runs-1,runs-2"], "invalid choice(s) runs-2"),
@@ -286,6 +302,34 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
 def test_a_bad_value_is_one_usage_error_and_exit_code_2(argv: list[str], says: str, capsys) -> None:
     line = refused(argv, capsys)
     assert "error: argument" in line and says in line
+
+
+def test_the_serve_limits_are_not_demo_flags(capsys) -> None:
+    for flag in ("--max-queue", "--request-timeout", "--max-body-mb"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["demo", flag, "4"])
+        assert exit_.value.code == 2
+        assert f"unrecognized arguments: {flag} 4" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv", [["serve", "--dtype", "float8"], ["serve", "--max-num-seqs", "0"]])
+def test_a_bad_engine_flag_exits_before_anything_is_loaded(argv: list[str]) -> None:
+    out = probe(*argv)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("kvtier serve: error: argument")
+    assert out.stdout.strip() == "heavy:"  # neither torch nor transformers imported
+
+
+def test_auto_is_bfloat16_on_cuda_and_float32_on_the_cpu() -> None:
+    from kvtier.engine.models import model_dtype
+    from kvtier.errors import ConfigError
+
+    assert model_dtype("auto", "cuda:0") == torch.bfloat16 and model_dtype("auto", "cpu") == torch.float32
+    assert (
+        model_dtype("float16", "cpu") == torch.float16 and model_dtype("bfloat16", "cuda") == torch.bfloat16
+    )
+    with pytest.raises(ConfigError, match="'float8'"):
+        model_dtype("float8", "cpu")
 
 
 def test_a_bad_demo_policy_exits_before_anything_is_loaded() -> None:
@@ -523,12 +567,38 @@ def demo_argv(checkpoint: Path) -> list[str]:
 RESTARTED = "tokens identical to the first engine's and to plain generation: yes"
 
 
+def test_the_engine_flags_reach_the_engine_and_the_kv_follows_the_dtype(tiny_checkpoint: Path) -> None:
+    from kvtier.cache import CacheConfig
+    from kvtier.commands import engine_for, summary_lines
+
+    argv = ["serve", "--model", str(tiny_checkpoint), "--device", "cpu", "--device-tokens", "256"]
+    argv += ["--host-tokens", "1024", "--max-num-seqs", "3", "--max-num-batched-tokens", "128"]
+    summaries = {}
+    for dtype in ("auto", "bfloat16"):
+        args = cli.build_parser().parse_args([*argv, "--dtype", dtype])
+        _, engine = engine_for(args, "loading", CacheConfig())
+        with engine:
+            summaries[dtype] = engine.summary()
+            assert {p.dtype for p in engine.model.parameters()} == {getattr(torch, summaries[dtype]["dtype"])}
+    auto, bf16 = summaries["auto"], summaries["bfloat16"]
+    assert (auto["dtype"], bf16["dtype"]) == ("float32", "bfloat16")  # auto on the CPU: float32
+    assert auto["kv_bytes_per_token"] == 2 * bf16["kv_bytes_per_token"]  # the pools follow the model
+    assert bf16["device_pool_bytes"] == 256 * bf16["kv_bytes_per_token"]
+    assert (bf16["max_num_seqs"], bf16["max_num_batched_tokens"]) == (3, 128)
+    lines = summary_lines(bf16)
+    assert len(lines) == 2 and "bfloat16 on cpu" in lines[0]
+    assert f"device pool 256 tokens ({bf16['device_pool_bytes'] / 1e9:.2f} GB)" in lines[0]
+    assert "host pool 1024 tokens" in lines[0] and "of KV per token" in lines[0]
+    assert "up to 3 running requests and 128 batched tokens per step" in lines[1]
+
+
 def test_the_demo_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint: Path, capsys) -> None:
     """Every answer equals plain `generate` while earlier turns come back from the host; then a
     restarted engine gets the first conversation back from a temporary store."""
     assert cli.main(demo_argv(tiny_checkpoint)) == 0
     text = capsys.readouterr().out
     assert "answers identical to plain generation without cache reuse: 9 of 9" in text
+    assert "float32 on cpu" in text and "device pool 512 tokens" in text  # the startup summary
     assert "hit host" in text  # a conversation came back from the host
     assert "after the restart: hit storage" in text and RESTARTED in text
     # Nothing came from storage before the restart: the turns ran without a storage tier.

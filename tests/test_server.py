@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokenizers"):
+for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokenizers", "prometheus_client"):
     pytest.importorskip(needed)
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import uvicorn  # noqa: E402
-from redis_servers import free_port  # noqa: E402
 from served import (  # noqa: E402
     MESSAGES,
     MODEL,
     samples,
+    serving,
     tiny_model,
     tiny_tokenizer,
 )
@@ -38,18 +36,8 @@ def server():
     tokenizer = tiny_tokenizer()
     engine = Engine(tiny_model(tokenizer), tokenizer, device_tokens=512, host_tokens=2048)
     app = create_app(engine, MODEL)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    base = f"http://127.0.0.1:{port}"
-    yield base, engine, app
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base:
+        yield base, engine, app
     assert engine.closed  # the app's shutdown closed the engine it was given
 
 
@@ -97,7 +85,11 @@ def test_metrics_are_histograms_of_fixed_size(server, client) -> None:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
     after = httpx.get(base + "/metrics").text.splitlines()
     assert len(after) == len(before)
-    for name in ("kvtier_time_to_first_token_seconds", "kvtier_request_seconds", "kvtier_cache_load_seconds"):
+    for name in (
+        "kvtier_time_to_first_token_seconds",
+        "kvtier_e2e_request_latency_seconds",
+        "kvtier_cache_load_seconds",
+    ):
         assert f"# TYPE {name} histogram" in after
         buckets = [line for line in after if line.startswith(name + "_bucket{")]
         counts = [float(line.rsplit(" ", 1)[1]) for line in buckets]
@@ -105,9 +97,115 @@ def test_metrics_are_histograms_of_fixed_size(server, client) -> None:
         assert counts == sorted(counts)  # cumulative
         assert counts[-1] == metric(base, name + "_count")
     assert (
-        metric(base, "kvtier_request_seconds_count")
+        metric(base, "kvtier_e2e_request_latency_seconds_count")
         >= metric(base, "kvtier_time_to_first_token_seconds_count")
         >= 4
+    )
+
+
+# Every family /metrics has without a storage tier, by the name prometheus-client's parser gives it
+# (a counter's without `_total`), and its type.
+FAMILIES = {
+    "kvtier_num_requests_running": "gauge",
+    "kvtier_num_requests_waiting": "gauge",
+    "kvtier_time_to_first_token_seconds": "histogram",
+    "kvtier_inter_token_latency_seconds": "histogram",
+    "kvtier_e2e_request_latency_seconds": "histogram",
+    "kvtier_prompt_tokens": "counter",
+    "kvtier_generation_tokens": "counter",
+    "kvtier_num_preemptions": "counter",
+    "kvtier_requests": "counter",
+    "kvtier_requests_finished": "counter",
+    "kvtier_cache_matches": "counter",
+    "kvtier_cache_prompt_tokens": "counter",
+    "kvtier_cache_bytes": "counter",
+    "kvtier_cache_loads": "counter",
+    "kvtier_cache_loaded_tokens": "counter",
+    "kvtier_cache_load_seconds": "histogram",
+    "kvtier_cache_reload_gbps": "gauge",
+    "kvtier_cache_evictions": "counter",
+    "kvtier_cache_backups": "counter",
+    "kvtier_cache_free_slots": "gauge",
+    "kvtier_cache_free_runs": "gauge",
+    "kvtier_cache_largest_free_run": "gauge",
+}
+
+
+def families(base: str) -> dict[str, dict]:
+    """`/metrics` parsed by prometheus-client: family name -> {"type", "samples": {name{labels}: value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(base + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=")
+    out = {}
+    for f in text_string_to_metric_families(r.text):
+        got = {}
+        for s in f.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            got[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        out[f.name] = {"type": f.type, "samples": got}
+    return out
+
+
+def test_metrics_parse_as_prometheus_families_of_the_right_types_that_move(server, client) -> None:
+    base = server[0]
+    before = families(base)
+    assert {name: before[name]["type"] for name in FAMILIES if name in before} == FAMILIES
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0)
+    after = families(base)
+
+    def moved(family: str, sample: str) -> float:
+        return after[family]["samples"][sample] - before[family]["samples"].get(sample, 0)
+
+    assert moved("kvtier_requests", 'kvtier_requests_total{status="200"}') == 1
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert moved(f"kvtier_{h}", f"kvtier_{h}_count") == 1
+        assert moved(f"kvtier_{h}", f'kvtier_{h}_bucket{{le="+Inf"}}') == 1
+        assert moved(f"kvtier_{h}", f"kvtier_{h}_sum") > 0
+    assert moved("kvtier_cache_matches", "kvtier_cache_matches_total") == 1
+    tiers = [f'kvtier_cache_prompt_tokens_total{{tier="{t}"}}' for t in ("device", "host", "none")]
+    # The last prompt token is always computed, so it is not counted in any tier.
+    assert sum(moved("kvtier_cache_prompt_tokens", t) for t in tiers) == reply.usage.prompt_tokens - 1
+    assert after["kvtier_num_requests_running"]["samples"]["kvtier_num_requests_running"] == 0
+    assert after["kvtier_num_requests_waiting"]["samples"]["kvtier_num_requests_waiting"] == 0
+
+
+def test_the_engine_counters_and_the_inter_token_latency_move(server, client) -> None:
+    """Read from `engine.stats` and `RequestResult.token_times`, which the batched engine fills."""
+    base = server[0]
+    before = families(base)
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    after = families(base)
+
+    def moved(family: str, sample: str) -> float:
+        return after[family]["samples"][sample] - before[family]["samples"].get(sample, 0)
+
+    assert moved("kvtier_prompt_tokens", "kvtier_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert (
+        moved("kvtier_generation_tokens", "kvtier_generation_tokens_total") == reply.usage.completion_tokens
+    )
+    itl = "kvtier_inter_token_latency_seconds"
+    assert moved(itl, f"{itl}_count") == reply.usage.completion_tokens - 1
+    reason = reply.choices[0].finish_reason
+    assert moved("kvtier_requests_finished", f'kvtier_requests_finished_total{{reason="{reason}"}}') == 1
+    assert after["kvtier_num_preemptions"]["samples"]["kvtier_num_preemptions_total"] == 0
+
+
+def test_two_apps_in_one_process_keep_their_own_metrics(server) -> None:
+    """Each app has a registry of its own: a second app starts at zero and does not clash."""
+    tokenizer = tiny_tokenizer()
+    engine = Engine(tiny_model(tokenizer), tokenizer, device_tokens=64, host_tokens=128)
+    with serving(create_app(engine, MODEL)) as other:
+        got = families(other)
+        assert got["kvtier_requests"]["samples"]['kvtier_requests_total{status="200"}'] == 0
+        assert (
+            got["kvtier_time_to_first_token_seconds"]["samples"]["kvtier_time_to_first_token_seconds_count"]
+            == 0
+        )
+        assert got["kvtier_cache_free_slots"]["samples"]['kvtier_cache_free_slots{tier="device"}'] == 64
+    assert (
+        families(server[0])["kvtier_cache_free_slots"]["samples"]['kvtier_cache_free_slots{tier="device"}']
+        > 64
     )
 
 
@@ -196,13 +294,18 @@ def test_sigterm_flushes_the_store_and_a_restarted_server_gets_a_storage_hit(
     answer = first.chat().choices[0].message.content
     code, out, err = first.stop(signal.SIGTERM)
     assert code == 0 and "Traceback" not in err, err
+    assert "float32 on cpu" in out and "device pool 512 tokens" in out  # the startup summary
     written = int(out.split("stopped; ")[1].split(" pages")[0])
     files = [f for f in store.rglob("*") if f.is_file()]
     assert written > 5 and len(files) == written  # page size 1: a file per token, none left half-written
     assert not [f for f in files if "~" in f.name]
 
-    second = served.start(checkpoint, "--storage", f"file://{store}", "--page-size", "1")
+    second = served.start(
+        checkpoint, "--storage", f"file://{store}", "--page-size", "1", "--max-body-mb", "1"
+    )
     assert second.chat().choices[0].message.content == answer
+    big = httpx.post(second.base + "/v1/chat/completions", content=b" " * (1 << 20 | 1))
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     got = second.metrics()
     assert got['kvtier_cache_prompt_tokens_total{tier="storage"}'] > 5
     assert got["kvtier_storage_pages_read_total"] == got['kvtier_cache_prompt_tokens_total{tier="storage"}']

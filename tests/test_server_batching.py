@@ -7,7 +7,6 @@ this process with the tiny random model.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -17,9 +16,7 @@ for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokeniz
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import uvicorn  # noqa: E402
-from redis_servers import free_port  # noqa: E402
-from served import MESSAGES, MODEL, tiny_model, tiny_tokenizer  # noqa: E402
+from served import MESSAGES, MODEL, serving, tiny_model, tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
 from kvtier.engine.server import create_app  # noqa: E402
@@ -30,17 +27,8 @@ def server():
     tokenizer = tiny_tokenizer()
     engine = Engine(tiny_model(tokenizer), tokenizer, device_tokens=2048, host_tokens=2048, max_num_seqs=16)
     app = create_app(engine, MODEL)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", engine, app, tokenizer
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base:
+        yield base, engine, app, tokenizer
 
 
 def question(i: int) -> list[dict]:
@@ -103,3 +91,18 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server) -> None
     assert worker.cancelled == cancelled + 1
     assert engine.stats.finished.get("cancelled", 0) >= 1
     assert_nothing_held(engine)
+
+
+def test_streamed_text_deltas_add_up_to_the_whole_answer(server) -> None:
+    """`TextStream` decodes a window per token; its deltas and the rest equal the whole decode."""
+    from kvtier.engine.protocol import TextStream
+
+    tokenizer = server[3]
+    gen = __import__("random").Random(3)
+    for _ in range(20):
+        tokens = [gen.randrange(len(tokenizer)) for _ in range(gen.randrange(1, 60))]
+        decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+        stream = TextStream(decode)
+        text = "".join(stream.push(t) for t in tokens)
+        whole = decode(tokens)
+        assert text + stream.rest(whole) == whole

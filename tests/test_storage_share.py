@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokenizers"):
+for needed in ("transformers", "fastapi", "uvicorn", "openai", "httpx", "tokenizers", "prometheus_client"):
     pytest.importorskip(needed)
 
 from fastapi.testclient import TestClient  # noqa: E402

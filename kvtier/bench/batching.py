@@ -27,7 +27,7 @@ from rich.console import Group
 from rich.table import Table
 
 from kvtier.bench.common import close, environment, quiet
-from kvtier.bench.engines import bench_model, drain, resolve_dtype, run_alone, step, vocab_size
+from kvtier.bench.engines import bench_model, drain, run_alone, step, vocab_size
 from kvtier.engine import Engine, SamplingParams
 from kvtier.errors import ConfigError, InvariantError
 
@@ -217,7 +217,7 @@ def command(args: Namespace) -> int:
     )
     with progress() as report:
         report("building the model")
-        model, tokenizer, name = bench_model(args.model, args.shape, dev, resolve_dtype(args.dtype, dev))
+        model, tokenizer, name = bench_model(args.model, args.shape, dev, args.dtype)
         together, rows, summary = run(
             model, tokenizer, bench, args.device_tokens, args.max_num_batched_tokens, report
         )

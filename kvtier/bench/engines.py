@@ -22,20 +22,9 @@ import torch
 from kvtier.errors import ConfigError, InvariantError
 
 if TYPE_CHECKING:
-    from kvtier.engine import Engine, RequestResult, SamplingParams
-    from kvtier.engine.engine import Update
+    from kvtier.engine import Engine, RequestResult, SamplingParams, Update
 
 SHAPES = ("tiny", "llama-3.1-8b")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bf16 on CUDA and float32 on the CPU; else the dtype named."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; known: auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def shape_config(shape: str) -> Any:
@@ -90,14 +79,18 @@ def build_shape(shape: str, device: torch.device, dtype: torch.dtype, seed: int 
     return model.eval()
 
 
-def bench_model(model_path: str | None, shape: str | None, device: torch.device, dtype: torch.dtype):
-    """`(model, tokenizer, name)`: the shape's random model, else the checkpoint (default SmolLM2)."""
-    if shape is not None:
-        if model_path is not None:
-            raise ConfigError(f"give a model or a shape, not both (got {model_path!r} and {shape!r})")
-        return build_shape(shape, device, dtype), None, f"{shape} (random weights)"
-    from kvtier.engine.models import DEFAULT_MODEL, load_model
+def bench_model(model_path: str | None, shape: str | None, device: torch.device, dtype: str | torch.dtype):
+    """`(model, tokenizer, name)`: the shape's random model, else the checkpoint (default SmolLM2).
 
+    `dtype`: a torch dtype, or a name `kvtier.engine.models.model_dtype` takes (`auto`, ...).
+    """
+    from kvtier.engine.models import DEFAULT_MODEL, load_model, model_dtype
+
+    if shape is not None and model_path is not None:
+        raise ConfigError(f"give a model or a shape, not both (got {model_path!r} and {shape!r})")
+    dtype = model_dtype(dtype, device)
+    if shape is not None:
+        return build_shape(shape, device, dtype), None, f"{shape} (random weights)"
     model, tokenizer = load_model(model_path, device, dtype)
     return model, tokenizer, model_path or DEFAULT_MODEL
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import close, collect, environment, quiet
-from kvtier.bench.engines import bench_model, context_of, resolve_dtype, run_alone, step, vocab_size
+from kvtier.bench.engines import bench_model, context_of, run_alone, step, vocab_size
 from kvtier.bench.multiturn_report import RequestRecord, render, summarize, write_plot
 from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.engine import Engine, SamplingParams
@@ -337,7 +337,7 @@ def _measure(args: Namespace) -> tuple[dict, list[dict]]:
 
     with progress() as report:
         report("building the model")
-        model, tokenizer, name = bench_model(args.model, args.shape, dev, resolve_dtype(args.dtype, dev))
+        model, tokenizer, name = bench_model(args.model, args.shape, dev, args.dtype)
         meta = meta_of(model, name, setup, workload, dev)
         configs = run(model, tokenizer, args.configs, setup, workload, report, save)
     return meta, configs

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvtier.errors import InvariantError
 from kvtier.pool import DevicePool
@@ -44,6 +45,7 @@ except ImportError:  # pragma: no cover - the engine extra is not installed
     DynamicLayer = object  # type: ignore[assignment,misc]
 
 ATTENTION = "kvtier"
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 _active: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("kvtier_step", default=None)
 
@@ -114,16 +116,21 @@ class StepBatch(Cache):
         self.write_index = torch.cat(writes).to(dev)
         self.positions = torch.cat(positions).to(dev)  # `[T]` int64
         self.last = torch.tensor(last, device=dev)  # `[R]` int64: each piece's last token in the pack
-        self.decode_mask = mask.view(self.decodes, 1, 1, lmax).to(dev)
-        self._masks: dict[int, torch.Tensor] = {}
+        self._decode_mask = mask.view(self.decodes, 1, 1, lmax).to(dev)
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._waited = -1
 
     @contextmanager
     def active(self) -> Iterator[StepBatch]:
-        """Make `attend` read this step's layout (for the current thread or task)."""
+        """Make `attend` read this step's layout (for the current thread or task).
+
+        SDPA's cuDNN backend is left out: it builds a plan per shape, and a step's shapes
+        change every step (contexts grow by a token), bench/FINDINGS.md.
+        """
         token = _active.set(self)
         try:
-            yield self
+            with sdpa_kernel(_BACKENDS):
+                yield self
         finally:
             _active.reset(token)
 
@@ -150,13 +157,23 @@ class StepBatch(Cache):
             v = vp[dst].permute(1, 0, 2).unsqueeze(0)
         return k.to(key_states.dtype), v.to(value_states.dtype)
 
-    def causal_mask(self, i: int) -> torch.Tensor:
-        """`[new, L]` bool: piece i's new tokens see every earlier token and themselves."""
-        if i not in self._masks:
-            p = self.pieces[i]
-            q = torch.arange(p.length - p.new, p.length).unsqueeze(1)
-            self._masks[i] = (torch.arange(p.length).unsqueeze(0) <= q).to(self.pool.device)
-        return self._masks[i]
+    def mask(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (0 seen, -inf not) of piece i, or of the decodes for `i = -1`.
+
+        Decodes: `[B, 1, 1, Lmax]`, keys past each request's length hidden. A prefill piece:
+        `[new, L]`, its new tokens see every earlier token and themselves. (Additive masks
+        in the queries' dtype: SDPA takes its fused kernels with them, bench/FINDINGS.md.)
+        """
+        if (i, dtype) not in self._masks:
+            if i < 0:
+                seen = self._decode_mask
+            else:
+                p = self.pieces[i]
+                q = torch.arange(p.length - p.new, p.length).unsqueeze(1)
+                seen = (torch.arange(p.length).unsqueeze(0) <= q).to(self.pool.device)
+            zero = torch.zeros((), dtype=dtype, device=seen.device)
+            self._masks[(i, dtype)] = torch.where(seen, zero, torch.finfo(dtype).min)
+        return self._masks[(i, dtype)]
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None):
         """`[1, T, Hq, Dv]`: each piece's queries over its own context; see the module docstring.
@@ -170,10 +187,11 @@ class StepBatch(Cache):
         if b:
             # One token per request: its `group` query heads of a KV head act as `group`
             # query rows over that head's keys (same mask row), so no KV head is repeated.
-            q = query[0, :, :b].view(hkv, group, b, -1).permute(2, 0, 1, 3)  # [B, Hkv, G, D]
+            q = query[0, :, :b].view(hkv, group, b, -1).permute(2, 0, 1, 3).contiguous()  # [B, Hkv, G, D]
             k = key[0, :, : b * lmax].unflatten(1, (b, lmax)).transpose(0, 1)  # [B, Hkv, Lmax, D]
             v = value[0, :, : b * lmax].unflatten(1, (b, lmax)).transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask, scale=scale)
+            mask = self.mask(-1, query.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             outs.append(o.reshape(b, hq, -1))  # [B, Hq, Dv]: head h = kv head h // G, as transformers
         t, n = b, b * lmax
         for i in range(b, len(self.pieces)):
@@ -185,7 +203,7 @@ class StepBatch(Cache):
             if p.new == p.length:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal_mask(i), scale=scale)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(i, q.dtype), scale=scale)
             outs.append(o[0].transpose(0, 1))  # [new, Hq, Dv]
             t, n = t + p.new, n + p.length
         return torch.cat(outs).unsqueeze(0), None

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 from rich.table import Table
 
-from kvtier.engine.engine import Engine, RequestResult, SamplingParams
+from kvtier.engine.engine import Engine
+from kvtier.engine.results import RequestResult
+from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 
 SYSTEM = (
@@ -133,7 +135,7 @@ def _plain_generate(engine: Engine, prompt: list[int], max_tokens: int) -> list[
 def command(args: Namespace) -> int:
     """`kvtier demo`: 0 when every answer equals plain generation and the restart hits storage, else 1."""
     from kvtier.cache import CacheConfig, WritePolicy
-    from kvtier.commands import console, engine_for, storage_config
+    from kvtier.commands import console, engine_for, storage_config, summary_lines
 
     config = CacheConfig(write_policy=WritePolicy(args.write_policy))
     storage = storage_config(args) if args.storage else None
@@ -141,12 +143,10 @@ def command(args: Namespace) -> int:
         restart_storage = storage or storage_config(args, f"file://{scratch}")  # checked before loading
         loading = "loading the model (the first run converts it once, about a minute)"
         dev, engine = engine_for(args, loading, config, storage=storage)
-        tier = f", storage {engine.storage.backend.describe()}" if engine.storage is not None else ""
-        console.print(
-            f"{engine.spec.name}: {engine.spec.num_layers} layers, "
-            f"{engine.spec.bytes_per_token() // 1024} KiB of KV per token; "
-            f"device budget {args.device_tokens} tokens, host {args.host_tokens}{tier}, on {dev}"
-        )
+        for line in summary_lines(engine.summary()):
+            console.print(line, highlight=False)
+        tier = f"; storage {engine.storage.backend.describe()}" if engine.storage is not None else ""
+        console.print(f"{engine.spec.num_layers} layers on {dev}{tier}", highlight=False)
         turns = _play(engine, args.max_tokens)
         same = sum(t.identical for t in turns)
         console.print(f"answers identical to plain generation without cache reuse: {same} of {len(turns)}")
@@ -159,6 +159,8 @@ def command(args: Namespace) -> int:
                 device_tokens=args.device_tokens,
                 host_tokens=args.host_tokens,
                 config=config,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 storage=restart_storage,
             )
 

@@ -37,7 +37,6 @@ import logging
 import time
 from collections.abc import Generator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,7 @@ from kvtier.engine.hf import (
     spec_from_hf_config,
     text_config,
 )
+from kvtier.engine.results import EngineStats, RequestResult, Update
 from kvtier.engine.sampling import SamplingParams, pick
 from kvtier.engine.scheduler import Request, Scheduler
 from kvtier.errors import ClosedError, ConfigError, PromptTooLongError
@@ -64,64 +64,6 @@ log = logging.getLogger(__name__)
 
 # Tokens per page when a storage tier is on and no page size is given.
 STORAGE_PAGE_SIZE = 64
-
-
-@dataclass
-class RequestResult:
-    """What one request did: its tokens, text and where its prefix came from.
-
-    `storage_hit_tokens`: tokens prefetched from storage (then loaded like a host hit; not
-    counted in `host_hit_tokens`).
-    `load_s`: host time to submit the reload; `reload_s`: the reload's own time where
-    it can be told apart from the forward (CPU), else None (on a GPU it overlaps
-    the forward layer by layer).
-    """
-
-    prompt_tokens: int
-    tokens: list[int]
-    text: str
-    ttft_s: float
-    total_s: float
-    device_hit_tokens: int
-    host_hit_tokens: int
-    loaded_tokens: int
-    loaded_bytes: int
-    load_s: float
-    storage_hit_tokens: int = 0
-    reload_s: float | None = None
-    first_logits: torch.Tensor | None = field(default=None, repr=False)
-    finish_reason: str = "stop"  # "stop" (EOS or a stop string), "length", "cancelled", "timeout"
-    preemptions: int = 0  # times the request was preempted and resumed
-    token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter of each token
-
-    @property
-    def hit(self) -> str:
-        if self.storage_hit_tokens:
-            return "storage"
-        return "host" if self.host_hit_tokens else "device" if self.device_hit_tokens else "none"
-
-
-@dataclass
-class EngineStats:
-    """The engine's counters since it started (plain ints; the server exports them)."""
-
-    prompt_tokens: int = 0  # prompt tokens of the requests admitted
-    generation_tokens: int = 0  # tokens generated
-    preemptions: int = 0  # running requests preempted under memory pressure
-    finished: dict[str, int] = field(default_factory=dict)  # requests finished, by finish reason
-
-
-@dataclass(frozen=True)
-class Update:
-    """What one step did for one request: a new token, and its result once it finished.
-
-    `error`: the step failed for this request (it is finished; `result` is None).
-    """
-
-    request: Request
-    token: int | None = None
-    result: RequestResult | None = None
-    error: BaseException | None = None
 
 
 class Engine(Owner):

