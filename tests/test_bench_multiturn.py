@@ -271,7 +271,7 @@ def test_batching_sizes_are_checked() -> None:
     [
         (["multiturn", "--configs", "kvtier,lmcache"], "invalid choice(s) lmcache"),
         (["multiturn", "--request-rate", "0"], "expected a positive number, got '0'"),
-        (["multiturn", "--request-rate", "inf"], "expected a non-negative number"),
+        (["multiturn", "--request-rate", "inf"], "expected a positive number, got 'inf'"),
         (["multiturn", "--clients", "0"], "expected a positive integer, got 0"),
         (["multiturn", "--context-tokens", "-1"], "expected a non-negative integer"),
         (["multiturn", "--shape", "llama-70b"], "invalid choice: 'llama-70b'"),
