@@ -1,4 +1,5 @@
-"""The `kvtier` command's arguments: `kvtier demo | serve | bench` (transfer, overlap, cache, served, storage)
+"""The `kvtier` command's arguments: `kvtier demo | serve | bench` (transfer, overlap, cache, served,
+storage, multiturn, batching)
 
 This module parses and checks; it runs nothing. Every flag is checked before any model or
 pool is built: a bad value is argparse's usage line on stderr and exit code 2. `main` then
@@ -21,7 +22,8 @@ from kvtier.errors import KVTierError
 
 # Module whose `command(args) -> int` runs each command.
 COMMANDS = {"demo": "kvtier.engine.demo", "serve": "kvtier.engine.server"} | {
-    f"bench {b}": f"kvtier.bench.{b}" for b in ("transfer", "overlap", "cache", "served", "storage")
+    f"bench {b}": f"kvtier.bench.{b}"
+    for b in ("transfer", "overlap", "cache", "served", "storage", "multiturn", "batching")
 }
 
 # The fixed values of flags, each checked by tests/test_cli.py against what its comment names.
@@ -46,6 +48,9 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # kvtier.storag
 COMPRESSIONS = ("none", "lz4", "zstd")  # kvtier.storage.config.Compression
 ID_DTYPES = ("int32", "int64")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto, then kvtier.engine.models.DTYPES
+MULTITURN_CONFIGS = ("kvtier", "device-only", "no-cache")  # kvtier.bench.multiturn.CONFIGS
+SHAPES = ("tiny", "llama-3.1-8b")  # kvtier.bench.engines.SHAPES
+BATCHING_PARTS = ("concurrent", "decode")  # kvtier.bench.batching.PARTS
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # The forms `kvtier.storage.backend.open_backend` takes; the rest of a URL is checked when it opens.
@@ -433,6 +438,59 @@ def _bench_storage(bench) -> None:
     _json_flag(st)
 
 
+def _engine_bench_flags(p: argparse.ArgumentParser) -> None:
+    """The model and engine flags `bench multiturn` and `bench batching` share."""
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", help="a local transformers checkpoint (default: SmolLM2-135M-Instruct)")
+    which.add_argument(
+        "--shape", choices=SHAPES, help="random weights of this shape instead (llama-3.1-8b: the real KV)"
+    )
+    _device_flag(p)
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, else float32")
+    p.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="tokens per engine step")
+    p.add_argument("--seed", type=int, default=0, help="the random prompts' seed")
+    _json_flag(p)
+
+
+def _bench_multiturn(bench) -> None:
+    m = bench.add_parser(
+        "multiturn", help="N clients x M rounds of growing conversations: kvtier, device-only, no cache"
+    )
+    m.add_argument("--clients", type=positive, default=8)
+    m.add_argument("--rounds", type=positive, default=4)
+    m.add_argument("--context-tokens", type=non_negative, default=0, help="random tokens before question 1")
+    m.add_argument("--question-tokens", type=positive, default=128, help="tokens each round appends")
+    m.add_argument("--output-tokens", type=positive, default=16, help="tokens each answer has")
+    m.add_argument(
+        "--request-rate", type=positive_float, help="rounds per second, Poisson (default: closed loop)"
+    )
+    _csv_flag(m, "--configs", MULTITURN_CONFIGS)
+    _engine_bench_flags(m)
+    m.add_argument("--device-tokens", type=positive, default=1024, help="device KV pool in tokens")
+    m.add_argument("--host-tokens", type=positive, default=65536, help="host KV pool of kvtier in tokens")
+    m.add_argument("--page-size", type=positive, help="tokens per cache page (default 1)")
+    m.add_argument("--max-num-seqs", type=positive, default=64, help="running requests at most")
+    m.add_argument("--plot", type=Path, help="write TTFT per round and hit tokens per tier to this PNG")
+    m.add_argument(
+        "--from-json", type=Path, metavar="FILE", help="run nothing: show and --plot a report written before"
+    )
+
+
+def _bench_batching(bench) -> None:
+    b = bench.add_parser("batching", help="K requests at once against one by one; decode rate by batch size")
+    _csv_flag(b, "--parts", BATCHING_PARTS)
+    b.add_argument("--concurrent", type=positive, default=6, help="requests submitted at once")
+    b.add_argument("--prompt-tokens", type=positive, default=128, help="prompt of each concurrent request")
+    b.add_argument("--output-tokens", type=positive, default=64, help="answer of each concurrent request")
+    b.add_argument(
+        "--running", type=positive_list, default=(1, 8, 32, 64), help="requests decoding at once, per row"
+    )
+    b.add_argument("--decode-prompt-tokens", type=positive, default=32, help="prompt of each decode request")
+    b.add_argument("--steps", type=positive, default=16, help="timed decode steps per row")
+    _engine_bench_flags(b)
+    b.add_argument("--device-tokens", type=positive, help="device KV pool (default: what the parts need)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; building it imports nothing heavy."""
     p = argparse.ArgumentParser(prog="kvtier", description="Hierarchical KV cache for LLM serving.")
@@ -446,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_served(bench)
     _bench_cache(bench)
     _bench_storage(bench)
+    _bench_multiturn(bench)
+    _bench_batching(bench)
     return p
 
 
@@ -464,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] == "kvtier":
             raise
-        print(f"kvtier {name}: error: needs {e.name} (pip install 'kvtier[engine]')", file=sys.stderr)
+        extra = "bench" if e.name.split(".")[0] == "matplotlib" else "engine"
+        print(f"kvtier {name}: error: needs {e.name} (pip install 'kvtier[{extra}]')", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"kvtier {name}: interrupted", file=sys.stderr)

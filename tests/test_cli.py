@@ -61,6 +61,8 @@ def refused(argv: list[str], capsys) -> str:
         ["bench", "cache", "--help"],
         ["bench", "served", "--help"],
         ["bench", "storage", "--help"],
+        ["bench", "multiturn", "--help"],
+        ["bench", "batching", "--help"],
     ],
 )
 def test_help_imports_neither_torch_nor_transformers(argv: list[str]) -> None:
@@ -221,7 +223,10 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     assert set(cli.COMMANDS) == {
         "demo",
         "serve",
-        *(f"bench {b}" for b in ("transfer", "overlap", "cache", "served", "storage")),
+        *(
+            f"bench {b}"
+            for b in ("transfer", "overlap", "cache", "served", "storage", "multiturn", "batching")
+        ),
     }
 
 
