@@ -7,7 +7,7 @@ front) and the running requests (admission order). Each step (`schedule`) it giv
    piece of its prompt (at most what is left of `max_num_batched_tokens`);
 2. then admits waiting requests while fewer than `max_num_seqs` run and the budget
    lasts: a match against the cache (the last prompt token is always computed), a lease
-   on it and the reload of its host part.
+   on it, the slots of its first piece, then the reload of its host part.
 
 A request's context is `prompt + tokens generated`; `computed` of them have KV in the
 device slots of its slot table (`table`): `[:cached]` the tree's (locked by its lease),
@@ -47,6 +47,7 @@ import torch
 from kvtier.cache import CacheController
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CacheFullError
+from kvtier.slots import NO_SLOTS
 
 if TYPE_CHECKING:
     from kvtier.cache import Lease, LoadHandle, Match
@@ -149,14 +150,8 @@ class Scheduler:
                 budget -= n
         while budget and self.waiting and len(self.running) < self.max_num_seqs:
             req = self._next_waiting()
-            if req is None or not self._admit(req):
-                break
-            n = min(req.remaining, budget)
-            if not self._grow(req, req.computed + n, plan, preempt=False):
-                self._stop(req)  # admission never preempts: back to the queue's front
-                self.running.remove(req)
-                req.state = RequestState.WAITING
-                self.waiting.appendleft(req)
+            n = self._admit(req, budget) if req is not None else 0
+            if not n:
                 break
             plan.append((req, n))
             budget -= n
@@ -215,19 +210,30 @@ class Scheduler:
         shared = int(diff[0]) if len(diff) else n
         return shared >= other.cached + self.page_size and shared // self.page_size > 0
 
-    def _admit(self, req: Request) -> bool:
-        """Match, lock and load back `req`'s cached prefix; False (nothing held) when the device is full."""
+    def _admit(self, req: Request, budget: int) -> int:
+        """Admit `req`: tokens it computes this step, or 0 (nothing held, back at the queue's front).
+
+        Its cached prefix is matched and locked, then the slots of its first piece are
+        taken, and only then is the host part loaded back: a reload never runs for a
+        request that cannot start (admission never preempts).
+        """
         cache = self.cache
         ctx = req.context()
         match = cache.match(ctx[:-1]) if self.prefix_cache else None
         lease = cache.acquire(match) if match is not None else None
+        expected = match.tokens if match is not None else 0
+        piece, load = NO_SLOTS, None
         try:
+            piece = cache.alloc_device(self.pages(min(len(ctx) - expected, budget)))
             load = cache.load_back(match) if match is not None else None
         except CacheFullError:
-            cache.release(lease)
+            if len(piece):
+                cache.free_device(piece)
+            if lease is not None:
+                cache.release(lease)
             self.waiting.appendleft(req)
-            return False
-        prefix = match.device_slots if match is not None else torch.empty(0, dtype=torch.int64)
+            return 0
+        prefix = match.device_slots if match is not None else NO_SLOTS
         if load is not None and not load.recompute and load.tokens:
             prefix = torch.cat([prefix, load.device_slots])
             req.load = load
@@ -241,12 +247,21 @@ class Scheduler:
             req.load_tokens = 0 if load is None or load.recompute else load.tokens
             req.load_s = load.submit_s if load is not None else 0.0
         req.lease = lease
-        req.table = np.empty(self.pages(len(req.prompt) + req.params.max_tokens), dtype=np.int64)
-        req.cached = req.filled = req.computed = int(prefix.numel())
+        req.cached = req.computed = int(prefix.numel())
+        req.filled = req.cached + len(piece)
+        req.table = np.empty(max(self.pages(len(req.prompt) + req.params.max_tokens), req.filled), np.int64)
         req.table[: req.cached] = prefix.numpy()
+        req.table[req.cached : req.filled] = piece.numpy()
         req.state = RequestState.RUNNING
         self.running.append(req)
-        return True
+        n = min(req.remaining, budget)
+        if not self._grow(req, req.computed + n, [], preempt=False):  # the prefix came out shorter
+            self._stop(req)
+            self.running.remove(req)
+            req.state = RequestState.WAITING
+            self.waiting.appendleft(req)
+            return 0
+        return n
 
     # -- slots ---------------------------------------------------------------------------
 
