@@ -106,3 +106,25 @@ def test_streamed_text_deltas_add_up_to_the_whole_answer(server) -> None:
         text = "".join(stream.push(t) for t in tokens)
         whole = decode(tokens)
         assert text + stream.rest(whole) == whole
+
+
+def test_a_prompt_the_device_pool_cannot_hold_alone_is_a_400_and_evicts_nothing() -> None:
+    """It fits the model's context (4096) but not the 256-slot pool: refused at admission, cache intact."""
+    from tiny_models import tiny_llama
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(len(tokenizer), 4096, eos_token_id=tokenizer.eos_token_id)
+    engine = Engine(model, tokenizer, device_tokens=256, host_tokens=256)
+    with serving(create_app(engine, MODEL)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        client.chat.completions.create(model=MODEL, messages=question(7), max_tokens=2, temperature=0)
+        assert_nothing_held(engine)
+        free = engine.cache.device_alloc.available()
+        hits = engine.cache.metrics.device_hit_tokens
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=question(7), max_tokens=1000)
+        assert e.value.status_code == 400 and "device" in e.value.message
+        assert engine.cache.device_alloc.available() == free  # nothing was evicted for it
+        again = client.chat.completions.create(model=MODEL, messages=question(7), max_tokens=2, temperature=0)
+        assert again.choices[0].message.content is not None
+        assert engine.cache.metrics.device_hit_tokens > hits  # the cached prefix is still there
