@@ -128,3 +128,28 @@ def test_a_prompt_the_device_pool_cannot_hold_alone_is_a_400_and_evicts_nothing(
         again = client.chat.completions.create(model=MODEL, messages=question(7), max_tokens=2, temperature=0)
         assert again.choices[0].message.content is not None
         assert engine.cache.metrics.device_hit_tokens > hits  # the cached prefix is still there
+
+
+class _DiesOnSubmit(Engine):
+    """An engine whose `submit` raises what the worker cannot handle (a BaseException)."""
+
+    def submit(self, prompt, params=None):
+        raise SystemExit("injected")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it dies, as meant
+def test_a_worker_that_dies_is_logged_and_the_server_answers_503(caplog) -> None:
+    tokenizer = tiny_tokenizer()
+    engine = _DiesOnSubmit(tiny_model(tokenizer), tokenizer, device_tokens=256, host_tokens=256)
+    with serving(create_app(engine, MODEL)) as base:
+        assert httpx.get(base + "/health").status_code == 200
+        body = {"model": MODEL, "messages": question(1), "max_tokens": 2}
+        first = httpx.post(base + "/v1/chat/completions", json=body, timeout=30)
+        assert first.status_code == 500  # the job in hand is answered, not left hanging
+        deadline = time.time() + 10
+        while httpx.get(base + "/health").status_code != 503 and time.time() < deadline:
+            time.sleep(0.05)
+        health = httpx.get(base + "/health")
+        assert health.status_code == 503 and health.json()["error"]["type"] == "server_error"
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=30).status_code == 503
+    assert any("worker stopped" in r.getMessage() for r in caplog.records)

@@ -221,7 +221,8 @@ class Scheduler:
         ctx = req.context()
         match = cache.match(ctx[:-1]) if self.prefix_cache else None
         lease = cache.acquire(match) if match is not None else None
-        expected = match.tokens if match is not None else 0
+        # What the prefix will be if every page storage holds arrives (if not, `_grow` below).
+        expected = match.tokens + match.storage_tokens if match is not None else 0
         piece, load = NO_SLOTS, None
         try:
             piece = cache.alloc_device(self.pages(min(len(ctx) - expected, budget)))

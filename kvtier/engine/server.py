@@ -192,6 +192,8 @@ class Routes:
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def health(self) -> dict:
+        if not self.worker.alive:
+            raise APIError(503, "the server's worker has stopped; see its log", type_="server_error")
         return {"status": "ok"}
 
     async def models(self) -> dict:
@@ -263,6 +265,8 @@ class Routes:
                 code="context_length_exceeded",
             )
         job = Job(prompt, params, asyncio.get_running_loop())
+        if not self.worker.alive:
+            raise APIError(503, "the server's worker has stopped; see its log", type_="server_error")
         self.worker.jobs.put(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         reply = api.Reply(rid, int(time.time()), chat, self.model_name)

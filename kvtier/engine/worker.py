@@ -58,6 +58,7 @@ class Worker:
         self.cancelled = 0  # requests stopped because their client went away
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[Request, Job] = {}
+        self._pending: Job | None = None  # the job being submitted
         self.thread = threading.Thread(target=self._run, name="kvtier-worker", daemon=True)
         self.thread.start()
 
@@ -84,7 +85,28 @@ class Worker:
                 log.exception("settling the cache between requests failed")
         return self.jobs.get()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the worker still serves (False once stopped, or after an error it could not handle)."""
+        return self.thread.is_alive()
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            log.critical("the worker stopped on an error; the server answers 503 from now on", exc_info=True)
+            stranded = [*self._active.values(), *([self._pending] if self._pending else [])]
+            while True:
+                try:
+                    stranded.append(self.jobs.get_nowait())
+                except queue.Empty:
+                    break
+            for job in stranded:
+                if job is not None:
+                    job.emit("error", RuntimeError("the server's worker stopped"))
+            raise
+
+    def _serve(self) -> None:
         running = True
         while running:
             if not self.engine.busy:
@@ -112,6 +134,7 @@ class Worker:
     def _submit(self, job: Job) -> None:
         if job.cancel.is_set():
             return
+        self._pending = job
         try:
             self._active[self.engine.submit(job.prompt, job.params)] = job
         except (PromptTooLongError, ConfigError) as e:  # refused: the client's to fix
@@ -120,6 +143,7 @@ class Worker:
         except Exception as e:
             log.exception("submitting a request failed")
             job.emit("error", e)
+        self._pending = None
 
     def _cancel_gone(self) -> None:
         for req, job in list(self._active.items()):
