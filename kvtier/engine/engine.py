@@ -13,7 +13,8 @@ every layer waits for its own layer of the requests' pending loads, writes the n
 to their device slots and attends each request to its context where it lives in the
 device pool (`kvtier.engine.batch`). A finished request's whole computed pages are
 inserted into the cache, its other slots freed and its lease released, whatever ended
-it (length, EOS or a stop string, cancellation, timeout, a failed step).
+it (length, EOS or a stop string, cancellation, timeout, a failed step). A result's `text`
+ends just before its first stop string; its `tokens` are every token generated.
 
 Storage (`storage=URL` or a `StorageConfig`): a third tier below the host, keyed by the
 model's identity (`model_name`, else the config's name or path) and its config, so a
@@ -52,7 +53,7 @@ from kvtier.engine.hf import (
     text_config,
 )
 from kvtier.engine.results import EngineStats, RequestResult, Update
-from kvtier.engine.sampling import SamplingParams, pick
+from kvtier.engine.sampling import SamplingParams, pick, stop_index, token_logprob
 from kvtier.engine.scheduler import Request, Scheduler
 from kvtier.errors import ClosedError, ConfigError, PromptTooLongError
 from kvtier.pool import DevicePool, HostPool
@@ -320,7 +321,12 @@ class Engine(Owner):
             if not sched.computed(req, n):
                 continue
             p = req.params
-            token = greedy[i] if p.temperature == 0 else pick(logits[i], p, req.generator)
+            if p.temperature == 0 and not p.penalized:
+                token = greedy[i]
+            else:
+                token = pick(logits[i], p, req.generator, req.tokens)
+            if p.logprobs is not None:
+                req.logprobs.append(token_logprob(logits[i], token, p.logprobs))
             if not req.tokens:
                 req.first_logits = logits[i].float().cpu()
             if n > 1 or not req.tokens:
@@ -336,10 +342,10 @@ class Engine(Owner):
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
+        if (not p.ignore_eos and token in self._eos) or self._stopped(req.tokens, p):
+            return "stop"  # before "length": a stop on the last token allowed is still a stop
         if len(req.tokens) >= p.max_tokens:
             return "length"
-        if (not p.ignore_eos and token in self._eos) or self._stopped(req.tokens, p):
-            return "stop"
         return None
 
     def _end(self, req: Request, reason: str) -> None:
@@ -375,7 +381,8 @@ class Engine(Owner):
         return RequestResult(
             prompt_tokens=len(req.prompt),
             tokens=list(req.tokens),
-            text=self.decode(req.tokens),
+            text=self._text(req),
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             ttft_s=req.token_times[0] - req.t0 if req.token_times else 0.0,
             total_s=end - req.t0,
             device_hit_tokens=m.device_tokens if m is not None else 0,
@@ -401,7 +408,13 @@ class Engine(Owner):
         return frozenset(int(i) for i in (ids if isinstance(ids, list | tuple) else [ids]))
 
     def _stopped(self, tokens: list[int], params: SamplingParams) -> bool:
+        """Whether the last token completed a stop string (only the tail's text is decoded)."""
         if not params.stop or self.tokenizer is None:
             return False
-        tail = self.decode(tokens[-16:])
-        return any(s in tail for s in params.stop)
+        return stop_index(self.decode(tokens[-params.stop_window :]), params.stop) is not None
+
+    def _text(self, req: Request) -> str:
+        """The answer's text, cut just before its first stop string."""
+        text = self.decode(req.tokens)
+        cut = stop_index(text, req.params.stop) if self.tokenizer is not None else None
+        return text if cut is None else text[:cut]

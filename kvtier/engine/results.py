@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.engine.scheduler import Request
 
 
@@ -13,11 +14,13 @@ from kvtier.engine.scheduler import Request
 class RequestResult:
     """What one request did: its tokens, text and where its prefix came from.
 
-    `storage_hit_tokens`: tokens prefetched from storage (then loaded like a host hit; not
-    counted in `host_hit_tokens`).
-    `load_s`: host time to submit the reload; `reload_s`: the reload's own time where
-    it can be told apart from the forward (CPU), else None (on a GPU it overlaps
-    the forward layer by layer).
+    `tokens`: every token generated; `text`: their text cut just before the first stop string.
+
+        `storage_hit_tokens`: tokens prefetched from storage (then loaded like a host hit; not
+        counted in `host_hit_tokens`).
+        `load_s`: host time to submit the reload; `reload_s`: the reload's own time where
+        it can be told apart from the forward (CPU), else None (on a GPU it overlaps
+        the forward layer by layer).
     """
 
     prompt_tokens: int
@@ -36,6 +39,8 @@ class RequestResult:
     finish_reason: str = "stop"  # "stop" (EOS or a stop string), "length", "cancelled", "timeout"
     preemptions: int = 0  # times the request was preempted and resumed
     token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter of each token
+    # One per token of `tokens` where `SamplingParams.logprobs` was set, else None.
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
     @property
     def hit(self) -> str:

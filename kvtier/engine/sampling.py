@@ -1,12 +1,36 @@
-"""How a request picks its tokens: `SamplingParams`, and picking one row's next token."""
+"""How a request picks its tokens: `SamplingParams`, one row's next token, its logprobs, stop strings.
+
+Randomness: every sampled request has its own generator (`SamplingParams.generator`),
+seeded from `seed` when given (the same request then draws the same tokens whatever
+runs beside it), else from the operating system's entropy (each request draws afresh).
+
+Penalties follow OpenAI's definition over the tokens generated so far (the prompt not
+counted): `logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]`,
+applied before temperature and `top_p`, and before the argmax of a greedy request.
+
+Logprobs (`TokenLogprob`) are the log-softmax of the raw logits: before penalties and
+temperature (vLLM's default), so they say what the model thought, not how it was sampled.
+
+Stop strings: generation ends at the first token whose text completes one; the answer is
+cut just before the first stop string (`stop_index`). A stream holds back only the text
+that could still begin one (`held_back`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.errors import ConfigError
+
+# The most alternatives a token's logprobs may list (OpenAI's limit for `top_logprobs`).
+MAX_LOGPROBS = 20
+# Tokens decoded to look for a stop string: a token is at least one byte of text (byte-level
+# and byte-fallback tokenizers) and a character at most four, plus a few for the decode's
+# context at the window's start.
+STOP_WINDOW_MIN = 16
 
 
 @dataclass(frozen=True)
@@ -15,6 +39,9 @@ class SamplingParams:
 
     `timeout_s`: from `submit`; a request past it ends with finish_reason "timeout".
     `ignore_eos`: generate `max_tokens` whatever the model says (benchmarks).
+    `presence_penalty` / `frequency_penalty`: in [-2, 2] (see the module docstring).
+    `logprobs`: record each chosen token's logprob and this many top alternatives
+    (0 to `MAX_LOGPROBS`); None records nothing.
     """
 
     max_tokens: int = 64
@@ -24,6 +51,9 @@ class SamplingParams:
     seed: int | None = None
     timeout_s: float | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,19 +64,53 @@ class SamplingParams:
             raise ConfigError(
                 f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
             )
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ConfigError(
+                f"presence_penalty and frequency_penalty must be in [-2, 2], got {self.presence_penalty}, "
+                f"{self.frequency_penalty}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ConfigError(f"stop strings must not be empty, got {self.stop!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed by a penalty before a token is picked."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def stop_window(self) -> int:
+        """Tokens whose text is enough to find the longest stop string (see `STOP_WINDOW_MIN`)."""
+        return max(STOP_WINDOW_MIN, 4 * max(map(len, self.stop), default=0) + 4)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
-        """The request's random source (seeded when `seed` is given), or None for greedy."""
+        """The request's own random source (from `seed`, else fresh entropy), or None for greedy."""
         if self.temperature == 0:
             return None
         gen = torch.Generator(device=device)
         if self.seed is not None:
             gen.manual_seed(self.seed)
+        else:
+            gen.seed()  # a non-deterministic seed: two requests never share a draw
         return gen
 
 
-def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """The next token from one row of logits (`[V]`): argmax, or a draw at `temperature` within `top_p`."""
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's logprob and the `k` likeliest tokens' (`top`, likeliest first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def pick(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, generated: Sequence[int]
+) -> int:
+    """The next token from one row of logits (`[V]`) after the penalties over `generated`:
+    argmax, or a draw at `temperature` within `top_p`."""
+    logits = penalized(logits, params, generated)
     if params.temperature == 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
@@ -56,3 +120,40 @@ def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | No
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+def penalized(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int]) -> torch.Tensor:
+    """`[V]` float32 logits less the presence and frequency penalties over the `generated` tokens."""
+    if not params.penalized or not generated:
+        return logits
+    ids = torch.as_tensor(list(generated), dtype=torch.long, device=logits.device)
+    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(torch.float32)
+    penalty = params.presence_penalty * (counts > 0) + params.frequency_penalty * counts
+    return logits.float() - penalty
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """`token`'s logprob under one row of raw logits (`[V]`) and the `k` likeliest tokens'."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = float(logp[token])
+    if k == 0:
+        return TokenLogprob(token, chosen)
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+    return TokenLogprob(token, chosen, tuple(zip(ids.tolist(), values.tolist(), strict=True)))
+
+
+def stop_index(text: str, stop: Sequence[str]) -> int | None:
+    """Where the first stop string in `text` begins, or None if none is in it."""
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """How many characters at the end of `text` could still be the start of a stop string."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest

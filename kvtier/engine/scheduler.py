@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import CacheController
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.sampling import SamplingParams, TokenLogprob
 from kvtier.errors import CacheFullError
 from kvtier.slots import NO_SLOTS
 
@@ -73,6 +73,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when `params.logprobs` is set
     first_logits: torch.Tensor | None = None
     preemptions: int = 0
     finish_reason: str | None = None
