@@ -119,6 +119,7 @@ class Engine(Owner):
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.spec = spec_from_hf_config(model.config, dtype=dtype, page_size=ps)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # the ids a prompt may hold
         self.max_context = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 0)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -198,6 +199,10 @@ class Engine(Owner):
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True) if self.tokenizer else ""
 
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (for logprobs)."""
+        return self.tokenizer.decode([token]) if self.tokenizer else ""
+
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestResult:
         """Run one request on prompt token ids to the end; see `stream`."""
         stream = self.stream(prompt, params)
@@ -235,8 +240,9 @@ class Engine(Owner):
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None) -> Request:
         """Queue a request on prompt token ids; refused at once (nothing changed) if it cannot fit.
 
-        `ConfigError` for an empty prompt, `PromptTooLongError` when prompt + `max_tokens`
-        exceed the model's context or the whole device pool, `ClosedError` after `close`.
+        `ConfigError` for an empty prompt or a token id outside the vocabulary,
+        `PromptTooLongError` when prompt + `max_tokens` exceed the model's context or the
+        whole device pool, `ClosedError` after `close`.
         """
         if self._closed:
             raise ClosedError(f"engine for {self.spec.name} was closed")
@@ -361,6 +367,9 @@ class Engine(Owner):
         if not len(ids):
             raise ConfigError("a prompt needs at least one token, got an empty one")
         ids = ids.astype(np.int64, copy=False)
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+            raise ConfigError(f"token ids must be in [0, {self.vocab_size}), got {bad}")
         need = len(ids) + params.max_tokens
         if self.max_context and need > self.max_context:
             raise PromptTooLongError(

@@ -2,48 +2,86 @@
 
 Each check raises `APIError` (the status and OpenAI's `type`, `param`, `code`) before the
 request reaches the engine: `parse_body` (a JSON object), `check_model`, `chat_messages` /
-`text_prompt`, `sampling` (every range `SamplingParams` checks, with the API's `param`).
-`Reply` builds the response objects and server-sent events of one request;
-`failure_error` / `unfinished_error` say what a failed, timed-out or cancelled request is
-answered with.
+`text_prompt` (the other fields: `kvtier.engine.params`).
+`Reply` builds the response objects and server-sent events of one request (its choices,
+their logprobs, its usage); `ChoiceStream` the text deltas of one streamed choice, stop
+strings held back; `failure_error` / `unfinished_error` say what a failed, timed-out or
+cancelled request is answered with.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.engine.results import RequestResult
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.sampling import SamplingParams, TokenLogprob, held_back, stop_index
 from kvtier.errors import APIError, ConfigError, PromptTooLongError
 
 
 @dataclass(frozen=True)
 class Reply:
-    """What every response object of one request repeats: its id, creation time, kind and model."""
+    """What every response object of one request repeats: its id, creation time, kind and model.
+
+    `token_text`: one token's text (for logprobs); `include_usage`: streamed chunks carry a
+    `usage` field (null but in the last, whose `choices` are empty).
+    """
 
     rid: str
     created: int
     chat: bool
     model: str
+    token_text: Callable[[int], str]
+    include_usage: bool = False
 
-    def whole(self, result: RequestResult) -> dict:
-        """The non-streamed response object."""
-        finish = result.finish_reason
+    def whole(self, results: list[RequestResult], prompt_tokens: int, echoes: Sequence[str] = ()) -> dict:
+        """The non-streamed response object: choice `i` is `results[i]`, after `echoes[i]` if given."""
+        choices = [self._choice(i, r, echoes[i] if echoes else "") for i, r in enumerate(results)]
+        return {**self._object("chat.completion", choices), "usage": usage(prompt_tokens, results)}
+
+    def chunk(self, index: int, choice: dict) -> str:
+        """One server-sent event of a streamed response, for choice `index`."""
+        chunk = {"index": index, "finish_reason": None, "logprobs": None, **choice}
+        return self._event(self._object("chat.completion.chunk", [chunk]))
+
+    def delta(self, index: int, text: str) -> str:
+        """The event adding `text` to choice `index`."""
+        return self.chunk(index, {"delta": {"content": text}} if self.chat else {"text": text})
+
+    def finish(self, index: int, reason: str) -> str:
+        """The event ending choice `index`."""
+        end = {"delta": {}} if self.chat else {"text": ""}
+        return self.chunk(index, {**end, "finish_reason": reason})
+
+    def usage_chunk(self, prompt_tokens: int, results: Sequence[RequestResult]) -> str:
+        """The last event of a stream with `include_usage`: no choices, the whole request's usage."""
+        payload = self._object("chat.completion.chunk", [])
+        return self._event({**payload, "usage": usage(prompt_tokens, results)})
+
+    def _choice(self, index: int, result: RequestResult, echo: str) -> dict:
+        lps = result.logprobs
         if self.chat:
             message = {"role": "assistant", "content": result.text}
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
-        n, k = result.prompt_tokens, len(result.tokens)
-        usage = {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
-        return {**self._object("chat.completion", [choice]), "usage": usage}
+            logprobs = chat_logprobs(lps, self.token_text) if lps is not None else None
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": result.finish_reason,
+            }
+        logprobs = completion_logprobs(lps, self.token_text) if lps is not None else None
+        return {
+            "index": index,
+            "text": echo + result.text,
+            "logprobs": logprobs,
+            "finish_reason": result.finish_reason,
+        }
 
-    def chunk(self, choice: dict) -> str:
-        """One server-sent event of a streamed response."""
-        payload = self._object("chat.completion.chunk", [{"index": 0, "finish_reason": None, **choice}])
+    def _event(self, payload: dict) -> str:
+        if self.include_usage:
+            payload.setdefault("usage", None)
         return f"data: {json.dumps(payload)}\n\n"
 
     def _object(self, chat_kind: str, choices: list[dict]) -> dict:
@@ -55,6 +93,48 @@ class Reply:
             "model": self.model,
             "choices": choices,
         }
+
+
+def usage(prompt_tokens: int, results: Sequence[RequestResult]) -> dict:
+    """OpenAI's `usage`: every prompt counted once, every choice's tokens."""
+    k = sum(len(r.tokens) for r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": k, "total_tokens": prompt_tokens + k}
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict:
+    """A chat choice's `logprobs`: `content[j]` is token `j`'s text, logprob, bytes and top alternatives."""
+
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())}
+
+    content = [{**entry(x.token, x.logprob), "top_logprobs": [entry(*t) for t in x.top]} for x in logprobs]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict:
+    """A text choice's `logprobs`: tokens, their logprobs, the top ones (the chosen among them) and
+    where each token's text starts in the choice's text."""
+    tokens = [token_text(x.token) for x in logprobs]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    top = [
+        {**{token_text(t): _floor(v) for t, v in x.top}, text: _floor(x.logprob)}
+        for x, text in zip(logprobs, tokens, strict=True)
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_floor(x.logprob) for x in logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _floor(logprob: float) -> float:
+    """A logprob JSON can carry: OpenAI's -9999 for a token the model rules out (-inf)."""
+    return max(logprob, -9999.0)
 
 
 def failure_error(error: BaseException) -> APIError:
@@ -130,44 +210,6 @@ def _is_message(m: Any) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
-def sampling(body: dict, timeout_s: float) -> SamplingParams:
-    """The body's sampling fields, each range checked with its `param`; `timeout_s` is the server's."""
-
-    def number(name: str, default, kind=float):
-        v = body.get(name, default)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and v != int(v)):
-            raise APIError(400, f"{name} must be a {'integer' if kind is int else 'number'}", param=name)
-        return kind(v)
-
-    max_tokens = number("max_completion_tokens", None, int)
-    if max_tokens is None:
-        max_tokens = number("max_tokens", 64, int)
-    temperature = number("temperature", 1.0)
-    top_p = number("top_p", 1.0)
-    seed = number("seed", None, int)
-    stop = body.get("stop")
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, list | tuple) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, "stop must be a string or a list of at most 4 strings", param="stop")
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if not 0 <= temperature <= 2:
-        raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
-    if not 0 < top_p <= 1:
-        raise APIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    # Every range SamplingParams checks was checked above, with the API's `param`.
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop=tuple(stop),
-        seed=seed,
-        timeout_s=timeout_s,
-    )
-
-
 class TextStream:
     """The text deltas of a growing answer, decoding a few tokens per token (not the whole answer).
 
@@ -191,6 +233,37 @@ class TextStream:
             return ""
         self.prefix, self.read = self.read, len(self.tokens)
         delta = text[len(before) :]
+        self.sent += delta
+        return delta
+
+    def rest(self, text: str) -> str:
+        return text[len(self.sent) :] if text.startswith(self.sent) else ""
+
+
+class ChoiceStream:
+    """The text deltas of one streamed choice: `TextStream`'s, less any text of a stop string.
+
+    Text that could still be the start of a stop string is held back until the next token
+    says otherwise; text from a stop string on is never sent. `rest(text)`: what of the
+    choice's final text (already cut before its stop string) was not sent yet.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str]) -> None:
+        self.text = TextStream(decode)
+        self.stop = stop
+        self.pending = self.sent = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self.pending += self.text.push(token)
+        cut = stop_index(self.pending, self.stop)
+        if cut is not None:
+            self.stopped = True
+        else:
+            cut = len(self.pending) - held_back(self.pending, self.stop)
+        delta, self.pending = self.pending[:cut], self.pending[cut:]
         self.sent += delta
         return delta
 

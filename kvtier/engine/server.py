@@ -10,6 +10,11 @@ and `/v1/completions` (both with `stream`), `GET /v1/models`, `/health` and `/me
 (prometheus-client's text, `kvtier.engine.metrics`). Errors come back in OpenAI's shape
 (`APIError.body`) with a 4xx or 5xx status, and the server keeps serving.
 
+A request's parameters are read by `kvtier.engine.params` (a field the server cannot honour
+is a 400 naming it). Its `n` choices (of each prompt, for a text completion with several)
+are one engine request each, queued together: the first computes the prompt, the others
+match it in the prefix cache; a stream interleaves their chunks, each with its `index`.
+
 Admission (`Limits`), in this order, each refusal before any work: a body over
 `max_body_bytes` is answered 413 from its Content-Length before it is read, or as soon as
 more arrives (a chunked body); with `max_queue` requests waiting, 429 with `Retry-After`;
@@ -34,7 +39,7 @@ import uuid
 from argparse import Namespace
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +54,8 @@ from kvtier.engine import protocol as api
 from kvtier.engine.engine import Engine
 from kvtier.engine.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.engine.models import DEFAULT_MODEL
+from kvtier.engine.params import MAX_CHOICES, Prompt, RequestParams, completion_prompts, request_params
 from kvtier.engine.results import RequestResult
-from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.worker import Job, Worker
 from kvtier.errors import APIError, ConfigError
 
@@ -206,22 +211,27 @@ class Routes:
         return Response(text, media_type=CONTENT_TYPE)
 
     async def chat(self, request: Request):
-        body, prompt, params = await self._admit(request, self._chat_prompt)
-        return await self._complete(request, body, prompt, params, chat=True)
+        prompts, params = await self._admit(request, self._chat_prompt, chat=True)
+        return await self._complete(request, prompts, params, chat=True)
 
     async def completions(self, request: Request):
-        body, prompt, params = await self._admit(request, self._text_prompt)
-        return await self._complete(request, body, prompt, params, chat=False)
+        prompts, params = await self._admit(request, self._text_prompts, chat=False)
+        return await self._complete(request, prompts, params, chat=False)
 
-    async def _chat_prompt(self, body: dict) -> list[int]:
-        return await self._off_loop(self.engine.encode_chat, api.chat_messages(body))
+    async def _chat_prompt(self, body: dict) -> list[Prompt]:
+        return [Prompt(await self._off_loop(self.engine.encode_chat, api.chat_messages(body)))]
 
-    async def _text_prompt(self, body: dict) -> list[int]:
-        return await self._off_loop(self.engine.tokenizer.encode, api.text_prompt(body))
+    async def _text_prompts(self, body: dict) -> list[Prompt]:
+        return await self._off_loop(self._encode, completion_prompts(body, self.engine.vocab_size))
+
+    def _encode(self, prompts: list[str | list[int]]) -> list[Prompt]:
+        """Each text prompt's ids, each prompt of ids' text (for `echo`); runs on `prep`."""
+        encode, decode = self.engine.tokenizer.encode, self.engine.decode
+        return [Prompt(encode(p), p) if isinstance(p, str) else Prompt(p, decode(p)) for p in prompts]
 
     async def _admit(
-        self, request: Request, prompt_of: Callable[[dict], Awaitable[list[int]]]
-    ) -> tuple[dict, list[int], SamplingParams]:
+        self, request: Request, prompts_of: Callable[[dict], Awaitable[list[Prompt]]], chat: bool
+    ) -> tuple[list[Prompt], RequestParams]:
         """Size and queue checks (413, 429), then the body read, parsed and tokenised off the loop."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
@@ -239,8 +249,8 @@ class Routes:
             raw = await _read_body(request, self.limits.max_body_bytes)
             body = await self._off_loop(api.parse_body, raw)
             api.check_model(body, self.model_name)
-            params = api.sampling(body, self.limits.request_timeout_s)
-            return body, await prompt_of(body), params
+            params = request_params(body, chat, self.limits.request_timeout_s)
+            return await prompts_of(body), params
         finally:
             self.admitting -= 1
 
@@ -252,87 +262,150 @@ class Routes:
         mean = self.metrics.mean_latency_s()
         return 1 if mean is None else min(60, max(1, math.ceil(mean)))
 
-    async def _complete(
-        self, request: Request, body: dict, prompt: list[int], params: SamplingParams, chat: bool
-    ):
-        context = self.engine.max_context
-        if context and len(prompt) + params.max_tokens > context:
+    async def _complete(self, request: Request, prompts: list[Prompt], params: RequestParams, chat: bool):
+        """Queue `n` jobs per prompt (choice `i * n + j`: prompt `i`, draw `j`), answer them as one.
+
+        The choices of a prompt share its KV: the scheduler holds the later ones back until
+        the first has computed the prompt, then they match it in the prefix cache.
+        """
+        self._check_fits(prompts, params, chat)
+        if not self.worker.alive:
+            raise APIError(503, "the server's worker has stopped; see its log", type_="server_error")
+        loop = asyncio.get_running_loop()
+        jobs = [Job(p.ids, params.choice(j), loop) for p in prompts for j in range(params.n)]
+        for job in jobs:
+            self.worker.jobs.put(job)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        reply = api.Reply(
+            rid, int(time.time()), chat, self.model_name, self.engine.token_text, params.include_usage
+        )
+        prompt_tokens = sum(len(p.ids) for p in prompts)
+        echoes = [p.text for p in prompts for _ in range(params.n)] if params.echo else []
+        if params.stream:
+            events = self._sse(jobs, reply, prompt_tokens, echoes)
+            return StreamingResponse(events, media_type="text/event-stream")
+        results = await _drain(jobs, request)
+        for result in results:
+            self.metrics.observe(result)
+        for result, job in zip(results, jobs, strict=True):
+            if (error := api.unfinished_error(result, job.params)) is not None:
+                raise error
+        self.metrics.count(200)
+        return await self._off_loop(reply.whole, results, prompt_tokens, echoes)
+
+    def _check_fits(self, prompts: list[Prompt], params: RequestParams, chat: bool) -> None:
+        """400 for more choices than a request may ask, or a prompt past the model's context."""
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n={params.n} choices exceed the {MAX_CHOICES} a request may ask",
+                param="n",
+            )
+        context, new = self.engine.max_context, params.sampling.max_tokens
+        longest = max(len(p.ids) for p in prompts)
+        if context and longest + new > context:
             raise APIError(
                 400,
                 f"this model's maximum context length is {context} tokens; the prompt has "
-                f"{len(prompt)} and {params.max_tokens} more were requested",
+                f"{longest} and {new} more were requested",
                 param="messages" if chat else "prompt",
                 code="context_length_exceeded",
             )
-        job = Job(prompt, params, asyncio.get_running_loop())
-        if not self.worker.alive:
-            raise APIError(503, "the server's worker has stopped; see its log", type_="server_error")
-        self.worker.jobs.put(job)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        reply = api.Reply(rid, int(time.time()), chat, self.model_name)
-        if body.get("stream"):
-            return StreamingResponse(self._sse(job, reply), media_type="text/event-stream")
-        result = await _drain(job, request)
-        self.metrics.observe(result)
-        if (error := api.unfinished_error(result, params)) is not None:
-            raise error
-        self.metrics.count(200)
-        return reply.whole(result)
 
-    async def _sse(self, job: Job, reply: api.Reply) -> AsyncIterator[str]:
-        """The server-sent events of one streamed request: role, text deltas, finish, `[DONE]`.
+    async def _sse(
+        self, jobs: list[Job], reply: api.Reply, prompt_tokens: int, echoes: list[str]
+    ) -> AsyncIterator[str]:
+        """The server-sent events of one streamed request: each choice's role (chat) or echo,
+        text deltas and finish; the usage where asked; `[DONE]`.
 
-        A request that fails or times out ends with an error event, then `[DONE]`.
+        A request one of whose choices fails or times out ends with an error event, then `[DONE]`.
         """
-        text = api.TextStream(self.engine.decode)
+        streams = [api.ChoiceStream(self.engine.decode, job.params.stop) for job in jobs]
+        results: list[RequestResult] = []
+        error = None
         try:
-            if reply.chat:
-                yield reply.chunk({"delta": {"role": "assistant", "content": ""}})
-            kind, value = await job.events.get()
-            while kind == "token":
-                if delta := text.push(value):
-                    yield reply.chunk({"delta": {"content": delta}} if reply.chat else {"text": delta})
-                kind, value = await job.events.get()
-            if kind == "done":
-                if delta := text.rest(value.text):
-                    yield reply.chunk({"delta": {"content": delta}} if reply.chat else {"text": delta})
-                self.metrics.observe(value)
-                error = api.unfinished_error(value, job.params)
-            elif kind == "error":
-                error = api.failure_error(value)
-            else:  # cancelled: its client is gone
-                return
+            for i in range(len(jobs)):
+                if reply.chat:
+                    yield reply.chunk(i, {"delta": {"role": "assistant", "content": ""}})
+                elif echoes and echoes[i]:
+                    yield reply.delta(i, echoes[i])
+            async with aclosing(_events(jobs)) as events:
+                async for i, kind, value in events:
+                    if kind == "token":
+                        if delta := streams[i].push(value):
+                            yield reply.delta(i, delta)
+                        continue
+                    if kind == "cancelled":  # its client is gone
+                        return
+                    if kind == "error":
+                        error = api.failure_error(value)
+                        break
+                    if delta := streams[i].rest(value.text):
+                        yield reply.delta(i, delta)
+                    self.metrics.observe(value)
+                    if (error := api.unfinished_error(value, jobs[i].params)) is not None:
+                        break
+                    results.append(value)
+                    yield reply.finish(i, value.finish_reason)
             self.metrics.count(200 if error is None else error.status)
-            if error is None:
-                end = {"delta": {}} if reply.chat else {"text": ""}
-                yield reply.chunk({**end, "finish_reason": value.finish_reason})
-            else:
+            if error is not None:
                 yield f"data: {json.dumps(error.body())}\n\n"
+            elif reply.include_usage:
+                yield reply.usage_chunk(prompt_tokens, results)
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel.set()  # a client that went away stops the worker at its next token
+            for job in jobs:
+                job.cancel.set()  # a client that went away stops the worker at its next token
 
 
-async def _drain(job: Job, request: Request) -> RequestResult:
-    """The result of a non-streamed job; a client that goes away meanwhile cancels it."""
-    watch = asyncio.create_task(_cancel_when_gone(job, request))
-    try:
-        while True:
+async def _events(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
+    """Every job's events as they come, with the job's index, until each job has ended."""
+    merged: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+
+    async def forward(i: int, job: Job) -> None:
+        kind = "token"
+        while kind == "token":
             kind, value = await job.events.get()
-            if kind == "done":
-                return value
-            if kind == "error":
-                raise api.failure_error(value)
-            if kind == "cancelled":
-                raise APIError(499, "request cancelled", type_="cancelled")
+            merged.put_nowait((i, kind, value))
+
+    tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+    try:
+        running = len(jobs)
+        while running:
+            i, kind, value = await merged.get()
+            running -= kind != "token"
+            yield i, kind, value
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _drain(jobs: list[Job], request: Request) -> list[RequestResult]:
+    """The results of non-streamed jobs, in order; a client that goes away meanwhile cancels them,
+    and so does one job's failure the others."""
+    watch = asyncio.create_task(_cancel_when_gone(jobs, request))
+    results: list[RequestResult | None] = [None] * len(jobs)
+    try:
+        async with aclosing(_events(jobs)) as events:
+            async for i, kind, value in events:
+                if kind == "done":
+                    results[i] = value
+                elif kind == "error":
+                    raise api.failure_error(value)
+                elif kind == "cancelled":
+                    raise APIError(499, "request cancelled", type_="cancelled")
+        return results
     finally:
         watch.cancel()
+        for job in jobs:
+            job.cancel.set()  # the others of a failed request stop at their next token
 
 
-async def _cancel_when_gone(job: Job, request: Request) -> None:
+async def _cancel_when_gone(jobs: list[Job], request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-    job.cancel.set()
+    for job in jobs:
+        job.cancel.set()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
