@@ -23,6 +23,7 @@ from served import MESSAGES, MODEL, samples, serving, tiny_model, tiny_tokenizer
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
 from kvtier.engine.protocol import ChoiceStream  # noqa: E402
 from kvtier.engine.server import create_app  # noqa: E402
+from kvtier.errors import ConfigError  # noqa: E402
 
 PROMPT = "the quick brown fox"
 
@@ -409,3 +410,12 @@ def test_a_refused_token_id_leaves_other_requests_alone(server, client) -> None:
     )
     assert bad.status_code == 400 and json.loads(bad.text)["error"]["param"] == "prompt"
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+def test_the_engine_refuses_a_token_id_outside_the_vocabulary(server) -> None:
+    tokenizer = server[2]
+    with Engine(tiny_model(tokenizer), tokenizer, device_tokens=256, host_tokens=256) as engine:
+        with pytest.raises(ConfigError, match=r"token ids must be in \[0, 300\), got 300"):
+            engine.submit([1, 2, 300])
+        assert not engine.busy
+        assert engine.generate([1, 2, 299], SamplingParams(max_tokens=2)).tokens

@@ -367,9 +367,6 @@ class Engine(Owner):
         if not len(ids):
             raise ConfigError("a prompt needs at least one token, got an empty one")
         ids = ids.astype(np.int64, copy=False)
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
-            raise ConfigError(f"token ids must be in [0, {self.vocab_size}), got {bad}")
         need = len(ids) + params.max_tokens
         if self.max_context and need > self.max_context:
             raise PromptTooLongError(
@@ -382,6 +379,9 @@ class Engine(Owner):
                 f"prompt of {len(ids)} tokens + {params.max_tokens} to generate needs {need} device "
                 f"slots; the device pool has {self.device_pool.num_slots}"
             )
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+            raise ConfigError(f"token ids must be in [0, {self.vocab_size}), got {bad}")
         return ids
 
     def _result(self, req: Request) -> RequestResult:

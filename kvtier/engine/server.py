@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.alloc import AllocPolicy
 from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.cache.storage_mover import HostStorageMover
+from kvtier.engine import choices
 from kvtier.engine import protocol as api
 from kvtier.engine.engine import Engine
 from kvtier.engine.metrics import CONTENT_TYPE, ServerMetrics
@@ -60,9 +61,6 @@ from kvtier.engine.worker import Job, Worker
 from kvtier.errors import APIError, ConfigError
 
 log = logging.getLogger(__name__)
-
-# How often a non-streamed request checks that its client is still there.
-DISCONNECT_POLL_S = 0.2
 
 
 class _Terminated(Exception):
@@ -284,7 +282,7 @@ class Routes:
         if params.stream:
             events = self._sse(jobs, reply, prompt_tokens, echoes)
             return StreamingResponse(events, media_type="text/event-stream")
-        results = await _drain(jobs, request)
+        results = await choices.drain(jobs, request)
         for result in results:
             self.metrics.observe(result)
         for result, job in zip(results, jobs, strict=True):
@@ -329,7 +327,7 @@ class Routes:
                     yield reply.chunk(i, {"delta": {"role": "assistant", "content": ""}})
                 elif echoes and echoes[i]:
                     yield reply.delta(i, echoes[i])
-            async with aclosing(_events(jobs)) as events:
+            async with aclosing(choices.events(jobs)) as events:
                 async for i, kind, value in events:
                     if kind == "token":
                         if delta := streams[i].push(value):
@@ -356,56 +354,6 @@ class Routes:
         finally:
             for job in jobs:
                 job.cancel.set()  # a client that went away stops the worker at its next token
-
-
-async def _events(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
-    """Every job's events as they come, with the job's index, until each job has ended."""
-    merged: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
-
-    async def forward(i: int, job: Job) -> None:
-        kind = "token"
-        while kind == "token":
-            kind, value = await job.events.get()
-            merged.put_nowait((i, kind, value))
-
-    tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
-    try:
-        running = len(jobs)
-        while running:
-            i, kind, value = await merged.get()
-            running -= kind != "token"
-            yield i, kind, value
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _drain(jobs: list[Job], request: Request) -> list[RequestResult]:
-    """The results of non-streamed jobs, in order; a client that goes away meanwhile cancels them,
-    and so does one job's failure the others."""
-    watch = asyncio.create_task(_cancel_when_gone(jobs, request))
-    results: list[RequestResult | None] = [None] * len(jobs)
-    try:
-        async with aclosing(_events(jobs)) as events:
-            async for i, kind, value in events:
-                if kind == "done":
-                    results[i] = value
-                elif kind == "error":
-                    raise api.failure_error(value)
-                elif kind == "cancelled":
-                    raise APIError(499, "request cancelled", type_="cancelled")
-        return results
-    finally:
-        watch.cancel()
-        for job in jobs:
-            job.cancel.set()  # the others of a failed request stop at their next token
-
-
-async def _cancel_when_gone(jobs: list[Job], request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    for job in jobs:
-        job.cancel.set()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
