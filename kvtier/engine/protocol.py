@@ -216,7 +216,7 @@ class TextStream:
     Each delta is the text a new token adds after the tokens before it, decoded over a
     short window (so a tokenizer that drops a leading space at the start of a decode still
     gives the space); a token that ends inside a multi-byte character waits for the next.
-    `rest(text)`: what of the whole answer's text was not sent yet.
+    `sent`: the text sent so far.
     """
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
@@ -235,9 +235,6 @@ class TextStream:
         delta = text[len(before) :]
         self.sent += delta
         return delta
-
-    def rest(self, text: str) -> str:
-        return text[len(self.sent) :] if text.startswith(self.sent) else ""
 
 
 class ChoiceStream:
@@ -266,6 +263,3 @@ class ChoiceStream:
         delta, self.pending = self.pending[:cut], self.pending[cut:]
         self.sent += delta
         return delta
-
-    def rest(self, text: str) -> str:
-        return text[len(self.sent) :] if text.startswith(self.sent) else ""
