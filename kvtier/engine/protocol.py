@@ -263,3 +263,6 @@ class ChoiceStream:
         delta, self.pending = self.pending[:cut], self.pending[cut:]
         self.sent += delta
         return delta
+
+    def rest(self, text: str) -> str:
+        return text[len(self.sent) :] if text.startswith(self.sent) else ""
