@@ -212,9 +212,14 @@ def error_shape_problem(payload: object) -> str | None:
 
 
 def requested_choices(body: object) -> int | None:
-    """The `n` a request body asks for (1 when it names none); None where `n` is not a positive int."""
+    """The choices a request body asks for: `n` (1 when it names none) per prompt, a completions
+    `prompt` list being several prompts (OpenAI's rule); None where `n` is not a positive int."""
     n = body.get("n", 1) if isinstance(body, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        return None
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
+    return n * len(prompt) if several else n
 
 
 def stream_problem(text: str, n: int | None) -> str | None:

@@ -327,12 +327,18 @@ class Engine(Owner):
             if not sched.computed(req, n):
                 continue
             p = req.params
-            if p.temperature == 0 and not p.penalized:
-                token = greedy[i]
-            else:
-                token = pick(logits[i], p, req.generator, req.tokens)
-            if p.logprobs is not None:
-                req.logprobs.append(token_logprob(logits[i], token, p.logprobs))
+            try:
+                if p.temperature == 0 and not p.penalized:
+                    token = greedy[i]
+                else:
+                    token = pick(logits[i], p, req.generator, req.tokens)
+                if p.logprobs is not None:
+                    req.logprobs.append(token_logprob(logits[i], token, p.logprobs))
+            except Exception as e:  # this request's sampling failed: the others of the step go on
+                log.exception("sampling request %d failed", req.id)
+                self._end(req, "error")
+                updates.append(Update(req, error=e))
+                continue
             if not req.tokens:
                 req.first_logits = logits[i].float().cpu()
             if n > 1 or not req.tokens:

@@ -20,6 +20,7 @@ reproducible.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,7 +179,12 @@ def _number(body: dict, name: str, default: Any, kind: type = float) -> Any:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and v != int(v)):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, int | float)
+        or not math.isfinite(v)
+        or (kind is int and v != int(v))
+    ):
         raise APIError(
             400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}", param=name
         )

@@ -170,12 +170,28 @@ def too_large(limit: int) -> APIError:
 def parse_body(raw: bytes) -> dict:
     """The request's JSON object; 400 for anything else (runs off the event loop)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw, parse_constant=_no_constant, parse_int=_int)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    try:  # a "\ud800" escape parses to a lone surrogate, which no tokenizer takes
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body has an unpaired UTF-16 surrogate escape") from None
     return body
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > 30:  # far past any count or seed; bounds int() on hostile input
+        raise ValueError(f"integer of {len(text)} digits")
+    return int(text)
 
 
 def check_model(body: dict, model_name: str) -> None:

@@ -35,7 +35,7 @@ STOP_WINDOW_MIN = 16
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens: greedy when `temperature == 0`.
+    """How to pick tokens: greedy when `temperature` is 0 (or under `GREEDY_BELOW`).
 
     `timeout_s`: from `submit`; a request past it ends with finish_reason "timeout".
     `ignore_eos`: generate `max_tokens` whatever the model says (benchmarks).
@@ -105,18 +105,23 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+# Temperatures below this sample greedily: dividing logits by less overflows float32.
+GREEDY_BELOW = 1e-5
+
+
 def pick(
     logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, generated: Sequence[int]
 ) -> int:
     """The next token from one row of logits (`[V]`) after the penalties over `generated`:
     argmax, or a draw at `temperature` within `top_p`."""
     logits = penalized(logits, params, generated)
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
+        keep[0] = True  # the likeliest token stays, however small `top_p`
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
