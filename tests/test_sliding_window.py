@@ -5,7 +5,7 @@ prompt runs past the window. Each run is compared with plain greedy forwards of 
 model (no cache, transformers' own masks) and with `generate` up to its EOS; models of
 the same weights with another window (7, 9, none) or, for Gemma 2, without soft-capping
 give other logits, so an engine that ignored the window, misplaced it by a token or
-dropped the cap fails.
+dropped the cap fails. The last test serves a tiny Gemma through the official openai client.
 """
 
 from __future__ import annotations
@@ -209,3 +209,37 @@ def test_outside_a_step_kvtier_attention_is_the_models_own(name) -> None:
             switched_tokens = model.generate(prompt, **gen)
     assert rel(switched, own) < 1e-5
     assert torch.equal(switched_tokens, own_tokens)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_served_through_the_openai_client_with_generates_answer(name) -> None:
+    """`kvtier serve`'s app over a tiny Gemma: the chat answer is the text of `generate`'s tokens."""
+    for needed in ("fastapi", "uvicorn", "openai", "httpx", "tokenizers", "prometheus_client"):
+        pytest.importorskip(needed)
+    import openai
+    from served import MESSAGES, MODEL, serving, tiny_tokenizer
+
+    from kvtier.engine.server import create_app
+
+    tokenizer = tiny_tokenizer()
+    prompt = torch.tensor([tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]])
+    models, answers = {}, {}
+    for window in (4, 4096):  # the chat's prompt is 47 tokens: the window of 4 decides the answer
+        models[window] = model = MODELS[name](len(tokenizer), 256, window=window)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        with torch.no_grad():
+            ids = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False
+            )
+        answers[window] = tokenizer.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True)
+    expected = answers[4]
+    assert expected != answers[4096]
+    engine = Engine(models[4], tokenizer, device_tokens=512, host_tokens=1024)
+    with serving(create_app(engine, MODEL)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for _ in range(2):  # cold, then from the cache
+            answer = client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+            )
+            assert answer.choices[0].message.content == expected
+    assert engine.closed

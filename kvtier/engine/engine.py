@@ -13,8 +13,8 @@ every layer waits for its own layer of the requests' pending loads, writes the n
 to their device slots and attends each request to its context where it lives in the
 device pool (`kvtier.engine.batch`). Sliding-window layers (Gemma 2 / 3) keep every
 token's KV like full layers and apply the window in the mask: such a model takes the
-pool memory of a full-attention model of its shape, and the window saves compute only
-(`kvtier.engine.hf.layer_windows`). A finished request's whole computed pages are
+pool memory of a full-attention model of its shape, and the window saves no memory,
+only some attention compute (`kvtier.engine.hf.layer_windows`). A finished request's whole computed pages are
 inserted into the cache, its other slots freed and its lease released, whatever ended
 it (length, EOS or a stop string, cancellation, timeout, a failed step).
 
