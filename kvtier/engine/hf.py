@@ -51,10 +51,7 @@ def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size
     """The `KVSpec` of a transformers model config; `SpecError` for a layout kvtier cannot map."""
     text = text_config(config)
     name = getattr(text, "model_type", None) or "model"
-    layers = getattr(text, "num_hidden_layers", None)
-    if not isinstance(layers, int) or layers <= 0:
-        raise SpecError(f"config of {name!r} has no num_hidden_layers kvtier can use")
-    layer_windows(config)  # refuses layer types kvtier cannot serve
+    layers = len(layer_windows(config))  # refuses layer types kvtier cannot serve
     if dtype is None:
         dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
@@ -75,7 +72,7 @@ def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size
     return mha_spec(name, layers, kv_heads, head_dim, dtype, page_size)
 
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+_FULL, _SLIDING = "full_attention", "sliding_attention"
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
@@ -95,13 +92,13 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
     window = getattr(text, "sliding_window", None)
     types = getattr(text, "layer_types", None)
     if types is None:  # transformers slides every layer of such a model (Mistral) by its config's window
-        types = [SLIDING if window is not None else FULL] * layers
+        types = [_SLIDING if window is not None else _FULL] * layers
     types = list(types)
-    if len(types) != layers or any(t not in (FULL, SLIDING) for t in types):
+    if len(types) != layers or any(t not in (_FULL, _SLIDING) for t in types):
         raise SpecError(
             f"config of {name!r} has layer types {sorted(set(types))} over {len(types)} of {layers} layers; "
-            f"kvtier maps {FULL!r} and {SLIDING!r} only"
+            f"kvtier maps {_FULL!r} and {_SLIDING!r} only"
         )
-    if SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if _SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise SpecError(f"config of {name!r} has sliding layers but sliding_window {window!r}")
-    return tuple(window if t == SLIDING else None for t in types)
+    return tuple(window if t == _SLIDING else None for t in types)
