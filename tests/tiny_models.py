@@ -47,3 +47,65 @@ def tiny_deepseek_v3(vocab_size: int = 256, max_positions: int = 512) -> transfo
     )
     torch.manual_seed(0)
     return transformers.DeepseekV3ForCausalLM(cfg).eval()
+
+
+def _gemma_shape(vocab_size: int, max_positions: int, window: int) -> dict:
+    """A 4-layer Gemma shape: sliding, full, sliding, full.
+
+    Untied, with a larger init than Gemma's, so that greedy tokens vary and the window
+    changes them.
+    """
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=32,  # a scale other than head_dim ** -0.5
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=max_positions,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_gemma2(
+    vocab_size: int = 256, max_positions: int = 512, window: int = 8, softcap: float | None = 0.5
+) -> transformers.Gemma2ForCausalLM:
+    """A Gemma 2-style model: sliding and full layers alternate, attention logits capped; seeded, eval."""
+    cfg = transformers.Gemma2Config(
+        **_gemma_shape(vocab_size, max_positions, window), attn_logit_softcapping=softcap
+    )
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(cfg).eval()
+
+
+def tiny_gemma3(
+    vocab_size: int = 256, max_positions: int = 512, window: int = 8
+) -> transformers.Gemma3ForCausalLM:
+    """A text-only Gemma 3-style model: sliding and full layers, q/k norms, local rope; seeded, eval."""
+    cfg = transformers.Gemma3TextConfig(**_gemma_shape(vocab_size, max_positions, window))
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def tiny_mistral(
+    vocab_size: int = 256, max_positions: int = 512, window: int = 8
+) -> transformers.MistralForCausalLM:
+    """A 2-layer Mistral-style model: no `layer_types`, every layer slides by `window`; seeded, eval."""
+    cfg = transformers.MistralConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=window,
+        max_position_embeddings=max_positions,
+        initializer_range=0.05,
+    )
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(cfg).eval()

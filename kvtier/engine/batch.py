@@ -12,7 +12,20 @@ transient per-layer buffer. No request keeps a copy of its KV outside the pool.
 attends each request to its own context only: the leading pieces with one new token
 (decodes) in one padded call, keys past a request's length masked; every other piece
 alone with its causal mask offset by the tokens before it. Outside a step (no active
-batch) it is transformers' own SDPA, so a model switched to it still runs on its own.
+batch) it is transformers' own SDPA, so a model switched to it still runs on its own
+(with transformers' masks: `"kvtier"` is registered as a mask implementation too, which
+builds SDPA's masks outside a step and none inside one, where `attend` makes its own).
+
+Per layer (`module.layer_idx`), two things the model's attention call carries change the
+math: a sliding window (`windows[layer]`, from the config at engine build,
+`kvtier.engine.hf.layer_windows`): a query at position p sees the keys at positions in
+`(p - window, p]`, as transformers' masks; and Gemma 2's attention logit soft-capping
+(`softcap` in the call's kwargs: `tanh(scores / cap) * cap` before the mask), which SDPA
+cannot do, so those calls run an explicit matmul-softmax (transformers' eager math, also
+outside a step). A sliding layer keeps every token's KV in the pool like a full layer:
+the window saves compute (a prefill piece's keys before its first query's window are
+sliced off; decodes are masked), never memory. Attention sinks (`s_aux`) and
+bidirectional attention are refused (`InvariantError`).
 
 The step's layout (`read_index`):
     [decode 0: Lmax slots][decode 1: Lmax slots]...[piece k: L_k slots]...
@@ -38,9 +51,11 @@ from kvtier.spec import BufferKind, KVSpec
 try:
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, DynamicLayer
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 except ImportError:  # pragma: no cover - the engine extra is not installed
     AttentionInterface = None  # type: ignore[assignment,misc]
+    AttentionMaskInterface = None  # type: ignore[assignment,misc]
     Cache = object  # type: ignore[assignment,misc]
     DynamicLayer = object  # type: ignore[assignment,misc]
 
@@ -83,13 +98,26 @@ class _StepLayer(DynamicLayer):
 
 
 class StepBatch(Cache):
-    """The `Cache` of one step over `pieces` (decodes first: see the module docstring)."""
+    """The `Cache` of one step over `pieces` (decodes first: see the module docstring).
 
-    def __init__(self, spec: KVSpec, pool: DevicePool, pieces: Sequence[Piece]) -> None:
+    `windows`: each layer's sliding window in tokens, None for full attention (every
+    layer full when not given).
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        pool: DevicePool,
+        pieces: Sequence[Piece],
+        windows: Sequence[int | None] | None = None,
+    ) -> None:
         if not pieces:
             raise InvariantError("a step needs at least one piece")
+        windows = tuple(windows) if windows is not None else (None,) * spec.num_layers
+        if len(windows) != spec.num_layers:
+            raise InvariantError(f"{len(windows)} layer windows for a spec of {spec.num_layers} layers")
         super().__init__(layers=[_StepLayer(self, i) for i in range(spec.num_layers)])
-        self.spec, self.pool, self.pieces = spec, pool, list(pieces)
+        self.spec, self.pool, self.pieces, self.windows = spec, pool, list(pieces), windows
         self._mla = spec.buffers[0].kind is BufferKind.MLA_LATENT
         dev = pool.device
         self.decodes = next((i for i, p in enumerate(self.pieces) if p.new != 1), len(self.pieces))
@@ -117,7 +145,7 @@ class StepBatch(Cache):
         self.positions = torch.cat(positions).to(dev)  # `[T]` int64
         self.last = torch.tensor(last, device=dev)  # `[R]` int64: each piece's last token in the pack
         self._decode_mask = mask.view(self.decodes, 1, 1, lmax).to(dev)
-        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._masks: dict[tuple[int, torch.dtype, int | None], torch.Tensor] = {}
         self._waited = -1
 
     @contextmanager
@@ -157,29 +185,56 @@ class StepBatch(Cache):
             v = vp[dst].permute(1, 0, 2).unsqueeze(0)
         return k.to(key_states.dtype), v.to(value_states.dtype)
 
-    def mask(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, i: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """Additive mask (0 seen, -inf not) of piece i, or of the decodes for `i = -1`.
 
         Decodes: `[B, 1, 1, Lmax]`, keys past each request's length hidden. A prefill piece:
-        `[new, L]`, its new tokens see every earlier token and themselves. (Additive masks
-        in the queries' dtype: SDPA takes its fused kernels with them, bench/FINDINGS.md.)
+        `[new, L - lo]` over its keys from `lo = first(i, window)`, its new tokens see every
+        earlier token and themselves. A `window` hides, besides, the keys a window or more
+        behind each query. (Additive masks in the queries' dtype: SDPA takes its fused
+        kernels with them, bench/FINDINGS.md.)
         """
-        if (i, dtype) not in self._masks:
+        key = (i, dtype, window)
+        if key not in self._masks:
             if i < 0:
                 seen = self._decode_mask
+                if window is not None:
+                    ends = torch.tensor([p.length for p in self.pieces[: self.decodes]], device=seen.device)
+                    near = torch.arange(self.lmax, device=seen.device) > (ends - 1 - window).unsqueeze(1)
+                    seen = seen & near.view(self.decodes, 1, 1, self.lmax)
             else:
                 p = self.pieces[i]
                 q = torch.arange(p.length - p.new, p.length).unsqueeze(1)
-                seen = (torch.arange(p.length).unsqueeze(0) <= q).to(self.pool.device)
+                k = torch.arange(self.first(i, window), p.length).unsqueeze(0)
+                seen = k <= q
+                if window is not None:
+                    seen &= k > q - window
+                seen = seen.to(self.pool.device)
             zero = torch.zeros((), dtype=dtype, device=seen.device)
-            self._masks[(i, dtype)] = torch.where(seen, zero, torch.finfo(dtype).min)
-        return self._masks[(i, dtype)]
+            self._masks[key] = torch.where(seen, zero, torch.finfo(dtype).min)
+        return self._masks[key]
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None):
+    def first(self, i: int, window: int | None) -> int:
+        """The first context position any new token of prefill piece i sees under `window`."""
+        p = self.pieces[i]
+        return 0 if window is None else max(0, p.length - p.new - window + 1)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: int,
+        scale: float | None,
+        softcap: float | None = None,
+    ):
         """`[1, T, Hq, Dv]`: each piece's queries over its own context; see the module docstring.
 
         `query`: `[1, Hq, T, Dq]`; `key` / `value`: `[1, Hkv, N, D]` in `read_index` order.
         """
+        if not 0 <= layer < len(self.windows):
+            raise InvariantError(f"attention of layer {layer} in a step of {len(self.windows)} layers")
+        window = self.windows[layer]
         hq, hkv = query.shape[1], key.shape[1]
         group = hq // hkv
         outs = []
@@ -190,35 +245,91 @@ class StepBatch(Cache):
             q = query[0, :, :b].view(hkv, group, b, -1).permute(2, 0, 1, 3).contiguous()  # [B, Hkv, G, D]
             k = key[0, :, : b * lmax].unflatten(1, (b, lmax)).transpose(0, 1)  # [B, Hkv, Lmax, D]
             v = value[0, :, : b * lmax].unflatten(1, (b, lmax)).transpose(0, 1)
-            mask = self.mask(-1, query.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = _attention(q, k, v, self.mask(-1, query.dtype, window), scale, softcap)
             outs.append(o.reshape(b, hq, -1))  # [B, Hq, Dv]: head h = kv head h // G, as transformers
         t, n = b, b * lmax
         for i in range(b, len(self.pieces)):
             p = self.pieces[i]
+            lo = self.first(i, window)  # keys before it are outside every new token's window
             q = query[:, :, t : t + p.new]
-            k, v = key[:, :, n : n + p.length], value[:, :, n : n + p.length]
+            k, v = key[:, :, n + lo : n + p.length], value[:, :, n + lo : n + p.length]
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            if p.new == p.length:
+            if p.new == p.length and window is None and softcap is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(i, q.dtype), scale=scale)
+                o = _attention(q, k, v, self.mask(i, q.dtype, window), scale, softcap)
             outs.append(o[0].transpose(0, 1))  # [new, Hq, Dv]
             t, n = t + p.new, n + p.length
         return torch.cat(outs).unsqueeze(0), None
 
 
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`[..., Q, Dv]`: SDPA, or with `softcap` transformers' eager math (SDPA cannot soft-cap).
+
+    `q`: `[..., Q, D]`; `k` / `v`: `[..., K, D]`; `mask`: additive, broadcast to `[..., Q, K]`.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs):
-    """The `"kvtier"` attention implementation: the active step's layout, else transformers' SDPA."""
+    """The `"kvtier"` attention implementation: the active step's layout, else transformers' own."""
+    if kwargs.get("s_aux") is not None:
+        raise InvariantError(f"{type(module).__name__}: attention sinks (s_aux) are not supported by kvtier")
     step = _active.get()
     if step is None:
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
-    return step.attend(query, key, value, kwargs.get("scaling"))
+        if kwargs.get("softcap") is None:
+            return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
+        return _eager_outside_a_step(query, key, value, mask, kwargs.get("scaling"), kwargs["softcap"])
+    causal = kwargs.get("is_causal")
+    if (causal if causal is not None else getattr(module, "is_causal", True)) is False:
+        raise InvariantError(f"{type(module).__name__}: a step attends causally only")
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise InvariantError(f"{type(module).__name__} has no layer_idx; kvtier's step needs it")
+    return step.attend(query, key, value, layer, kwargs.get("scaling"), kwargs.get("softcap"))
+
+
+def _eager_outside_a_step(query, key, value, mask: torch.Tensor | None, scale: float | None, softcap: float):
+    """`[B, Q, Hq, Dv]`, None: soft-capped attention with transformers' mask (bool, or None: causal).
+
+    `query`: `[B, Hq, Q, D]`; `key` / `value`: `[B, Hkv, K, D]`.
+    """
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    q_len = query.shape[2]
+    if mask is None and q_len > 1:  # transformers skipped a plain causal mask: SDPA's `is_causal`
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+        mask = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+    if mask is None:
+        additive = torch.zeros((), dtype=query.dtype, device=query.device)
+    elif mask.dtype == torch.bool:
+        additive = torch.where(mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+    else:
+        additive = mask.to(query.dtype)
+    out = _attention(query, key, value, additive, scale, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _mask(*args, **kwargs):
+    """The `"kvtier"` mask implementation: none in a step (`attend` makes its own), else SDPA's."""
+    return None if _active.get() is not None else sdpa_mask(*args, **kwargs)
 
 
 if AttentionInterface is not None:
     AttentionInterface.register(ATTENTION, attend)
+    AttentionMaskInterface.register(ATTENTION, _mask)
 
 
 @contextmanager

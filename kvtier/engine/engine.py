@@ -11,7 +11,10 @@ the engine themselves for one request.
 Each forward is one packed sequence through the model with `StepBatch` as its cache:
 every layer waits for its own layer of the requests' pending loads, writes the new rows
 to their device slots and attends each request to its context where it lives in the
-device pool (`kvtier.engine.batch`). A finished request's whole computed pages are
+device pool (`kvtier.engine.batch`). Sliding-window layers (Gemma 2 / 3) keep every
+token's KV like full layers and apply the window in the mask: such a model takes the
+pool memory of a full-attention model of its shape, and the window saves no memory,
+only some attention compute (`kvtier.engine.hf.layer_windows`). A finished request's whole computed pages are
 inserted into the cache, its other slots freed and its lease released, whatever ended
 it (length, EOS or a stop string, cancellation, timeout, a failed step). A result's `text`
 ends just before its first stop string; its `tokens` are every token generated.
@@ -47,6 +50,7 @@ from kvtier.cache import CacheConfig, CacheController, token_ids
 from kvtier.cache.storage_mover import open_storage
 from kvtier.engine.batch import Piece, StepBatch, kvtier_attention
 from kvtier.engine.hf import (
+    layer_windows,
     model_config_identity,
     model_identity,
     spec_from_hf_config,
@@ -120,6 +124,7 @@ class Engine(Owner):
         dtype = next(model.parameters()).dtype
         self.spec = spec_from_hf_config(model.config, dtype=dtype, page_size=ps)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # the ids a prompt may hold
+        self.windows = layer_windows(model.config)  # `[layers]`: sliding window, None for full attention
         self.max_context = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 0)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -303,7 +308,7 @@ class Engine(Owner):
             lo = req.computed
             pieces.append(Piece(torch.from_numpy(req.table[: lo + n]), n, req.load))
             ids.append(req.context(lo + n)[lo:])
-        batch = StepBatch(self.spec, self.device_pool, pieces)
+        batch = StepBatch(self.spec, self.device_pool, pieces, self.windows)
         input_ids = torch.from_numpy(np.concatenate(ids)).to(self.device).unsqueeze(0)
         pos = batch.positions
         kw = {self._cache_kw: batch}

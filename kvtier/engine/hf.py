@@ -4,6 +4,12 @@
 `[kv_heads, head_dim]`) and MLA: transformers hands the cache the compressed latent as
 "keys" (`[batch, 1, tokens, kv_lora_rank]`) and the rotary part as "values"
 (`[batch, 1, tokens, rope_dim]`); kvtier stores them as one row of `kv_lora_rank + rope_dim`.
+
+Sliding-window layers (Gemma 2 / 3, whose `layer_types` mix "sliding_attention" and
+"full_attention"; Mistral-style configs with a `sliding_window` and no `layer_types`,
+where every layer slides) keep the same K/V rows as full layers, for every token: the
+spec does not tell them apart, and `layer_windows` says which layers slide and how far
+(the engine applies the window in the attention mask, `kvtier.engine.batch`).
 """
 
 from __future__ import annotations
@@ -45,13 +51,7 @@ def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size
     """The `KVSpec` of a transformers model config; `SpecError` for a layout kvtier cannot map."""
     text = text_config(config)
     name = getattr(text, "model_type", None) or "model"
-    layers = getattr(text, "num_hidden_layers", None)
-    if not isinstance(layers, int) or layers <= 0:
-        raise SpecError(f"config of {name!r} has no num_hidden_layers kvtier can use")
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        kinds = sorted(set(layer_types))
-        raise SpecError(f"config of {name!r} has layer types {kinds}; kvtier maps full attention only")
+    layers = len(layer_windows(config))  # refuses layer types kvtier cannot serve
     if dtype is None:
         dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
@@ -70,3 +70,35 @@ def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return mha_spec(name, layers, kv_heads, head_dim, dtype, page_size)
+
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window in tokens (None: full attention), as transformers applies them.
+
+    A query at position p sees the keys at positions in `(p - window, p]`. `SpecError` for
+    layer types other than full and sliding attention, a sliding layer without a positive
+    `sliding_window`, or bidirectional attention.
+    """
+    text = text_config(config)
+    name = getattr(text, "model_type", None) or "model"
+    layers = getattr(text, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers <= 0:
+        raise SpecError(f"config of {name!r} has no num_hidden_layers kvtier can use")
+    if getattr(text, "use_bidirectional_attention", False):
+        raise SpecError(f"config of {name!r} uses bidirectional attention; kvtier serves causal models only")
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is None:  # transformers slides every layer of such a model (Mistral) by its config's window
+        types = [_SLIDING if window is not None else _FULL] * layers
+    types = list(types)
+    if len(types) != layers or any(t not in (_FULL, _SLIDING) for t in types):
+        raise SpecError(
+            f"config of {name!r} has layer types {sorted(set(types))} over {len(types)} of {layers} layers; "
+            f"kvtier maps {_FULL!r} and {_SLIDING!r} only"
+        )
+    if _SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise SpecError(f"config of {name!r} has sliding layers but sliding_window {window!r}")
+    return tuple(window if t == _SLIDING else None for t in types)
