@@ -29,6 +29,7 @@ from kvtier.cli_args import (
     STORAGE_WRITES,
     WRITE_POLICIES,
     Parser,
+    SubcommandParser,
     byte_size,
     chat_template_file,
     device_flag,
@@ -173,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="kvtier", description="Hierarchical KV cache for LLM serving.")
     p.add_argument("--version", action="version", version=f"kvtier {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     _serve(sub)
     _demo(sub)
     add_bench(sub)

@@ -5,7 +5,8 @@ parser reports as one line on stderr and exit code 2. Flags with fixed values ta
 `choices=` (or `csv_of(choices)` for comma lists), spelled out here so that parsing
 imports neither torch nor transformers; tests/test_cli.py checks each tuple against what
 its comment names. `Parser` is the argument parser of every command: its usage errors
-are one line, and its help shows each flag's default (`HelpFormatter`).
+are one line, and its help shows each flag's default (`HelpFormatter`); each subcommand's
+(`SubcommandParser`) names itself in its errors.
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class SubcommandParser(Parser):
+    """A subcommand's parser: an argument it does not know is its own error (`kvtier demo: error:
+    unrecognized arguments ...`), not the top-level parser's."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed, extra
 
 
 def positive(text: str) -> int:
