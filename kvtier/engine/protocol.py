@@ -5,7 +5,8 @@ request reaches the engine: `parse_body` (a JSON object), `check_model`, `chat_m
 `text_prompt`, `sampling` (every range `SamplingParams` checks, with the API's `param`).
 `Reply` builds the response objects and server-sent events of one request;
 `failure_error` / `unfinished_error` say what a failed, timed-out or cancelled request is
-answered with.
+answered with; `not_found`, `method_not_allowed`, `unauthorized` and `no_chat_template`
+what a request no route serves, a missing key and a model without a chat template are.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def method_not_allowed(method: str, path: str, allowed: str) -> APIError:
 def unauthorized() -> APIError:
     return APIError(
         401,
-        "a missing or wrong API key: send the server's key as the header Authorization: Bearer KEY",
+        "the API key is missing or wrong: send the server's key as the header Authorization: Bearer KEY",
         code="invalid_api_key",
     )
 
