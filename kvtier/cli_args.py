@@ -221,7 +221,13 @@ def positive_list(text: str) -> tuple[int, ...]:
 
 
 def device_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", type=device_name, default="auto", help="cuda, cuda:N, cpu or auto")
+    p.add_argument(
+        "--device",
+        type=device_name,
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="where the pools (and the model) live; auto: cuda where there is one",
+    )
 
 
 def write_policy_flag(p: argparse.ArgumentParser, choices: tuple[str, ...], default: str) -> None:
