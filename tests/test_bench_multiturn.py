@@ -275,7 +275,10 @@ def test_batching_sizes_are_checked() -> None:
         (["multiturn", "--clients", "0"], "expected a positive integer, got 0"),
         (["multiturn", "--context-tokens", "-1"], "expected a non-negative integer"),
         (["multiturn", "--shape", "llama-70b"], "invalid choice: 'llama-70b'"),
-        (["multiturn", "--shape", "tiny", "--model", "x"], "not allowed with argument --shape"),
+        (
+            ["multiturn", "--shape", "tiny", "--model", "smollm2-135m-instruct"],
+            "not allowed with argument --shape",
+        ),
         (["multiturn", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["batching", "--running", "1,0"], "expected a positive integer, got 0"),
         (["batching", "--parts", "decode,prefill"], "invalid choice(s) prefill"),

@@ -75,8 +75,6 @@ def load_model(
         folder = Path(path)
         if not folder.exists():
             raise ModelLoadError(f"model path {path!r} does not exist")
-        if not (folder / "config.json").is_file():
-            raise ModelLoadError(f"model path {path!r} is not a transformers checkpoint (no config.json)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
