@@ -11,15 +11,20 @@ use, so `import kvtier` (and `kvtier --help`) imports neither torch nor transfor
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("kvtier")  # the installed distribution's, from pyproject.toml
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 _MODULES = {
     "kvtier.errors": (
-        "APIError AllocatorCorruptError BackendUnavailableError CacheFullError CacheStateError ClosedError "
-        "ConfigError CudaRuntimeError HostMemoryError InvariantError KVTierError LayoutError LeaseError "
-        "ModelLoadError PinError PlanError PromptTooLongError SlotError SpecError StorageError TransferError"
+        "APIError AllocatorCorruptError BackendUnavailableError BindError CacheFullError CacheStateError "
+        "ClosedError ConfigError CudaRuntimeError HostMemoryError InvariantError KVTierError LayoutError "
+        "LeaseError ModelLoadError PinError PlanError PromptTooLongError SlotError SpecError StorageError "
+        "TransferError"
     ),
     "kvtier.spec": "PRESETS BufferKind BufferSpec KVSpec preset",
     "kvtier.alloc": "AllocPolicy HostSlotAllocator",

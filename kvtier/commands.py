@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from rich.console import Console
 
-from kvtier.errors import ConfigError
+from kvtier.errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
     from kvtier.cache import CacheConfig
@@ -43,16 +43,19 @@ console = Console(width=None if sys.stdout.isatty() else 140)
 
 
 def device(name: str) -> torch.device:
-    """`auto`, `cpu`, `cuda` or `cuda:N` as a device; `ConfigError` for a CUDA device this process lacks."""
+    """`auto`, `cpu`, `cuda` or `cuda:N` as a device; `BackendUnavailableError` for a CUDA device this
+    process lacks (a refusal of the machine, not of the command line: exit code 1)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
+            raise BackendUnavailableError(
+                f"--device {name}: no CUDA device is available (torch {torch.__version__})"
+            )
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
-            raise ConfigError(f"--device {name}: this machine has {count} CUDA device(s)")
+            raise BackendUnavailableError(f"--device {name}: this machine has {count} CUDA device(s)")
     return dev
 
 
@@ -78,8 +81,10 @@ def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) ->
     """`--model` loaded on `--device` in `--dtype` (`loading` on the console meanwhile), and an engine.
 
     The engine takes the pool sizes, `--page-size`, `--max-num-seqs` and
-    `--max-num-batched-tokens`; `kw` goes to it too (`storage=storage_config(args)`, built
-    before this call so that a bad flag is refused before the model loads).
+    `--max-num-batched-tokens`, and `--chat-template` where given (`ConfigError`, the engine
+    closed, for one that is not valid Jinja); `kw` goes to it too
+    (`storage=storage_config(args)`, built before this call so that a bad flag is refused
+    before the model loads).
     """
     from kvtier.engine import Engine
     from kvtier.engine.models import load_model
@@ -98,6 +103,12 @@ def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) ->
         max_num_batched_tokens=args.max_num_batched_tokens,
         **kw,
     )
+    if args.chat_template is not None:
+        try:
+            engine.chat_template = args.chat_template
+        except ConfigError:
+            engine.close()
+            raise
     return dev, engine
 
 

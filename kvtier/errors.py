@@ -87,6 +87,11 @@ class PromptTooLongError(KVTierError, ValueError):
     """A prompt (plus the tokens to generate) does not fit the model's context or the device pool."""
 
 
+class BindError(KVTierError, OSError):
+    """The server cannot listen on its address: the port is taken or not permitted, or the host is not this
+    machine's."""
+
+
 class APIError(KVTierError):
     """An HTTP request the server refuses: `status` and OpenAI's error `type`, `param`, `code`."""
 

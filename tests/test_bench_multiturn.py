@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvtier import cli
+from kvtier import cli, cli_args
 from kvtier.bench import batching, engines, multiturn
 from kvtier.errors import ConfigError
 
@@ -65,9 +65,9 @@ def tiny():
 
 
 def test_the_cli_choices_match_what_they_name() -> None:
-    assert cli.MULTITURN_CONFIGS == multiturn.CONFIGS
-    assert cli.SHAPES == engines.SHAPES
-    assert cli.BATCHING_PARTS == batching.PARTS
+    assert cli_args.MULTITURN_CONFIGS == multiturn.CONFIGS
+    assert cli_args.SHAPES == engines.SHAPES
+    assert cli_args.BATCHING_PARTS == batching.PARTS
 
 
 def test_the_shape_is_made_in_the_dtype_asked_and_leaves_the_defaults_alone() -> None:
@@ -275,7 +275,10 @@ def test_batching_sizes_are_checked() -> None:
         (["multiturn", "--clients", "0"], "expected a positive integer, got 0"),
         (["multiturn", "--context-tokens", "-1"], "expected a non-negative integer"),
         (["multiturn", "--shape", "llama-70b"], "invalid choice: 'llama-70b'"),
-        (["multiturn", "--shape", "tiny", "--model", "x"], "not allowed with argument --shape"),
+        (
+            ["multiturn", "--shape", "tiny", "--model", "smollm2-135m-instruct"],
+            "not allowed with argument --shape",
+        ),
         (["multiturn", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["batching", "--running", "1,0"], "expected a positive integer, got 0"),
         (["batching", "--parts", "decode,prefill"], "invalid choice(s) prefill"),

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from tiny_models import tiny_llama
 
-from kvtier import cli
+from kvtier import cli, cli_args
 from kvtier.bench import storage, storage_codec, storage_stores, storage_throughput
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
@@ -34,9 +34,9 @@ def _point(spec_name: str = "smollm2", page_size: int = 16, pages: int = 6) -> s
 
 
 def test_the_cli_choices_match_what_they_name() -> None:
-    assert tuple(p.value for p in storage.Part) == cli.STORAGE_PARTS
-    assert cli.STORAGE_BACKENDS == storage.BACKENDS
-    assert cli.SETUPS == storage.SPECS
+    assert tuple(p.value for p in storage.Part) == cli_args.STORAGE_PARTS
+    assert cli_args.STORAGE_BACKENDS == storage.BACKENDS
+    assert cli_args.SETUPS == storage.SPECS
 
 
 def test_quick_throughput_through_the_cli_writes_its_json(tmp_path: Path, capsys) -> None:

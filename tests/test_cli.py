@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import cli
+from kvtier import cli, cli_args
+from kvtier.cli_bench import BENCHES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +72,64 @@ def test_help_imports_neither_torch_nor_transformers(argv: list[str]) -> None:
     assert out.returncode == 0, out.stderr
     assert "usage: kvtier" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "heavy:"  # no heavy module imported
-    assert time.perf_counter() - t0 < 20
+    assert time.perf_counter() - t0 < 2  # a Python start and the parser, nothing more
+
+
+SUBCOMMANDS = [["serve"], ["demo"], *(["bench", b] for b in BENCHES)]
+
+
+def help_blocks(text: str) -> dict[str, str]:
+    """`--flag` -> its help text, from argparse's `--help` output (an option's lines after its name)."""
+    blocks: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            invocation, _, rest = line.strip().partition("  ")
+            current = re.search(r"--[\w-]+", invocation).group(0)
+            blocks[current] = [rest.strip()]
+        elif current is not None and line.startswith("   "):
+            blocks[current].append(line.strip())
+        else:
+            current = None
+    return {flag: " ".join(x for x in lines if x) for flag, lines in blocks.items()}
+
+
+@pytest.mark.parametrize("argv", SUBCOMMANDS, ids=" ".join)
+def test_every_flag_has_help_and_the_help_shows_every_default(argv: list[str], capsys) -> None:
+    p = cli.build_parser()
+    with pytest.raises(SystemExit):
+        p.parse_args([*argv, "--help"])
+    blocks = help_blocks(capsys.readouterr().out)
+    defaults = vars(p.parse_args(argv))
+    for dest, default in defaults.items():
+        flag = "--" + dest.replace("_", "-")
+        if dest in ("command", "bench", "verbose") or flag not in blocks:
+            assert dest in ("command", "bench", "verbose"), f"{flag} is not in the help of {argv}"
+            continue
+        assert blocks[flag], f"{flag} has no help"
+        if default is not None and default is not False and default != ():
+            assert "(default: " in blocks[flag], f"{flag}'s help does not show its default {default!r}"
+    assert all(help_ for help_ in blocks.values()), blocks
+
+
+def test_the_help_shows_the_defaults_it_parses(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    blocks = help_blocks(capsys.readouterr().out)
+    assert blocks["--port"].endswith("(default: 8000)")
+    assert blocks["--request-timeout"].endswith("(default: 600)")
+    assert blocks["--write-policy"].endswith("(default: write_through)")
+    assert "(default: $KVTIER_API_KEY, else no key)" in blocks["--api-key"]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "cache", "--help"])
+    assert help_blocks(capsys.readouterr().out)["--parts"].endswith("(default: trace,alloc,reload)")
+
+
+def test_version_is_the_packages_and_imports_nothing_heavy() -> None:
+    import kvtier
+
+    out = probe("--version")
+    assert out.returncode == 0 and out.stdout.splitlines() == [f"kvtier {kvtier.__version__}", "heavy:"]
 
 
 def test_python_dash_m_runs_the_command() -> None:
@@ -108,12 +166,12 @@ def test_every_subcommand_parses_with_its_defaults() -> None:
         assert (args.dtype, args.max_num_seqs, args.max_num_batched_tokens) == ("auto", 64, 2048)
     assert (serve.max_queue, serve.request_timeout, serve.max_body_mb) == (256, 600.0, 16.0)
     transfer = p.parse_args(["bench", "transfer"])
-    assert transfer.host_sets == cli.HOST_SETS and transfer.variants == cli.VARIANTS
+    assert transfer.host_sets == cli_args.HOST_SETS and transfer.variants == cli_args.VARIANTS
     assert (transfer.direction, transfer.cycles, transfer.layers, transfer.kernel) == ("both", 8, 1, None)
     overlap = p.parse_args(["bench", "overlap"])
     assert (overlap.rounds, overlap.rounds_log, overlap.layout) == (5, None, "layer_first")
     served = p.parse_args(["bench", "served"])
-    assert (served.setups, served.prefix, served.cycles, served.repeats) == (cli.SETUPS, None, 4, 3)
+    assert (served.setups, served.prefix, served.cycles, served.repeats) == (cli_args.SETUPS, None, 4, 3)
     cache = p.parse_args(["bench", "cache"])
     assert cache.parts == ("trace", "alloc", "reload") and cache.write_policy == "all"
     assert (cache.evict_nodes, cache.evict_k, cache.reload_tokens) == (100_000, 1000, 131072)
@@ -177,15 +235,16 @@ def test_the_defaults_the_storage_help_states_are_the_configs() -> None:
     [("0", 0), ("1024", 1024), ("512M", 512 << 20), ("10G", 10 << 30), ("10GiB", 10 << 30), ("2t", 2 << 40)],
 )
 def test_sizes_take_binary_suffixes(text: str, value: int) -> None:
-    assert cli.byte_size(text) == value
+    assert cli_args.byte_size(text) == value
 
 
-def test_the_write_policy_has_one_name_and_the_old_one_still_works(capsys) -> None:
+def test_the_write_policy_has_one_name_everywhere(capsys) -> None:
     p = cli.build_parser()
     assert p.parse_args(["demo", "--write-policy", "write_back"]).write_policy == "write_back"
-    assert p.parse_args(["demo", "--policy", "write_back"]).write_policy == "write_back"
     assert p.parse_args(["serve", "--write-policy", "write_back"]).write_policy == "write_back"
-    assert p.parse_args(["bench", "cache", "--policy", "write_back"]).write_policy == "write_back"
+    assert p.parse_args(["bench", "cache", "--write-policy", "write_back"]).write_policy == "write_back"
+    for argv in (["demo", "--policy", "write_back"], ["bench", "cache", "--policy", "write_back"]):
+        assert "unrecognized arguments: --policy write_back" in refused(argv, capsys)  # the old name is gone
     with pytest.raises(SystemExit):
         p.parse_args(["demo", "--help"])
     shown = capsys.readouterr().out
@@ -197,23 +256,24 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     from kvtier.bench import served, transfer
     from kvtier.cache import WritePolicy
     from kvtier.commands import STORAGE_FIELDS
-    from kvtier.engine.models import DTYPES
+    from kvtier.engine.models import DEFAULT_MODEL, DTYPES
     from kvtier.pool import HostLayout
     from kvtier.pool.device import Direction
     from kvtier.spec import PRESETS
     from kvtier.storage.config import Compression, PrefetchPolicy, StorageConfig, StorageWrite
 
-    assert tuple(sorted(PRESETS)) == cli.SPECS
-    assert tuple(m.value for m in HostLayout) == cli.LAYOUTS
-    assert tuple(m.value for m in WritePolicy) == cli.WRITE_POLICIES
-    assert tuple(m.value for m in AllocPolicy) == cli.ALLOC_POLICIES
-    assert (*(m.value for m in Direction), "both") == cli.DIRECTIONS
-    assert cli.HOST_SETS == transfer.HOST_SETS and cli.VARIANTS == transfer.VARIANTS
-    assert cli.SETUPS == served.SETUPS
-    assert tuple(m.value for m in StorageWrite) == cli.STORAGE_WRITES
-    assert tuple(m.value for m in PrefetchPolicy) == cli.PREFETCH_POLICIES
-    assert tuple(m.value for m in Compression) == cli.COMPRESSIONS
-    assert ("auto", *DTYPES) == cli.DTYPES
+    assert tuple(sorted(PRESETS)) == cli_args.SPECS
+    assert tuple(m.value for m in HostLayout) == cli_args.LAYOUTS
+    assert tuple(m.value for m in WritePolicy) == cli_args.WRITE_POLICIES
+    assert tuple(m.value for m in AllocPolicy) == cli_args.ALLOC_POLICIES
+    assert (*(m.value for m in Direction), "both") == cli_args.DIRECTIONS
+    assert cli_args.HOST_SETS == transfer.HOST_SETS and cli_args.VARIANTS == transfer.VARIANTS
+    assert cli_args.SETUPS == served.SETUPS
+    assert tuple(m.value for m in StorageWrite) == cli_args.STORAGE_WRITES
+    assert tuple(m.value for m in PrefetchPolicy) == cli_args.PREFETCH_POLICIES
+    assert tuple(m.value for m in Compression) == cli_args.COMPRESSIONS
+    assert ("auto", *DTYPES) == cli_args.DTYPES
+    assert cli_args.DEFAULT_MODEL == DEFAULT_MODEL
     # Every --storage-* flag of both commands sets a field of StorageConfig.
     for command in ("serve", "demo"):
         parsed = vars(cli.build_parser().parse_args([command]))
@@ -234,13 +294,19 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     ("argv", "says"),
     [
         (["demo", "--write-policy", "bogus"], "invalid choice: 'bogus'"),
-        (["demo", "--policy", "write_around"], "invalid choice"),
         (["demo", "--device", "gpu"], "expected auto, cpu, cuda or cuda:N"),
         (["demo", "--device-tokens", "0"], "expected a positive integer, got 0"),
         (["demo", "--max-tokens", "-1"], "expected a positive integer"),
         (["serve", "--host-layout", "page_last"], "invalid choice: 'page_last'"),
         (["serve", "--host-alloc", "best_fit"], "invalid choice"),
-        (["serve", "--port", "70000"], "expected a port"),
+        (["serve", "--port", "70000"], "expected a port in [1, 65535], got 70000"),
+        (["serve", "--port", "0"], "expected a port in [1, 65535], got 0"),
+        (["serve", "--port", "http"], "expected a port in [1, 65535], got 'http'"),
+        (["serve", "--model", "/nonexistent"], "got '/nonexistent' (no such folder)"),
+        (["demo", "--model", "pyproject.toml"], "(not a folder)"),
+        (["serve", "--model", "kvtier"], "(no config.json in it)"),
+        (["serve", "--chat-template", "/nonexistent"], "no such file: '/nonexistent'"),
+        (["demo", "--chat-template", "kvtier"], "cannot read 'kvtier'"),
         (["serve", "--host-tokens", "many"], "expected a positive integer, got 'many'"),
         (["serve", "--storage", "s3://bucket/kv"], "expected file://PATH, redis://HOST:PORT[/DB]"),
         (["serve", "--storage", "file://"], "expected file://PATH"),
@@ -309,7 +375,9 @@ def test_the_serve_limits_are_not_demo_flags(capsys) -> None:
         with pytest.raises(SystemExit) as exit_:
             cli.main(["demo", flag, "4"])
         assert exit_.value.code == 2
-        assert f"unrecognized arguments: {flag} 4" in capsys.readouterr().err.strip().splitlines()[-1]
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"kvtier demo: error: unrecognized arguments: {flag} 4 (see kvtier demo --help)"
+        ]
 
 
 @pytest.mark.parametrize("argv", [["serve", "--dtype", "float8"], ["serve", "--max-num-seqs", "0"]])
@@ -359,8 +427,8 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refus
         ["bench", "cache", "--device", "cuda", "--parts", "alloc"],
     ],
 )
-def test_cuda_without_cuda_is_one_line_and_exit_2_before_anything_loads(argv: list[str], capsys) -> None:
-    assert cli.main(argv) == 2
+def test_cuda_without_cuda_is_one_line_and_exit_1_before_anything_loads(argv: list[str], capsys) -> None:
+    assert cli.main(argv) == 1  # the machine refuses, not the command line
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert (
@@ -373,20 +441,21 @@ def test_cuda_without_cuda_is_one_line_and_exit_2_before_anything_loads(argv: li
 @no_cuda
 def test_the_demo_on_a_missing_cuda_says_so_without_a_traceback() -> None:
     out = probe("demo", "--device", "cuda")
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         f"kvtier demo: error: --device cuda: no CUDA device is available (torch {torch.__version__})"
     ]
 
 
-def test_a_storage_option_without_a_store_is_refused_before_the_model_loads(capsys) -> None:
-    """Formerly ignored; the model named does not exist, so a refusal after loading would say so instead."""
+def test_a_storage_option_without_a_store_is_refused_before_the_model_loads(tmp_path: Path, capsys) -> None:
+    """Formerly ignored; the model named does not load, so a refusal after loading would say so instead."""
+    (tmp_path / "config.json").write_text("{}")
     argv = [
         "serve",
         "--device",
         "cpu",
         "--model",
-        "/nonexistent",
+        str(tmp_path),
         "--storage-size",
         "1G",
         "--storage-ttl",
@@ -641,3 +710,93 @@ def test_every_public_name_resolves_and_errors_are_kvtier_errors() -> None:
         value = getattr(kvtier, name)
         if isinstance(value, type) and issubclass(value, Exception):
             assert issubclass(value, kvtier.KVTierError), name
+
+
+# -- `kvtier serve` refusals, each one line before the model loads (or once it has) --------
+
+
+def one_line(capsys) -> str:
+    """The single line on stderr; stdout empty: nothing was loaded, nothing served."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert captured.out == "", captured.out
+    return lines[0]
+
+
+def serve_argv(checkpoint: Path, *flags: str) -> list[str]:
+    """`kvtier serve` of `checkpoint` on the CPU, on a free port unless `flags` name one."""
+    from redis_servers import free_port
+
+    argv = ["serve", "--model", str(checkpoint), "--device", "cpu", "--device-tokens", "256"]
+    return [*argv, "--port", str(free_port()), *flags]  # a later --port wins
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tiny_checkpoint: Path, capsys) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(serve_argv(tiny_checkpoint, "--host-tokens", "1024", "--port", str(port))) == 1
+    assert one_line(capsys) == (
+        f"kvtier serve: error: --port {port}: the port is already in use on 127.0.0.1 "
+        "(is another server running?)"
+    )
+
+
+def test_a_host_that_is_not_this_machines_is_refused_in_one_line(tiny_checkpoint: Path, capsys) -> None:
+    # 192.0.2.0/24 is TEST-NET-1: never an address of this machine.
+    assert cli.main(serve_argv(tiny_checkpoint, "--host", "192.0.2.1")) == 1
+    assert one_line(capsys) == "kvtier serve: error: --host 192.0.2.1: not an address of this machine"
+
+
+def test_an_empty_api_key_is_refused_before_the_model_loads(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The checkpoint does not load: a refusal after loading would say so instead."""
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(serve_argv(tmp_path, "--api-key", "")) == 2
+    assert one_line(capsys) == "kvtier serve: error: the API key (--api-key or $KVTIER_API_KEY) is empty"
+    monkeypatch.setenv("KVTIER_API_KEY", " ")
+    assert cli.main(serve_argv(tmp_path)) == 2
+    assert "the API key (--api-key or $KVTIER_API_KEY) is empty" in one_line(capsys)
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line_and_exit_1(tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(serve_argv(tmp_path)) == 1
+    assert one_line(capsys).startswith(f"kvtier serve: error: could not load a causal LM from '{tmp_path}'")
+
+
+def test_a_chat_template_that_is_not_jinja_is_one_line_and_exit_2(
+    tiny_checkpoint: Path, tmp_path: Path, capsys
+) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['content'] }}")
+    serve, demo = serve_argv(tiny_checkpoint), demo_argv(tiny_checkpoint)
+    for command, argv in (("serve", serve), ("demo", demo)):
+        assert cli.main([*argv, "--chat-template", str(bad)]) == 2
+        line = one_line(capsys)
+        assert line.startswith(f"kvtier {command}: error: the chat template is not valid Jinja: line 1:"), (
+            line
+        )
+
+
+def test_the_demo_on_a_tokenizer_without_a_chat_template_says_so_in_one_line(
+    tiny_checkpoint: Path, tmp_path: Path, capsys
+) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_checkpoint, bare)
+    for template in bare.glob("chat_template.j*"):
+        template.unlink()
+    config = bare / "tokenizer_config.json"
+    config.write_text(
+        json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"})
+    )
+    assert cli.main(demo_argv(bare)) == 2
+    assert one_line(capsys) == (
+        f"kvtier demo: error: the tokenizer of {bare} has no chat template, which the demo's conversations "
+        "need: give one with --chat-template FILE"
+    )

@@ -513,16 +513,16 @@ def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) 
 def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
     import argparse
 
-    from kvtier.cli import _kernel_shape
+    from kvtier.cli_bench import kernel_shape
     from kvtier.transfer import KernelOptions
 
-    assert _kernel_shape("8x32") == KernelOptions(sm_budget=8, rows_per_program=32)
-    assert _kernel_shape("4") == KernelOptions(sm_budget=4)
-    assert _kernel_shape("8s1") == KernelOptions(sm_budget=8, stages=1)
-    assert _kernel_shape("2x56S3") == KernelOptions(sm_budget=2, rows_per_program=56, stages=3)
+    assert kernel_shape("8x32") == KernelOptions(sm_budget=8, rows_per_program=32)
+    assert kernel_shape("4") == KernelOptions(sm_budget=4)
+    assert kernel_shape("8s1") == KernelOptions(sm_budget=8, stages=1)
+    assert kernel_shape("2x56S3") == KernelOptions(sm_budget=2, rows_per_program=56, stages=3)
     for bad in ("0", "4x0", "4x8x2", "x", "four", "8s0", "8s", "s2", "8s1s2"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _kernel_shape(bad)
+            kernel_shape(bad)
 
 
 @pytest.mark.parametrize(

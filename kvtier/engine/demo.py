@@ -22,6 +22,7 @@ import torch
 from rich.table import Table
 
 from kvtier.engine.engine import Engine
+from kvtier.engine.models import DEFAULT_MODEL
 from kvtier.engine.results import RequestResult
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
@@ -143,6 +144,12 @@ def command(args: Namespace) -> int:
         restart_storage = storage or storage_config(args, f"file://{scratch}")  # checked before loading
         loading = "loading the model (the first run converts it once, about a minute)"
         dev, engine = engine_for(args, loading, config, storage=storage)
+        if engine.chat_template is None:
+            engine.close()
+            raise ConfigError(
+                f"the tokenizer of {args.model or DEFAULT_MODEL} has no chat template, which the demo's "
+                "conversations need: give one with --chat-template FILE"
+            )
         for line in summary_lines(engine.summary()):
             console.print(line, highlight=False)
         tier = f"; storage {engine.storage.backend.describe()}" if engine.storage is not None else ""

@@ -192,11 +192,47 @@ class Engine(Owner):
             self.device_pool.close()
         log.info("engine for %s closed", self.spec.name)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of a chat with the generation prompt appended (the tokenizer's template)."""
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template (Jinja), None where it has none (then `encode_chat` refuses)."""
+        return getattr(self.tokenizer, "chat_template", None) or None
+
+    @chat_template.setter
+    def chat_template(self, template: str) -> None:
+        """Give the tokenizer `template`; `ConfigError` (nothing changed) where it is not valid Jinja."""
+        from jinja2 import TemplateError, TemplateSyntaxError
+
         if self.tokenizer is None:
-            raise ConfigError("encode_chat needs a tokenizer: build the engine with one")
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            raise ConfigError("a chat template needs a tokenizer: build the engine with one")
+        try:  # compiled by the tokenizer's own renderer, its extensions included
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hello"}], chat_template=template, tokenize=False
+            )
+        except TemplateSyntaxError as e:
+            raise ConfigError(f"the chat template is not valid Jinja: line {e.lineno}: {e.message}") from None
+        except TemplateError:
+            pass  # it compiled; it may refuse this one message and still serve others
+        self.tokenizer.chat_template = template
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a chat with the generation prompt appended, through the chat template.
+
+        `ConfigError` where there is no template, or where the template refuses the messages
+        (its `raise_exception`, such as roles that do not alternate).
+        """
+        from jinja2 import TemplateError
+
+        if self.chat_template is None:
+            raise ConfigError(
+                "this model's tokenizer has no chat template: give one (kvtier serve --chat-template FILE) "
+                "or send text completions"
+            )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=True
+            )
+        except TemplateError as e:
+            raise ConfigError(f"the chat template refused these messages: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]

@@ -6,7 +6,9 @@ request reaches the engine: `parse_body` (a JSON object), `check_model`, `chat_m
 `Reply` builds the response objects and server-sent events of one request (its choices,
 their logprobs, its usage); `ChoiceStream` the text deltas of one streamed choice, stop
 strings held back; `failure_error` / `unfinished_error` say what a failed, timed-out or
-cancelled request is answered with.
+cancelled request is answered with; `not_found`, `method_not_allowed`, `unauthorized` and
+`no_chat_template` what a request no route serves, a missing key and a model without a
+chat template are.
 """
 
 from __future__ import annotations
@@ -207,12 +209,72 @@ def check_model(body: dict, model_name: str) -> None:
         )
 
 
+# The roles a chat's messages may have, and the role the template sees for each.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Fields of a chat request for tools and function calling, which kvtier does not support.
+TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
+
+
 def chat_messages(body: dict) -> list[dict[str, str]]:
-    """The chat's `{role, content}` messages, nothing else of each kept."""
+    """The chat's messages as `{role, content}` with text content; 400 naming `messages` otherwise.
+
+    Content is a string or a list of text parts (joined by newlines); an assistant's may be
+    null (empty). `developer` is a system message. Tools are not supported: a `tool`
+    message, an assistant's `tool_calls` and a request's `tools` are refused.
+    """
+    for name in TOOL_FIELDS:
+        if body.get(name) not in (None, [], "none"):
+            raise APIError(400, f"{name}: tools and function calling are not supported", param=name)
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
+    if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, m: Any) -> dict[str, str]:
+    """Message `i` of a chat as `{role, content}`, its content joined into one text."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise APIError(400, f"{where} must be an object with a role and a content", param="messages")
+    role = m.get("role")
+    if role in ("tool", "function"):
+        raise APIError(400, f"{where} has role {role!r}: tools are not supported", param="messages")
+    if not isinstance(role, str) or role not in ROLES:
+        raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", param="messages")
+    if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):
+        raise APIError(400, f"{where} has tool_calls: tools are not supported", param="messages")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    elif isinstance(content, list):
+        content = "\n".join(_text_part(f"{where}.content[{j}]", part) for j, part in enumerate(content))
+    elif not isinstance(content, str):
+        raise APIError(
+            400,
+            f"{where}.content must be a string or a list of text parts; got {_kind(content)}",
+            param="messages",
+        )
+    return {"role": ROLES[role], "content": content}
+
+
+def _text_part(where: str, part: Any) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        kind = repr(part.get("type")) if isinstance(part, dict) else _kind(part)
+        raise APIError(400, f"{where} has type {kind}: only text parts are supported", param="messages")
+    if not isinstance(part.get("text"), str):
+        raise APIError(400, f"{where}.text must be a string", param="messages")
+    return part["text"]
+
+
+def _kind(value: Any) -> str:
+    """The JSON name of `value`'s type, for messages: null, a number, an object, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), type(value).__name__)
 
 
 def text_prompt(body: dict) -> str:
@@ -222,8 +284,31 @@ def text_prompt(body: dict) -> str:
     return text
 
 
-def _is_message(m: Any) -> bool:
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+def no_chat_template(model_name: str) -> APIError:
+    """The answer to a chat request where the model's tokenizer has no chat template."""
+    return APIError(
+        400,
+        f"the model {model_name!r} has no chat template, so chat completions are not available: "
+        "start the server with --chat-template FILE, or send text to /v1/completions",
+        param="messages",
+        code="chat_template_missing",
+    )
+
+
+def not_found(method: str, path: str) -> APIError:
+    return APIError(404, f"there is no route {method} {path} on this server", code="unknown_url")
+
+
+def method_not_allowed(method: str, path: str, allowed: str) -> APIError:
+    return APIError(405, f"{path} does not take {method}; it takes {allowed}", code="method_not_allowed")
+
+
+def unauthorized() -> APIError:
+    return APIError(
+        401,
+        "the API key is missing or wrong: send the server's key as the header Authorization: Bearer KEY",
+        code="invalid_api_key",
+    )
 
 
 class TextStream:

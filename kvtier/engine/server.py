@@ -6,9 +6,13 @@ so write-through pages reach storage while the server idles (another server shar
 store finds them). A client that disconnects (streaming or not) has its request
 cancelled before the next step, which inserts what was computed, frees its slots and
 releases its locks. Routes: `POST /v1/chat/completions`
-and `/v1/completions` (both with `stream`), `GET /v1/models`, `/health` and `/metrics`
-(prometheus-client's text, `kvtier.engine.metrics`). Errors come back in OpenAI's shape
-(`APIError.body`) with a 4xx or 5xx status, and the server keeps serving.
+and `/v1/completions` (both with `stream`), `GET /v1/models`, `/v1/models/{id}`,
+`/version`, `/health` and `/metrics` (prometheus-client's text, `kvtier.engine.metrics`).
+Every error comes back in OpenAI's shape (`APIError.body`) with a 4xx or 5xx status, and
+the server keeps serving: unknown routes and methods, validation and crashes included
+(`kvtier.engine.web`). With an API key, every route but `/health` and `/metrics` needs it
+(401). A tokenizer without a chat template is warned about when the app is made; its chat
+requests are answered 400 and text completions still work.
 
 A request's parameters are read by `kvtier.engine.params` (a field the server cannot honour
 is a 400 naming it). Its `n` choices (of each prompt, for a text completion with several)
@@ -22,6 +26,8 @@ then the body is parsed and tokenised on a thread of its own, never on the event
 `/health` and the streams keep answering. Each request carries `request_timeout_s` to the
 engine: one that runs past it is answered 504 (streamed: an error event, then `[DONE]`).
 
+`kvtier serve` binds its port before the model loads: a port in use is refused at once.
+
 Lifetime: the app owns the engine. Its shutdown (uvicorn's, on SIGTERM or Ctrl-C, once the
 requests in flight are answered) stops the worker and closes the engine, which flushes
 pending storage writes; `kvtier serve` then exits 0.
@@ -33,6 +39,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import time
 import uuid
@@ -47,6 +54,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvtier import __version__
 from kvtier.alloc import AllocPolicy
 from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.cache.storage_mover import HostStorageMover
@@ -57,10 +65,14 @@ from kvtier.engine.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.engine.models import DEFAULT_MODEL
 from kvtier.engine.params import MAX_CHOICES, Prompt, RequestParams, completion_prompts, request_params
 from kvtier.engine.results import RequestResult
+from kvtier.engine.web import BearerAuth, listening_socket, openai_errors
 from kvtier.engine.worker import Job, Worker
 from kvtier.errors import APIError, ConfigError
 
 log = logging.getLogger(__name__)
+
+# Routes that answer without the API key: probes and scrapers hold none.
+OPEN_PATHS = ("/health", "/metrics")
 
 
 class _Terminated(Exception):
@@ -72,16 +84,28 @@ def _terminated(_signum: int, _frame: Any) -> None:
 
 
 def command(args: Namespace) -> int:
-    """`kvtier serve`: load the model, build the engine, serve until SIGTERM or Ctrl-C; 0 then."""
+    """`kvtier serve`: check the flags, bind the port, load the model, serve until SIGTERM or Ctrl-C; 0."""
     import uvicorn
 
-    from kvtier.commands import console, engine_for, storage_config, summary_lines
+    from kvtier.cli_args import API_KEY_ENV
+    from kvtier.commands import console, device, engine_for, storage_config, summary_lines
 
     config = CacheConfig(
         write_policy=WritePolicy(args.write_policy), host_alloc_policy=AllocPolicy(args.host_alloc)
     )
     storage = storage_config(args)
-    dev, engine = engine_for(args, "loading the model", config, host_layout=args.host_layout, storage=storage)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise ConfigError(f"the API key (--api-key or ${API_KEY_ENV}) is empty")
+    device(args.device)  # no CUDA: refused before the port is taken
+    sock = listening_socket(args.host, args.port)
+    try:
+        dev, engine = engine_for(
+            args, "loading the model", config, host_layout=args.host_layout, storage=storage
+        )
+    except BaseException:
+        sock.close()
+        raise
     name = args.model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
     tier = f", storage on {engine.storage.backend.describe()}" if engine.storage is not None else ""
     app = create_app(
@@ -90,19 +114,23 @@ def command(args: Namespace) -> int:
         max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         request_timeout_s=args.request_timeout,
+        api_key=api_key,
     )
     for line in summary_lines(engine.summary()):
         console.print(line, highlight=False)
-    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev}{tier})")
+    keyed = ", API key required" if api_key is not None else ""
+    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev}{tier}{keyed})")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     # uvicorn handles SIGTERM and SIGINT itself (a graceful shutdown, the app's included),
     # then raises the signal again for the handler it found: this one, and Python's for SIGINT.
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        server.run(sockets=[sock])
     except (_Terminated, KeyboardInterrupt):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sock.close()
         app.state.shutdown()  # done by the app's shutdown already, unless uvicorn never started
     console.print(f"stopped; {_stored(engine.storage)}" if engine.storage is not None else "stopped")
     return 0
@@ -141,9 +169,21 @@ def create_app(
     max_queue: int = Limits.max_queue,
     max_body_bytes: int = Limits.max_body_bytes,
     request_timeout_s: float = Limits.request_timeout_s,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under the name `model_name`; it closes `engine` at shutdown."""
+    """The FastAPI app serving `engine` under the name `model_name`; it closes `engine` at shutdown.
+
+    `api_key`: requests but `OPEN_PATHS` need `Authorization: Bearer <api_key>` (None: none do).
+    """
     limits = Limits(max_queue, max_body_bytes, request_timeout_s)  # refused before the worker starts
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("api_key is empty: give a key, or None for none")
+    if engine.chat_template is None:
+        log.warning(
+            "the tokenizer of %r has no chat template: chat completions are answered 400 (text completions "
+            "work); give one with --chat-template FILE",
+            model_name,
+        )
     routes = Routes(engine, model_name, Worker(engine), ServerMetrics(engine), limits)
 
     @asynccontextmanager
@@ -151,12 +191,17 @@ def create_app(
         yield
         routes.shutdown()
 
-    app = FastAPI(title="kvtier", lifespan=lifespan)
+    app = FastAPI(title="kvtier", version=__version__, lifespan=lifespan)
     app.state.worker, app.state.engine, app.state.metrics = routes.worker, engine, routes.metrics
     app.state.shutdown = routes.shutdown
     app.add_exception_handler(APIError, routes.api_error)
+    openai_errors(app, routes.metrics.count)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, key=api_key, open_paths=OPEN_PATHS, count=routes.metrics.count)
     app.get("/health")(routes.health)
+    app.get("/version")(routes.version)
     app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id:path}")(routes.model)
     app.get("/metrics")(routes.scrape)
     app.post("/v1/chat/completions")(routes.chat)
     app.post("/v1/completions")(routes.completions)
@@ -199,9 +244,24 @@ class Routes:
             raise APIError(503, "the server's worker has stopped; see its log", type_="server_error")
         return {"status": "ok"}
 
+    async def version(self) -> dict:
+        return {"version": __version__}
+
     async def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvtier"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict:
+        if model_id != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model_id!r} does not exist; this server has {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return self._card()
+
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvtier"}
 
     async def scrape(self) -> Response:
         # Off the loop: a storage backend's usage may ask its server.
@@ -217,7 +277,13 @@ class Routes:
         return await self._complete(request, prompts, params, chat=False)
 
     async def _chat_prompt(self, body: dict) -> list[Prompt]:
-        return [Prompt(await self._off_loop(self.engine.encode_chat, api.chat_messages(body)))]
+        messages = api.chat_messages(body)
+        if self.engine.chat_template is None:
+            raise api.no_chat_template(self.model_name)
+        try:
+            return [Prompt(await self._off_loop(self.engine.encode_chat, messages))]
+        except ConfigError as e:  # the template refused the messages (its raise_exception)
+            raise APIError(400, str(e), param="messages") from None
 
     async def _text_prompts(self, body: dict) -> list[Prompt]:
         return await self._off_loop(self._encode, completion_prompts(body, self.engine.vocab_size))
