@@ -241,7 +241,7 @@ def test_a_crash_in_a_route_is_a_500_in_openai_shape_and_the_server_keeps_servin
 
 def test_a_non_integer_is_refused_in_plain_english(client) -> None:
     error = refused(lambda: chat(client, MESSAGES, extra_body={"max_tokens": 1.5}), 400)
-    assert error.body["message"] == "max_tokens must be an integer"
+    assert error.body["message"] == "max_tokens must be an integer, got 1.5"
 
 
 # -- models, version -------------------------------------------------------------------------
