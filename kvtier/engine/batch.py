@@ -288,17 +288,29 @@ def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if kwargs.get("s_aux") is not None:
         raise InvariantError(f"{type(module).__name__}: attention sinks (s_aux) are not supported by kvtier")
     step = _active.get()
+    softcap = _softcap(module, kwargs)
     if step is None:
-        if kwargs.get("softcap") is None:
+        if softcap is None:
             return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
-        return _eager_outside_a_step(query, key, value, mask, kwargs.get("scaling"), kwargs["softcap"])
+        return _eager_outside_a_step(query, key, value, mask, kwargs.get("scaling"), softcap)
     causal = kwargs.get("is_causal")
     if (causal if causal is not None else getattr(module, "is_causal", True)) is False:
         raise InvariantError(f"{type(module).__name__}: a step attends causally only")
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise InvariantError(f"{type(module).__name__} has no layer_idx; kvtier's step needs it")
-    return step.attend(query, key, value, layer, kwargs.get("scaling"), kwargs.get("softcap"))
+    return step.attend(query, key, value, layer, kwargs.get("scaling"), softcap)
+
+
+def _softcap(module: Any, kwargs: dict) -> float | None:
+    """The call's attention soft cap: its `softcap` argument, else the module's or its config's
+    `attn_logit_softcapping` (transformers versions differ in which they pass)."""
+    cap = kwargs.get("softcap")
+    if cap is None:
+        cap = getattr(module, "attn_logit_softcapping", None)
+    if cap is None:
+        cap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    return cap
 
 
 def _eager_outside_a_step(query, key, value, mask: torch.Tensor | None, scale: float | None, softcap: float):
