@@ -101,4 +101,22 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
         )
     if _SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise SpecError(f"config of {name!r} has sliding layers but sliding_window {window!r}")
+    if _SLIDING in types and getattr(text, "attn_logit_softcapping", None) and _transformers() < (5, 24):
+        raise SpecError(
+            f"config of {name!r} soft-caps its sliding attention (Gemma 2): kvtier matches generate's "
+            f"tokens there with transformers >= 5.24 only (this is {_transformers_version()}; with 5.17 "
+            "the logits differed by ~1%); upgrade transformers"
+        )
     return tuple(window if t == _SLIDING else None for t in types)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _transformers() -> tuple[int, ...]:
+    from packaging.version import Version  # (a dependency of transformers)
+
+    return Version(_transformers_version()).release
