@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 from argparse import ArgumentTypeError
+from collections.abc import Callable
 from pathlib import Path
 
 SPECS = (  # sorted(kvtier.spec.PRESETS)
@@ -116,23 +117,22 @@ def _int_at_least(text: str, low: int, what: str) -> int:
 
 def non_negative_float(text: str) -> float:
     """A finite number of at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise ArgumentTypeError(f"expected a non-negative number, got {text!r}")
-    return value
+    return _float_from(text, "a non-negative number", lambda v: v >= 0)
 
 
 def positive_float(text: str) -> float:
     """A finite number above 0."""
+    return _float_from(text, "a positive number", lambda v: v > 0)
+
+
+def _float_from(text: str, what: str, ok: Callable[[float], bool]) -> float:
+    """`text` as a float that `ok` accepts and is finite (NaN fails `ok`); else `what` was expected."""
     try:
         value = float(text)
     except ValueError:
-        raise ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise ArgumentTypeError(f"expected a positive number, got {text!r}")
+        raise ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not (ok(value) and value < float("inf")):
+        raise ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
 
 
