@@ -77,6 +77,16 @@ def storage_config(args: Namespace, url: str | None = None) -> StorageConfig | N
     return StorageConfig(url, **{STORAGE_FIELDS[flag]: v for flag, v in given.items()})
 
 
+def engine_sizes(args: Namespace) -> dict[str, int]:
+    """The `Engine` sizes the serve and demo flags give: both pools, running requests, batched tokens."""
+    return {
+        "device_tokens": args.device_tokens,
+        "host_tokens": args.host_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+
+
 def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) -> tuple[torch.device, Engine]:
     """`--model` loaded on `--device` in `--dtype` (`loading` on the console meanwhile), and an engine.
 
@@ -92,17 +102,7 @@ def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) ->
     dev = device(args.device)
     with console.status(loading):
         model, tokenizer = load_model(args.model, dev, args.dtype)
-    engine = Engine(
-        model,
-        tokenizer,
-        device_tokens=args.device_tokens,
-        host_tokens=args.host_tokens,
-        config=config,
-        page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        **kw,
-    )
+    engine = Engine(model, tokenizer, config=config, page_size=args.page_size, **engine_sizes(args), **kw)
     if args.chat_template is not None:
         try:
             engine.chat_template = args.chat_template

@@ -136,7 +136,7 @@ def _plain_generate(engine: Engine, prompt: list[int], max_tokens: int) -> list[
 def command(args: Namespace) -> int:
     """`kvtier demo`: 0 when every answer equals plain generation and the restart hits storage, else 1."""
     from kvtier.cache import CacheConfig, WritePolicy
-    from kvtier.commands import console, engine_for, storage_config, summary_lines
+    from kvtier.commands import console, engine_for, engine_sizes, storage_config, summary_lines
 
     config = CacheConfig(write_policy=WritePolicy(args.write_policy))
     storage = storage_config(args) if args.storage else None
@@ -160,16 +160,7 @@ def command(args: Namespace) -> int:
         model, tokenizer = engine.model, engine.tokenizer
 
         def build() -> Engine:
-            return Engine(
-                model,
-                tokenizer,
-                device_tokens=args.device_tokens,
-                host_tokens=args.host_tokens,
-                config=config,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                storage=restart_storage,
-            )
+            return Engine(model, tokenizer, config=config, storage=restart_storage, **engine_sizes(args))
 
         console.print(
             f"restart: the first conversation's last turn on an engine over {restart_storage.url}, "

@@ -260,6 +260,7 @@ class Engine(Owner, TextSide):
         updates = self._expire()
         with torch.inference_mode():
             plan = self.scheduler.schedule()
+            self.stats.preemptions = self.scheduler.preemptions  # (only `schedule` preempts)
             if not plan:
                 return updates
             try:
@@ -352,7 +353,6 @@ class Engine(Owner, TextSide):
     def _end(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        self.stats.preemptions = self.scheduler.preemptions
 
     # -- requests ----------------------------------------------------------------------
 
