@@ -205,11 +205,13 @@ class Scheduler:
         """Whether `other` is prefilling tokens `req` would compute too (over a page beyond its cache)."""
         if not self.prefix_cache or other.computed >= len(other.prompt):
             return False
-        a, b = req.prompt, other.prompt
-        n = min(len(a), len(b))
-        diff = np.flatnonzero(a[:n] != b[:n])
-        shared = int(diff[0]) if len(diff) else n
-        return shared >= other.cached + self.page_size and shared // self.page_size > 0
+        a, b, k = req.prompt, other.prompt, other.cached + self.page_size
+        if len(a) < k or len(b) < k:
+            return False
+        # The page past `other`'s cached part first: it tells most prompts apart in O(page).
+        return np.array_equal(a[k - self.page_size : k], b[k - self.page_size : k]) and np.array_equal(
+            a[:k], b[:k]
+        )
 
     def _admit(self, req: Request, budget: int) -> int:
         """Admit `req`: tokens it computes this step, or 0 (nothing held, back at the queue's front).
