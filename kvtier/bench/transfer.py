@@ -90,6 +90,9 @@ class Row:
     gbps: float
     ceiling_ratio: float
     identical: bool
+    # Per buffer, the rows each mechanism moves; and the cost model whose choices made the plan.
+    mechanisms: dict = field(default_factory=dict)
+    cost_model: str = ""
 
 
 @dataclass
@@ -242,6 +245,8 @@ def _time(
         gbps=round(gbps, 2),
         ceiling_ratio=round(gbps / s.ceilings[plan.direction], 3),
         identical=identical,
+        mechanisms=plan.mechanisms_by_buffer(),
+        cost_model=plan.cost_model,
     )
 
 

@@ -26,7 +26,7 @@ from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
 from kvtier.transfer import dma, groups, kernels
-from kvtier.transfer.parts import CopyPart, KernelPart, StagedPart
+from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, StagedPart
 from kvtier.transfer.plan import TransferPlan
 
 
@@ -130,6 +130,8 @@ def _move(
     dev_w = as_words(dev)
     load = plan.direction is Direction.LOAD
     for part in plan.parts:
+        if b.name not in part.buffers:
+            continue
         if isinstance(part, CopyPart):
             if part.batched:
                 runs = part.run_bytes[b.name]
@@ -191,18 +193,21 @@ def _staged(
     layer: int,
     stream: torch.cuda.Stream | None,
 ) -> None:
-    """Per window, a load copies its host runs into the staging buffer and places the rows with one
-    `index_copy_`; a backup gathers them with one `index_select` and copies them out."""
+    """Per window, a load copies its host runs into the staging buffer (the copy engine, or the kernel's
+    units) and places the rows with one `index_copy_`; a backup gathers them with one `index_select`
+    and copies them out."""
     cap = device_pool.staging_tokens
     raw = device_pool.staging(plan.direction)[: cap * b.row_bytes]
     stage = raw.view(dev_w.dtype).view(cap, dev_w.shape[1])
     index = part.device_index
     load = plan.direction is Direction.LOAD
     run_bytes = part.run_bytes[b.name]
-    for lo, hi, first, end in part.windows:
+    for w, (lo, hi, first, end) in enumerate(part.windows):
         if not load:
             torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
-        if part.batched:
+        if part.kernel is not None:
+            _kernel_regions(plan, part.kernel[b.name][w], part.unit, host_pool, stage.view(-1), b, layer)
+        elif part.batched:
             runs = (x[first:end] for x in run_bytes)
             _copy_runs(host_pool, b, layer, runs, stage.data_ptr(), load, stream, part.streams)
         else:  # one torch copy per run
@@ -223,7 +228,21 @@ def _kernel(
     plan: TransferPlan, part: KernelPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
 ) -> None:
     """The row kernel over the part's units, one launch per host region in the shape the plan gave it."""
-    for region in part.regions[b.name]:
+    _kernel_regions(plan, part.regions[b.name], part.unit, host_pool, dev_w, b, layer)
+
+
+def _kernel_regions(
+    plan: TransferPlan,
+    regions: tuple[KernelRegion, ...],
+    unit: int,
+    host_pool: HostPool,
+    dev_w: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+) -> None:
+    """Units of `unit` rows between the host rows of `layer` and `dev_w` (words: a layer tensor or the
+    staging buffer), one launch per host region."""
+    for region in regions:
         launch = region.launch
         # Words of the width the plan's offsets are in (no rescaling on the device).
         dev_flat = flat_words(dev_w.view(-1), region.word)
@@ -234,7 +253,7 @@ def _kernel(
             region.src,
             dst,
             region.dst,
-            b.row_bytes * part.unit // region.word,
+            b.row_bytes * unit // region.word,
             sm_budget=launch.programs,
             rows_per_program=launch.rows,
             validate=False,

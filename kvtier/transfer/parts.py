@@ -15,18 +15,20 @@ first row of a layer (`HostPool.locate`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
-from kvtier.pool.device import DevicePool, Direction
-from kvtier.pool.host import HostLayout, HostPool
-from kvtier.spec import KVSpec
-from kvtier.transfer import kernel_args
+from kvtier.pool.device import DevicePool
+from kvtier.pool.host import HostPool
+from kvtier.spec import BufferSpec, KVSpec
 from kvtier.transfer.launch import KernelLaunch
-from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
+from kvtier.transfer.options import Mechanism, PathCosts, TransferPath
 from kvtier.transfer.runs import RunTable
+
+if TYPE_CHECKING:
+    from kvtier.transfer.units import KernelStaging
 
 
 class RunBytes(NamedTuple):
@@ -51,6 +53,10 @@ class CopyPart:
     batched: bool
     streams: int
 
+    @property
+    def buffers(self) -> frozenset[str]:
+        return frozenset(self.run_bytes)
+
 
 class Window(NamedTuple):
     """One fill of the staging buffer: part rows `[lo, hi)`, moved by the part's runs `[first, end)`."""
@@ -59,21 +65,6 @@ class Window(NamedTuple):
     hi: int
     first: int
     end: int
-
-
-@dataclass(frozen=True)
-class StagedPart:
-    """Host runs cut where a window ends (`device`: a run's first staging row; in bytes per buffer:
-    `run_bytes`), through the staging buffer to `device_index` (`[rows]` int64 on the device)."""
-
-    mechanism: ClassVar[Mechanism] = Mechanism.STAGED
-    rows: int
-    runs: RunTable
-    run_bytes: dict[str, RunBytes]
-    windows: tuple[Window, ...]
-    device_index: torch.Tensor
-    batched: bool
-    streams: int
 
 
 @dataclass(frozen=True)
@@ -88,6 +79,30 @@ class KernelRegion:
     align: int
     word: int
     launch: KernelLaunch
+
+
+@dataclass(frozen=True)
+class StagedPart:
+    """Host runs cut where a window ends (`device`: a run's first staging row; in bytes per buffer:
+    `run_bytes`), through the staging buffer to `device_index` (`[rows]` int64 on the device).
+
+    Between the host and the staging buffer the copy engine moves the runs, or, where `kernel` is
+    set, the row kernel: per buffer name, per window, its units of `unit` rows per host region."""
+
+    mechanism: ClassVar[Mechanism] = Mechanism.STAGED
+    rows: int
+    runs: RunTable
+    run_bytes: dict[str, RunBytes]
+    windows: tuple[Window, ...]
+    device_index: torch.Tensor
+    batched: bool
+    streams: int
+    kernel: dict[str, tuple[tuple[KernelRegion, ...], ...]] | None = None
+    unit: int = 1
+
+    @property
+    def buffers(self) -> frozenset[str]:
+        return frozenset(self.run_bytes)
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,10 @@ class KernelPart:
     tables: dict[str, LayerTable]
 
     @property
+    def buffers(self) -> frozenset[str]:
+        return frozenset(self.regions)
+
+    @property
     def programs(self) -> int:
         """The largest grid of the part's launches (SMs held while it runs)."""
         grids = [r.launch.programs for rs in self.regions.values() for r in rs]
@@ -130,9 +149,12 @@ class ReferencePart:
     rows: int
     positions: torch.Tensor
     device_index: torch.Tensor
+    buffers: frozenset[str] = frozenset()
 
 
 Part = CopyPart | StagedPart | KernelPart | ReferencePart
+# The buffer names a part moves; None: every buffer of the spec.
+Buffers = frozenset[str] | None
 
 
 @dataclass(frozen=True)
@@ -180,32 +202,45 @@ class Uploader:
         return ready
 
 
-def copy_streams(spec: KVSpec, rows: int, runs: int, batched: bool, costs: PathCosts) -> int:
+def widest(spec: KVSpec, buffers: Buffers) -> int:
+    """The widest row, in bytes, of the named buffers of `spec` (None: all of them)."""
+    return max(b.row_bytes for b in _buffers(spec, buffers))
+
+
+def _buffers(spec: KVSpec, names: Buffers) -> list[BufferSpec]:
+    return [b for b in spec.buffers if names is None or b.name in names]
+
+
+def copy_streams(
+    spec: KVSpec, rows: int, runs: int, batched: bool, costs: PathCosts, buffers: Buffers = None
+) -> int:
     """Streams a copy part's copies of one layer (`rows` in `runs`) go over: `costs.copy_streams` for
     batched runs shorter on average than `costs.fan_out_below_bytes`, else one."""
-    if batched and runs and rows * spec.widest_row_bytes < costs.fan_out_below_bytes * runs:
+    if batched and runs and rows * widest(spec, buffers) < costs.fan_out_below_bytes * runs:
         return costs.copy_streams
     return 1
 
 
-def copy_part(host_pool: HostPool, runs: RunTable, batched: bool, streams: int) -> CopyPart:
-    """Copy-engine copies of joint `runs`, with their bytes per buffer (for raw copies)."""
+def copy_part(
+    host_pool: HostPool, runs: RunTable, batched: bool, streams: int, buffers: Buffers = None
+) -> CopyPart:
+    """Copy-engine copies of joint `runs` of the named buffers, with their bytes per buffer."""
     return CopyPart(
         rows=int(runs.length.sum()),
         runs=runs,
-        run_bytes=run_bytes(host_pool, runs.host, runs.device, runs.length),
+        run_bytes=run_bytes(host_pool, runs.host, runs.device, runs.length, buffers),
         batched=batched,
         streams=streams,
     )
 
 
 def run_bytes(
-    host_pool: HostPool, host_at: np.ndarray, dev_at: np.ndarray, lens: np.ndarray
+    host_pool: HostPool, host_at: np.ndarray, dev_at: np.ndarray, lens: np.ndarray, buffers: Buffers = None
 ) -> dict[str, RunBytes]:
     """Runs in bytes per buffer name: `host_at`, `dev_at`, `lens` `[runs]` int64, each run's first host
     slot, first device row (a slot, or a staging row) and length."""
     out = {}
-    for b in host_pool.spec.buffers:
+    for b in _buffers(host_pool.spec, buffers):
         region, row = host_pool.locate(b.name, host_at)
         out[b.name] = RunBytes(region, row * b.row_bytes, dev_at * b.row_bytes, lens * b.row_bytes)
     return out
@@ -221,9 +256,12 @@ def staged_part(
     batched: bool,
     streams: int,
     up: Uploader,
+    buffers: Buffers = None,
+    kernel: KernelStaging | None = None,
 ) -> StagedPart:
     """Host runs (`pos`, `lens`: `[runs]` int64) of the plan's slots `hn`, `dn` (`[n]` int64) through
-    the staging buffer of `cap` rows, cut where a window ends; its rows are the runs' in order."""
+    the staging buffer of `cap` rows, cut where a window ends; its rows are the runs' in order.
+    With `kernel`, the row kernel moves them between the host and the staging buffer."""
     total = int(lens.sum())
     at = np.cumsum(lens) - lens  # each run's first row in the part
     cuts = np.union1d(at, np.arange(cap, total, cap))
@@ -240,94 +278,23 @@ def staged_part(
         for w, a, z in zip(window[first].tolist(), first.tolist(), ends.tolist(), strict=True)
     )
     rows = np.repeat(pos - at, lens) + np.arange(total)
+    moved, unit = None, 1
+    if kernel is not None:
+        moved, unit = kernel.regions(host_pool, host_at, stage_row, cut_lens, windows, buffers, up)
     return StagedPart(
         rows=total,
         runs=RunTable.of(pos[run] + off, host_at, stage_row, cut_lens),
-        run_bytes=run_bytes(host_pool, host_at, stage_row, cut_lens),
+        run_bytes=run_bytes(host_pool, host_at, stage_row, cut_lens, buffers),
         windows=windows,
         device_index=up(torch.from_numpy(dn[rows])),
         batched=batched,
         streams=streams if batched else 1,
+        kernel=moved,
+        unit=unit,
     )
 
 
-def kernel_part(
-    direction: Direction,
-    host_pool: HostPool,
-    device_pool: DevicePool,
-    hn: np.ndarray,
-    dn: np.ndarray,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    opts: KernelOptions,
-    up: Uploader,
-) -> KernelPart:
-    """Word offsets for the kernel, per buffer and host region, uploaded once, and their launches.
-
-    Joint runs (`starts`, `lens`: `[runs]` int64) are cut into units of the largest divisor of
-    every run length within `max_unit_bytes` (whole pages where slots are page-granular).
-    """
-    widest = host_pool.spec.widest_row_bytes
-    unit = _unit(lens, max(1, opts.max_unit_bytes // widest))
-    in_run = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-    rows = np.repeat(starts, lens) + in_run
-    rows = rows[in_run % unit == 0]
-    regions = {}
-    for b in host_pool.spec.buffers:  # each buffer's units per host region
-        device = device_pool.layer(b.name, b.layers[0]).device
-        region, host_row = host_pool.locate(b.name, hn[rows])
-        dev_slots, out = dn[rows], []
-        for r in np.unique(region).tolist():
-            mask = region == r
-            host_off = host_row[mask] * b.row_bytes
-            dev_off = dev_slots[mask] * b.row_bytes
-            src, dst = (host_off, dev_off) if direction is Direction.LOAD else (dev_off, host_off)
-            align = kernel_args.common_alignment(src, dst)  # bytes
-            word = kernel_args.word_size(b.row_bytes * unit, [align])
-            align_words = max(1, align // word)
-            launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction)
-            src, dst = up(torch.from_numpy(src // word)), up(torch.from_numpy(dst // word))
-            out.append(KernelRegion(int(r), src, dst, align_words, word, launch))
-        regions[b.name] = tuple(out)
-    tables = {}
-    if host_pool.layout is HostLayout.PAGE_FIRST and unit == host_pool.spec.page_size:
-        for b in host_pool.spec.buffers:
-            table = _layer_table(device_pool, b.name, regions[b.name], opts, up)
-            if table is not None:
-                tables[b.name] = table
-    return KernelPart(rows=int(lens.sum()), unit=unit, regions=regions, tables=tables)
-
-
-def _layer_table(
-    device_pool: DevicePool,
-    buffer: str,
-    regions: tuple[KernelRegion, ...],
-    opts: KernelOptions,
-    up: Uploader,
-) -> LayerTable | None:
-    """Each layer tensor's offset from the first in words, uploaded; None where layers cannot move
-    together (one layer, no raw rows, regions in words of different widths, not whole words apart)."""
-    ptrs = device_pool.layer_ptrs(buffer)
-    words = {r.word for r in regions}
-    if len(ptrs) < 2 or not device_pool.raw_rows(buffer) or len(words) != 1:
-        return None
-    word = words.pop()
-    deltas = ptrs - ptrs[0]
-    if np.any(deltas % word):
-        return None
-    return LayerTable(word, up(torch.from_numpy(deltas // word)), opts.sm_budget)
-
-
-def _unit(lens: np.ndarray, cap: int) -> int:
-    """The largest divisor of every run length that is at most `cap` rows."""
-    g = int(np.gcd.reduce(lens)) if len(lens) else 1
-    for u in range(min(g, cap), 0, -1):
-        if g % u == 0:
-            return u
-    return 1
-
-
-def reference_part(d: torch.Tensor, up: Uploader) -> ReferencePart:
+def reference_part(d: torch.Tensor, up: Uploader, buffers: frozenset[str]) -> ReferencePart:
     """Every pair of the plan per token: `d` `[n]` int64 CPU, the device slots."""
     n = d.numel()
-    return ReferencePart(rows=n, positions=torch.arange(n), device_index=up(d))
+    return ReferencePart(rows=n, positions=torch.arange(n), device_index=up(d), buffers=buffers)

@@ -28,10 +28,11 @@ from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.slots import as_slot_tensor
-from kvtier.transfer import dma, kernels, options, parts
+from kvtier.transfer import dma, kernels, options, parts, units
 from kvtier.transfer import runs as slot_runs
+from kvtier.transfer.costs import Choice, CostModel
 from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
-from kvtier.transfer.parts import CopyPart, KernelPart, Part, RunCopies, StagedPart, Uploader
+from kvtier.transfer.parts import Buffers, CopyPart, KernelPart, Part, RunCopies, StagedPart, Uploader
 from kvtier.transfer.runs import RunPair, RunTable
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,16 @@ log = logging.getLogger(__name__)
 _COPY_PATHS = (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA)
 # `(starts, lengths)` of runs, `[k]` int64 positions and lengths each.
 Runs = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Buffers planned alike: their names (None: all), the row bytes their runs are measured in, and
+    the cost model's `Choice` for them."""
+
+    buffers: Buffers
+    row_bytes: int
+    choice: Choice
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,8 @@ class TransferPlan:
     ready: torch.cuda.Event | None
     host_pool: HostPool = field(repr=False, compare=False)
     device_pool: DevicePool = field(repr=False, compare=False)
+    # The cost model whose choices made the plan ("defaults": `PathCosts`' fixed thresholds).
+    cost_model: str = "defaults"
 
     @property
     def num_tokens(self) -> int:
@@ -70,18 +83,32 @@ class TransferPlan:
         return max((p.programs for p in self.parts if isinstance(p, KernelPart)), default=0)
 
     def rows_by_mechanism(self) -> dict[str, int]:
-        """Rows each mechanism moves (multiply by a layer's row bytes for bytes)."""
+        """Rows each mechanism moves, summed over parts (a part of some buffers counts its rows once)."""
         out: dict[str, int] = {}
         for p in self.parts:
             out[p.mechanism.value] = out.get(p.mechanism.value, 0) + p.rows
         return out
 
+    def mechanisms_by_buffer(self) -> dict[str, dict[str, int]]:
+        """Per buffer name, the rows each mechanism moves (`staged_kernel`: staging filled by the kernel)."""
+        out: dict[str, dict[str, int]] = {b.name: {} for b in self.host_pool.spec.buffers}
+        for p in self.parts:
+            m = p.mechanism.value
+            if isinstance(p, StagedPart) and p.kernel is not None:
+                m = "staged_kernel"
+            for name in p.buffers or out:
+                out[name][m] = out[name].get(m, 0) + p.rows
+        return out
+
     def describe(self) -> str:
-        mechs = ", ".join(f"{m} {r}" for m, r in self.rows_by_mechanism().items())
+        mechs = "; ".join(
+            f"{name}: " + ", ".join(f"{m} {r}" for m, r in by.items())
+            for name, by in self.mechanisms_by_buffer().items()
+        )
         return (
             f"{self.direction.value} {self.num_tokens} tokens via {self.path.value} ({mechs} rows; "
-            f"{self.sms_used} SMs): {self.host_runs} host runs, {self.device_runs} device runs, "
-            f"{self.joint_runs} joint runs"
+            f"{self.sms_used} SMs; costs: {self.cost_model}): {self.host_runs} host runs, "
+            f"{self.device_runs} device runs, {self.joint_runs} joint runs"
         )
 
     @classmethod
@@ -119,6 +146,7 @@ class Planner:
         kernel: KernelOptions | None = None,
         force: TransferPath | str | None = None,
         use_kernel: bool | None = None,
+        model: CostModel | None = None,
     ) -> None:
         self.costs = costs or PathCosts()
         self.kernel = kernel or KernelOptions()
@@ -134,6 +162,24 @@ class Planner:
             if not device_pool.raw_rows(b.name):
                 why = "its device tensors are not packed rows of"
                 log.info("buffer %r moves on the reference path: %s %s", b.name, why, b.dtype)
+        if model is None and self.kernel_ok and cuda and self.force is None:
+            from kvtier.transfer import calibrate  # measures on first use; cached per process and on disk
+
+            model = calibrate.model_for(device_pool.device, [b.row_bytes for b in host_pool.spec.buffers])
+        self.model = model
+        self.groups = {d: self._groups(d) for d in Direction}
+
+    def _groups(self, direction: Direction) -> tuple[Group, ...]:
+        """Each buffer's own `Choice` where the model knows every row size, else one group by the widest."""
+        spec = self.host_pool.spec
+        if self.model is not None:
+            found = [self.model.choice(b.row_bytes, direction) for b in spec.buffers]
+            if all(c is not None for c in found):
+                return tuple(
+                    Group(frozenset({b.name}), b.row_bytes, c)
+                    for b, c in zip(spec.buffers, found, strict=True)
+                )
+        return (Group(None, self.widest, Choice.fallback(self.costs, direction)),)
 
     def plan(
         self,
@@ -174,7 +220,7 @@ class Planner:
         n = host_slots.numel()
         if n != device_slots.numel():
             raise SlotError(f"host_slots has {n} entries but device_slots has {device_slots.numel()}")
-        copies = self.copies(n, runs) if runs is not None else None
+        copies = self.copies(n, runs, direction) if runs is not None else None
         if copies is None:
             ps = self.host_pool.spec.page_size
             step = ps if whole_pages and n % ps == 0 else 1
@@ -194,7 +240,7 @@ class Planner:
             device_pool=self.device_pool,
         )
 
-    def copies(self, n: int, runs: RunPair) -> RunCopies | None:
+    def copies(self, n: int, runs: RunPair, direction: Direction = Direction.LOAD) -> RunCopies | None:
         """The copy-engine plan of `n` allocated slots given as `runs` (see `plan_allocated`),
         or None where the planner picks another mechanism for some row."""
         host_pool = self.host_pool
@@ -202,7 +248,7 @@ class Planner:
         lens = found.runs.length
         if int(lens.sum()) != n:
             raise PlanError(f"the runs cover {int(lens.sum())} slots, the plan has {n}")
-        path = self.decide(n, found.host_runs, lens)
+        path = self.decide(n, found.host_runs, lens, Direction(direction))
         if path not in _COPY_PATHS:
             return None
         batched = self.batched and path is not TransferPath.PER_RUN
@@ -218,7 +264,7 @@ class Planner:
             self.device_pool,
         )
 
-    def decide(self, n: int, host_runs: int, joint_lens: np.ndarray) -> TransferPath:
+    def decide(self, n: int, host_runs: int, joint_lens: np.ndarray, direction: Direction) -> TransferPath:
         """The path of `n` rows in `host_runs` host runs and joint runs of `joint_lens` (`[k]` int64):
         `force`d, else as the module docstring says."""
         joint_runs, costs = len(joint_lens), self.costs
@@ -230,8 +276,11 @@ class Planner:
             return TransferPath.STAGED
         if self.kernel_ok:
             # MIXED here means "split by run" (`_parts`); the plan's path follows its parts.
-            long_runs = int((joint_lens * self.widest >= costs.copy_min_bytes).sum())
-            return TransferPath.BATCHED_DMA if long_runs == joint_runs else TransferPath.MIXED
+            every = all(
+                bool((joint_lens * g.row_bytes >= g.choice.copy_min_bytes).all())
+                for g in self.groups[direction]
+            )
+            return TransferPath.BATCHED_DMA if every else TransferPath.MIXED
         nbytes, windows = n * self.widest, -(-n // self.device_pool.staging_tokens)
         estimates = {
             TransferPath.PER_RUN: costs.estimate(Mechanism.COPY, nbytes, joint_runs),
@@ -252,11 +301,16 @@ class Planner:
         hn, dn = h.numpy(), d.numpy()
         found = slot_runs.scan(self.host_pool, hn, dn, step)
         _, joint_lens = found.joint
-        path = self.decide(len(hn), len(found.host[0]), joint_lens)
+        path = self.decide(len(hn), len(found.host[0]), joint_lens, direction)
         up = Uploader(self.device_pool.device, stream)
         planned = self._parts(direction, path, found, hn, dn, d, up)
         if path is TransferPath.MIXED:
             path = _path_of(planned)
+        sources = (
+            {g.choice.source for g in self.groups[direction]}
+            if path is not TransferPath.SINGLE_COPY
+            else set()
+        )
         return TransferPlan(
             direction=direction,
             path=path,
@@ -270,6 +324,7 @@ class Planner:
             ready=up.finish(),
             host_pool=self.host_pool,
             device_pool=self.device_pool,
+            cost_model=", ".join(sorted(sources)) or "defaults",
         )
 
     def _parts(
@@ -291,29 +346,22 @@ class Planner:
         if path is TransferPath.KERNEL:
             return build(kernel=found.joint)
         if path is TransferPath.REFERENCE:
-            return (parts.reference_part(d, up),)
-        # Mixed: long joint runs to the copy engine, host runs of at least `staged_min_bytes` made of
-        # short joint runs (their device slots scattered) to staging, every other joint run to the kernel.
-        js, jl = found.joint
-        long = jl * self.widest >= self.costs.copy_min_bytes
-        s, n = js[~long], jl[~long]
-        # A short joint run continues the previous one on the host side: same host run.
-        cont = np.zeros(len(s), dtype=bool)
-        if len(s) > 1:
-            cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~found.host_break[s[1:] // found.step]
-        heads = np.flatnonzero(~cont)
-        rows = np.add.reduceat(n, heads) if len(heads) else n
-        # Backups keep the kernel for these rows: its scatter beats staging then copying out.
-        if direction is Direction.LOAD:
-            staged_run = rows * self.widest >= self.costs.staged_min_bytes
-        else:
-            staged_run = np.zeros(len(rows), bool)
-        staged = np.repeat(staged_run, np.diff(np.append(heads, len(s))))
-        return build(
-            copy=(js[long], jl[long]) if long.any() else None,
-            staged=(s[heads][staged_run], rows[staged_run]) if staged_run.any() else None,
-            kernel=(s[~staged], n[~staged]) if (~staged).any() else None,
-        )
+            names = frozenset(b.name for b in self.host_pool.spec.buffers)
+            return (parts.reference_part(d, up, names),)
+        # Mixed, per group of buffers: each group's runs split by its choice; groups that split alike
+        # share their parts.
+        splits: dict[tuple[bytes, ...], tuple[Buffers, dict[str, Runs | None]]] = {}
+        for g in self.groups[direction]:
+            split = _split(found, g)
+            key = tuple(b"" if v is None else v[0].tobytes() + v[1].tobytes() for v in split.values())
+            names = splits[key][0] if key in splits else frozenset()
+            merged = None if g.buffers is None or names is None else names | g.buffers
+            splits[key] = (merged, split)
+        out: list[Part] = []
+        every = frozenset(b.name for b in self.host_pool.spec.buffers)
+        for names, split in splits.values():
+            out += build(**split, buffers=None if names == every else names)
+        return tuple(out)
 
     def _build(
         self,
@@ -323,23 +371,62 @@ class Planner:
         up: Uploader,
         copy: Runs | None = None,
         staged: Runs | None = None,
+        kernel_staged: Runs | None = None,
         kernel: Runs | None = None,
         batched: bool = True,
+        buffers: Buffers = None,
     ) -> tuple[Part, ...]:
-        """A part for each of `copy` (joint runs), `staged` (host runs) and `kernel` (joint runs) given."""
+        """A part for each of `copy` (joint runs), `staged` and `kernel_staged` (host runs) and `kernel`
+        (joint runs) given, of the named buffers."""
         host_pool, out = self.host_pool, []
         if copy is not None:
             s, n = copy
             batched = self.batched and batched
-            streams = parts.copy_streams(host_pool.spec, int(n.sum()), len(n), batched, self.costs)
-            out.append(parts.copy_part(host_pool, RunTable.of(s, hn[s], dn[s], n), batched, streams))
+            streams = parts.copy_streams(host_pool.spec, int(n.sum()), len(n), batched, self.costs, buffers)
+            table = RunTable.of(s, hn[s], dn[s], n)
+            out.append(parts.copy_part(host_pool, table, batched, streams, buffers))
+        cap, streams = self.device_pool.staging_tokens, self.costs.copy_streams
         if staged is not None:
-            cap, streams = self.device_pool.staging_tokens, self.costs.copy_streams
-            out.append(parts.staged_part(host_pool, hn, dn, *staged, cap, self.batched, streams, up))
+            out.append(parts.staged_part(host_pool, hn, dn, *staged, cap, self.batched, streams, up, buffers))
+        if kernel_staged is not None:
+            by = units.KernelStaging(direction, self.device_pool, self.kernel)
+            args = (host_pool, hn, dn, *kernel_staged, cap, self.batched, streams, up, buffers, by)
+            out.append(parts.staged_part(*args))
         if kernel is not None:
-            args = (direction, host_pool, self.device_pool, hn, dn, *kernel, self.kernel, up)
-            out.append(parts.kernel_part(*args))
+            args = (direction, host_pool, self.device_pool, hn, dn, *kernel, self.kernel, up, buffers)
+            out.append(units.kernel_part(*args))
         return tuple(out)
+
+
+def _split(found: slot_runs.Scan, g: Group) -> dict[str, Runs | None]:
+    """A group's runs by mechanism (`_build`'s keywords): joint runs of `copy_min_bytes` to the copy
+    engine; of the rest, host runs (made of short joint runs) to staging by the copy engine or the
+    kernel as `g.choice` says, every other joint run to the kernel."""
+    c, rb = g.choice, g.row_bytes
+    js, jl = found.joint
+    long = jl * rb >= c.copy_min_bytes
+    s, n = js[~long], jl[~long]
+    # A short joint run continues the previous one on the host side: same host run.
+    cont = np.zeros(len(s), dtype=bool)
+    if len(s) > 1:
+        cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~found.host_break[s[1:] // found.step]
+    heads = np.flatnonzero(~cont)
+    rows = np.add.reduceat(n, heads) if len(heads) else n
+    per_run = np.diff(np.append(heads, len(s)))  # joint runs per host run
+    # Staging pays only where a host run's device slots are scattered (more than one joint run).
+    by_copy = (rows * rb >= c.staged_min_bytes) & (per_run > 1)
+    by_kernel = ~by_copy & (rows * rb < c.kernel_staged_below) & (per_run > 1)
+    staged = np.repeat(by_copy | by_kernel, per_run)
+
+    def runs(mask: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> Runs | None:
+        return (starts[mask], lens[mask]) if mask.any() else None
+
+    return {
+        "copy": runs(long, js, jl),
+        "staged": runs(by_copy, s[heads], rows) if len(heads) else None,
+        "kernel_staged": runs(by_kernel, s[heads], rows) if len(heads) else None,
+        "kernel": runs(~staged, s, n),
+    }
 
 
 def _forced(path: TransferPath, joint_runs: int, device: torch.device) -> TransferPath:

@@ -1,0 +1,270 @@
+"""Measuring what each mechanism costs on this GPU (`calibrate`), once, cached on disk (`model_for`).
+
+A calibration times, in each direction, on scratch pinned and device buffers of
+`SCRATCH_BYTES`, with the same calls a plan makes:
+
+- batched copy-engine copies of pieces of each of `COPY_PIECES` bytes, fanned out as the
+  planner fans them out;
+- the on-device pass of staging (`index_copy_`);
+- per row size asked for, the row kernel on scattered single rows and on scattered units of
+  `costs.unit_rows` rows (its launch shape from `KernelOptions`);
+- 2-D copies of lines of each row size at a pitch of many rows (`page_first`).
+
+Each figure is the median of `REPEATS` samples of `BATCH` back-to-back calls after a warm-up,
+issued while a GPU sleep holds the stream (the host's cost of issuing is not timed). The result, a
+`costs.CostModel`, is kept in `kvtier.paths.cache_dir()/calibration/`, one file per GPU
+model, driver and kvtier version; row sizes it lacks are measured when first asked for and
+added. `KVTIER_CALIBRATION=off` (or `0`) turns it off: planners then use `PathCosts`'
+thresholds. A calibration that fails logs a warning and leaves the defaults; an unreadable
+cache file is measured again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier import paths
+from kvtier.errors import BackendUnavailableError, KVTierError
+from kvtier.pool.device import Direction
+from kvtier.pool.rows import WORD_DTYPES as WORDS
+from kvtier.transfer import cudart, dma, kernel_args, kernels, strided
+from kvtier.transfer.costs import CostModel, Rates, unit_rows
+from kvtier.transfer.options import KernelOptions, PathCosts
+
+log = logging.getLogger(__name__)
+
+SCRATCH_BYTES = 64 << 20
+MOVED_BYTES = 16 << 20
+COPY_PIECES = tuple(1 << k for k in range(10, 21))  # 1 KiB to 1 MiB
+REPEATS = 5
+BATCH = 4
+HOLD_CYCLES = 4_000_000
+FORMAT = 3  # raised whenever the measuring changes, so older files are measured again
+
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("KVTIER_CALIBRATION", "on").lower() not in ("off", "0", "false", "no")
+
+
+def machine_key(device: torch.device) -> str:
+    """`<GPU model>-driver-<version>-kvtier-<version>`, as a file name."""
+    from kvtier import __version__
+
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-driver-{driver_version()}-kvtier-{__version__}")
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version (`/proc/driver/nvidia/version`), else the CUDA driver API's."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        found = re.search(r"Kernel Module(?: for [^ ]+)?\s+([0-9][0-9.]+)", text)
+        if found:
+            return found.group(1)
+    except OSError:
+        pass
+    return f"cuda{torch.cuda.driver_version() if hasattr(torch.cuda, 'driver_version') else 'unknown'}"
+
+
+def cache_file(device: torch.device) -> Path:
+    return paths.cache_dir() / "calibration" / f"{machine_key(device)}.json"
+
+
+def model_for(device: torch.device, row_sizes: Iterable[int]) -> CostModel | None:
+    """The cost model of `device` covering `row_sizes` (bytes): from the cache file, measuring what it
+    lacks; None where calibration is off or fails (the planner then keeps `PathCosts`)."""
+    if not enabled() or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _model_for(index, tuple(sorted(set(row_sizes))))
+
+
+@functools.lru_cache(maxsize=64)
+def _model_for(index: int, row_sizes: tuple[int, ...]) -> CostModel | None:
+    device = torch.device("cuda", index)
+    with _lock:
+        try:
+            return load_or_measure(device, row_sizes)
+        except (KVTierError, RuntimeError, OSError) as e:
+            log.warning("calibration on %s failed (%s); the planner uses its default thresholds", device, e)
+            return None
+
+
+def load_or_measure(device: torch.device, row_sizes: Iterable[int], force: bool = False) -> CostModel:
+    """The cached model of `device` with every size of `row_sizes` measured (re-measured with `force`)."""
+    path, sizes = cache_file(device), sorted(set(row_sizes))
+    old = None if force else read(path)
+    if old is not None and all(r.knows(s) and s in r.strided for r in old.rates.values() for s in sizes):
+        return old
+    model = calibrate(device, sizes, old)
+    write(path, model)
+    return model
+
+
+def read(path: Path) -> CostModel | None:
+    """The model in `path`, or None where it is missing or unreadable (logged)."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT:
+            return None
+        return CostModel.from_json(data["model"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring the calibration file %s (%s)", path, e)
+        return None
+
+
+def write(path: Path, model: CostModel) -> None:
+    """`model` into `path`, whole or not at all (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as fh:
+        json.dump({"format": FORMAT, "model": model.to_json()}, fh, indent=1)
+    os.replace(fh.name, path)
+
+
+def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | None = None) -> CostModel:
+    """Measure `device` (see the module docstring), keeping what `base` already holds for other sizes."""
+    if device.type != "cuda" or not kernels.runs_on(device):
+        raise BackendUnavailableError(f"calibration needs a CUDA device and Triton, not {device}")
+    if dma.dma_mode() is dma.DmaMode.TORCH or cudart.runtime() is None:
+        raise BackendUnavailableError("calibration needs raw copy-engine calls (cuda.bindings and libcudart)")
+    t0 = time.perf_counter()
+    bench = _Bench(device)
+    rates = {}
+    for d in Direction:
+        old = base.rates.get(d) if base else None
+        copy = bench.copy_rates(d) if old is None else old.copy
+        dev = bench.device_pass() if old is None else old.device_gbps
+        k_rows = dict(old.kernel_rows) if old else {}
+        k_units = dict(old.kernel_units) if old else {}
+        lines = dict(old.strided) if old else {}
+        for rb in row_sizes:
+            k_rows[rb] = bench.kernel(d, rb, 1)
+            k_units[rb] = bench.kernel(d, rb, unit_rows(rb))
+            lines[rb] = bench.strided(d, rb)
+        rates[d] = Rates(copy, dev, k_rows, k_units, lines)
+    del bench
+    source = f"calibrated {machine_key(device)}"
+    log.info(
+        "calibrated %s for rows of %s bytes in %.1f s", device, list(row_sizes), time.perf_counter() - t0
+    )
+    return CostModel(source, rates)
+
+
+class _Bench:
+    """Scratch buffers and timed calls for one calibration."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.host = torch.empty(SCRATCH_BYTES, dtype=torch.uint8).pin_memory()
+        self.dev = torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=device)
+        self.rng = np.random.default_rng(0)
+
+    def time(self, call: Callable[[], None]) -> float:
+        """Seconds of one call on the stream: the median over `REPEATS` of `BATCH` back-to-back calls
+        (after a warm-up), issued while a GPU sleep holds the stream, so that the host's cost of
+        issuing them is not timed (as in the middle of a load, where the GPU is still busy)."""
+        samples = []
+        with torch.cuda.stream(self.stream):
+            call()
+            for _ in range(REPEATS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(HOLD_CYCLES)
+                start.record(self.stream)
+                for _ in range(BATCH):
+                    call()
+                end.record(self.stream)
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3 / BATCH)
+        return statistics.median(samples)
+
+    def sides(self, direction: Direction) -> tuple[int, int]:
+        """`(destination, source)` base addresses of `direction`."""
+        h, d = self.host.data_ptr(), self.dev.data_ptr()
+        return (d, h) if direction is Direction.LOAD else (h, d)
+
+    def places(self, piece: int, count: int) -> np.ndarray:
+        """`count` distinct piece-aligned byte offsets in the scratch buffers, in random order: `[count]`."""
+        return self.rng.permutation(SCRATCH_BYTES // piece)[:count].astype(np.int64) * piece
+
+    def copy_rates(self, direction: Direction) -> dict[int, float]:
+        """GB/s of batched copies of each of `COPY_PIECES` bytes, fanned out as the planner does."""
+        costs, out = PathCosts(), {}
+        dst, src = self.sides(direction)
+        for piece in COPY_PIECES:
+            count = min(4096, MOVED_BYTES // piece)
+            at = self.places(piece, count)
+            sizes = np.full(count, piece, dtype=np.int64)
+            fan = costs.copy_streams if piece < costs.fan_out_below_bytes else 1
+            t = self.time(
+                lambda a=at, n=sizes, k=fan: dma.copy_runs(dst + a, src + a, n, self.stream, streams=k)
+            )
+            out[piece] = count * piece / t / 1e9
+        return out
+
+    def device_pass(self) -> float:
+        """GB/s of the staging pass: `index_copy_` of 1152-byte rows to scattered rows (read + write)."""
+        rows = MOVED_BYTES // 1152
+        src = self.dev[: rows * 1152].view(torch.int64).view(rows, -1)
+        out = self.dev[rows * 1152 : rows * 1152 * 3].view(torch.int64).view(2 * rows, -1)
+        index = torch.from_numpy(self.rng.permutation(2 * rows)[:rows]).to(self.device)
+        t = self.time(lambda: out.index_copy_(0, index, src))
+        return rows * 1152 / t / 1e9
+
+    def kernel(self, direction: Direction, row_bytes: int, unit: int) -> float:
+        """GB/s of the row kernel on scattered units of `unit` rows of `row_bytes`, as a plan launches it."""
+        span = row_bytes * unit
+        count = max(1, min(MOVED_BYTES // span, SCRATCH_BYTES // span // 2))
+        at, other = self.places(span, count), self.places(span, count)
+        # As `units.unit_regions` shapes a plan's launch: the widest word the offsets allow.
+        align = kernel_args.common_alignment(at, other)
+        word = kernel_args.word_size(span, [align])
+        align_words = max(1, align // word)
+        launch = KernelOptions().launch(span, align_words * word, self.device, direction)
+        host, dev = self.host.view(WORDS[word]), self.dev.view(WORDS[word])
+        src, dst = (host, dev) if direction is Direction.LOAD else (dev, host)
+        src_off = torch.from_numpy(at // word).to(self.device)
+        dst_off = torch.from_numpy(other // word).to(self.device)
+
+        def call() -> None:
+            kernels.copy_rows(
+                src,
+                src_off,
+                dst,
+                dst_off,
+                span // word,
+                sm_budget=launch.programs,
+                rows_per_program=launch.rows,
+                validate=False,
+                offsets_align=align_words,
+                stages=launch.stages,
+            )
+
+        return count * span / self.time(call) / 1e9
+
+    def strided(self, direction: Direction, line_bytes: int) -> float:
+        """GB/s of one 2-D copy of lines of `line_bytes` whose host pitch is `PITCH_LINES` lines."""
+        pitch = line_bytes * strided.PITCH_LINES
+        lines = min(MOVED_BYTES // line_bytes, SCRATCH_BYTES // pitch)
+        dst, src = self.sides(direction)
+        load = direction is Direction.LOAD
+        dpitch, spitch = (line_bytes, pitch) if load else (pitch, line_bytes)
+        t = self.time(lambda: strided.copy_2d(dst, dpitch, src, spitch, line_bytes, lines, self.stream))
+        return lines * line_bytes / t / 1e9
