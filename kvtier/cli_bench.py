@@ -26,6 +26,7 @@ from kvtier.cli_args import (
     SPECS,
     STORAGE_BACKENDS,
     STORAGE_PARTS,
+    STORAGE_SPECS,
     VARIANTS,
     WRITE_POLICIES,
     csv_flag,
@@ -127,6 +128,9 @@ def _bench_served(bench) -> None:
         "--cycles", type=non_negative, default=4, help="fill/evict cycles that fragment the host pool"
     )
     sv.add_argument("--repeats", type=positive, default=3, help="timed requests per row")
+    sv.add_argument(
+        "--layers", type=positive, help="cut every setup's model to this many layers (default: its own)"
+    )
     json_flag(sv)
 
 
@@ -184,13 +188,13 @@ def _bench_storage(bench) -> None:
     csv_flag(st, "--parts", STORAGE_PARTS)
     csv_flag(st, "--backends", STORAGE_BACKENDS)
     st.add_argument("--page-sizes", type=positive_list, default=(16, 64, 256), help="throughput page sizes")
-    csv_flag(st, "--specs", SETUPS)
+    csv_flag(st, "--specs", STORAGE_SPECS)
     st.add_argument("--layout", choices=LAYOUTS, default="layer_first", help="host pool layout")
     st.add_argument(
         "--tokens", type=positive_list, help="TTFT prefixes (default: 2k-8k on CPU, 2k-32k on CUDA)"
     )
     st.add_argument(
-        "--setup", choices=SETUPS, help="TTFT model shape (default: deepseek-v3 on CUDA, else smollm2)"
+        "--setup", choices=STORAGE_SPECS, help="TTFT model shape (default: deepseek-v3 on CUDA, else smollm2)"
     )
     st.add_argument("--dir", type=Path, help="where the stores go (default: the temporary directory)")
     st.add_argument("--redis", help="redis://HOST:PORT/DB to use (default: start a redis-server)")

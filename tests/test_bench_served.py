@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 
 import pytest
@@ -13,6 +14,7 @@ pytest.importorskip("transformers")
 from tiny_models import tiny_llama
 
 from kvtier.bench import served
+from kvtier.errors import ConfigError
 
 
 def test_prefixes_past_the_context_are_cut_to_fit_once() -> None:
@@ -53,3 +55,44 @@ def test_one_configuration_is_freed_before_the_next_is_built(monkeypatch) -> Non
         assert r.host_runs_before > 1  # the churn left the host pool's free space in pieces
     assert alive_at_build == [0, 0, 0, 0]
     assert len(live) == 0
+
+
+def test_the_glm5_setup_keeps_glm5s_bytes_per_token() -> None:
+    """78 layers of the 1152-byte MLA row and the 132-byte DSA indexer row, in bf16 as on CUDA."""
+    from kvtier.engine import spec_from_hf_config
+    from kvtier.spec import preset
+
+    config = served.model_config("glm-5")
+    spec = spec_from_hf_config(config, dtype=torch.bfloat16)
+    assert (spec.num_layers, spec.buffers) == (78, preset("glm-5").buffers)
+    assert spec.bytes_per_token() == 78 * (1152 + 132)
+    assert spec_from_hf_config(served.model_config("glm-5", layers=3)).buffer("indexer").layers == (0, 1, 2)
+    assert served.spec_summary("deepseek-v3", torch.device("cuda"))["buffers"] == {
+        "kv": {"row_bytes": 1152, "layers": 61}
+    }
+    with pytest.raises(ConfigError, match="unknown setup 'glm-6'"):
+        served.model_config("glm-6")
+    with pytest.raises(ConfigError, match="layers must be a positive int, got 0"):
+        served.model_config("glm-5", layers=0)
+
+
+def test_bench_served_runs_the_glm5_setup_cut_to_two_layers(tmp_path) -> None:
+    from kvtier import cli
+
+    out = tmp_path / "served.json"
+    argv = ["bench", "served", "--setups", "glm-5", "--layers", "2", "--prefix", "64", "--device", "cpu"]
+    assert cli.main([*argv, "--repeats", "1", "--cycles", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    per_token = 2 * (576 * 4 + 132)  # float32 on the CPU: the latent row, then the indexer row
+    assert report["meta"]["specs"]["glm-5"] == {
+        "layers": 2,
+        "buffers": {"kv": {"row_bytes": 576 * 4, "layers": 2}, "indexer": {"row_bytes": 132, "layers": 2}},
+        "bytes_per_token": per_token,
+    }
+    rows = report["rows"]
+    assert [(r["setup"], r["config"], r["prefix_tokens"]) for r in rows] == [
+        ("glm-5", c, 64) for c in served.CONFIGS
+    ]
+    for r in rows:
+        assert r["kv_bytes"] == 64 * per_token
+        assert r["ttft_host_hit_s"] > 0 and r["ttft_device_hit_s"] > 0 and r["ceiling_gbps"] > 0

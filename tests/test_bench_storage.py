@@ -36,7 +36,7 @@ def _point(spec_name: str = "smollm2", page_size: int = 16, pages: int = 6) -> s
 def test_the_cli_choices_match_what_they_name() -> None:
     assert tuple(p.value for p in storage.Part) == cli_args.STORAGE_PARTS
     assert cli_args.STORAGE_BACKENDS == storage.BACKENDS
-    assert cli_args.SETUPS == storage.SPECS
+    assert cli_args.STORAGE_SPECS == storage.SPECS
 
 
 def test_quick_throughput_through_the_cli_writes_its_json(tmp_path: Path, capsys) -> None:

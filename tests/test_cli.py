@@ -172,6 +172,7 @@ def test_every_subcommand_parses_with_its_defaults() -> None:
     assert (overlap.rounds, overlap.rounds_log, overlap.layout) == (5, None, "layer_first")
     served = p.parse_args(["bench", "served"])
     assert (served.setups, served.prefix, served.cycles, served.repeats) == (cli_args.SETUPS, None, 4, 3)
+    assert served.layers is None  # each setup's own
     cache = p.parse_args(["bench", "cache"])
     assert cache.parts == ("trace", "alloc", "reload") and cache.write_policy == "all"
     assert (cache.evict_nodes, cache.evict_k, cache.reload_tokens) == (100_000, 1000, 131072)
@@ -186,6 +187,8 @@ def test_lists_and_shapes_parse() -> None:
         ["bench", "served", "--setups", "deepseek-v3", "--prefix", "8192,131072", "--device", "cuda:1"]
     )
     assert (s.setups, s.prefix, s.device) == (("deepseek-v3",), (8192, 131072), "cuda:1")
+    s = p.parse_args(["bench", "served", "--setups", "glm-5,smollm2", "--layers", "2"])
+    assert (s.setups, s.layers) == (("glm-5", "smollm2"), 2)
     c = p.parse_args(["bench", "cache", "--parts", "reload,eviction", "--evict-nodes", "200000"])
     assert c.parts == ("reload", "eviction") and c.evict_nodes == 200000
 
@@ -352,6 +355,8 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
         (["bench", "served", "--prefix", "8192,0"], "expected a positive integer, got 0"),
         (["bench", "served", "--prefix", "8k"], "expected a positive integer, got '8k'"),
         (["bench", "served", "--repeats", "0"], "expected a positive integer"),
+        (["bench", "served", "--layers", "0"], "expected a positive integer"),
+        (["bench", "storage", "--setup", "glm-5"], "invalid choice: 'glm-5'"),
         (["bench", "cache", "--parts", "trace,lru"], "invalid choice(s) lru"),
         (["bench", "cache", "--write-policy", "write_around"], "invalid choice"),
         (["bench", "cache", "--reload-ids", "int8"], "invalid choice: 'int8'"),

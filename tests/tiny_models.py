@@ -22,14 +22,16 @@ def tiny_llama(vocab_size: int = 256, max_positions: int = 512, **extra) -> tran
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def tiny_deepseek_v3(vocab_size: int = 256, max_positions: int = 512) -> transformers.DeepseekV3ForCausalLM:
+def tiny_deepseek_v3(
+    vocab_size: int = 256, max_positions: int = 512, layers: int = 2, **extra
+) -> transformers.DeepseekV3ForCausalLM:
     """A 2-layer DeepSeek-V3-style MLA model (latent 32 + rope 8), seeded, in eval mode."""
     cfg = transformers.DeepseekV3Config(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         n_routed_experts=4,
@@ -44,9 +46,19 @@ def tiny_deepseek_v3(vocab_size: int = 256, max_positions: int = 512) -> transfo
         qk_nope_head_dim=16,
         v_head_dim=16,
         max_position_embeddings=max_positions,
+        **extra,
     )
     torch.manual_seed(0)
     return transformers.DeepseekV3ForCausalLM(cfg).eval()
+
+
+# The DSA indexer fields of a DeepSeek-V3.2 / GLM-5 config (transformers' names).
+DSA = dict(index_head_dim=128, index_n_heads=4, index_topk=16)
+
+
+def tiny_dsa(vocab_size: int = 256, max_positions: int = 512) -> transformers.DeepseekV3ForCausalLM:
+    """`tiny_deepseek_v3` on 3 layers whose config declares a DSA indexer (its forward computes none)."""
+    return tiny_deepseek_v3(vocab_size, max_positions, layers=3, **DSA)
 
 
 def _gemma_shape(vocab_size: int, max_positions: int, window: int) -> dict:

@@ -19,7 +19,7 @@ SMOKE_TRANSFER=() SMOKE_CACHE=() SMOKE_SERVED=() SMOKE_OVERLAP=()
 if [ "${SMOKE:-0}" = 1 ]; then
   SMOKE_TRANSFER=(--device cpu --tokens 1024 --repeats 1 --warmup 0)
   SMOKE_CACHE=(--device cpu --reload-tokens 1024 --reload-repeats 2)
-  SMOKE_SERVED=(--device cpu --setups deepseek-v3 --prefix 256 --repeats 1 --cycles 1)
+  SMOKE_SERVED=(--device cpu --layers 2 --prefix 256 --repeats 1 --cycles 1)
   SMOKE_OVERLAP=(--device cpu)
 fi
 
@@ -67,10 +67,11 @@ table_cache_reload() {
   python3 bench/device/results.py combine "$OUT/$name.json" "${runs[@]}"
 }
 
-# The served benchmark (README "Served TTFT"), as committed in served_h200_2026-11-29.json: both
-# setups in one process, prefixes 8k-128k, kvtier and stock, 4 fill/evict cycles, median of 3.
-# Usage: table_served NAME [timeout seconds]
+# The served benchmark (README "Served TTFT"), as committed in served_h200_2026-11-29.json: the
+# setups in one process (default smollm2,deepseek-v3; glm-5 goes in its own call, see served.sh),
+# prefixes 8k-128k, kvtier and stock, 4 fill/evict cycles, median of 3.
+# Usage: table_served NAME [timeout seconds] [setups]
 table_served() {
-  timeout "${2:-600}" $KV bench served --setups smollm2,deepseek-v3 --prefix 8192,32768,131072 --repeats 3 \
-    --json "$OUT/$1.json" "${SMOKE_SERVED[@]}" 2>&1 | tee "$OUT/$1.log" | grep -vE "^ *$"
+  timeout "${2:-600}" $KV bench served --setups "${3:-smollm2,deepseek-v3}" --prefix 8192,32768,131072 \
+    --repeats 3 --json "$OUT/$1.json" "${SMOKE_SERVED[@]}" 2>&1 | tee "$OUT/$1.log" | grep -vE "^ *$"
 }

@@ -5,12 +5,18 @@ prefix length it measures TTFT of a miss (full prefill), a device-resident hit a
 host hit after the prefix was evicted (the reload), with kvtier's planner and with a
 stock configuration (`first_fit` host allocator, per-token reference transfers),
 after fill/evict cycles that fragment the host pool. Models have random weights of
-the right shape: a SmolLM2-135M-shaped Llama (within its context), and a
+the right shape: a SmolLM2-135M-shaped Llama (within its context), a
 DeepSeek-V3-shaped model with the real KV (MLA 512 + 64, 61 layers) but tiny
-compute, so a reload moves the real bytes.
+compute, so a reload moves the real bytes, and a GLM-5-shaped one (`glm-5`): the same
+tiny MLA model on 78 layers whose config declares a DSA indexer, so every layer also
+keeps the 132-byte indexer row per token (the engine writes stand-in rows,
+`kvtier.engine.indexer`) and a host hit reloads GLM-5's bytes per token. `layers`
+cuts every setup to that many layers (for smoke tests; the KV bytes shrink with it).
 
 `reload_overhead_ratio` = (host-hit TTFT - device-hit TTFT) / (KV bytes / ceiling):
-1.0 means the reload cost exactly its bytes at the line rate.
+1.0 means the reload cost exactly its bytes at the line rate; `kv_bytes` counts every
+buffer of the spec (the indexer's too); `meta.specs` gives each setup's buffers. The
+table's `vs stock` is stock's host-hit TTFT over kvtier's at the same setup and prefix.
 """
 
 from __future__ import annotations
@@ -29,16 +35,18 @@ from kvtier.alloc import AllocPolicy
 from kvtier.bench.churn import CacheChurn
 from kvtier.bench.common import ceiling_gbps, close, collect, environment
 from kvtier.cache import CacheConfig
-from kvtier.engine import Engine, SamplingParams
+from kvtier.engine import Engine, SamplingParams, spec_from_hf_config
 from kvtier.errors import ConfigError
 from kvtier.transfer import TransferPath
 
-SETUPS = ("smollm2", "deepseek-v3")
+SETUPS = ("smollm2", "deepseek-v3", "glm-5")
 CONFIGS = ("kvtier", "stock")
 # Tokens past the prefix each request needs: 16 of question, one answer, and margin.
 PROMPT_ROOM = 64
 # The churn's seed before the first repeat; repeat r re-churns with CHURN_SEED + r.
 CHURN_SEED = 1000
+# Layers of each setup's model at full size.
+LAYERS = {"smollm2": 30, "deepseek-v3": 61, "glm-5": 78}
 
 
 @dataclass
@@ -55,55 +63,73 @@ class ServedRow:
     host_runs_before: int
 
 
-def make_model(setup: str, device: torch.device):
-    """A random-weight model of the setup's shape (float32 on CPU, bf16 on CUDA)."""
+def make_model(setup: str, device: torch.device, layers: int | None = None):
+    """A random-weight model of the setup's shape (float32 on CPU, bf16 on CUDA), on `layers` layers."""
     import transformers
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = model_config(setup)
+    cfg = model_config(setup, layers)
     kind = transformers.LlamaForCausalLM if setup == "smollm2" else transformers.DeepseekV3ForCausalLM
     return kind(cfg).to(device=device, dtype=dtype).eval()
 
 
-def model_config(setup: str):
-    """The transformers config of the setup's shape (see the module docstring)."""
+def model_config(setup: str, layers: int | None = None):
+    """The transformers config of the setup's shape (see the module docstring), on `layers` layers
+    (default: the setup's own, `LAYERS`)."""
     import transformers
 
+    if setup not in SETUPS:
+        raise ConfigError(f"unknown setup {setup!r}; known: {SETUPS}")
+    n = LAYERS[setup] if layers is None else layers
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"setup {setup!r}: layers must be a positive int, got {layers!r}")
     if setup == "smollm2":
         return transformers.LlamaConfig(
             vocab_size=49152,
             hidden_size=576,
             intermediate_size=1536,
-            num_hidden_layers=30,
+            num_hidden_layers=n,
             num_attention_heads=9,
             num_key_value_heads=3,
             max_position_embeddings=8192,
             rope_theta=100000.0,
             tie_word_embeddings=True,
         )
-    if setup == "deepseek-v3":
-        return transformers.DeepseekV3Config(
-            vocab_size=1024,
-            hidden_size=128,
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            num_hidden_layers=61,
-            num_attention_heads=1,
-            num_key_value_heads=1,
-            n_routed_experts=2,
-            num_experts_per_tok=1,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=61,
-            kv_lora_rank=512,
-            q_lora_rank=None,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
-            max_position_embeddings=163840,
-        )
-    raise ConfigError(f"unknown setup {setup!r}; known: {SETUPS}")
+    # GLM-5's DSA indexer (its config's fields); its context is longer than DeepSeek-V3's.
+    dsa = dict(index_head_dim=128, index_n_heads=32, index_topk=2048) if setup == "glm-5" else {}
+    return transformers.DeepseekV3Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=n,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=n,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=202752 if setup == "glm-5" else 163840,
+        **dsa,
+    )
+
+
+def spec_summary(setup: str, device: torch.device, layers: int | None = None) -> dict:
+    """What a token of the setup keeps: layers, each buffer's row bytes and layer count, bytes in all."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spec = spec_from_hf_config(model_config(setup, layers), dtype=dtype)
+    return {
+        "layers": spec.num_layers,
+        "buffers": {b.name: {"row_bytes": b.row_bytes, "layers": len(b.layers)} for b in spec.buffers},
+        "bytes_per_token": spec.bytes_per_token(),
+    }
 
 
 def run(
@@ -113,12 +139,16 @@ def run(
     cycles: int = 4,
     repeats: int = 3,
     progress: Callable[[str], None] = lambda _m: None,
+    layers: int | None = None,
 ) -> tuple[list[ServedRow], dict]:
-    """Rows for each setup, prefix and configuration, measured one configuration at a time."""
+    """Rows for each setup, prefix and configuration, measured one configuration at a time.
+
+    `layers`: every setup's model on that many layers (default: each setup's own).
+    """
     rows = []
     for setup in setups:
         progress(f"building the {setup}-shaped model")
-        model = make_model(setup, device)
+        model = make_model(setup, device, layers)
         rows += measure_setup(model, setup, prefixes, device, cycles, repeats, progress)
         del model
         collect()
@@ -127,6 +157,8 @@ def run(
         "cycles": cycles,
         "repeats": repeats,
         "stock": "first_fit host allocator, per-token reference transfers",
+        "layers": layers,
+        "specs": {setup: spec_summary(setup, device, layers) for setup in setups},
     }
     return rows, meta
 
@@ -235,9 +267,11 @@ def render(rows: list[ServedRow], meta: dict) -> Group:
     """The served table: TTFT of a miss, a device hit and a host hit per setup, configuration and prefix."""
     table = Table(title=f"TTFT, seconds (median of {meta['repeats']}), on {meta.get('gpu', meta['device'])}")
     cols = ("setup", "config", "prefix", "miss", "device hit", "host hit", "KV MB", "ceiling GB/s")
-    for col in (*cols, "reload ratio"):
+    for col in (*cols, "reload ratio", "vs stock"):
         table.add_column(col, justify="left" if col in ("setup", "config") else "right")
+    stock = {(r.setup, r.prefix_tokens): r for r in rows if r.config == "stock"}
     for r in rows:
+        other = stock.get((r.setup, r.prefix_tokens)) if r.config != "stock" else None
         table.add_row(
             r.setup,
             r.config,
@@ -248,8 +282,12 @@ def render(rows: list[ServedRow], meta: dict) -> Group:
             f"{r.kv_bytes / 1e6:.1f}",
             f"{r.ceiling_gbps:.1f}",
             f"{r.reload_overhead_ratio:.2f}",
+            f"{other.ttft_host_hit_s / r.ttft_host_hit_s:.1f}x" if other is not None else "",
         )
-    note = "reload ratio: (host hit - device hit) / (KV bytes / ceiling); stock: first_fit + per-token path"
+    note = (
+        "reload ratio: (host hit - device hit) / (KV bytes / ceiling); vs stock: stock's host hit over "
+        "kvtier's; stock: first_fit + per-token path"
+    )
     return Group(table, note)
 
 
@@ -260,7 +298,7 @@ def command(args: Namespace) -> int:
     dev = device(args.device)
     prefixes = args.prefix or ((8192, 32768, 131072) if dev.type == "cuda" else (256, 1024))
     with progress() as report:
-        rows, meta = run(args.setups, prefixes, dev, args.cycles, args.repeats, report)
+        rows, meta = run(args.setups, prefixes, dev, args.cycles, args.repeats, report, args.layers)
     console.print(render(rows, meta))
     write_json(args.json, {"meta": meta, "rows": rows_as_dicts(rows)})
     return 0

@@ -6,7 +6,10 @@ decode request brings its one new token, a prefilling request a piece of its pro
 layer's share of every request's pending load, writes each new token's rows to the
 request's device slots (`write_index`), and gathers every request's whole context
 (cached prefix, tokens computed before, this step's) from the pool (`read_index`), a
-transient per-layer buffer. No request keeps a copy of its KV outside the pool.
+transient per-layer buffer. No request keeps a copy of its KV outside the pool. A
+spec with a DSA indexer buffer gets each new token's indexer row on each of its layers
+from `kvtier.engine.indexer.standin_rows` (the model computes no index keys; that
+module says why the rows exist and what they hold).
 
 `attend` (registered with transformers as the attention implementation `"kvtier"`) then
 attends each request to its own context only: the leading pieces with one new token
@@ -44,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvtier.engine.indexer import on_layer, token_rows
 from kvtier.errors import InvariantError
 from kvtier.pool import DevicePool
 from kvtier.spec import BufferKind, KVSpec
@@ -101,7 +105,8 @@ class StepBatch(Cache):
     """The `Cache` of one step over `pieces` (decodes first: see the module docstring).
 
     `windows`: each layer's sliding window in tokens, None for full attention (every
-    layer full when not given).
+    layer full when not given). `ids`: `[T]` int64, the step's new tokens in pack order
+    (pieces in order, each piece's new tokens); needed when `spec` has an indexer buffer.
     """
 
     def __init__(
@@ -110,9 +115,17 @@ class StepBatch(Cache):
         pool: DevicePool,
         pieces: Sequence[Piece],
         windows: Sequence[int | None] | None = None,
+        ids: torch.Tensor | None = None,
     ) -> None:
         if not pieces:
             raise InvariantError("a step needs at least one piece")
+        indexer = next((b for b in spec.buffers if b.kind is BufferKind.INDEXER), None)
+        tokens = sum(p.new for p in pieces)
+        if indexer is not None and (ids is None or tuple(ids.shape) != (tokens,)):
+            got = None if ids is None else tuple(ids.shape)
+            raise InvariantError(
+                f"a step of {tokens} tokens with an indexer buffer needs [{tokens}] ids, got {got}"
+            )
         windows = tuple(windows) if windows is not None else (None,) * spec.num_layers
         if len(windows) != spec.num_layers:
             raise InvariantError(f"{len(windows)} layer windows for a spec of {spec.num_layers} layers")
@@ -145,6 +158,10 @@ class StepBatch(Cache):
         self.positions = torch.cat(positions).to(dev)  # `[T]` int64
         self.last = torch.tensor(last, device=dev)  # `[R]` int64: each piece's last token in the pack
         self._decode_mask = mask.view(self.decodes, 1, 1, lmax).to(dev)
+        self._indexer = indexer
+        self._indexer_layers = frozenset(indexer.layers) if indexer is not None else frozenset()
+        if indexer is not None:  # `[T, 132]` uint8: the step's tokens' stand-in rows
+            self._indexer_rows = token_rows(self.positions, ids.to(device=dev, dtype=torch.int64))
         self._masks: dict[tuple[int, torch.dtype, int | None], torch.Tensor] = {}
         self._waited = -1
 
@@ -170,6 +187,9 @@ class StepBatch(Cache):
                     p.load.wait_layer(layer)
             self._waited = layer
         idx, dst = self.write_index, self.read_index
+        if layer in self._indexer_layers:
+            rows = on_layer(self._indexer_rows, layer)
+            self.pool.layer(self._indexer.name, layer).index_copy_(0, idx, rows)
         if self._mla:
             kv = self.pool.layer("kv", layer)  # [S, rank + rope]
             kv.index_copy_(0, idx, torch.cat([key_states[0, 0], value_states[0, 0]], dim=-1).to(kv.dtype))

@@ -293,8 +293,8 @@ class Engine(Owner, TextSide):
             lo = req.computed
             pieces.append(Piece(torch.from_numpy(req.table[: lo + n]), n, req.load))
             ids.append(req.context(lo + n)[lo:])
-        batch = StepBatch(self.spec, self.device_pool, pieces, self.windows)
         input_ids = torch.from_numpy(np.concatenate(ids)).to(self.device).unsqueeze(0)
+        batch = StepBatch(self.spec, self.device_pool, pieces, self.windows, input_ids[0])
         pos = batch.positions
         kw = {self._cache_kw: batch}
         with kvtier_attention(self.model.config), batch.active():
