@@ -286,6 +286,7 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     assert set(cli.COMMANDS) == {
         "demo",
         "serve",
+        "calibrate",
         *(
             f"bench {b}"
             for b in ("transfer", "overlap", "cache", "served", "storage", "multiturn", "batching")

@@ -380,8 +380,8 @@ def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kerne
     short_dev = torch.randperm(512, generator=gen)[:100] + 512
     hs = torch.cat([short_host[:50], torch.arange(512, 812), short_host[50:]])
     ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
-    # runs of 200 rows of the widest buffer: copy engine
-    costs = PathCosts(copy_min_bytes=200 * 132)
+    # runs of 200 rows of the narrowest buffer (each buffer's runs are measured in its own rows): copy engine
+    costs = PathCosts(copy_min_bytes=200 * 48)
     plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
     if layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
@@ -447,10 +447,15 @@ def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(d
     short_host = 1000 + torch.randperm(400, generator=gen)[:60]
     hs = torch.cat([torch.arange(0, 300), torch.arange(400, 650), short_host, torch.arange(700, 830)])
     ds = torch.cat([torch.arange(1500, 1800), scattered[:440]])
-    costs = PathCosts(copy_min_bytes=200 * 132, staged_min_bytes=100 * 132)
+    costs = PathCosts(copy_min_bytes=100 * 48, staged_min_bytes=100 * 132)
     plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
-    if layout is HostLayout.LAYER_FIRST and direction == "backup":  # backups keep the kernel's scatter
-        assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 440}
+    if layout is HostLayout.LAYER_FIRST and direction == "backup":
+        # Backups never stage through the copy engine; these small rows' host runs go through
+        # staging by the kernel's units, the single rows to the kernel.
+        by_buffer = {"copy": 300, "staged_kernel": 380, "kernel": 60}
+        assert plan.mechanisms_by_buffer() == {"kv": by_buffer, "indexer": by_buffer}
+        (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
+        assert staged.kernel is not None and staged.unit == 10  # the gcd of 100, 100, 50, 50 and 80
     elif layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
         assert plan.rows_by_mechanism() == {"copy": 300, "staged": 380, "kernel": 60}
@@ -470,13 +475,14 @@ def test_staging_needs_host_runs_long_enough() -> None:
     scattered = torch.randperm(4096, generator=torch.Generator().manual_seed(3))
     runs = (torch.tensor([3, 1, 7])[:, None] * 512 + torch.arange(512)).flatten()
 
-    def mechanisms(staged_rows: int) -> dict[str, int]:
+    def mechanisms(staged_rows: int) -> dict[str, dict[str, int]]:
         costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=staged_rows * 48)
         plan = Planner(host, dev, costs, use_kernel=True).plan("load", runs, scattered[:1536])
-        return plan.rows_by_mechanism()
+        return plan.mechanisms_by_buffer()
 
-    assert mechanisms(512) == {"staged": 1536}
-    assert mechanisms(513) == {"kernel": 1536}
+    assert mechanisms(512) == {"kv": {"staged": 1536}}
+    # Shorter runs of these small rows go through staging by the kernel's units, not row by row.
+    assert mechanisms(513) == {"kv": {"staged_kernel": 1536}}
     # A plan that would stage still refuses a repeated destination before anything is written.
     poison_device(dev, torch.Generator().manual_seed(4))
     before = dev.layer("kv", 0).clone()

@@ -3,9 +3,11 @@
 A `Planner` (or `TransferPlan.build`) decides on CPU indices, once per operation, how every
 row moves; `load_layer`, `load_layers` and `backup` run the plan layer by layer on a stream.
 Modules: `runs`, `options`, `launch` (the kernel's launch-shape rules), `parts` (one type
-per mechanism), `plan`, `execute`, `kernels` and `groups` (the Triton kernels, beside
-`kernel_args`), `dma` (batched copy-engine calls), `native` (the compiled submission loop),
-`cudart` (the process's CUDA runtime); `lanes` and `submit` (the cache's submission).
+per mechanism) and `units` (the kernel's units), `costs` (what the planner assumes each
+mechanism costs) and `calibrate` (measuring it, `kvtier calibrate`), `plan`, `execute`,
+`kernels` and `groups` (the Triton kernels, beside `kernel_args`), `dma` (batched copy-engine
+calls), `strided` (2-D copies), `native` (the compiled submission loop), `cudart` (the
+process's CUDA runtime); `lanes` and `submit` (the cache's submission).
 
 Glossary: one noun per concept, in every name and docstring of this package.
 
@@ -24,8 +26,8 @@ Glossary: one noun per concept, in every name and docstring of this package.
   whose device slots go up by one (a device run), or both (a joint run). A run cut at a
   window edge or into units is still a run. `RunTable` holds runs as columns; run lists
   (`RunList`) are the allocators' `(first slot, length)` pairs.
-- part: the rows of a plan that one mechanism moves (`parts`); a path is what the whole
-  plan does (`TransferPath`).
+- part: the rows of a plan that one mechanism moves, of some or all buffers (`parts`); a
+  path is what the whole plan does (`TransferPath`).
 - window: one fill of a device staging buffer, up to `staging_tokens` rows of a staged part.
 - unit: the rows the kernel moves as one, a cut of a joint run contiguous on both sides (a
   whole page where every run allows).

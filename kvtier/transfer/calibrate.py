@@ -4,7 +4,7 @@ A calibration times, in each direction, on scratch pinned and device buffers of
 `SCRATCH_BYTES`, with the same calls a plan makes:
 
 - batched copy-engine copies of pieces of each of `COPY_PIECES` bytes, fanned out as the
-  planner fans them out;
+  planner fans them out, at line-aligned addresses and `UNALIGNED_SHIFT` bytes past them;
 - the on-device pass of staging (`index_copy_`);
 - per row size asked for, the row kernel on scattered single rows and on scattered units of
   `costs.unit_rows` rows (its launch shape from `KernelOptions`);
@@ -14,9 +14,10 @@ Each figure is the median of `REPEATS` samples of `BATCH` back-to-back calls aft
 issued while a GPU sleep holds the stream (the host's cost of issuing is not timed). The result, a
 `costs.CostModel`, is kept in `kvtier.paths.cache_dir()/calibration/`, one file per GPU
 model, driver and kvtier version; row sizes it lacks are measured when first asked for and
-added. `KVTIER_CALIBRATION=off` (or `0`) turns it off: planners then use `PathCosts`'
-thresholds. A calibration that fails logs a warning and leaves the defaults; an unreadable
-cache file is measured again.
+added. Planners use it only with `KVTIER_CALIBRATION=on` (or a `CostModel` given to them):
+otherwise `PathCosts`' thresholds, which measured no worse across leases (bench/FINDINGS.md,
+"The measured cost model"). A calibration that fails logs a warning and leaves the defaults;
+an unreadable cache file, or one measured by an older method (`FORMAT`), is measured again.
 """
 
 from __future__ import annotations
@@ -51,14 +52,16 @@ MOVED_BYTES = 16 << 20
 COPY_PIECES = tuple(1 << k for k in range(10, 21))  # 1 KiB to 1 MiB
 REPEATS = 5
 BATCH = 4
+# Pieces of rows that are not whole 128-byte lines start this far past a line.
+UNALIGNED_SHIFT = 16
 HOLD_CYCLES = 4_000_000
-FORMAT = 3  # raised whenever the measuring changes, so older files are measured again
+FORMAT = 4  # raised whenever the measuring changes, so older files are measured again
 
 _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get("KVTIER_CALIBRATION", "on").lower() not in ("off", "0", "false", "no")
+    return os.environ.get("KVTIER_CALIBRATION", "off").lower() in ("on", "1", "true", "yes")
 
 
 def machine_key(device: torch.device) -> str:
@@ -150,6 +153,7 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
     for d in Direction:
         old = base.rates.get(d) if base else None
         copy = bench.copy_rates(d) if old is None else old.copy
+        unaligned = bench.copy_rates(d, UNALIGNED_SHIFT) if old is None else old.copy_unaligned
         dev = bench.device_pass() if old is None else old.device_gbps
         k_rows = dict(old.kernel_rows) if old else {}
         k_units = dict(old.kernel_units) if old else {}
@@ -158,7 +162,7 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
             k_rows[rb] = bench.kernel(d, rb, 1)
             k_units[rb] = bench.kernel(d, rb, unit_rows(rb))
             lines[rb] = bench.strided(d, rb)
-        rates[d] = Rates(copy, dev, k_rows, k_units, lines)
+        rates[d] = Rates(copy, dev, unaligned, k_rows, k_units, lines)
     del bench
     source = f"calibrated {machine_key(device)}"
     log.info(
@@ -204,13 +208,14 @@ class _Bench:
         """`count` distinct piece-aligned byte offsets in the scratch buffers, in random order: `[count]`."""
         return self.rng.permutation(SCRATCH_BYTES // piece)[:count].astype(np.int64) * piece
 
-    def copy_rates(self, direction: Direction) -> dict[int, float]:
-        """GB/s of batched copies of each of `COPY_PIECES` bytes, fanned out as the planner does."""
+    def copy_rates(self, direction: Direction, shift: int = 0) -> dict[int, float]:
+        """GB/s of batched copies of each of `COPY_PIECES` bytes, fanned out as the planner does, at
+        piece-aligned addresses plus `shift` bytes."""
         costs, out = PathCosts(), {}
         dst, src = self.sides(direction)
         for piece in COPY_PIECES:
             count = min(4096, MOVED_BYTES // piece)
-            at = self.places(piece, count)
+            at = np.minimum(self.places(piece, count) + shift, SCRATCH_BYTES - piece)
             sizes = np.full(count, piece, dtype=np.int64)
             fan = costs.copy_streams if piece < costs.fan_out_below_bytes else 1
             t = self.time(

@@ -13,28 +13,33 @@ A `CostModel` holds, per direction, what `kvtier.transfer.calibrate` measured on
 
 From these `Choice.of` gives, for one buffer's rows and direction, the joint-run bytes from
 which the copy engine beats the kernel, and the host-run bytes from which a host run whose
-device slots are scattered goes through staging, by the copy engine or by the kernel. The
-copy engine wins a tie within `COPY_MARGIN`: every SM the kernel holds is taken from the
-model beside it (bench/FINDINGS.md, "Overlap and interference"). Without a measurement for a
-row size the defaults hold (`PathCosts` thresholds by the widest row, staging for loads
-only, never the kernel into staging), which is what the planner did before it measured.
+device slots are scattered goes through staging, by the copy engine or by the kernel's units.
+The copy engine wins a tie within `COPY_MARGIN`: every SM the kernel holds is taken from the
+model beside it (bench/FINDINGS.md, "Overlap and interference"). Without a model, or one that
+lacks a row size, `Choice.fallback` gives the fixed thresholds of `PathCosts`, per buffer.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvtier.pool.device import Direction
+from kvtier.transfer.launch import LINE_BYTES
 from kvtier.transfer.options import PathCosts
+from kvtier.transfer.runs import Scan
 
 # The copy engine is preferred while within this share of the kernel's time.
 COPY_MARGIN = 0.02
 # Kernel units of staged host runs are cut at this many bytes (`unit_rows`), as `KernelOptions`.
 UNIT_BYTES = 16 << 10
 NEVER = math.inf
+# Rows narrower than this cost two read requests for little more than one line's bytes: their host
+# runs over scattered device slots go through staging by the kernel's units (bench/FINDINGS.md).
+SMALL_ROW_BYTES = 256
 
 
 def unit_rows(row_bytes: int, unit_bytes: int = UNIT_BYTES) -> int:
@@ -48,6 +53,8 @@ class Rates:
 
     copy: dict[int, float]
     device_gbps: float
+    # The copy engine on pieces at 16-byte (not 128-byte) aligned addresses, as rows of other sizes.
+    copy_unaligned: dict[int, float] = field(default_factory=dict)
     kernel_rows: dict[int, float] = field(default_factory=dict)
     kernel_units: dict[int, float] = field(default_factory=dict)
     strided: dict[int, float] = field(default_factory=dict)
@@ -55,17 +62,18 @@ class Rates:
     def knows(self, row_bytes: int) -> bool:
         return bool(self.copy) and row_bytes in self.kernel_rows and row_bytes in self.kernel_units
 
-    def copy_gbps(self, piece: float) -> float:
-        """The copy engine's GB/s for pieces of `piece` bytes: log-linear between measured sizes,
-        the nearest measurement outside them."""
-        sizes = sorted(self.copy)
+    def copy_gbps(self, piece: float, aligned: bool = True) -> float:
+        """The copy engine's GB/s for pieces of `piece` bytes (at line-aligned addresses, or not):
+        log-linear between measured sizes, the nearest measurement outside them."""
+        table = self.copy if aligned or not self.copy_unaligned else self.copy_unaligned
+        sizes = sorted(table)
         logs = np.log([float(x) for x in sizes])
-        return float(np.interp(np.log(max(piece, 1.0)), logs, [self.copy[x] for x in sizes]))
+        return float(np.interp(np.log(max(piece, 1.0)), logs, [table[x] for x in sizes]))
 
-    def copy_from(self, gbps: float) -> float:
+    def copy_from(self, gbps: float, aligned: bool = True) -> float:
         """The fewest bytes a piece needs for the copy engine to reach `gbps` (NEVER if it does not)."""
         grid = np.geomspace(min(self.copy), max(self.copy), 256)
-        rates = np.array([self.copy_gbps(x) for x in grid])
+        rates = np.array([self.copy_gbps(x, aligned) for x in grid])
         ok = np.flatnonzero(rates >= gbps)
         return float(grid[ok[0]]) if len(ok) else NEVER
 
@@ -89,24 +97,67 @@ class Choice:
         if rates is None or not rates.knows(row_bytes):
             return None
         rows, units = rates.kernel_rows[row_bytes], rates.kernel_units[row_bytes]
+        copy_from = functools.partial(rates.copy_from, aligned=row_bytes % LINE_BYTES == 0)
         # Joint runs: the copy engine once its rate is within the margin of the kernel's on units.
-        copy_min = rates.copy_from(units / (1 + COPY_MARGIN))
+        copy_min = copy_from(units / (1 + COPY_MARGIN))
         # Host runs over scattered device slots: staging by the copy engine once the copy and the
         # device pass together beat the kernel's single rows ...
         staged_min = NEVER
         if rows < rates.device_gbps:
-            staged_min = rates.copy_from(1 / (1 / rows - 1 / rates.device_gbps))
+            staged_min = copy_from(1 / (1 / rows - 1 / rates.device_gbps))
         # ... and by the kernel's units where they beat single rows, while the copy engine is slower.
         below = 0.0
         if 1 / units + 1 / rates.device_gbps < 1 / rows:
-            below = rates.copy_from(units)
+            below = copy_from(units)
         return cls(copy_min, staged_min, below, source)
 
     @classmethod
-    def fallback(cls, costs: PathCosts, direction: Direction) -> Choice:
-        """The fixed thresholds of `costs` (compared by the widest row): staging for loads only."""
-        staged = costs.staged_min_bytes if direction is Direction.LOAD else NEVER
+    def fallback(cls, costs: PathCosts, direction: Direction, row_bytes: int, widest: int) -> Choice:
+        """The fixed thresholds of `costs` for a buffer of `row_bytes` in a spec whose widest row is
+        `widest`: its own joint runs of `copy_min_bytes` to the copy engine; host runs staged by the
+        copy engine from `staged_min_bytes` (loads) or `backup_staged_min_bytes` (backups) of the
+        widest rows, so every buffer of a token goes together; rows under `SMALL_ROW_BYTES` only
+        from `copy_min_bytes` of their own, and through staging by the kernel below that."""
+        least = costs.staged_min_bytes if direction is Direction.LOAD else costs.backup_staged_min_bytes
+        staged = least * row_bytes / widest
+        if row_bytes < SMALL_ROW_BYTES:
+            staged = max(staged, costs.copy_min_bytes)
+            return cls(costs.copy_min_bytes, staged, staged, "defaults")
         return cls(costs.copy_min_bytes, staged, 0.0, "defaults")
+
+    def split(self, found: Scan, rb: int) -> dict[str, tuple[np.ndarray, np.ndarray] | None]:
+        """The runs of `found` by mechanism, for a buffer of `rb`-byte rows (the planner's keywords
+        `copy`, `staged`, `kernel_staged`, `kernel`: `(starts, lengths)`, `[k]` int64, or None): joint
+        runs of `copy_min_bytes` to the copy engine; of the rest, host runs (made of short joint runs)
+        to staging by the copy engine or the kernel as this choice says, every other joint run to the
+        kernel."""
+        c = self
+        js, jl = found.joint
+        long = jl * rb >= c.copy_min_bytes
+        s, n = js[~long], jl[~long]
+        # A short joint run continues the previous one on the host side: same host run.
+        cont = np.zeros(len(s), dtype=bool)
+        if len(s) > 1:
+            cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~found.host_break[s[1:] // found.step]
+        heads = np.flatnonzero(~cont)
+        rows = np.add.reduceat(n, heads) if len(heads) else n
+        per_run = np.diff(np.append(heads, len(s)))  # joint runs per host run
+        # Staging pays only where a host run's device slots are scattered (more than one joint run).
+        by_copy = (rows * rb >= c.staged_min_bytes) & (per_run > 1)
+        by_kernel = ~by_copy & (rows * rb < c.kernel_staged_below) & (per_run > 1)
+        staged = np.repeat(by_copy | by_kernel, per_run)
+
+        def runs(
+            mask: np.ndarray, starts: np.ndarray, lens: np.ndarray
+        ) -> tuple[np.ndarray, np.ndarray] | None:
+            return (starts[mask], lens[mask]) if mask.any() else None
+
+        return {
+            "copy": runs(long, js, jl),
+            "staged": runs(by_copy, s[heads], rows) if len(heads) else None,
+            "kernel_staged": runs(by_kernel, s[heads], rows) if len(heads) else None,
+            "kernel": runs(~staged, s, n),
+        }
 
 
 @dataclass(frozen=True)
@@ -133,6 +184,7 @@ class CostModel:
             "rates": {
                 d.value: {
                     "copy": {str(k): v for k, v in r.copy.items()},
+                    "copy_unaligned": {str(k): v for k, v in r.copy_unaligned.items()},
                     "device_gbps": r.device_gbps,
                     "kernel_rows": {str(k): v for k, v in r.kernel_rows.items()},
                     "kernel_units": {str(k): v for k, v in r.kernel_units.items()},
@@ -147,7 +199,7 @@ class CostModel:
         """The model `to_json` wrote; `KeyError`, `TypeError` or `ValueError` for anything else."""
         rates = {}
         for d, r in data["rates"].items():
-            keys = ("copy", "kernel_rows", "kernel_units", "strided")
+            keys = ("copy", "copy_unaligned", "kernel_rows", "kernel_units", "strided")
             sizes = {k: {int(s): float(v) for s, v in r[k].items()} for k in keys}
             dev = float(r["device_gbps"])
             if dev <= 0 or not sizes["copy"] or any(v <= 0 for s in sizes.values() for v in s.values()):

@@ -53,9 +53,10 @@ class PathCosts:
 
     `copy_issue_s`: host time to issue one copy from Python; `copy_gbps`: the copy engine
     between pinned host memory and the device; `device_gbps`: an on-device `index_copy_`;
-    `reference_gbps`: the per-token path. With the kernel, a joint run of `copy_min_bytes`
-    goes to the copy engine, and a host run of `staged_min_bytes` with scattered device
-    slots is loaded through staging. `copy_streams`: streams one layer's batched copies are
+    `reference_gbps`: the per-token path. With the kernel, a buffer's joint run of
+    `copy_min_bytes` goes to the copy engine, and a host run with scattered device slots of
+    `staged_min_bytes` (loads) or `backup_staged_min_bytes` (backups) goes through staging
+    (`kvtier.transfer.costs.Choice.fallback`). `copy_streams`: streams one layer's batched copies are
     spread over, unless its joint runs average `fan_out_below_bytes` or more (a copy's
     fixed cost is then small beside fanning out's event calls).
     """
@@ -66,6 +67,7 @@ class PathCosts:
     reference_gbps: float = 3.0
     copy_min_bytes: int = 64 << 10
     staged_min_bytes: int = 64 << 10
+    backup_staged_min_bytes: int = 1 << 20
     copy_streams: int = 8
     fan_out_below_bytes: int = 1 << 20
 

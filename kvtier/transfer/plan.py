@@ -7,10 +7,12 @@ token move together. Only planning inspects indices: every index the device need
 uploaded once, here, ordered by the plan's `ready` event, and executing never reads a
 device tensor back. A plan records its pools; the executors refuse others.
 
-The choice: one joint run is a single copy; a single host run with scattered device
-slots is staged; otherwise, where the kernel can run (CUDA and Triton), long joint
-runs go to batched DMA, long host runs whose device slots are scattered to staging
-(loads only), and the remaining rows to the kernel; without the kernel it takes the
+The choice: one joint run is a single copy; a single host run with scattered device slots is
+staged; otherwise, where the kernel can run (CUDA and Triton), each buffer is planned by its
+`costs.Choice` (the fixed thresholds of `PathCosts`, or a measured `CostModel`): its long joint
+runs go to batched DMA, long host runs whose device slots are scattered to staging by the copy
+engine, shorter ones of small rows to staging by the kernel's units, and the remaining rows to
+the kernel; buffers whose runs split alike share their parts. Without the kernel it takes the
 cheapest of per-run copies, staging and the reference path by `PathCosts`.
 """
 
@@ -135,7 +137,8 @@ class Planner:
 
     `force` picks one path instead of the planner (benchmarks and tests; not `MIXED`,
     `SINGLE_COPY` only on one joint run, `KERNEL` where it runs). `use_kernel` lets the
-    planner use the kernel (default: on CUDA with Triton).
+    planner use the kernel (default: on CUDA with Triton). `model`: measured costs to choose by
+    (None: this GPU's calibration where `KVTIER_CALIBRATION=on`, else `costs`' thresholds).
     """
 
     def __init__(
@@ -170,16 +173,14 @@ class Planner:
         self.groups = {d: self._groups(d) for d in Direction}
 
     def _groups(self, direction: Direction) -> tuple[Group, ...]:
-        """Each buffer's own `Choice` where the model knows every row size, else one group by the widest."""
+        """Each buffer's `Choice`: the model's where it knows every row size, else `PathCosts`'."""
         spec = self.host_pool.spec
-        if self.model is not None:
-            found = [self.model.choice(b.row_bytes, direction) for b in spec.buffers]
-            if all(c is not None for c in found):
-                return tuple(
-                    Group(frozenset({b.name}), b.row_bytes, c)
-                    for b, c in zip(spec.buffers, found, strict=True)
-                )
-        return (Group(None, self.widest, Choice.fallback(self.costs, direction)),)
+        found = [self.model.choice(b.row_bytes, direction) for b in spec.buffers] if self.model else []
+        if not found or any(c is None for c in found):
+            found = [Choice.fallback(self.costs, direction, b.row_bytes, self.widest) for b in spec.buffers]
+        return tuple(
+            Group(frozenset({b.name}), b.row_bytes, c) for b, c in zip(spec.buffers, found, strict=True)
+        )
 
     def plan(
         self,
@@ -352,7 +353,7 @@ class Planner:
         # share their parts.
         splits: dict[tuple[bytes, ...], tuple[Buffers, dict[str, Runs | None]]] = {}
         for g in self.groups[direction]:
-            split = _split(found, g)
+            split = g.choice.split(found, g.row_bytes)
             key = tuple(b"" if v is None else v[0].tobytes() + v[1].tobytes() for v in split.values())
             names = splits[key][0] if key in splits else frozenset()
             merged = None if g.buffers is None or names is None else names | g.buffers
@@ -396,37 +397,6 @@ class Planner:
             args = (direction, host_pool, self.device_pool, hn, dn, *kernel, self.kernel, up, buffers)
             out.append(units.kernel_part(*args))
         return tuple(out)
-
-
-def _split(found: slot_runs.Scan, g: Group) -> dict[str, Runs | None]:
-    """A group's runs by mechanism (`_build`'s keywords): joint runs of `copy_min_bytes` to the copy
-    engine; of the rest, host runs (made of short joint runs) to staging by the copy engine or the
-    kernel as `g.choice` says, every other joint run to the kernel."""
-    c, rb = g.choice, g.row_bytes
-    js, jl = found.joint
-    long = jl * rb >= c.copy_min_bytes
-    s, n = js[~long], jl[~long]
-    # A short joint run continues the previous one on the host side: same host run.
-    cont = np.zeros(len(s), dtype=bool)
-    if len(s) > 1:
-        cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~found.host_break[s[1:] // found.step]
-    heads = np.flatnonzero(~cont)
-    rows = np.add.reduceat(n, heads) if len(heads) else n
-    per_run = np.diff(np.append(heads, len(s)))  # joint runs per host run
-    # Staging pays only where a host run's device slots are scattered (more than one joint run).
-    by_copy = (rows * rb >= c.staged_min_bytes) & (per_run > 1)
-    by_kernel = ~by_copy & (rows * rb < c.kernel_staged_below) & (per_run > 1)
-    staged = np.repeat(by_copy | by_kernel, per_run)
-
-    def runs(mask: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> Runs | None:
-        return (starts[mask], lens[mask]) if mask.any() else None
-
-    return {
-        "copy": runs(long, js, jl),
-        "staged": runs(by_copy, s[heads], rows) if len(heads) else None,
-        "kernel_staged": runs(by_kernel, s[heads], rows) if len(heads) else None,
-        "kernel": runs(~staged, s, n),
-    }
 
 
 def _forced(path: TransferPath, joint_runs: int, device: torch.device) -> TransferPath:
