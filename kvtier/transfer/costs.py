@@ -171,13 +171,6 @@ class CostModel:
     def choice(self, row_bytes: int, direction: Direction) -> Choice | None:
         return Choice.of(self.rates.get(direction), row_bytes, self.source)
 
-    def strided_beats(self, line_bytes: int, direction: Direction, kernel_gbps: float) -> bool:
-        """Whether 2-D copies of `line_bytes` lines beat the kernel at `kernel_gbps` (within the margin)."""
-        rates = self.rates.get(direction)
-        if rates is None or line_bytes not in rates.strided:
-            return False
-        return rates.strided[line_bytes] * (1 + COPY_MARGIN) >= kernel_gbps
-
     def to_json(self) -> dict:
         return {
             "source": self.source,
