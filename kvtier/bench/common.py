@@ -21,6 +21,7 @@ import torch
 
 from kvtier.pool import DevicePool
 from kvtier.pool.device import Direction
+from kvtier.transfer.calibrate import held_median_s
 
 Progress = Callable[[str], None]
 
@@ -57,17 +58,8 @@ class Timer:
                     fn()
                 times.append((time.perf_counter() - t0) * 1e3 / batch)
             return statistics.median(times)
-        with torch.cuda.stream(self.stream):
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(HOLD_CYCLES)
-                start.record(self.stream)
-                for _ in range(batch):
-                    fn()
-                end.record(self.stream)
-                end.synchronize()
-                times.append(start.elapsed_time(end) / batch)
-        return statistics.median(times)
+        stream = self.stream or torch.cuda.current_stream(self.device)
+        return held_median_s(stream, fn, repeats, batch, HOLD_CYCLES) * 1e3
 
 
 def ceiling_gbps(

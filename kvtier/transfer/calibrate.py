@@ -171,6 +171,26 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
     return CostModel(source, rates)
 
 
+def held_median_s(
+    stream: torch.cuda.Stream, call: Callable[[], None], repeats: int, batch: int, hold_cycles: int
+) -> float:
+    """Seconds of one `call` on `stream`: the median over `repeats` of `batch` back-to-back calls,
+    issued while a GPU sleep of `hold_cycles` holds the stream, so the host's cost of issuing them
+    is not timed (as in the middle of a load, where the GPU is still busy)."""
+    samples = []
+    with torch.cuda.stream(stream):
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(hold_cycles)
+            start.record(stream)
+            for _ in range(batch):
+                call()
+            end.record(stream)
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / batch)
+    return statistics.median(samples)
+
+
 class _Bench:
     """Scratch buffers and timed calls for one calibration."""
 
@@ -182,22 +202,9 @@ class _Bench:
         self.rng = np.random.default_rng(0)
 
     def time(self, call: Callable[[], None]) -> float:
-        """Seconds of one call on the stream: the median over `REPEATS` of `BATCH` back-to-back calls
-        (after a warm-up), issued while a GPU sleep holds the stream, so that the host's cost of
-        issuing them is not timed (as in the middle of a load, where the GPU is still busy)."""
-        samples = []
-        with torch.cuda.stream(self.stream):
-            call()
-            for _ in range(REPEATS):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(HOLD_CYCLES)
-                start.record(self.stream)
-                for _ in range(BATCH):
-                    call()
-                end.record(self.stream)
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3 / BATCH)
-        return statistics.median(samples)
+        """Seconds of one call on the stream (`held_median_s`, after one warm-up)."""
+        call()
+        return held_median_s(self.stream, call, REPEATS, BATCH, HOLD_CYCLES)
 
     def sides(self, direction: Direction) -> tuple[int, int]:
         """`(destination, source)` base addresses of `direction`."""
