@@ -30,7 +30,7 @@ from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.slots import as_slot_tensor
-from kvtier.transfer import dma, kernels, options, parts, units
+from kvtier.transfer import calibrate, dma, kernels, options, parts, units
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice, CostModel
 from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
@@ -47,10 +47,9 @@ Runs = tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class Group:
-    """Buffers planned alike: their names (None: all), the row bytes their runs are measured in, and
-    the cost model's `Choice` for them."""
+    """One buffer as the planner sees it: its name, the bytes of its rows, and its `Choice`."""
 
-    buffers: Buffers
+    name: str
     row_bytes: int
     choice: Choice
 
@@ -98,7 +97,7 @@ class TransferPlan:
             m = p.mechanism.value
             if isinstance(p, StagedPart) and p.kernel is not None:
                 m = "staged_kernel"
-            for name in p.buffers or out:
+            for name in p.buffers:
                 out[name][m] = out[name].get(m, 0) + p.rows
         return out
 
@@ -166,8 +165,6 @@ class Planner:
                 why = "its device tensors are not packed rows of"
                 log.info("buffer %r moves on the reference path: %s %s", b.name, why, b.dtype)
         if model is None and self.kernel_ok and cuda and self.force is None:
-            from kvtier.transfer import calibrate  # measures on first use; cached per process and on disk
-
             model = calibrate.model_for(device_pool.device, [b.row_bytes for b in host_pool.spec.buffers])
         self.model = model
         self.groups = {d: self._groups(d) for d in Direction}
@@ -178,9 +175,7 @@ class Planner:
         found = [self.model.choice(b.row_bytes, direction) for b in spec.buffers] if self.model else []
         if not found or any(c is None for c in found):
             found = [Choice.fallback(self.costs, direction, b.row_bytes, self.widest) for b in spec.buffers]
-        return tuple(
-            Group(frozenset({b.name}), b.row_bytes, c) for b, c in zip(spec.buffers, found, strict=True)
-        )
+        return tuple(Group(b.name, b.row_bytes, c) for b, c in zip(spec.buffers, found, strict=True))
 
     def plan(
         self,
@@ -351,13 +346,12 @@ class Planner:
             return (parts.reference_part(d, up, names),)
         # Mixed, per group of buffers: each group's runs split by its choice; groups that split alike
         # share their parts.
-        splits: dict[tuple[bytes, ...], tuple[Buffers, dict[str, Runs | None]]] = {}
+        splits: dict[tuple[bytes, ...], tuple[frozenset[str], dict[str, Runs | None]]] = {}
         for g in self.groups[direction]:
             split = g.choice.split(found, g.row_bytes)
             key = tuple(b"" if v is None else v[0].tobytes() + v[1].tobytes() for v in split.values())
             names = splits[key][0] if key in splits else frozenset()
-            merged = None if g.buffers is None or names is None else names | g.buffers
-            splits[key] = (merged, split)
+            splits[key] = (names | {g.name}, split)
         out: list[Part] = []
         every = frozenset(b.name for b in self.host_pool.spec.buffers)
         for names, split in splits.values():
