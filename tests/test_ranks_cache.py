@@ -139,7 +139,7 @@ def same_calls(ranks: RankGroup, pools: dict) -> dict:
 def store_once(ranks: RankGroup, store: str) -> dict:
     """An MLA spec over a `file://` store the ranks share: one writer, every rank reads."""
     tokens = np.arange(300, 340)
-    with cache("tiny-mla", 64, 64, ranks, url=f"file://{store}") as c:
+    with cache("tiny-mla", 64, 64, ranks, url=f"file://{store}", prefetch="wait_complete") as c:
         compute(c, tokens, salt=0, seed=1)  # the latent is the same on every rank
         c.flush()
         dist.barrier()  # the writer's pages are in the store
@@ -155,7 +155,8 @@ def store_per_rank(ranks: RankGroup, store: str) -> dict:
     spec = preset("tiny-mha", page_size=PS)
     out = {"fingerprint": ranks.fingerprint(MODEL, spec).hex}
     dev, host = DevicePool(spec, 64, "cpu"), HostPool(spec, 64, "layer_first")
-    mover = open_storage(StorageConfig(f"file://{store}"), host, Fingerprint.of(MODEL, spec))
+    cfg = StorageConfig(f"file://{store}", prefetch="wait_complete")  # a loaded machine: no timeout
+    mover = open_storage(cfg, host, Fingerprint.of(MODEL, spec))
     try:  # a fingerprint without the rank would let the ranks read each other's heads
         CacheController(dev, host, storage=mover, ranks=ranks)
         out["refused"] = ""
@@ -163,7 +164,7 @@ def store_per_rank(ranks: RankGroup, store: str) -> dict:
         out["refused"] = str(e)
         mover.close(), dev.close(), host.close()
     tokens = np.arange(500, 532)
-    with cache("tiny-mha", 64, 64, ranks, url=f"file://{store}") as c:
+    with cache("tiny-mha", 64, 64, ranks, url=f"file://{store}", prefetch="wait_complete") as c:
         compute(c, tokens, salt=ranks.rank, seed=1)
         c.flush()
         dist.barrier()
@@ -200,7 +201,7 @@ SCENARIOS = {"same_calls": same_calls, "store_once": store_once, "store_per_rank
 
 def _entry(rank: int, world: int, init: str, results: str, scenario: str, arg) -> None:
     dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=40)
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
     try:
         out = SCENARIOS[scenario](RankGroup.from_distributed(), arg)

@@ -102,7 +102,8 @@ class CacheController(TierState):
 
         `tokens`: `[n]` integer ids; an int32 or int64 array or CPU tensor is matched without
         a copy. Keys keep the dtype they were inserted with: keep one dtype for `insert` and
-        `match` (ids of another dtype compare correctly but cast as they go, slower).
+        `match` (ids of another dtype compare correctly but cast as they go, slower). With
+        several ranks, a collective: the counts are agreed (`kvtier.cache.agreement`).
         """
         self._open()
         self.poll()
@@ -114,10 +115,9 @@ class CacheController(TierState):
             if n.state is NodeState.LOADING:
                 self._complete(n.transfer, wait=True)
         device_nodes = list(itertools.takewhile(lambda n: n.state.on_device, nodes))
-        host_nodes = list(
+        host_nodes = list(  # (a FETCHING node ends the match: its bytes are not here yet)
             itertools.takewhile(lambda n: n.state is NodeState.HOST, nodes[len(device_nodes) :])
         )
-        # (a FETCHING node ends the match: its bytes are not here yet)
         device_nodes, host_nodes, storage_hashes, storage_key = self._agree_match(
             key, device_nodes, host_nodes
         )
