@@ -22,6 +22,8 @@ its `Mover`, so it never touches a stream, a runtime call or an address. Its con
   release); `flush()` also waits for those writes.
 - `evict_device(k)` / `evict_host(k)`: unlocked leaves in `EvictionPolicy` order,
   O(evicted x log nodes).
+- Ranks (`ranks`, a `RankGroup`): `match`, device allocations and prefetches are agreed
+  over the ranks, so every rank answers each call alike (`kvtier.cache.agreement`).
 - `check_invariants()` raises `InvariantError` (`kvtier.cache.invariants` lists them).
 - `close()` completes every transfer, stops the mover and closes both pools; later calls
   raise `ClosedError`.
@@ -57,6 +59,8 @@ class CacheController(TierState):
 
     `mover`: what moves bytes between the two pools (default: a `DeviceHostMover` with the
     config's transfer options). The controller owns both pools from here on and closes them.
+    `ranks`: the tensor-parallel ranks whose caches answer every call alike
+    (`kvtier.cache.agreement`); every rank then makes the same calls in the same order.
     """
 
     # -- lifetime ----------------------------------------------------------------------
@@ -98,7 +102,8 @@ class CacheController(TierState):
 
         `tokens`: `[n]` integer ids; an int32 or int64 array or CPU tensor is matched without
         a copy. Keys keep the dtype they were inserted with: keep one dtype for `insert` and
-        `match` (ids of another dtype compare correctly but cast as they go, slower).
+        `match` (ids of another dtype compare correctly but cast as they go, slower). With
+        several ranks, a collective: the counts are agreed (`kvtier.cache.agreement`).
         """
         self._open()
         self.poll()
@@ -110,15 +115,19 @@ class CacheController(TierState):
             if n.state is NodeState.LOADING:
                 self._complete(n.transfer, wait=True)
         device_nodes = list(itertools.takewhile(lambda n: n.state.on_device, nodes))
-        host_nodes = list(
+        host_nodes = list(  # (a FETCHING node ends the match: its bytes are not here yet)
             itertools.takewhile(lambda n: n.state is NodeState.HOST, nodes[len(device_nodes) :])
         )
-        nodes = device_nodes + host_nodes  # a FETCHING node ends the match: its bytes are not here yet
+        device_nodes, host_nodes, storage_hashes, storage_key = self._agree_match(
+            key, device_nodes, host_nodes
+        )
+        nodes = device_nodes + host_nodes
         self._touch(nodes, hit=True)
         device_tokens = sum(len(n) for n in device_nodes)
         matched = device_tokens + sum(len(n) for n in host_nodes)
         last = nodes[-1] if nodes else self.tree.root
-        storage_hashes, storage_key = self._lookup(key, matched, last)
+        if self.storage is not None:
+            self.storage.metrics.add("hit_tokens", len(storage_key))
         m = self.metrics
         m.matches += 1
         m.device_hit_tokens += device_tokens
@@ -292,9 +301,8 @@ class CacheController(TierState):
         """
         self._open()
         self.poll()
-        if match.prefetch is not None:
-            got = self._settle_fetch(match.prefetch, wait=True)
-            match.prefetch = None
+        if match.storage_hashes:
+            got = self._take_prefetch(match)
             if got is not None:
                 match.host_nodes.append(got)
                 match.last_node = got

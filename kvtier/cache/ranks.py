@@ -9,7 +9,8 @@ meet. One process is the group of one (`RankGroup.single()`), whose calls cost n
 
 Storage: pages whose bytes are the same on every rank (MLA latent and DSA indexer rows,
 `kvtier.storage.keys` leaves the rank out of their key) are written by `writer_rank` alone
-and read by every rank; K/V split by heads is written by each rank under its own key.
+and read by every rank; K/V split by heads is written by each rank under its own key
+(`fingerprint` puts the rank in it).
 
 Contract: every rank calls the same `RankGroup` methods in the same order (they are
 collectives); a call on one rank alone blocks. The group's backend must reduce CPU int64
@@ -18,12 +19,15 @@ tensors (gloo) or the tensors are moved to `device` (nccl).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.spec import KVSpec
+from kvtier.storage.keys import Fingerprint
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,12 @@ class RankGroup:
         if device is None:
             device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device("cuda")
         return cls(rank, world, group, device)
+
+    def fingerprint(
+        self, model: str, spec: KVSpec, config: Mapping[str, Any] | str | None = None
+    ) -> Fingerprint:
+        """This rank's storage fingerprint of `model` over `spec` (with the rank where K/V is split)."""
+        return Fingerprint.of(model, spec, config, tp_rank=self.rank, tp_size=self.world)
 
     @property
     def is_writer(self) -> bool:

@@ -71,6 +71,8 @@ class StorageTransitions:
             return [], rest[:0]
         if any(c.state is NodeState.FETCHING for c in last.children.values()):
             return [], rest[:0]  # a fetch of (part of) these pages is already in flight
+        if len(rest) >= self.spec.page_size and self.tree.page_key(rest) in last.children:
+            return [], rest[:0]  # the tree holds the next page: a match cut to agree with other ranks
         parent = self._hashes(last)[-1] if not last.is_root else self.storage.keys.root
         hashes = self.storage.keys.chain(parent, rest)
         m = self.storage.metrics
@@ -80,27 +82,29 @@ class StorageTransitions:
         if 0 < tokens < self.storage.config.min_tokens:
             m.add("skipped_short_tokens", tokens)
             return [], rest[:0]
-        m.add("hit_tokens", tokens)
         found = rest[:tokens].copy()
         found.flags.writeable = False  # it becomes a node's key
         return hashes[:k], found
 
     def _start_fetch(self: TierState, match: Match, lease: Lease) -> None:
-        """Give the match's storage pages host slots and start reading them (see the module docstring)."""
+        """Give the match's storage pages host slots and start reading them (see the module docstring).
+
+        The pages fetched are those every rank has host slots for (`_agree_pages`).
+        """
         ps = self.spec.page_size
         want = len(match.storage_hashes) * ps
-        if self.tree.page_key(match.storage_key) in match.last_node.children:
-            return  # these pages were inserted since the match: nothing to fetch
-        got = self.host_alloc.alloc_runs(want)
-        if got is None:
-            self._evict_host(want - self.host_alloc.available())
-            pages = min(want, self.host_alloc.available()) // ps
+        inserted = self.tree.page_key(match.storage_key) in match.last_node.children
+        got = None if inserted else self._host_slots_for_fetch(want)
+        pages = self._agree_pages(len(got[0]) // ps if got is not None else 0)
+        if got is not None and pages * ps < len(got[0]):
+            self.host_alloc.free(got[0])
             got = self.host_alloc.alloc_runs(pages * ps) if pages else None
+        if inserted:
+            return  # these pages were inserted since the match: nothing to fetch
         if got is None:
             self.storage.metrics.add("prefetch_abandoned_tokens", want)
             return
         slots, host_runs = got
-        pages = len(slots) // ps
         node = self.tree.add_child(
             match.last_node,
             match.storage_key[: pages * ps],
@@ -121,10 +125,31 @@ class StorageTransitions:
         match.prefetch = fetch
         self.storage.metrics.add("prefetches")
 
-    def _settle_fetch(self: TierState, fetch: Fetch, wait: bool) -> Node | None:
-        """End `fetch` (after waiting as the policy says, with `wait`): returns its HOST node, if any."""
-        rec = self._fetching.pop(id(fetch), None)
+    def _host_slots_for_fetch(self: TierState, want: int):
+        """Host slots (and runs) for the first whole pages of `want` tokens, evicting; None: not a page."""
+        got = self.host_alloc.alloc_runs(want)
+        if got is None:
+            self._evict_host(want - self.host_alloc.available())
+            ps = self.spec.page_size
+            pages = min(want, self.host_alloc.available()) // ps
+            got = self.host_alloc.alloc_runs(pages * ps) if pages else None
+        return got
+
+    def _take_prefetch(self: TierState, match: Match) -> Node | None:
+        """`load_back`'s end of the match's prefetch: the HOST node of what arrived on every rank."""
+        fetch, match.prefetch = match.prefetch, None
+        return self._settle_fetch(fetch, wait=True, agree=True)
+
+    def _settle_fetch(self: TierState, fetch: Fetch | None, wait: bool, agree: bool = False) -> Node | None:
+        """End `fetch` (after waiting as the policy says, with `wait`): returns its HOST node, if any.
+
+        With `agree` (a collective: `load_back` on every rank) it keeps the pages that arrived
+        on every rank; otherwise those that arrived here.
+        """
+        rec = self._fetching.pop(id(fetch), None) if fetch is not None else None
         if rec is None:
+            if agree:
+                self._agree_pages(0)
             return None
         _, node, lease = rec
         cfg = self.storage.config
@@ -135,7 +160,8 @@ class StorageTransitions:
         fetch.stop()
         fetch.wait()  # no worker writes these slots after this
         node.io = None
-        arrived = fetch.arrived() * self.spec.page_size
+        arrived = fetch.arrived()
+        arrived = (self._agree_pages(arrived) if agree else arrived) * self.spec.page_size
         m = self.storage.metrics
         m.observe("prefetch_seconds", time.perf_counter() - fetch.started)
         m.add("prefetched_tokens", arrived)
@@ -169,7 +195,7 @@ class StorageTransitions:
     def _store(self: TierState, n: Node, *, force: bool = False) -> bool:
         """Start writing `n`'s host pages to storage; False where it is not (stored, busy, or dropped)."""
         if (
-            self.storage is None
+            not self.writes_storage  # no storage, or another rank writes these bytes
             or n.stored
             or n.io is not None
             or n.state

@@ -25,14 +25,16 @@ import numpy as np
 import torch
 
 from kvtier.alloc import AllocPolicy, HostSlotAllocator
+from kvtier.cache.agreement import RankAgreement
 from kvtier.cache.handles import CacheConfig, Lease, LoadHandle, WritePolicy
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.movers import DeviceHostMover, Mover, Transfer
 from kvtier.cache.policy import EvictionQueue
 from kvtier.cache.radix import Node, NodeState, RadixTree
+from kvtier.cache.ranks import RankGroup
 from kvtier.cache.storage_mover import HostStorageMover
 from kvtier.cache.storage_tier import StorageTransitions
-from kvtier.errors import CacheFullError, CacheStateError, InvariantError
+from kvtier.errors import CacheStateError, InvariantError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.storage.config import StorageWrite
@@ -42,10 +44,12 @@ from kvtier.transfer.submit import Operation
 log = logging.getLogger(__name__)
 
 
-class TierState(StorageTransitions):
+class TierState(StorageTransitions, RankAgreement):
     """The tree, allocators, queues and in-flight transfers of a cache; see the module docstring.
 
     `storage`: the mover to a third tier below the host (`kvtier.cache.storage_tier`), or None.
+    `ranks`: the tensor-parallel ranks whose caches decide together (`kvtier.cache.agreement`;
+    None: one process). With several ranks the constructor is a collective.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class TierState(StorageTransitions):
         *,
         mover: Mover | None = None,
         storage: HostStorageMover | None = None,
+        ranks: RankGroup | None = None,
     ) -> None:
         dspec, hspec = device_pool.spec, host_pool.spec
         if dspec.buffers != hspec.buffers or dspec.page_size != hspec.page_size:
@@ -87,6 +92,7 @@ class TierState(StorageTransitions):
         self.bytes_per_token = self.spec.bytes_per_token()
         self._closed = False
         self._init_storage(storage)
+        self._init_ranks(ranks)
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -126,17 +132,12 @@ class TierState(StorageTransitions):
     # -- device ------------------------------------------------------------------------
 
     def _alloc_device(self, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """`n` device slots and their runs, evicting from the device when short."""
+        """`n` device slots and their runs, evicting from the device when short; on every rank or none."""
         got = self.device_alloc.alloc_runs(n)
         if got is None:
             self._evict_device(n - self.device_alloc.available())
             got = self.device_alloc.alloc_runs(n)
-        if got is None:
-            raise CacheFullError(
-                f"{n} device slots needed, {self.device_alloc.available()} free after evicting every "
-                "unlocked node"
-            )
-        return got
+        return self._agree_device_alloc(got, n)
 
     def _evict_from_device(self, n: Node) -> int:
         """Move `n` off the device (backing it up first where the policy wants it); returns tokens freed."""

@@ -60,7 +60,7 @@ class Fingerprint:
             raise ConfigError(f"a fingerprint needs a model name, got {model!r}")
         if not 0 <= tp_rank < tp_size:
             raise ConfigError(f"tensor-parallel rank {tp_rank} is outside [0, {tp_size})")
-        ranked = tp_size > 1 and any(b.kind in _RANKED_KINDS for b in spec.buffers)
+        ranked = tp_size > 1 and is_ranked(spec)
         identity = {
             "model": model,
             "config": _canonical(config),
@@ -69,6 +69,11 @@ class Fingerprint:
         }
         blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
         return cls(hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES).digest())
+
+
+def is_ranked(spec: KVSpec) -> bool:
+    """Whether `spec`'s bytes differ by tensor-parallel rank (K/V split by heads): its keys name the rank."""
+    return any(b.kind in _RANKED_KINDS for b in spec.buffers)
 
 
 def spec_identity(spec: KVSpec) -> dict[str, Any]:
