@@ -44,7 +44,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -111,8 +111,9 @@ class Engine(Owner, TextSide):
         ranks: RankGroup | None = None,
     ) -> None:
         ranks = ranks or RankGroup.single()
-        if getattr(model, "tp_size", None) not in (None, ranks.world):
-            raise ConfigError(f"the model is sharded over {model.tp_size} ranks, the group has {ranks.world}")
+        sharded = getattr(model, "tp_size", None) or 1  # transformers' tensor-parallel size
+        if sharded != ranks.world:
+            raise ConfigError(f"the model is sharded over {sharded} ranks, the group has {ranks.world}")
         if isinstance(storage, str):
             storage = StorageConfig(storage)
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -215,11 +216,14 @@ class Engine(Owner, TextSide):
             self.lockstep.settling()
         self.cache.settle()
 
-    def follow(self) -> None:
-        """On a rank other than 0: replay rank 0's calls until it closes this engine too."""
+    def follow(self, on_update: Callable[[Update], None] | None = None) -> None:
+        """On a rank other than 0: replay rank 0's calls until it closes this engine too.
+
+        `on_update`: called with each replayed step's updates (the tokens rank 0's got).
+        """
         if self.lockstep is None:
             raise InvariantError("follow() needs an engine over two ranks or more")
-        self.lockstep.follow(self)
+        self.lockstep.follow(self, on_update)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestResult:
         """Run one request on prompt token ids to the end; see `stream`."""

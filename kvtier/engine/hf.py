@@ -175,7 +175,7 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
     if _SLIDING in types and getattr(text, "attn_logit_softcapping", None) and _transformers() < (5, 24):
         raise SpecError(
             f"config of {name!r} soft-caps its sliding attention (Gemma 2): kvtier matches generate's "
-            f"tokens there with transformers >= 5.24 only (this is {_transformers_version()}; with 5.17 "
+            f"tokens there with transformers >= 5.24 only (this is {transformers_version()}; with 5.17 "
             "the logits differed by ~1%); upgrade transformers"
         )
     return tuple(window if t == _SLIDING else None for t in types)
@@ -212,7 +212,7 @@ def _layer_types(text: Any, name: str, also: tuple[str, ...]) -> list[str]:
     return types
 
 
-def _transformers_version() -> str:
+def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
@@ -221,4 +221,4 @@ def _transformers_version() -> str:
 def _transformers() -> tuple[int, ...]:
     from packaging.version import Version  # (a dependency of transformers)
 
-    return Version(_transformers_version()).release
+    return Version(transformers_version()).release

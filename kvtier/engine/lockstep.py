@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -42,6 +43,7 @@ from kvtier.errors import ConfigError, InvariantError
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
+    from kvtier.engine.results import Update
     from kvtier.engine.sampling import SamplingParams
     from kvtier.engine.scheduler import Request
     from kvtier.pool import DevicePool, HostPool
@@ -165,8 +167,11 @@ class Lockstep:
 
     # -- a follower ---------------------------------------------------------------------
 
-    def follow(self, engine: Engine) -> None:
-        """Follower: replay rank 0's calls on `engine` until rank 0 closes; then close it."""
+    def follow(self, engine: Engine, on_update: Callable[[Update], None] | None = None) -> None:
+        """Follower: replay rank 0's calls on `engine` until rank 0 closes; then close it.
+
+        `on_update`: called with each `Update` of each replayed step (what rank 0's got too).
+        """
         if self.leads:
             raise InvariantError("rank 0 leads; only the other ranks follow")
         live: dict[int, Request] = {}
@@ -183,6 +188,8 @@ class Lockstep:
             elif m.call is Call.STEP:
                 self._late = m.late
                 for u in engine.step():
+                    if on_update is not None:
+                        on_update(u)
                     if u.result is not None or u.error is not None:
                         live.pop(u.request.id, None)
             elif m.call is Call.SETTLE:
