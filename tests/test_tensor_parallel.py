@@ -111,7 +111,7 @@ def test_sampled_tokens_are_rank_zeros_on_every_rank(llama_kv2: str) -> None:
 
 def test_heads_the_ranks_cannot_split_are_refused_before_anything_loads(llama_kv2: str) -> None:
     config = transformers.AutoConfig.from_pretrained(llama_kv2)
-    with pytest.raises(ConfigError, match="cannot split 'llama'.s 4 query and 2 K/V heads"):
+    with pytest.raises(ConfigError, match=r"cannot split 'llama'.s 4 query and 2 K/V heads"):
         check_tp(config, 4)
     assert spec_from_hf_config(config, tp=2).buffers[0].row_shape == (1, 16)
     mla = tiny_deepseek_v3().config

@@ -24,11 +24,9 @@ model's identity (`model_name`, else the config's name or path) and its config, 
 restarted engine or another process over the same store finds the prefixes computed
 before (see `kvtier.cache.storage_tier`).
 
-Tensor parallelism (`ranks`, a `RankGroup` of two or more): `model` is this rank's shard
-(`kvtier.engine.models.load_model` with `ranks`), the spec this rank's (K/V heads split
-over the ranks, an MLA latent whole: `spec_from_hf_config`), and the ranks run in
-lockstep (`kvtier.engine.lockstep`): rank 0 is driven as any engine, every other rank
-runs `follow()`, which replays rank 0's calls until it closes.
+Tensor parallelism (`ranks` of two or more): `model` is this rank's shard (`load_model`
+with `ranks`), the spec this rank's (`spec_from_hf_config`); rank 0 is driven as any engine
+and every other rank runs `follow()` in lockstep with it (`kvtier.engine.lockstep`).
 
 Threads: an engine is driven from one thread at a time (the server's worker); its
 counters (`num_running`, `num_waiting`, `stats`) may be read from any.
@@ -360,9 +358,7 @@ class Engine(Owner, TextSide):
         for (i, req, n), c in zip(done, choices, strict=True):
             if c.reason == "error":
                 self._end(req, "error")
-                updates.append(
-                    Update(req, error=c.error or InvariantError(f"rank 0 could not sample {req.id}"))
-                )
+                updates.append(Update(req, error=c.error or InvariantError(f"rank 0 failed on {req.id}")))
                 continue
             if not req.tokens:
                 req.first_logits = logits[i].float().cpu()
@@ -380,11 +376,8 @@ class Engine(Owner, TextSide):
         """`req`'s next token from its `[V]` logits (`greedy`: their argmax) and whether it ends there."""
         p = req.params
         try:
-            token = (
-                greedy
-                if p.temperature == 0 and not p.penalized
-                else pick(logits, p, req.generator, req.tokens)
-            )
+            sampled = p.temperature != 0 or p.penalized
+            token = pick(logits, p, req.generator, req.tokens) if sampled else greedy
             if p.logprobs is not None:
                 req.logprobs.append(token_logprob(logits, token, p.logprobs))
         except Exception as e:  # this request's sampling failed: the others of the step go on
