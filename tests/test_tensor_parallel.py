@@ -8,6 +8,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+import signal  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from served import tiny_tokenizer  # noqa: E402
@@ -123,3 +125,50 @@ def test_a_model_not_sharded_over_the_group_is_refused_before_pools_are_built() 
 
     with pytest.raises(ConfigError, match="sharded over 1 ranks, the group has 2"):
         Engine(tiny_llama(), ranks=RankGroup(rank=0, world=2), **SIZES)
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "says"),
+    [
+        (["--tp", "3"], 2, "3 tensor-parallel ranks cannot split 'llama'"),
+        (["--tp", "2", "--device", "cuda:0"], 1 if not torch.cuda.is_available() else 2, "--device cuda:0"),
+    ],
+)
+def test_a_tp_the_machine_or_model_refuses_is_one_line_before_anything_loads(
+    checkpoint, flags, code, says, capsys
+) -> None:
+    from redis_servers import free_port
+
+    from kvtier.cli import main
+
+    assert main(["serve", "--model", str(checkpoint), "--port", str(free_port()), *flags]) == code
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_tp_that_is_not_a_positive_int_is_a_usage_error(capsys) -> None:
+    from kvtier.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--tp", "0"])
+    assert exit_.value.code == 2 and "--tp: expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_serve_tp_2_answers_the_openai_client_with_one_process_tokens(checkpoint, served) -> None:
+    pytest.importorskip("openai")
+    from served import MESSAGES, tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    ids = list(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
+    want = tiny_model(tokenizer).generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    want_text = tokenizer.decode(want[0, len(ids) :], skip_special_tokens=True)
+    server = served.start(checkpoint, "--tp", "2")
+    first = server.chat(max_tokens=8)
+    again = server.chat(max_tokens=8)  # its prompt now hits the prefix cache
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert want_text.startswith(first.choices[0].message.content)
+    assert server.metrics()['kvtier_cache_prompt_tokens_total{tier="device"}'] > 0
+    code, out, _ = server.stop(signal.SIGTERM)  # rank 0 closes its engine, rank 1 follows it out
+    assert code == 0 and "stopped" in out

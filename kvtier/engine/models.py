@@ -84,13 +84,8 @@ def load_model(
     hf_logging.disable_progress_bar()  # the CLI draws its own progress
     device = torch.device(device)
     dtype = model_dtype(dtype, device)  # refused before anything loads
-    if path is None or path == DEFAULT_MODEL:
-        folder = _smollm2_safetensors()
-    else:
-        folder = Path(path)
-        if not folder.exists():
-            raise ModelLoadError(f"model path {path!r} does not exist")
-    kw = {} if ranks is None or ranks.world == 1 else {"distributed_config": tp_config(folder, ranks)}
+    folder = checkpoint_folder(path)
+    kw = {} if ranks is None or ranks.world == 1 else {"distributed_config": tp_config(folder, ranks.world)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
@@ -104,8 +99,18 @@ def load_model(
     return model.to(device).eval(), tokenizer
 
 
-def tp_config(folder: Path, ranks: RankGroup) -> Any:
-    """transformers' `DistributedConfig` of `ranks` for the checkpoint in `folder`; `ConfigError`
+def checkpoint_folder(path: str | Path | None) -> Path:
+    """The folder of a local checkpoint, or of the default model (converted on first use) for None."""
+    if path is None or path == DEFAULT_MODEL:
+        return _smollm2_safetensors()
+    folder = Path(path)
+    if not folder.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    return folder
+
+
+def tp_config(folder: Path, world: int) -> Any:
+    """transformers' `DistributedConfig` of `world` ranks for the checkpoint in `folder`; `ConfigError`
     for a model transformers has no tensor-parallel plan for, or heads the ranks cannot split."""
     from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
@@ -119,8 +124,8 @@ def tp_config(folder: Path, ranks: RankGroup) -> Any:
             f"transformers {transformers_version()} has no tensor-parallel plan for "
             f"{getattr(config, 'model_type', 'this model')!r}; serve it on one rank"
         )
-    check_tp(config, ranks.world)
-    return DistributedConfig(tp_plan="auto", tp_size=ranks.world)
+    check_tp(config, world)
+    return DistributedConfig(tp_plan="auto", tp_size=world)
 
 
 def _smollm2_safetensors() -> Path:
