@@ -4,4 +4,5 @@ import sys
 
 from kvtier.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a rank of `kvtier serve --tp` is spawned and imports it
+    sys.exit(main())

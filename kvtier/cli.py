@@ -135,6 +135,14 @@ def _serve(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible server over the tiered cache")
     _model_flags(s, 16384, 131072, "device KV pool in tokens")
     s.add_argument("--model-name", help="the name clients ask for (default: the checkpoint's folder name)")
+    s.add_argument(
+        "--tp",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks: N processes, rank i on cuda:i (gloo on the CPU without CUDA); "
+        "rank 0 serves HTTP",
+    )
     write_policy_flag(s, WRITE_POLICIES, "write_through")
     s.add_argument("--host-layout", choices=LAYOUTS, default="layer_first", help="host pool layout")
     s.add_argument("--host-alloc", choices=ALLOC_POLICIES, default="contiguous", help="host allocator policy")

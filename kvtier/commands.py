@@ -22,6 +22,7 @@ from kvtier.errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
     from kvtier.cache import CacheConfig
+    from kvtier.cache.ranks import RankGroup
     from kvtier.engine import Engine
     from kvtier.storage.config import StorageConfig
 
@@ -77,6 +78,16 @@ def storage_config(args: Namespace, url: str | None = None) -> StorageConfig | N
     return StorageConfig(url, **{STORAGE_FIELDS[flag]: v for flag, v in given.items()})
 
 
+def cache_config(args: Namespace) -> CacheConfig:
+    """The cache's config the serve flags give (`--write-policy`, `--host-alloc`)."""
+    from kvtier.alloc import AllocPolicy
+    from kvtier.cache import CacheConfig, WritePolicy
+
+    return CacheConfig(
+        write_policy=WritePolicy(args.write_policy), host_alloc_policy=AllocPolicy(args.host_alloc)
+    )
+
+
 def engine_sizes(args: Namespace) -> dict[str, int]:
     """The `Engine` sizes the serve and demo flags give: both pools, running requests, batched tokens."""
     return {
@@ -87,22 +98,27 @@ def engine_sizes(args: Namespace) -> dict[str, int]:
     }
 
 
-def engine_for(args: Namespace, loading: str, config: CacheConfig, **kw: Any) -> tuple[torch.device, Engine]:
+def engine_for(
+    args: Namespace, loading: str, config: CacheConfig, ranks: RankGroup | None = None, **kw: Any
+) -> tuple[torch.device, Engine]:
     """`--model` loaded on `--device` in `--dtype` (`loading` on the console meanwhile), and an engine.
 
     The engine takes the pool sizes, `--page-size`, `--max-num-seqs` and
     `--max-num-batched-tokens`, and `--chat-template` where given (`ConfigError`, the engine
     closed, for one that is not valid Jinja); `kw` goes to it too
     (`storage=storage_config(args)`, built before this call so that a bad flag is refused
-    before the model loads).
+    before the model loads). `ranks`: this process's tensor-parallel group (`--tp`), the
+    model its shard.
     """
     from kvtier.engine import Engine
     from kvtier.engine.models import load_model
 
     dev = device(args.device)
     with console.status(loading):
-        model, tokenizer = load_model(args.model, dev, args.dtype)
-    engine = Engine(model, tokenizer, config=config, page_size=args.page_size, **engine_sizes(args), **kw)
+        model, tokenizer = load_model(args.model, dev, args.dtype, ranks)
+    engine = Engine(
+        model, tokenizer, config=config, page_size=args.page_size, ranks=ranks, **engine_sizes(args), **kw
+    )
     if args.chat_template is not None:
         try:
             engine.chat_template = args.chat_template

@@ -196,7 +196,7 @@ def test_a_closed_engine_releases_its_pools_and_refuses_requests(model) -> None:
 
 
 def test_an_engine_whose_cache_cannot_be_built_closes_its_pools(model, monkeypatch) -> None:
-    import kvtier.engine.engine as engine_module
+    import kvtier.engine.lockstep as lockstep_module  # builds the engine's cache
 
     given = []
 
@@ -204,7 +204,7 @@ def test_an_engine_whose_cache_cannot_be_built_closes_its_pools(model, monkeypat
         given.extend([device_pool, host_pool])
         raise CacheStateError("no cache here")
 
-    monkeypatch.setattr(engine_module, "CacheController", refuse)
+    monkeypatch.setattr(lockstep_module, "CacheController", refuse)
     with pytest.raises(CacheStateError, match="no cache here"):
         Engine(model, device_tokens=256, host_tokens=1024)
     assert len(given) == 2 and all(pool.closed for pool in given)

@@ -6,15 +6,17 @@ import torch
 import transformers
 
 
-def tiny_llama(vocab_size: int = 256, max_positions: int = 512, **extra) -> transformers.LlamaForCausalLM:
-    """A 2-layer Llama-style GQA model (4 heads, 2 KV heads of 16), seeded, in eval mode."""
+def tiny_llama(
+    vocab_size: int = 256, max_positions: int = 512, kv_heads: int = 2, **extra
+) -> transformers.LlamaForCausalLM:
+    """A 2-layer Llama-style GQA model (4 heads, `kv_heads` KV heads of 16), seeded, in eval mode."""
     cfg = transformers.LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
         **extra,
     )

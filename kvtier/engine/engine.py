@@ -24,6 +24,10 @@ model's identity (`model_name`, else the config's name or path) and its config, 
 restarted engine or another process over the same store finds the prefixes computed
 before (see `kvtier.cache.storage_tier`).
 
+Tensor parallelism (`ranks` of two or more): `model` is this rank's shard (`load_model`
+with `ranks`), the spec this rank's (`spec_from_hf_config`); rank 0 is driven as any engine
+and every other rank runs `follow()` in lockstep with it (`kvtier.engine.lockstep`).
+
 Threads: an engine is driven from one thread at a time (the server's worker); its
 counters (`num_running`, `num_waiting`, `stats`) may be read from any.
 
@@ -38,14 +42,15 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvtier.cache import CacheConfig, CacheController, token_ids
+from kvtier.cache import CacheConfig, token_ids
+from kvtier.cache.ranks import RankGroup
 from kvtier.cache.storage_mover import open_storage
 from kvtier.engine.batch import Piece, StepBatch, kvtier_attention
 from kvtier.engine.hf import (
@@ -55,11 +60,12 @@ from kvtier.engine.hf import (
     spec_from_hf_config,
     text_config,
 )
+from kvtier.engine.lockstep import Choice, Lockstep, ranked_cache
 from kvtier.engine.results import EngineStats, RequestResult, Update
 from kvtier.engine.sampling import SamplingParams, pick, token_logprob
 from kvtier.engine.scheduler import Request, Scheduler
 from kvtier.engine.text import TextSide
-from kvtier.errors import ClosedError, ConfigError, PromptTooLongError
+from kvtier.errors import ClosedError, ConfigError, InvariantError, PromptTooLongError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.memory import Owner
 from kvtier.storage.config import StorageConfig
@@ -81,7 +87,8 @@ class Engine(Owner, TextSide):
     `page_size`: tokens per page of every tier (the cache matches and keeps whole pages);
     by default 1, or `STORAGE_PAGE_SIZE` with a storage tier, whose values are one page
     each (a one-token value is far too small to read at the store's rate: bench/FINDINGS.md).
-    A context manager.
+    `ranks`: the tensor-parallel ranks `model` is sharded over (see the module docstring;
+    None: one process). A context manager.
     """
 
     def __init__(
@@ -99,7 +106,12 @@ class Engine(Owner, TextSide):
         storage: StorageConfig | str | None = None,
         model_name: str | None = None,
         page_size: int | None = None,
+        ranks: RankGroup | None = None,
     ) -> None:
+        ranks = ranks or RankGroup.single()
+        sharded = getattr(model, "tp_size", None) or 1  # transformers' tensor-parallel size
+        if sharded != ranks.world:
+            raise ConfigError(f"the model is sharded over {sharded} ranks, the group has {ranks.world}")
         if isinstance(storage, str):
             storage = StorageConfig(storage)
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -122,7 +134,8 @@ class Engine(Owner, TextSide):
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.spec = spec_from_hf_config(model.config, dtype=dtype, page_size=ps)
+        self.spec = spec_from_hf_config(model.config, dtype=dtype, page_size=ps, tp=ranks.world)
+        self.ranks = ranks
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # the ids a prompt may hold
         self.windows = layer_windows(model.config)  # `[layers]`: sliding window, None for full attention
         self.max_context = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 0)
@@ -141,7 +154,8 @@ class Engine(Owner, TextSide):
                 fingerprint = Fingerprint.of(name, self.spec, model_config_identity(model.config))
                 self.storage = open_storage(storage, self.host_pool, fingerprint)
                 undo.callback(self.storage.close)
-            self.cache = CacheController(self.device_pool, self.host_pool, config, storage=self.storage)
+            self.cache = ranked_cache(self.device_pool, self.host_pool, config, self.storage, ranks)
+            self.lockstep = Lockstep(ranks) if ranks.world > 1 else None
             undo.pop_all()
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache)
 
@@ -185,12 +199,29 @@ class Engine(Owner, TextSide):
         if self._closed:
             return
         self._closed = True
+        if self.lockstep is not None:
+            self.lockstep.closing()
         try:
             self.cache.close()  # drains its lanes and closes both pools
         finally:
             self.host_pool.close()  # idempotent: closed even where the cache's close failed
             self.device_pool.close()
         log.info("engine for %s closed", self.spec.name)
+
+    def settle(self) -> None:
+        """Run the cache's pending transfers and backups now (every rank's, in lockstep)."""
+        if self.lockstep is not None:
+            self.lockstep.settling()
+        self.cache.settle()
+
+    def follow(self, on_update: Callable[[Update], None] | None = None) -> None:
+        """On a rank other than 0: replay rank 0's calls until it closes this engine too.
+
+        `on_update`: called with each replayed step's updates (the tokens rank 0's got).
+        """
+        if self.lockstep is None:
+            raise InvariantError("follow() needs an engine over two ranks or more")
+        self.lockstep.follow(self, on_update)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestResult:
         """Run one request on prompt token ids to the end; see `stream`."""
@@ -238,6 +269,8 @@ class Engine(Owner, TextSide):
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt, params)
         req = Request(next(self._ids), ids, params, time.perf_counter(), params.generator(self.device))
+        if self.lockstep is not None:
+            self.lockstep.submitted(req)
         self.scheduler.waiting.append(req)
         self.stats.prompt_tokens += len(ids)
         log.debug("request %d: %d prompt tokens, up to %d new", req.id, len(ids), params.max_tokens)
@@ -246,6 +279,8 @@ class Engine(Owner, TextSide):
     def cancel(self, req: Request) -> RequestResult:
         """Finish `req` now (computed pages inserted, slots freed, lease released); idempotent."""
         if not req.finished:
+            if self.lockstep is not None:
+                self.lockstep.cancelled(req)
             self._end(req, "cancelled")
         return self._result(req)
 
@@ -263,6 +298,8 @@ class Engine(Owner, TextSide):
             self.stats.preemptions = self.scheduler.preemptions  # (only `schedule` preempts)
             if not plan:
                 return updates
+            if self.lockstep is not None:
+                self.lockstep.same_plan(plan)
             try:
                 logits = self._forward(plan)
             except Exception as e:
@@ -277,11 +314,11 @@ class Engine(Owner, TextSide):
 
     def _expire(self) -> list[Update]:
         now = time.perf_counter()
-        late = [
-            r
-            for r in [*self.scheduler.running, *self.scheduler.waiting]
-            if r.deadline is not None and now > r.deadline
-        ]
+        queued = [*self.scheduler.running, *self.scheduler.waiting]
+        late = [r for r in queued if r.deadline is not None and now > r.deadline]
+        if self.lockstep is not None:  # rank 0's clock decides
+            ids = set(self.lockstep.late([r.id for r in late]))
+            late = [r for r in queued if r.id in ids]
         for req in late:
             self._end(req, "timeout")
         return [Update(req, result=self._result(req)) for req in late]
@@ -311,42 +348,51 @@ class Engine(Owner, TextSide):
     def _advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> list[Update]:
         """Record what the step computed; sample the requests whose context is complete."""
         sched, updates = self.scheduler, []
-        greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request of the step
+        done = [(i, req, n) for i, (req, n) in enumerate(plan) if sched.computed(req, n)]
+        mine = None
+        if self.lockstep is None or self.lockstep.leads:
+            greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request of the step
+            mine = [self._choose(req, logits[i], greedy[i]) for i, req, _ in done]
+        choices = mine if self.lockstep is None else self.lockstep.choices(mine)
         now = time.perf_counter()
-        for i, (req, n) in enumerate(plan):
-            if not sched.computed(req, n):
-                continue
-            p = req.params
-            try:
-                if p.temperature == 0 and not p.penalized:
-                    token = greedy[i]
-                else:
-                    token = pick(logits[i], p, req.generator, req.tokens)
-                if p.logprobs is not None:
-                    req.logprobs.append(token_logprob(logits[i], token, p.logprobs))
-            except Exception as e:  # this request's sampling failed: the others of the step go on
-                log.exception("sampling request %d failed", req.id)
+        for (i, req, n), c in zip(done, choices, strict=True):
+            if c.reason == "error":
                 self._end(req, "error")
-                updates.append(Update(req, error=e))
+                updates.append(Update(req, error=c.error or InvariantError(f"rank 0 failed on {req.id}")))
                 continue
             if not req.tokens:
                 req.first_logits = logits[i].float().cpu()
             if n > 1 or not req.tokens:
                 sched.publish(req)  # its prompt's pages, for requests arriving meanwhile
-            req.tokens.append(token)
+            req.tokens.append(c.token)
             req.token_times.append(now)
             self.stats.generation_tokens += 1
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                self._end(req, reason)
-            updates.append(Update(req, token, self._result(req) if reason is not None else None))
+            if c.reason is not None:
+                self._end(req, c.reason)
+            updates.append(Update(req, c.token, self._result(req) if c.reason is not None else None))
         return updates
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
+    def _choose(self, req: Request, logits: torch.Tensor, greedy: int) -> Choice:
+        """`req`'s next token from its `[V]` logits (`greedy`: their argmax) and whether it ends there."""
         p = req.params
-        if (not p.ignore_eos and token in self._eos) or self._stopped(req.tokens, p):
+        try:
+            sampled = p.temperature != 0 or p.penalized
+            token = pick(logits, p, req.generator, req.tokens) if sampled else greedy
+            if p.logprobs is not None:
+                req.logprobs.append(token_logprob(logits, token, p.logprobs))
+        except Exception as e:  # this request's sampling failed: the others of the step go on
+            log.exception("sampling request %d failed", req.id)
+            return Choice(-1, "error", e)
+        return Choice(token, self._finish_reason(req, token))
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        """Why `req` ends once `token` is appended to its tokens (None: it goes on)."""
+        p = req.params
+        if (not p.ignore_eos and token in self._eos) or (
+            p.stop and self._stopped([*req.tokens[-p.stop_window :], token], p)
+        ):
             return "stop"  # before "length": a stop on the last token allowed is still a stop
-        if len(req.tokens) >= p.max_tokens:
+        if len(req.tokens) + 1 >= p.max_tokens:
             return "length"
         return None
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import SpecError
+from kvtier.errors import ConfigError, SpecError
 from kvtier.spec import INDEXER_ROW_BYTES, KVSpec, mha_spec, mla_spec
 
 
@@ -57,8 +57,15 @@ def model_config_identity(config: Any) -> dict[str, Any]:
     return {k: v for k, v in raw.items() if not k.startswith("_") and k not in drop}
 
 
-def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size: int = 1) -> KVSpec:
-    """The `KVSpec` of a transformers model config; `SpecError` for a layout kvtier cannot map."""
+def spec_from_hf_config(
+    config: Any, dtype: torch.dtype | None = None, page_size: int = 1, tp: int = 1
+) -> KVSpec:
+    """The `KVSpec` of a transformers model config; `SpecError` for a layout kvtier cannot map.
+
+    `tp`: the tensor-parallel ranks, and the spec is one rank's: standard attention's K/V
+    heads split over them (`ConfigError` where the query or K/V heads do not divide by
+    `tp`: `check_tp`), MLA's latent whole on every rank.
+    """
     text = text_config(config)
     name = getattr(text, "model_type", None) or "model"
     indexer = dsa_indexer_layers(config)
@@ -85,7 +92,29 @@ def spec_from_hf_config(config: Any, dtype: torch.dtype | None = None, page_size
         raise SpecError(f"config of {name!r} has neither MLA fields nor num_attention_heads")
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return mha_spec(name, layers, kv_heads, head_dim, dtype, page_size)
+    check_tp(config, tp)
+    return mha_spec(name, layers, kv_heads // tp, head_dim, dtype, page_size)
+
+
+def check_tp(config: Any, tp: int) -> None:
+    """`ConfigError` unless `tp` ranks can split the config's attention by heads.
+
+    MLA (a `kv_lora_rank`) keeps its latent whole on every rank and takes any `tp`;
+    standard attention needs the query heads and the K/V heads to divide by `tp`.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor-parallel ranks must be a positive int, got {tp!r}")
+    text = text_config(config)
+    if tp == 1 or getattr(text, "kv_lora_rank", None):
+        return
+    heads = getattr(text, "num_attention_heads", None) or 0
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp or kv_heads % tp:
+        name = getattr(text, "model_type", None) or "model"
+        raise ConfigError(
+            f"{tp} tensor-parallel ranks cannot split {name!r}'s {heads} query and {kv_heads} K/V heads "
+            f"evenly; choose a number of ranks that divides {kv_heads}"
+        )
 
 
 _FULL, _SLIDING, _INDEXED = "full_attention", "sliding_attention", "indexed_attention"
@@ -146,7 +175,7 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
     if _SLIDING in types and getattr(text, "attn_logit_softcapping", None) and _transformers() < (5, 24):
         raise SpecError(
             f"config of {name!r} soft-caps its sliding attention (Gemma 2): kvtier matches generate's "
-            f"tokens there with transformers >= 5.24 only (this is {_transformers_version()}; with 5.17 "
+            f"tokens there with transformers >= 5.24 only (this is {transformers_version()}; with 5.17 "
             "the logits differed by ~1%); upgrade transformers"
         )
     return tuple(window if t == _SLIDING else None for t in types)
@@ -183,7 +212,7 @@ def _layer_types(text: Any, name: str, also: tuple[str, ...]) -> list[str]:
     return types
 
 
-def _transformers_version() -> str:
+def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
@@ -192,4 +221,4 @@ def _transformers_version() -> str:
 def _transformers() -> tuple[int, ...]:
     from packaging.version import Version  # (a dependency of transformers)
 
-    return Version(_transformers_version()).release
+    return Version(transformers_version()).release

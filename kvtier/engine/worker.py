@@ -80,7 +80,7 @@ class Worker:
             pass
         if not self.engine.closed:
             try:
-                self.engine.cache.settle()
+                self.engine.settle()
             except Exception:
                 log.exception("settling the cache between requests failed")
         return self.jobs.get()
