@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from served import tiny_tokenizer  # noqa: E402
 from tiny_models import tiny_deepseek_v3, tiny_llama  # noqa: E402
-from tp_ranks import counters, engine_rounds, run_ranks  # noqa: E402
+from tp_ranks import counters, engine_rounds, engine_storage_restart, run_ranks  # noqa: E402
 
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
 from kvtier.engine.hf import check_tp, spec_from_hf_config  # noqa: E402
@@ -172,3 +172,17 @@ def test_serve_tp_2_answers_the_openai_client_with_one_process_tokens(checkpoint
     assert server.metrics()['kvtier_cache_prompt_tokens_total{tier="device"}'] > 0
     code, out, _ = server.stop(signal.SIGTERM)  # rank 0 closes its engine, rank 1 follows it out
     assert code == 0 and "stopped" in out
+
+
+def test_mla_pages_are_written_to_storage_once_and_every_rank_reads_them_after_a_restart(tmp_path) -> None:
+    path = _save(tmp_path / "deepseek", lambda t: tiny_deepseek_v3(len(t), 256))
+    store = tmp_path / "store"
+    ranks = run_ranks(engine_storage_restart, 2, path, str(store), A, GREEDY)
+    first, again = ranks[0]["results"]
+    assert first[1] == "none" and again[1] == "storage" and again[2] == len(A) - 1
+    (generated,) = _one_process(path, [[(A, GREEDY)]])["generated"].values()
+    assert again[0] == first[0] == generated
+    written = [r["written"][0] for r in ranks]
+    assert written[0] > 0 and written[1:] == [0]  # rank 0 alone writes the latent every rank holds
+    assert len([f for f in store.rglob("*") if f.is_file() and not f.name.startswith(".")]) == written[0]
+    assert [r["hit_tokens"][1] for r in ranks] == [len(A) - 1] * 2  # both ranks read them

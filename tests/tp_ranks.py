@@ -94,3 +94,28 @@ def engine_rounds(ranks: RankGroup, checkpoint: str, rounds: list, sizes: dict) 
             eng.follow(record)
         metrics = counters(eng.cache.metrics)
     return {"tokens": tokens, "hits": hits, "metrics": metrics, "spec": spec}
+
+
+def engine_storage_restart(ranks: RankGroup, checkpoint: str, store: str, prompt: list, params) -> dict:
+    """Rank 0 generates `prompt` on an engine over the `file://` store `store`, waits for its storage
+    writes and closes it; then a new engine on every rank (as after a restart) generates it again.
+
+    Every rank returns its storage counters of each engine and rank 0 its two results' tokens and hits.
+    """
+    from kvtier.engine import Engine
+    from kvtier.engine.models import load_model
+
+    model, tokenizer = load_model(checkpoint, "cpu", "float32", ranks)
+    sizes = dict(device_tokens=128, host_tokens=1024, page_size=1, storage=f"file://{store}")
+    out: dict = {"written": [], "hit_tokens": [], "results": []}
+    for _ in range(2):
+        with Engine(model, tokenizer, ranks=ranks, **sizes) as eng:
+            if ranks.rank == 0:
+                result = eng.generate(prompt, params)
+                out["results"].append((result.tokens, result.hit, result.storage_hit_tokens))
+            else:
+                eng.follow()
+            eng.cache.flush()
+            out["written"].append(eng.storage.metrics.snapshot()["pages_written"])
+            out["hit_tokens"].append(eng.cache.metrics.storage_hit_tokens)
+    return out

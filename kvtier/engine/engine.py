@@ -69,7 +69,6 @@ from kvtier.errors import ClosedError, ConfigError, InvariantError, PromptTooLon
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.memory import Owner
 from kvtier.storage.config import StorageConfig
-from kvtier.storage.keys import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ class Engine(Owner, TextSide):
             self.storage = None
             if storage is not None:
                 name = model_name or storage.model or model_identity(model.config)
-                fingerprint = Fingerprint.of(name, self.spec, model_config_identity(model.config))
+                fingerprint = ranks.fingerprint(name, self.spec, model_config_identity(model.config))
                 self.storage = open_storage(storage, self.host_pool, fingerprint)
                 undo.callback(self.storage.close)
             self.cache = ranked_cache(self.device_pool, self.host_pool, config, self.storage, ranks)

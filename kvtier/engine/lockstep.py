@@ -26,7 +26,6 @@ is lost, and `follow` on the failing rank raises.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import zlib
 from collections.abc import Callable
@@ -202,16 +201,6 @@ class Lockstep:
 def ranked_cache(
     device: DevicePool, host: HostPool, config: CacheConfig | None, storage: Any, ranks: RankGroup
 ) -> CacheController:
-    """The engine's cache over its pools; over several ranks, one whose decisions the ranks agree on.
-
-    Issue 22 merge: the cache's branch adds `CacheController(..., ranks=)` (matches agreed by
-    an all-reduce, MLA pages written once); until then ranks agree through the lockstep
-    alone, and a storage tier over several ranks is refused (its keys hold no rank).
-    """
-    if ranks.world == 1:
-        return CacheController(device, host, config, storage=storage)
-    if "ranks" in inspect.signature(CacheController).parameters:  # issue 22 merge: keep this return alone
-        return CacheController(device, host, config, storage=storage, ranks=ranks)
-    if storage is not None:
-        raise ConfigError("a storage tier over several ranks needs the cache's rank-aware keys (issue 22)")
-    return CacheController(device, host, config, storage=storage)
+    """The engine's cache over its pools; over several ranks, one whose decisions the ranks agree
+    on (matches agreed by an all-reduce, pages every rank holds alike written once)."""
+    return CacheController(device, host, config, storage=storage, ranks=None if ranks.world == 1 else ranks)
