@@ -272,7 +272,7 @@ def _rank_info(s: Setup, rank: int, node: int | None) -> dict:
 
 
 def metadata(s: Setup, ranks: list[dict]) -> dict:
-    """`bench transfer`'s metadata of rank 0's run, with `gpus` and each rank's device, name, node."""
+    """`bench transfer`'s metadata of rank 0's run, with `gpus` and each rank's device, node, ceiling."""
     meta = transfer.metadata(s.cfg, s.ceilings, s.layer_bytes)
     meta["gpus"] = len(ranks)
     meta["ranks"] = ranks
@@ -356,7 +356,6 @@ def command(args: Namespace) -> int:
     from kvtier.cli_args import VARIANTS
     from kvtier.commands import console, progress, write_json
 
-    devices = devices_for(args.gpus, args.device)
     if args.kernel_sweep:
         raise ConfigError(
             f"--kernel-sweep times one GPU's kernel shapes; it does not apply with --gpus {args.gpus}"
@@ -366,6 +365,7 @@ def command(args: Namespace) -> int:
         raise ConfigError(
             f"--gpus {args.gpus} times the planned path alone; --variants {given} needs one GPU"
         )
+    devices = devices_for(args.gpus, args.device)
     cfg = transfer.command_config(args)
     with progress() as report:
         report(f"{len(devices)} ranks, one process per GPU: pinning, checking, timing")
