@@ -253,6 +253,7 @@ def _time(
 def plan_op(
     plan: TransferPlan, host: HostPool, dev: DevicePool, stream, layers: int = 1
 ) -> Callable[[], None]:
+    """One timed call of `plan`: `load_layers` or `backup` of layers `0..layers-1` on `stream`."""
     if plan.direction is Direction.LOAD:
         return lambda: load_layers(plan, host, dev, range(layers), stream)
     return lambda: backup(plan, dev, host, range(layers), stream)
