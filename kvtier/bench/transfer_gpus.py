@@ -59,6 +59,8 @@ from kvtier.transfer import TransferPlan
 START_MARGIN_S = 0.002
 # What rank 0 writes in the run's temporary directory: `(rows, meta)`, pickled.
 RESULT = "result.pkl"
+# What a rank that raised writes there, with its rank after it: its error in one line.
+ERROR = "error-"
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ def run(cfg: BenchConfig, devices: Sequence[torch.device]) -> tuple[list[GpusRow
 
     `kvtier bench transfer --gpus N` passes `cuda:0..N-1`; tests pass CPU devices. Only the
     planner's plan is timed (`cfg.variants` and `cfg.kernel_sweep` are not read).
-    `RankError` when a rank fails.
+    `RankError` when a rank fails: the lowest rank that raised, with its error.
     """
     if not devices:
         raise ConfigError("a run over ranks needs at least one device")
@@ -126,15 +128,28 @@ def run(cfg: BenchConfig, devices: Sequence[torch.device]) -> tuple[list[GpusRow
         try:
             mp.spawn(_rank_main, args=(tuple(devices), cfg, workdir), nprocs=len(devices), join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            lines = [line for line in str(e).splitlines() if line.strip()]
-            raise RankError(f"rank {e.error_index} of {len(devices)} failed: {lines[-1]}") from e
+            raise RankError(_failure(Path(workdir), e, len(devices))) from e
         with open(Path(workdir) / RESULT, "rb") as f:
             rows, meta = pickle.load(f)
     return rows, meta
 
 
+def _failure(workdir: Path, e: mp.ProcessException, world: int) -> str:
+    """What failed: the lowest rank that left its error in `workdir`, else what `spawn` saw (a signal)."""
+    for rank in range(world):
+        error = workdir / f"{ERROR}{rank}"
+        if error.exists():
+            return f"rank {rank} of {world} failed: {error.read_text()}"
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"rank {e.error_index} of {world} failed: {lines[-1]}"
+
+
 def _rank_main(rank: int, devices: tuple[torch.device, ...], cfg: BenchConfig, workdir: str) -> None:
-    """One rank's process: its pools on `devices[rank]`, every case measured; rank 0 writes the result."""
+    """One rank's process: its pools on `devices[rank]`, every case measured; rank 0 writes the result.
+
+    A rank that raises leaves its error in `workdir` and skips the group's teardown, which
+    would fail on the ranks that already left and bury the error that ended them.
+    """
     device, world = devices[rank], len(devices)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     try:
@@ -155,8 +170,10 @@ def _rank_main(rank: int, devices: tuple[torch.device, ...], cfg: BenchConfig, w
             with open(Path(workdir) / RESULT, "wb") as f:
                 pickle.dump((rows, metadata(s, ranks)), f)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except Exception as e:
+        (Path(workdir) / f"{ERROR}{rank}").write_text(f"{type(e).__name__}: {' '.join(str(e).split())}")
+        raise
+    dist.destroy_process_group()
 
 
 def _measure(
