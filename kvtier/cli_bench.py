@@ -104,6 +104,12 @@ def _bench_transfer(bench) -> None:
         default=1,
         help="layers each timed call moves (page_first kernel rows then move in layer groups)",
     )
+    t.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs reloading at once, one process each on cuda:0..N-1 (the planned path; default: 1)",
+    )
 
 
 def _bench_overlap(bench) -> None:

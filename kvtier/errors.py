@@ -59,6 +59,10 @@ class InvariantError(KVTierError, AssertionError):
     """An internal invariant does not hold (raised, never asserted: `python -O` keeps it)."""
 
 
+class RankError(KVTierError, RuntimeError):
+    """A rank of a run over several processes failed (and the others were ended): its index and error."""
+
+
 class LeaseError(KVTierError, RuntimeError):
     """A lease was released twice, or does not belong to this cache."""
 

@@ -220,8 +220,8 @@ def _variants(
 def _time(
     s: Setup, plan: TransferPlan, variant: str, planned: TransferPlan, host_label: str, dev_label: str
 ) -> Row:
-    identical = _check(s, plan)
-    op = _op(plan, s.host, s.dev, s.stream, s.cfg.layers)
+    identical = check_plan(s, plan)
+    op = plan_op(plan, s.host, s.dev, s.stream, s.cfg.layers)
     once = s.timer.median_ms(op, 1, 0) / 1e3
     if once > SLOW_CALL_S:
         ms = s.timer.median_ms(op, 3, 0)
@@ -250,7 +250,10 @@ def _time(
     )
 
 
-def _op(plan: TransferPlan, host: HostPool, dev: DevicePool, stream, layers: int = 1) -> Callable[[], None]:
+def plan_op(
+    plan: TransferPlan, host: HostPool, dev: DevicePool, stream, layers: int = 1
+) -> Callable[[], None]:
+    """One timed call of `plan`: `load_layers` or `backup` of layers `0..layers-1` on `stream`."""
     if plan.direction is Direction.LOAD:
         return lambda: load_layers(plan, host, dev, range(layers), stream)
     return lambda: backup(plan, dev, host, range(layers), stream)
@@ -266,7 +269,7 @@ def _fill_random(host: HostPool, dev: DevicePool, gen: torch.Generator) -> None:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen).to(t.device))
 
 
-def _check(s: Setup, plan: TransferPlan) -> bool:
+def check_plan(s: Setup, plan: TransferPlan) -> bool:
     """Run the plan once; each destination layer must change in exactly the target rows, to the sources.
 
     Target rows are first set to the complement of their source, so a row the plan
@@ -290,7 +293,7 @@ def _check(s: Setup, plan: TransferPlan) -> bool:
             before = as_words(host.gather(b.name, layer, every))
             before[hs] = src
         expect.append(before)
-    _op(plan, host, dev, s.stream, s.cfg.layers)()
+    plan_op(plan, host, dev, s.stream, s.cfg.layers)()
     if dev.device.type == "cuda":
         torch.cuda.synchronize(dev.device)
     ok = True
@@ -401,14 +404,12 @@ def config_from_args(args: Namespace, **extra) -> BenchConfig:
     )
 
 
-def command(args: Namespace) -> int:
-    """`kvtier bench transfer`: 0 when every timed variant passed its byte check, else 1."""
-    from kvtier.commands import console, progress, write_json
-
+def command_config(args: Namespace) -> BenchConfig:
+    """The run `kvtier bench transfer`'s flags ask for; `ConfigError` before anything is built."""
     directions = (
         (Direction.LOAD, Direction.BACKUP) if args.direction == "both" else (Direction(args.direction),)
     )
-    cfg = config_from_args(
+    return config_from_args(
         args,
         directions=directions,
         host_sets=args.host_sets,
@@ -417,6 +418,20 @@ def command(args: Namespace) -> int:
         kernel_sweep=args.kernel_sweep,
         layers=args.layers,
     )
+
+
+def command(args: Namespace) -> int:
+    """`kvtier bench transfer`: 0 when every timed variant passed its byte check, else 1.
+
+    With `--gpus N` other than 1, `kvtier.bench.transfer_gpus.command` runs instead.
+    """
+    from kvtier.commands import console, progress, write_json
+
+    if args.gpus != 1:
+        from kvtier.bench import transfer_gpus
+
+        return transfer_gpus.command(args)
+    cfg = command_config(args)
     with progress() as report:
         rows, meta = run(cfg, progress=report)
     console.print(render(rows, meta))
