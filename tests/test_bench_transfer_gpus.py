@@ -15,9 +15,9 @@ import torch
 from rich.console import Console
 
 from kvtier import cli
-from kvtier.bench import numa, transfer, transfer_gpus
+from kvtier.bench import transfer, transfer_gpus
 from kvtier.errors import RankError
-from kvtier.pool import HostLayout
+from kvtier.pool import HostLayout, numa
 from kvtier.spec import preset
 
 CPU = torch.device("cpu")

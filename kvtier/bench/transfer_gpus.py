@@ -1,7 +1,7 @@
 """`kvtier bench transfer --gpus N`: every GPU of the host reloading at once, one process each.
 
 Rank i runs in its own process on `devices[i]`. It first binds its CPUs to its GPU's
-NUMA node (`kvtier.bench.numa`), then builds what `bench transfer` builds
+NUMA node (`kvtier.pool.numa`), then builds what `bench transfer` builds
 (`transfer.setup`: its own pinned host pool, device pool, slot sets and ceilings), so
 its pinned pool is first touched on that node. Every rank holds the same spec (what one
 rank holds: a head-split spec's share of heads, an MLA latent whole) and, from the same
@@ -48,10 +48,10 @@ from rich.console import Group
 from rich.table import Table
 
 from kvtier.bench import transfer
-from kvtier.bench.numa import bind_to_node
 from kvtier.bench.transfer import BenchConfig, Setup
 from kvtier.errors import ConfigError, RankError
 from kvtier.pool.device import Direction
+from kvtier.pool.numa import bind_to_node
 from kvtier.transfer import TransferPlan
 
 # Time between the latest rank's clock at the agreement and the common start: room for every

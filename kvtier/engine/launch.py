@@ -7,8 +7,9 @@ tensor-parallel plan for, or heads that `--tp` does not divide; `BackendUnavaila
 (exit 1) for more ranks than CUDA devices. Without CUDA the ranks run on the CPU over gloo.
 
 `Ranks(args)` (a context manager) starts the followers (`spawn`, one process per rank,
-`cuda:i` and nccl with CUDA, the CPU and gloo without), joins the process group as rank
-0 and yields its `RankGroup`; every follower loads its shard, builds the same engine and
+`cuda:i` and nccl with CUDA, the CPU and gloo without; a rank on a GPU binds its CPUs to the
+GPU's NUMA node, where the machine shows one, before its pools are pinned), joins the
+process group as rank 0 and yields its `RankGroup`; every follower loads its shard, builds the same engine and
 replays rank 0's calls (`Engine.follow`) until rank 0's engine closes. Leaving the
 block waits for the followers to end, and stops those that do not within `JOIN_S`.
 A follower that fails ends with exit code 1 after logging why; rank 0 then fails at
@@ -29,6 +30,7 @@ import torch
 
 from kvtier.cache.ranks import RankGroup
 from kvtier.errors import BackendUnavailableError, ConfigError
+from kvtier.pool.numa import bind_to_node
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,8 @@ def _join(rank: int, world: int, store: Any, cuda: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     if cuda:
         torch.cuda.set_device(rank)
+        # Before any pool is pinned: its pages are first touched on the GPU's own NUMA node.
+        bind_to_node(torch.device("cuda", rank))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
 
 
