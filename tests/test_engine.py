@@ -200,7 +200,7 @@ def test_an_engine_whose_cache_cannot_be_built_closes_its_pools(model, monkeypat
 
     given = []
 
-    def refuse(device_pool, host_pool, config=None, storage=None):
+    def refuse(device_pool, host_pool, config=None, storage=None, ranks=None):
         given.extend([device_pool, host_pool])
         raise CacheStateError("no cache here")
 
