@@ -73,7 +73,7 @@ def machine_key(device: torch.device) -> str:
 
 
 def driver_version() -> str:
-    """The NVIDIA driver's version (`/proc/driver/nvidia/version`), else the CUDA driver API's."""
+    """The NVIDIA driver's version (`/proc/driver/nvidia/version`), else `unknown`."""
     try:
         text = Path("/proc/driver/nvidia/version").read_text()
         found = re.search(r"Kernel Module(?: for [^ ]+)?\s+([0-9][0-9.]+)", text)
@@ -81,7 +81,7 @@ def driver_version() -> str:
             return found.group(1)
     except OSError:
         pass
-    return f"cuda{torch.cuda.driver_version() if hasattr(torch.cuda, 'driver_version') else 'unknown'}"
+    return "unknown"
 
 
 def cache_file(device: torch.device) -> Path:

@@ -65,17 +65,20 @@ class Rates:
     def copy_gbps(self, piece: float, aligned: bool = True) -> float:
         """The copy engine's GB/s for pieces of `piece` bytes (at line-aligned addresses, or not):
         log-linear between measured sizes, the nearest measurement outside them."""
-        table = self.copy if aligned or not self.copy_unaligned else self.copy_unaligned
-        sizes = sorted(table)
-        logs = np.log([float(x) for x in sizes])
-        return float(np.interp(np.log(max(piece, 1.0)), logs, [table[x] for x in sizes]))
+        return float(self._copy_rates(np.array([piece], dtype=np.float64), aligned)[0])
 
     def copy_from(self, gbps: float, aligned: bool = True) -> float:
         """The fewest bytes a piece needs for the copy engine to reach `gbps` (NEVER if it does not)."""
         grid = np.geomspace(min(self.copy), max(self.copy), 256)
-        rates = np.array([self.copy_gbps(x, aligned) for x in grid])
-        ok = np.flatnonzero(rates >= gbps)
+        ok = np.flatnonzero(self._copy_rates(grid, aligned) >= gbps)
         return float(grid[ok[0]]) if len(ok) else NEVER
+
+    def _copy_rates(self, pieces: np.ndarray, aligned: bool) -> np.ndarray:
+        """`copy_gbps` of each of `pieces` (`[k]` float64 bytes)."""
+        table = self.copy if aligned or not self.copy_unaligned else self.copy_unaligned
+        sizes = sorted(table)
+        logs = np.log(np.array(sizes, dtype=np.float64))
+        return np.interp(np.log(np.maximum(pieces, 1.0)), logs, [table[x] for x in sizes])
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,8 @@ class Choice:
         runs of `copy_min_bytes` to the copy engine; of the rest, host runs (made of short joint runs)
         to staging by the copy engine or the kernel as this choice says, every other joint run to the
         kernel."""
-        c = self
         js, jl = found.joint
-        long = jl * rb >= c.copy_min_bytes
+        long = jl * rb >= self.copy_min_bytes
         s, n = js[~long], jl[~long]
         # A short joint run continues the previous one on the host side: same host run.
         cont = np.zeros(len(s), dtype=bool)
@@ -143,8 +145,8 @@ class Choice:
         rows = np.add.reduceat(n, heads) if len(heads) else n
         per_run = np.diff(np.append(heads, len(s)))  # joint runs per host run
         # Staging pays only where a host run's device slots are scattered (more than one joint run).
-        by_copy = (rows * rb >= c.staged_min_bytes) & (per_run > 1)
-        by_kernel = ~by_copy & (rows * rb < c.kernel_staged_below) & (per_run > 1)
+        by_copy = (rows * rb >= self.staged_min_bytes) & (per_run > 1)
+        by_kernel = ~by_copy & (rows * rb < self.kernel_staged_below) & (per_run > 1)
         staged = np.repeat(by_copy | by_kernel, per_run)
 
         def runs(

@@ -204,10 +204,11 @@ class Uploader:
 
 def widest(spec: KVSpec, buffers: Buffers) -> int:
     """The widest row, in bytes, of the named buffers of `spec` (None: all of them)."""
-    return max(b.row_bytes for b in _buffers(spec, buffers))
+    return max(b.row_bytes for b in buffers_of(spec, buffers))
 
 
-def _buffers(spec: KVSpec, names: Buffers) -> list[BufferSpec]:
+def buffers_of(spec: KVSpec, names: Buffers) -> list[BufferSpec]:
+    """The named buffers of `spec`, in its order (None: all)."""
     return [b for b in spec.buffers if names is None or b.name in names]
 
 
@@ -240,7 +241,7 @@ def run_bytes(
     """Runs in bytes per buffer name: `host_at`, `dev_at`, `lens` `[runs]` int64, each run's first host
     slot, first device row (a slot, or a staging row) and length."""
     out = {}
-    for b in _buffers(host_pool.spec, buffers):
+    for b in buffers_of(host_pool.spec, buffers):
         region, row = host_pool.locate(b.name, host_at)
         out[b.name] = RunBytes(region, row * b.row_bytes, dev_at * b.row_bytes, lens * b.row_bytes)
     return out

@@ -302,11 +302,8 @@ class Planner:
         planned = self._parts(direction, path, found, hn, dn, d, up)
         if path is TransferPath.MIXED:
             path = _path_of(planned)
-        sources = (
-            {g.choice.source for g in self.groups[direction]}
-            if path is not TransferPath.SINGLE_COPY
-            else set()
-        )
+        # Every buffer's choice comes from one source (`_groups`); a single copy needs none.
+        source = "defaults" if path is TransferPath.SINGLE_COPY else self.groups[direction][0].choice.source
         return TransferPlan(
             direction=direction,
             path=path,
@@ -320,7 +317,7 @@ class Planner:
             ready=up.finish(),
             host_pool=self.host_pool,
             device_pool=self.device_pool,
-            cost_model=", ".join(sorted(sources)) or "defaults",
+            cost_model=source,
         )
 
     def _parts(

@@ -21,7 +21,16 @@ from kvtier.pool.host import HostLayout, HostPool
 from kvtier.spec import BufferSpec
 from kvtier.transfer import kernel_args
 from kvtier.transfer.options import KernelOptions
-from kvtier.transfer.parts import Buffers, KernelPart, KernelRegion, LayerTable, Uploader, Window, widest
+from kvtier.transfer.parts import (
+    Buffers,
+    KernelPart,
+    KernelRegion,
+    LayerTable,
+    Uploader,
+    Window,
+    buffers_of,
+    widest,
+)
 
 
 def kernel_part(
@@ -39,9 +48,9 @@ def kernel_part(
     """The kernel's units of joint runs (`starts`, `lens`: `[runs]` int64 positions in the plan's slot
     pairs `hn`, `dn`, `[n]` int64) for the named buffers, per host region, and their launches."""
     unit = unit_of(lens, opts, widest(host_pool.spec, buffers))
-    in_run = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-    rows = (np.repeat(starts, lens) + in_run)[in_run % unit == 0]
-    chosen = [b for b in host_pool.spec.buffers if buffers is None or b.name in buffers]
+    run, offset = unit_heads(lens, unit)
+    rows = starts[run] + offset
+    chosen = buffers_of(host_pool.spec, buffers)
     regions = {
         b.name: unit_regions(direction, host_pool, device_pool, b, hn[rows], dn[rows], unit, opts, up)
         for b in chosen
@@ -77,18 +86,13 @@ class KernelStaging:
         """Per buffer name, per window, the units of the runs cut at windows (`host_at`, `stage_row`,
         `lens`: `[cuts]` int64, each cut's first host slot, first staging row and length), and the unit."""
         unit = unit_of(lens, self.opts, widest(host_pool.spec, buffers))
-        in_cut = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        keep = in_cut % unit == 0
-        host = (np.repeat(host_at, lens) + in_cut)[keep]
-        stage = (np.repeat(stage_row, lens) + in_cut)[keep]
-        cut_of = np.repeat(np.arange(len(lens)), lens)[keep]
+        cut, offset = unit_heads(lens, unit)
+        host, stage = host_at[cut] + offset, stage_row[cut] + offset
         out = {}
-        for b in host_pool.spec.buffers:
-            if buffers is not None and b.name not in buffers:
-                continue
+        for b in buffers_of(host_pool.spec, buffers):
             per_window = []
             for w in windows:
-                m = (cut_of >= w.first) & (cut_of < w.end)
+                m = (cut >= w.first) & (cut < w.end)
                 where = (host_pool, self.device_pool, b, host[m], stage[m], unit, self.opts, up)
                 per_window.append(unit_regions(self.direction, *where))
             out[b.name] = tuple(per_window)
@@ -123,6 +127,14 @@ def unit_regions(
         src, dst = up(torch.from_numpy(src // word)), up(torch.from_numpy(dst // word))
         out.append(KernelRegion(int(r), src, dst, align_words, word, launch))
     return tuple(out)
+
+
+def unit_heads(lens: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each unit of runs of `lens` rows (`[k]` int64, each a multiple of `unit`) starts: its
+    run's index and its offset in the run, `[m]` int64 each."""
+    run = np.repeat(np.arange(len(lens)), lens // unit)
+    offset = (np.arange(len(run)) - np.repeat(np.cumsum(lens // unit) - lens // unit, lens // unit)) * unit
+    return run, offset
 
 
 def unit_of(lens: np.ndarray, opts: KernelOptions, row_bytes: int) -> int:
