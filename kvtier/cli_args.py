@@ -27,7 +27,17 @@ ALLOC_POLICIES = ("contiguous", "first_fit")  # kvtier.alloc.AllocPolicy
 DIRECTIONS = ("load", "backup", "both")  # kvtier.pool.device.Direction, or both
 # kvtier.bench.transfer.HOST_SETS and VARIANTS
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
-VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kernel", "stock", "reference")
+VARIANTS = (
+    "planned",
+    "single_copy",
+    "batched_dma",
+    "per_run",
+    "staged",
+    "stacked",
+    "kernel",
+    "stock",
+    "reference",
+)
 DEVICE_SETS = ("contiguous", "scattered")
 STORAGE_PARTS = ("throughput", "compression", "ttft")  # kvtier.bench.storage.Part
 STORAGE_BACKENDS = ("file", "redis")  # kvtier.bench.storage.BACKENDS

@@ -105,6 +105,11 @@ def _bench_transfer(bench) -> None:
         help="layers each timed call moves (page_first kernel rows then move in layer groups)",
     )
     t.add_argument(
+        "--staging-tokens",
+        type=positive,
+        help="rows of the widest buffer the device staging holds per direction (default: --tokens)",
+    )
+    t.add_argument(
         "--gpus",
         type=int,
         default=1,

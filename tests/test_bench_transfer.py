@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ needs_triton = pytest.mark.skipif(
 
 
 def _config(layers: int, **kw) -> transfer.BenchConfig:
+    kw = {"host_sets": ("runs-1",), "variants": ("planned", "kernel")} | kw
     return transfer.BenchConfig(
         spec=preset("tiny-dsa", 1),
         tokens=64,
@@ -25,9 +28,7 @@ def _config(layers: int, **kw) -> transfer.BenchConfig:
         warmup=0,
         cycles=1,
         batch=1,
-        host_sets=("runs-1",),
         device_sets=("scattered",),
-        variants=("planned", "kernel"),
         layers=layers,
         **kw,
     )
@@ -57,3 +58,14 @@ def test_a_layer_the_call_skips_fails_the_check(monkeypatch) -> None:
 def test_more_layers_than_the_spec_has_are_refused() -> None:
     with pytest.raises(ValueError, match="layers 4"):
         transfer.run(_config(4))
+
+
+def test_forced_stacks_are_timed_and_checked_in_page_first_only() -> None:
+    """The `stacked` variant on every layer of `page_first` calls, through a small staging buffer
+    (windows of a few pages), byte-checked; `layer_first` leaves it out."""
+    cfg = _config(3, variants=("stacked",), host_sets=("contiguous", "runs-1"), staging_tokens=8)
+    rows, meta = transfer.run(cfg)
+    assert meta["staging_tokens"] == 8
+    assert rows and all(r.path == "stacked" and r.identical for r in rows)
+    rows, _ = transfer.run(dataclasses.replace(cfg, layout=HostLayout.LAYER_FIRST))
+    assert rows == []

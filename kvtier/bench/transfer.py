@@ -47,7 +47,17 @@ SLOW_CALL_S = 0.02
 STOCK_KERNEL = KernelOptions(sm_budget=2, rows_per_program=4, max_unit_bytes=1, stages=1)
 
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
-VARIANTS = ("planned", "single_copy", "batched_dma", "per_run", "staged", "kernel", "stock", "reference")
+VARIANTS = (
+    "planned",
+    "single_copy",
+    "batched_dma",
+    "per_run",
+    "staged",
+    "stacked",
+    "kernel",
+    "stock",
+    "reference",
+)
 
 
 @dataclass
@@ -71,6 +81,8 @@ class BenchConfig:
     # Layers each timed call moves (`load_layers` / `backup` of layers 0..layers-1); the spec
     # must have that many. With more than one, page_first kernel rows move in layer groups.
     layers: int = 1
+    # Rows of the widest buffer the device pool's staging holds per direction (None: `tokens`).
+    staging_tokens: int | None = None
 
 
 @dataclass
@@ -119,7 +131,7 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     dev_slots = 2 * cfg.tokens
     progress(f"pinning a host pool of {host_slots} slots")
     host = HostPool(spec, host_slots, cfg.layout)
-    dev = DevicePool(spec, dev_slots, cfg.device, staging_tokens=cfg.tokens)
+    dev = DevicePool(spec, dev_slots, cfg.device, staging_tokens=cfg.staging_tokens or cfg.tokens)
     _fill_random(host, dev, gen)
     stream = torch.cuda.Stream(cfg.device) if cfg.device.type == "cuda" else None
     timer = Timer(cfg.device, stream)
@@ -168,14 +180,29 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
         for host_label, hs in s.host_sets.items():
             for dev_label, ds in s.dev_sets.items():
                 planned = TransferPlan.build(
-                    direction, s.host, s.dev, hs, ds, kernel=cfg.kernel, stream=s.stream
+                    direction,
+                    s.host,
+                    s.dev,
+                    hs,
+                    ds,
+                    kernel=cfg.kernel,
+                    stream=s.stream,
+                    layers_per_call=cfg.layers,
                 )
                 for variant, path, opts in _variants(cfg, planned, host_label):
                     if path is None:  # the planner's own plan, already built
                         plan = planned
                     else:
                         plan = TransferPlan.build(
-                            direction, s.host, s.dev, hs, ds, force=path, kernel=opts, stream=s.stream
+                            direction,
+                            s.host,
+                            s.dev,
+                            hs,
+                            ds,
+                            force=path,
+                            kernel=opts,
+                            stream=s.stream,
+                            layers_per_call=cfg.layers,
                         )
                     progress(f"{direction.value} {host_label} / device {dev_label}: {variant}")
                     rows.append(_time(s, plan, variant, planned, host_label, dev_label))
@@ -205,6 +232,8 @@ def _variants(
         if path is TransferPath.STAGED and planned.host_runs > MAX_TIMED_COPIES:
             continue
         if path is TransferPath.KERNEL and not kernel_ok:
+            continue
+        if path is TransferPath.STACKED and cfg.layout is not HostLayout.PAGE_FIRST:
             continue
         if path is TransferPath.REFERENCE and host_label not in ("runs-1", "contiguous"):
             continue
@@ -331,6 +360,7 @@ def metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: in
         "layout": cfg.layout.value,
         "tokens": cfg.tokens,
         "layers": cfg.layers,
+        "staging_tokens": cfg.staging_tokens or cfg.tokens,
         "layer_bytes": layer_bytes,
         "churn_cycles": cfg.cycles,
         "kernel": _kernel_text(cfg.kernel, cfg.device),
@@ -417,6 +447,7 @@ def command_config(args: Namespace) -> BenchConfig:
         variants=args.variants,
         kernel_sweep=args.kernel_sweep,
         layers=args.layers,
+        staging_tokens=args.staging_tokens,
     )
 
 

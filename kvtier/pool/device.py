@@ -64,13 +64,13 @@ class DevicePool(Owner):
         if tensors is None:
             # One allocation per buffer, its layers evenly spaced: kernels that move several
             # layers at once then address them by a stride (`transfer.groups`).
-            self._tensors = {
-                b.name: list(
-                    torch.zeros((len(b.layers), num_slots, *b.row_shape), dtype=b.dtype, device=self.device)
-                )
-                for b in spec.buffers
+            shapes = {b.name: (len(b.layers), num_slots, *b.row_shape) for b in spec.buffers}
+            self._stacked = {
+                b.name: torch.zeros(shapes[b.name], dtype=b.dtype, device=self.device) for b in spec.buffers
             }
+            self._tensors = {name: list(t) for name, t in self._stacked.items()}
         else:
+            self._stacked = {}
             self._tensors = self._check_tensors(tensors)
         if staging_tokens is None:
             staging_tokens = min(num_slots, DEFAULT_MAX_STAGING_TOKENS)
@@ -139,7 +139,7 @@ class DevicePool(Owner):
         if self._closed:
             return
         self._closed = True
-        self._tensors, self._staging, self._layer_ptrs = {}, {}, {}
+        self._tensors, self._staging, self._layer_ptrs, self._stacked = {}, {}, {}, {}
         log.info("device pool closed: %s on %s released", fmt_bytes(self.footprint_bytes), self.device)
 
     def _check_open(self) -> None:
@@ -151,6 +151,12 @@ class DevicePool(Owner):
         self._check_open()
         b = self.spec.buffer(buffer)
         return self._tensors[buffer][b.local_layer(layer)]
+
+    def stacked(self, buffer: str) -> torch.Tensor | None:
+        """Every layer of `buffer` as one tensor, `[layers, num_slots, *row]`, where the pool made them
+        (one allocation); None for wrapped tensors."""
+        self._check_open()
+        return self._stacked.get(self.spec.buffer(buffer).name)
 
     def raw_rows(self, buffer: str) -> bool:
         """Whether every layer of `buffer` has the spec's dtype in packed rows (raw copies can move it)."""

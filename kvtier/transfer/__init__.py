@@ -5,9 +5,10 @@ row moves; `load_layer`, `load_layers` and `backup` run the plan layer by layer 
 Modules: `runs`, `options`, `launch` (the kernel's launch-shape rules), `parts` (one type
 per mechanism) and `units` (the kernel's units), `costs` (what the planner assumes each
 mechanism costs) and `calibrate` (measuring it, `kvtier calibrate`), `plan`, `execute`,
-`kernels` and `groups` (the Triton kernels, beside `kernel_args`), `dma` (batched copy-engine
-calls), `strided` (2-D copies), `native` (the compiled submission loop), `cudart` (the
-process's CUDA runtime); `lanes` and `submit` (the cache's submission).
+`kernels` and `groups` (the Triton kernels, beside `kernel_args`), `stacks` (`page_first` pages of
+several layers through staging), `dma` (batched copy-engine calls), `strided` (2-D copies),
+`native` (the compiled submission loop), `cudart` (the process's CUDA runtime); `lanes` and
+`submit` (the cache's submission).
 
 Glossary: one noun per concept, in every name and docstring of this package.
 
@@ -28,11 +29,15 @@ Glossary: one noun per concept, in every name and docstring of this package.
   (`RunList`) are the allocators' `(first slot, length)` pairs.
 - part: the rows of a plan that one mechanism moves, of some or all buffers (`parts`); a
   path is what the whole plan does (`TransferPath`).
-- window: one fill of a device staging buffer, up to `staging_tokens` rows of a staged part.
+- window: one fill of a device staging buffer, up to `staging_tokens` rows of a staged part
+  (of half of it, for stacks: the halves alternate).
 - unit: the rows the kernel moves as one, a cut of a joint run contiguous on both sides (a
   whole page where every run allows).
 - group: consecutive layers moved in one launch (`groups`); a unit's stack is its rows on
-  a group's layers, adjacent on the host in `page_first`.
+  a group's layers, adjacent on the host in `page_first`; a stack part moves whole pages'
+  stacks by the copy engine (`stacks`).
+- span: consecutive layers of one call that move together (`runs.layer_spans`), at most a
+  group or a window's stacks.
 - word: the integer element rows move as (8, 4, 2 or 1 bytes; `kvtier.pool.rows.as_words`).
 - vector: up to 16 bytes of words, the widest access one thread makes.
 - tile: the whole rows (or stacks) one kernel program holds in flight per step, as vectors;

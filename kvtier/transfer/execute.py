@@ -25,9 +25,10 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
-from kvtier.transfer import dma, groups, kernels
-from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, StagedPart
+from kvtier.transfer import dma, groups, kernels, stacks
+from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, StackPart, StagedPart
 from kvtier.transfer.plan import TransferPlan
+from kvtier.transfer.runs import layer_spans
 
 
 def load_layer(
@@ -87,8 +88,9 @@ def _move_layers(
     layers: list[int],
     stream: torch.cuda.Stream | None,
 ) -> None:
-    """Every buffer of `layers`, layer by layer, except kernel units that move several layers at once;
-    a plan of the other direction, or for other pools, is refused before anything moves."""
+    """Every buffer of `layers`, layer by layer, except kernel units that move several layers at once
+    and stacks (`stacks`); a plan of the other direction, or for other pools, is refused before
+    anything moves."""
     if plan.direction is not direction:
         raise PlanError(f"plan is for {plan.direction.value}, not {direction.value}")
     if host_pool is not plan.host_pool or device_pool is not plan.device_pool:
@@ -98,17 +100,22 @@ def _move_layers(
     # A layer outside the model raises here, before anything moves.
     on = [(layer, spec.buffers_on(layer)) for layer in layers]
     grouped = len(layers) > 1
+    stacked = [p for p in plan.parts if isinstance(p, StackPart)]
     with _on_stream(plan, device_pool, stream) as s:
         for layer, buffers in on:
             for b in buffers:
                 _move(plan, host_pool, device_pool, b, layer, s, grouped)
-        if not grouped:
+        if not (grouped or stacked):
             return
         for b in spec.buffers:
             present = set(b.layers)
             mine = [b.local_layer(layer) for layer in layers if layer in present]
             for part in plan.parts:
-                if isinstance(part, KernelPart) and b.name in part.tables and device_pool.raw_rows(b.name):
+                if not (mine and b.name in part.buffers and device_pool.raw_rows(b.name)):
+                    continue
+                if isinstance(part, StackPart):
+                    stacks.move(direction, part, host_pool, device_pool, b, mine, s)
+                elif grouped and isinstance(part, KernelPart) and b.name in part.tables:
                     _kernel_groups(plan, part, host_pool, device_pool, b, mine)
 
 
@@ -130,7 +137,7 @@ def _move(
     dev_w = as_words(dev)
     load = plan.direction is Direction.LOAD
     for part in plan.parts:
-        if b.name not in part.buffers:
+        if b.name not in part.buffers or isinstance(part, StackPart):  # stacks: moved by the caller
             continue
         if isinstance(part, CopyPart):
             if part.batched:
@@ -304,17 +311,6 @@ def _kernel_groups(
                 validate=False,
                 offsets_align=region.align,
             )
-
-
-def layer_spans(local: list[int], most: int) -> list[tuple[int, int]]:
-    """`[lo, hi)` spans of consecutive values of `local` (ascending), each at most `most` long."""
-    out: list[tuple[int, int]] = []
-    for j in local:
-        if out and out[-1][1] == j and j - out[-1][0] < most:
-            out[-1] = (out[-1][0], j + 1)
-        else:
-            out.append((j, j + 1))
-    return out
 
 
 def _reference(

@@ -24,6 +24,9 @@ class TransferPath(str, Enum):
     - `SINGLE_COPY`, `PER_RUN`, `BATCHED_DMA`: the copy engine, one copy per joint run (one
       copy, torch copies, or one batched call per buffer and layer); no SMs, long runs only.
     - `STAGED`: long host runs through a device staging buffer onto scattered device slots.
+    - `STACKED`: `page_first` runs of pages, several layers of each page in one copy-engine
+      copy into the staging buffer (or out of it), each layer placed on the device there
+      (`kvtier.transfer.stacks`).
     - `KERNEL`: a Triton kernel on pinned host memory, `sm_budget` programs; any runs.
     - `MIXED`: more than one of these, split by run (the planner's choice only).
     - `REFERENCE`: per-token gather and scatter through host memory; synchronises the host.
@@ -33,6 +36,7 @@ class TransferPath(str, Enum):
     PER_RUN = "per_run"
     BATCHED_DMA = "batched_dma"
     STAGED = "staged"
+    STACKED = "stacked"
     KERNEL = "kernel"
     MIXED = "mixed"
     REFERENCE = "reference"
@@ -43,6 +47,7 @@ class Mechanism(str, Enum):
 
     COPY = "copy"
     STAGED = "staged"
+    STACKED = "stacked"
     KERNEL = "kernel"
     REFERENCE = "reference"
 
@@ -58,7 +63,10 @@ class PathCosts:
     `staged_min_bytes` (loads) or `backup_staged_min_bytes` (backups) goes through staging
     (`kvtier.transfer.costs.Choice.fallback`). `copy_streams`: streams one layer's batched copies are
     spread over, unless its joint runs average `fan_out_below_bytes` or more (a copy's
-    fixed cost is then small beside fanning out's event calls).
+    fixed cost is then small beside fanning out's event calls). In `page_first`, a call of
+    several layers moves a buffer's runs of pages as stacks (`STACKED`) where its runs average
+    `stack_min_bytes` on the host, and (a call of some of the buffer's layers: 2-D copies)
+    their lines are `stack_line_min_bytes` or longer.
     """
 
     copy_issue_s: float = 11e-6
@@ -70,6 +78,8 @@ class PathCosts:
     backup_staged_min_bytes: int = 1 << 20
     copy_streams: int = 8
     fan_out_below_bytes: int = 1 << 20
+    stack_min_bytes: int = 512 << 10
+    stack_line_min_bytes: int = 24 << 10
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
         """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""

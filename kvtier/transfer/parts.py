@@ -3,6 +3,8 @@
 - `CopyPart`: joint runs the copy engine moves straight between host and device slots;
 - `StagedPart`: host runs through a device staging buffer, placed on their scattered
   device slots on the device (loads), or the reverse (backups);
+- `StackPart`: `page_first` runs of pages, several layers of a page per copy, through the
+  staging buffer (`stacks`);
 - `KernelPart`: units the Triton kernels gather or scatter, each launch's shape computed
   here, once;
 - `ReferencePart`: per-token gather and scatter through host memory.
@@ -106,6 +108,39 @@ class StagedPart:
 
 
 @dataclass(frozen=True)
+class StackRuns:
+    """One buffer's runs of pages in a `StackPart`, cut where a window ends: `[k]` int64 each, the host
+    region, the byte offset in it of the run's first page (its first layer's rows), the run's first
+    page in its window, and its pages. A window holds the stacks of up to `layers` layers; a call of
+    every layer of the buffer copies a window's runs over `streams` streams."""
+
+    layers: int
+    region: np.ndarray
+    host: np.ndarray
+    stage: np.ndarray
+    pages: np.ndarray
+    windows: tuple[Window, ...]
+    streams: int
+
+
+@dataclass(frozen=True)
+class StackPart:
+    """`page_first` runs of whole pages moved as stacks (a page's rows of consecutive layers, adjacent on
+    the host) between the host and the staging buffer by the copy engine, and between the staging
+    buffer and each layer on the device (`kvtier.transfer.stacks`): per buffer name its `StackRuns`;
+    `device_pages` `[pages]` int64 on the device, the device page of each of the part's pages."""
+
+    mechanism: ClassVar[Mechanism] = Mechanism.STACKED
+    rows: int
+    runs: dict[str, StackRuns]
+    device_pages: torch.Tensor
+
+    @property
+    def buffers(self) -> frozenset[str]:
+        return frozenset(self.runs)
+
+
+@dataclass(frozen=True)
 class LayerTable:
     """Where a buffer's layer tensors lie, so that several layers of its units move in one launch:
     `offsets` `[layers]` int64 on the device, from the first layer's, in words of `word` bytes;
@@ -152,7 +187,7 @@ class ReferencePart:
     buffers: frozenset[str] = frozenset()
 
 
-Part = CopyPart | StagedPart | KernelPart | ReferencePart
+Part = CopyPart | StagedPart | StackPart | KernelPart | ReferencePart
 # The buffer names a part moves; None: every buffer of the spec.
 Buffers = frozenset[str] | None
 
@@ -265,19 +300,8 @@ def staged_part(
     With `kernel`, the row kernel moves them between the host and the staging buffer."""
     total = int(lens.sum())
     at = np.cumsum(lens) - lens  # each run's first row in the part
-    cuts = np.union1d(at, np.arange(cap, total, cap))
-    run = np.searchsorted(at, cuts, side="right") - 1
-    off = cuts - at[run]
-    cut_lens = np.diff(np.append(cuts, total))
+    run, off, cut_lens, stage_row, windows = cut_windows(lens, cap)
     host_at = hn[pos[run]] + off
-    window = cuts // cap
-    stage_row = cuts - window * cap
-    first = np.flatnonzero(np.diff(window, prepend=-1))
-    ends = np.append(first[1:], len(cuts))
-    windows = tuple(
-        Window(w * cap, min((w + 1) * cap, total), a, z)
-        for w, a, z in zip(window[first].tolist(), first.tolist(), ends.tolist(), strict=True)
-    )
     rows = np.repeat(pos - at, lens) + np.arange(total)
     moved, unit = None, 1
     if kernel is not None:
@@ -293,6 +317,26 @@ def staged_part(
         kernel=moved,
         unit=unit,
     )
+
+
+def cut_windows(
+    lens: np.ndarray, cap: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[Window, ...]]:
+    """Runs of `lens` (`[runs]` int64) laid end to end and cut where a window of `cap` ends: per cut,
+    `[cuts]` int64 its run, its offset in the run, its length and its first place in its window;
+    and the windows."""
+    total = int(lens.sum())
+    at = np.cumsum(lens) - lens
+    cuts = np.union1d(at, np.arange(cap, total, cap))
+    run = np.searchsorted(at, cuts, side="right") - 1
+    window = cuts // cap
+    first = np.flatnonzero(np.diff(window, prepend=-1))
+    ends = np.append(first[1:], len(cuts))
+    windows = tuple(
+        Window(w * cap, min((w + 1) * cap, total), a, z)
+        for w, a, z in zip(window[first].tolist(), first.tolist(), ends.tolist(), strict=True)
+    )
+    return run, cuts - at[run], np.diff(np.append(cuts, total)), cuts - window * cap, windows
 
 
 def reference_part(d: torch.Tensor, up: Uploader, buffers: frozenset[str]) -> ReferencePart:

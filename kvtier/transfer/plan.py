@@ -7,13 +7,15 @@ token move together. Only planning inspects indices: every index the device need
 uploaded once, here, ordered by the plan's `ready` event, and executing never reads a
 device tensor back. A plan records its pools; the executors refuse others.
 
-The choice: one joint run is a single copy; a single host run with scattered device slots is
-staged; otherwise, where the kernel can run (CUDA and Triton), each buffer is planned by its
-`costs.Choice` (the fixed thresholds of `PathCosts`, or a measured `CostModel`): its long joint
-runs go to batched DMA, long host runs whose device slots are scattered to staging by the copy
-engine, shorter ones of small rows to staging by the kernel's units, and the remaining rows to
-the kernel; buffers whose runs split alike share their parts. Without the kernel it takes the
-cheapest of per-run copies, staging and the reference path by `PathCosts`.
+The choice: in `page_first`, for calls of several layers, a buffer's runs of whole pages move as
+stacks where each is worth one copy (`stacks`). Of the rest, one joint run is a single copy; a
+single host run with scattered device slots is staged; otherwise, where the kernel can run (CUDA
+and Triton), each buffer is planned by its `costs.Choice` (the fixed thresholds of `PathCosts`,
+or a measured `CostModel`): its long joint runs go to batched DMA, long host runs whose device
+slots are scattered to staging by the copy engine, shorter ones of small rows to staging by the
+kernel's units, and the remaining rows to the kernel; buffers whose runs split alike share their
+parts. Without the kernel it takes the cheapest of per-run copies, staging and the reference
+path by `PathCosts`.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import torch
 
 from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
-from kvtier.pool.host import HostPool
+from kvtier.pool.host import HostLayout, HostPool
 from kvtier.slots import as_slot_tensor
-from kvtier.transfer import calibrate, dma, kernels, options, parts, units
+from kvtier.transfer import calibrate, dma, kernels, options, parts, stacks, units
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice, CostModel
 from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
@@ -73,6 +75,8 @@ class TransferPlan:
     device_pool: DevicePool = field(repr=False, compare=False)
     # The cost model whose choices made the plan ("defaults": `PathCosts`' fixed thresholds).
     cost_model: str = "defaults"
+    # The layers of the calls the plan was made for (stacks' windows; any call moves every row).
+    layers_per_call: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -125,10 +129,11 @@ class TransferPlan:
         kernel: KernelOptions | None = None,
         force: TransferPath | str | None = None,
         stream: torch.cuda.Stream | None = None,
+        layers_per_call: int = 1,
     ) -> TransferPlan:
         """`Planner(...).plan(...)`: one operation's plan."""
         planner = Planner(host_pool, device_pool, costs, kernel, force)
-        return planner.plan(direction, host_slots, device_slots, stream)
+        return planner.plan(direction, host_slots, device_slots, stream, layers_per_call)
 
 
 class Planner:
@@ -183,11 +188,14 @@ class Planner:
         host_slots: torch.Tensor | Sequence[int],
         device_slots: torch.Tensor | Sequence[int],
         stream: torch.cuda.Stream | None = None,
+        layers_per_call: int = 1,
     ) -> TransferPlan:
         """Validate the pairs and plan the operation; raises before anything is written.
 
         `host_slots`, `device_slots`: `[n]` integer slot ids, CPU (`kvtier.slots.as_slots`); the
         destinations distinct. On CUDA the device indices are uploaded on `stream`.
+        `layers_per_call`: the layers each `load_layers` / `backup` call of the plan will move
+        (`page_first` stacks are sized for it; a call of other layers still moves every row).
         """
         direction = Direction(direction)
         load = direction is Direction.LOAD
@@ -195,7 +203,9 @@ class Planner:
         d = as_slot_tensor("device_slots", device_slots, self.device_pool.num_slots, distinct=load)
         if h.numel() != d.numel():
             raise SlotError(f"host_slots has {h.numel()} entries but device_slots has {d.numel()}")
-        return self._plan(direction, h, d, 1, stream)
+        if isinstance(layers_per_call, bool) or not isinstance(layers_per_call, int) or layers_per_call < 1:
+            raise PlanError(f"layers_per_call must be a positive int, got {layers_per_call!r}")
+        return self._plan(direction, h, d, 1, stream, layers_per_call)
 
     def plan_allocated(
         self,
@@ -205,22 +215,24 @@ class Planner:
         runs: RunPair | None = None,
         stream: torch.cuda.Stream | None = None,
         whole_pages: bool = True,
+        layers_per_call: int = 1,
     ) -> TransferPlan:
         """Plan an operation on slots from kvtier's allocators and tree, unchecked.
 
         `host_slots`, `device_slots`: `[n]` int64 CPU, in range, the destinations distinct;
         `whole_pages`: both whole allocator pages (runs found per page); `runs`: theirs, from
-        which alone a copy-engine plan is built, without a pass over the slots.
+        which alone a copy-engine plan is built, without a pass over the slots;
+        `layers_per_call`: as `plan`'s.
         """
         direction = Direction(direction)
         n = host_slots.numel()
         if n != device_slots.numel():
             raise SlotError(f"host_slots has {n} entries but device_slots has {device_slots.numel()}")
-        copies = self.copies(n, runs, direction) if runs is not None else None
+        copies = self.copies(n, runs, direction, layers_per_call) if runs is not None else None
         if copies is None:
             ps = self.host_pool.spec.page_size
             step = ps if whole_pages and n % ps == 0 else 1
-            return self._plan(direction, host_slots, device_slots, step, stream)
+            return self._plan(direction, host_slots, device_slots, step, stream, layers_per_call)
         return TransferPlan(
             direction=direction,
             path=copies.path,
@@ -236,10 +248,15 @@ class Planner:
             device_pool=self.device_pool,
         )
 
-    def copies(self, n: int, runs: RunPair, direction: Direction = Direction.LOAD) -> RunCopies | None:
+    def copies(
+        self, n: int, runs: RunPair, direction: Direction = Direction.LOAD, layers_per_call: int = 1
+    ) -> RunCopies | None:
         """The copy-engine plan of `n` allocated slots given as `runs` (see `plan_allocated`),
-        or None where the planner picks another mechanism for some row."""
+        or None where the planner picks another mechanism for some row (or may: `page_first`
+        calls of several layers, which may move as stacks)."""
         host_pool = self.host_pool
+        if host_pool.layout is HostLayout.PAGE_FIRST and layers_per_call > 1:
+            return None
         found = slot_runs.joint_runs(*runs, host_pool.segment_slots, host_pool.num_slots)
         lens = found.runs.length
         if int(lens.sum()) != n:
@@ -292,6 +309,7 @@ class Planner:
         d: torch.Tensor,
         step: int,
         stream: torch.cuda.Stream | None,
+        layers_per_call: int = 1,
     ) -> TransferPlan:
         """The plan of valid pairs `h`, `d` (`[n]` int64 CPU), runs found per `step` slots."""
         hn, dn = h.numpy(), d.numpy()
@@ -299,8 +317,11 @@ class Planner:
         _, joint_lens = found.joint
         path = self.decide(len(hn), len(found.host[0]), joint_lens, direction)
         up = Uploader(self.device_pool.device, stream)
-        planned = self._parts(direction, path, found, hn, dn, d, up)
-        if path is TransferPath.MIXED:
+        every = frozenset(b.name for b in self.host_pool.spec.buffers)
+        stacked = self._stacks(hn, dn, layers_per_call, up)
+        rest = every - stacked[0].buffers if stacked else every
+        planned = tuple(stacked) + (self._parts(direction, path, found, hn, dn, d, up, rest) if rest else ())
+        if path is TransferPath.MIXED or stacked:
             path = _path_of(planned)
         # Every buffer's choice comes from one source (`_groups`); a single copy needs none.
         source = "defaults" if path is TransferPath.SINGLE_COPY else self.groups[direction][0].choice.source
@@ -318,7 +339,16 @@ class Planner:
             host_pool=self.host_pool,
             device_pool=self.device_pool,
             cost_model=source,
+            layers_per_call=layers_per_call,
         )
+
+    def _stacks(self, hn: np.ndarray, dn: np.ndarray, layers_per_call: int, up: Uploader) -> tuple[Part, ...]:
+        """The plan's stack part (`stacks`), of the buffers worth it (every buffer where forced), or none."""
+        if self.force not in (None, TransferPath.STACKED) or not (self.kernel_ok or self.force):
+            return ()
+        args = (self.host_pool, self.device_pool, self.costs, hn, dn, layers_per_call, up)
+        part = stacks.planned(*args, forced=self.force is not None, raw_copies=self.batched)
+        return () if part is None else (part,)
 
     def _parts(
         self,
@@ -329,9 +359,14 @@ class Planner:
         dn: np.ndarray,
         d: torch.Tensor,
         up: Uploader,
+        names: frozenset[str],
     ) -> tuple[Part, ...]:
-        """The parts of a plan on `path`: `hn`, `dn` `[n]` int64 numpy (and `d` as a tensor)."""
-        build = functools.partial(self._build, direction, hn, dn, up)
+        """The parts of a plan on `path` of the buffers `names`: `hn`, `dn` `[n]` int64 numpy (and `d`
+        as a tensor)."""
+        every = frozenset(b.name for b in self.host_pool.spec.buffers)
+        build = functools.partial(
+            self._build, direction, hn, dn, up, buffers=None if names == every else names
+        )
         if path in _COPY_PATHS:
             return build(copy=found.joint, batched=path is not TransferPath.PER_RUN)
         if path is TransferPath.STAGED:
@@ -339,20 +374,21 @@ class Planner:
         if path is TransferPath.KERNEL:
             return build(kernel=found.joint)
         if path is TransferPath.REFERENCE:
-            names = frozenset(b.name for b in self.host_pool.spec.buffers)
             return (parts.reference_part(d, up, names),)
+        build = functools.partial(self._build, direction, hn, dn, up)
         # Mixed, per group of buffers: each group's runs split by its choice; groups that split alike
         # share their parts.
         splits: dict[tuple[bytes, ...], tuple[frozenset[str], dict[str, Runs | None]]] = {}
         for g in self.groups[direction]:
+            if g.name not in names:
+                continue
             split = g.choice.split(found, g.row_bytes)
             key = tuple(b"" if v is None else v[0].tobytes() + v[1].tobytes() for v in split.values())
-            names = splits[key][0] if key in splits else frozenset()
-            splits[key] = (names | {g.name}, split)
+            alike = splits[key][0] if key in splits else frozenset()
+            splits[key] = (alike | {g.name}, split)
         out: list[Part] = []
-        every = frozenset(b.name for b in self.host_pool.spec.buffers)
-        for names, split in splits.values():
-            out += build(**split, buffers=None if names == every else names)
+        for group, split in splits.values():
+            out += build(**split, buffers=None if group == every else group)
         return tuple(out)
 
     def _build(
@@ -409,4 +445,6 @@ def _path_of(planned: tuple[Part, ...]) -> TransferPath:
     (p,) = planned
     if isinstance(p, CopyPart):
         return TransferPath.BATCHED_DMA if p.batched else TransferPath.PER_RUN
+    if isinstance(p, parts.StackPart):
+        return TransferPath.STACKED
     return TransferPath.STAGED if isinstance(p, StagedPart) else TransferPath.KERNEL

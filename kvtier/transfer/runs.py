@@ -141,3 +141,14 @@ def _cut(start: int, n: int, segment: int) -> list[tuple[int, int]]:
         out.append((at, take))
         at += take
     return out
+
+
+def layer_spans(local: list[int], most: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` spans of consecutive values of `local` (ascending), each at most `most` long."""
+    out: list[tuple[int, int]] = []
+    for j in local:
+        if out and out[-1][1] == j and j - out[-1][0] < most:
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out

@@ -124,18 +124,33 @@ class Transfers:
         if device_pool.device.type == "cuda" and self._buffers is None:
             log.info("transfers: no compiled loop here; every operation goes through the plan executor")
 
-    def plan(self, op: Operation, stream: torch.cuda.Stream | None = None) -> TransferPlan:
-        """The plan of `op` (its device indices uploaded on `stream`)."""
+    def plan(
+        self, op: Operation, stream: torch.cuda.Stream | None = None, per_layer: bool = True
+    ) -> TransferPlan:
+        """The plan of `op` (its device indices uploaded on `stream`), for calls as `submit` makes them."""
         return self.planner.plan_allocated(
-            op.direction, op.host_slots, op.device_slots, op.runs, stream, whole_pages=op.whole_pages
+            op.direction,
+            op.host_slots,
+            op.device_slots,
+            op.runs,
+            stream,
+            whole_pages=op.whole_pages,
+            layers_per_call=self.layers_per_call(op.direction, per_layer),
         )
+
+    def layers_per_call(self, direction: Direction, per_layer: bool) -> int:
+        """Layers one executor call of `submit` moves: `layers_per_load` for loads; for backups one with
+        `per_layer`, else every layer."""
+        if direction is Direction.LOAD:
+            return min(self.layers_per_load, self.host_pool.spec.num_layers)
+        return 1 if per_layer else self.host_pool.spec.num_layers
 
     def submit(self, op: Operation, lane: Lane, per_layer: bool) -> Transfer:
         """Move `op` on `lane`; see the module docstring for the signals and the contract."""
         signals = self._submit_compiled(op, lane, per_layer)
         if signals is not None:
-            return Transfer(signals, functools.partial(self.plan, op, lane.stream))
-        plan = self.plan(op, lane.stream)
+            return Transfer(signals, functools.partial(self.plan, op, lane.stream, per_layer))
+        plan = self.plan(op, lane.stream, per_layer)
         lane.wait_for_current()
         return Transfer(self._execute(plan, lane, per_layer), plan)
 
@@ -143,7 +158,9 @@ class Transfers:
         """`op` through the compiled loop, or None (nothing submitted) where that route does not apply."""
         if self._buffers is None or op.runs is None:
             return None
-        copies = self.planner.copies(op.tokens, op.runs)
+        copies = self.planner.copies(
+            op.tokens, op.runs, op.direction, self.layers_per_call(op.direction, per_layer)
+        )
         if copies is None or not loop_takes(self._lib, copies):
             return None
         stream = lane.stream.cuda_stream
