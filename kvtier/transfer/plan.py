@@ -246,6 +246,7 @@ class Planner:
             ready=None,
             host_pool=self.host_pool,
             device_pool=self.device_pool,
+            layers_per_call=layers_per_call,
         )
 
     def copies(
