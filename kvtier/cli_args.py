@@ -25,7 +25,7 @@ LAYOUTS = ("layer_first", "page_first")  # kvtier.pool.HostLayout
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvtier.cache.WritePolicy
 ALLOC_POLICIES = ("contiguous", "first_fit")  # kvtier.alloc.AllocPolicy
 DIRECTIONS = ("load", "backup", "both")  # kvtier.pool.device.Direction, or both
-# kvtier.bench.transfer.HOST_SETS and VARIANTS
+# `kvtier bench transfer`'s host slot sets and variants (kvtier.bench.transfer reads these)
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
 VARIANTS = (
     "planned",

@@ -24,6 +24,7 @@ from rich.table import Table
 from kvtier.alloc import AllocPolicy
 from kvtier.bench.churn import after_churn, runs_of
 from kvtier.bench.common import Timer, ceiling_gbps, environment
+from kvtier.cli_args import HOST_SETS, VARIANTS  # the sets and variants a run may ask for
 from kvtier.errors import ConfigError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
@@ -45,19 +46,6 @@ MAX_TIMED_COPIES = 4096
 SLOW_CALL_S = 0.02
 # The stock-style kernel: two blocks, a few rows in flight each (one per warp), not pipelined.
 STOCK_KERNEL = KernelOptions(sm_budget=2, rows_per_program=4, max_unit_bytes=1, stages=1)
-
-HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
-VARIANTS = (
-    "planned",
-    "single_copy",
-    "batched_dma",
-    "per_run",
-    "staged",
-    "stacked",
-    "kernel",
-    "stock",
-    "reference",
-)
 
 
 @dataclass
