@@ -365,18 +365,15 @@ class Planner:
         """The parts of a plan on `path` of the buffers `names`: `hn`, `dn` `[n]` int64 numpy (and `d`
         as a tensor)."""
         every = frozenset(b.name for b in self.host_pool.spec.buffers)
-        build = functools.partial(
-            self._build, direction, hn, dn, up, buffers=None if names == every else names
-        )
+        build, only = functools.partial(self._build, direction, hn, dn, up), None if names == every else names
         if path in _COPY_PATHS:
-            return build(copy=found.joint, batched=path is not TransferPath.PER_RUN)
+            return build(copy=found.joint, batched=path is not TransferPath.PER_RUN, buffers=only)
         if path is TransferPath.STAGED:
-            return build(staged=found.host)
+            return build(staged=found.host, buffers=only)
         if path is TransferPath.KERNEL:
-            return build(kernel=found.joint)
+            return build(kernel=found.joint, buffers=only)
         if path is TransferPath.REFERENCE:
             return (parts.reference_part(d, up, names),)
-        build = functools.partial(self._build, direction, hn, dn, up)
         # Mixed, per group of buffers: each group's runs split by its choice; groups that split alike
         # share their parts.
         splits: dict[tuple[bytes, ...], tuple[frozenset[str], dict[str, Runs | None]]] = {}

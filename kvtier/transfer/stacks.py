@@ -79,9 +79,11 @@ def window_layers(host_pool: HostPool, device_pool: DevicePool, b: BufferSpec, l
     return min(layers_per_call, len(b.layers), half_bytes(device_pool) // page)
 
 
-def _page_runs(
-    host_pool: HostPool, b: BufferSpec, heads: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+# A buffer's runs of host pages (`_page_runs`): `[runs]` int64 region, byte offset, pages.
+PageRuns = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _page_runs(host_pool: HostPool, b: BufferSpec, heads: np.ndarray) -> PageRuns:
     """Runs of consecutive host pages in one region (`heads`: `[pages]` int64 first slots): `[runs]`
     int64 region, the byte offset of its first page in the region, and its pages."""
     region, row = host_pool.locate(b.name, heads)
@@ -99,28 +101,28 @@ def stacked_buffers(
     host_heads: np.ndarray,
     layers_per_call: int,
     raw_copies: bool,
-) -> frozenset[str]:
+) -> dict[str, PageRuns]:
     """The buffers a plan of pages `host_heads` (`[pages]` int64) moves as stacks, for calls of
-    `layers_per_call` layers (see the module docstring); `raw_copies`: the process can make raw
-    copy-engine copies (on CUDA)."""
+    `layers_per_call` layers (see the module docstring), with their runs of pages; `raw_copies`:
+    the process can make raw copy-engine copies (on CUDA)."""
     if host_pool.layout is not HostLayout.PAGE_FIRST or layers_per_call < 2:
-        return frozenset()
+        return {}
     cuda = device_pool.device.type == "cuda"
     if cuda and not (raw_copies and cudart.runtime() is not None):
-        return frozenset()
-    out = set()
+        return {}
+    out = {}
     ps = host_pool.spec.page_size
     for b in host_pool.spec.buffers:
         g = window_layers(host_pool, device_pool, b, layers_per_call)
         if g < 2 or not device_pool.raw_rows(b.name):
             continue
         line = g * ps * b.row_bytes
-        *_, pages = _page_runs(host_pool, b, host_heads)
         if g < len(b.layers) and line < costs.stack_line_min_bytes:
             continue
-        if pages.mean() * line >= costs.stack_min_bytes:
-            out.add(b.name)
-    return frozenset(out)
+        runs = _page_runs(host_pool, b, host_heads)
+        if runs[2].mean() * line >= costs.stack_min_bytes:
+            out[b.name] = runs
+    return out
 
 
 def planned(
@@ -142,14 +144,14 @@ def planned(
         why = _unstackable(host_pool, device_pool, heads)
         if why:
             raise PlanError(f"cannot force stacks: {why}")
-        names = frozenset(b.name for b in host_pool.spec.buffers)
+        chosen = {b.name: _page_runs(host_pool, b, heads[0]) for b in host_pool.spec.buffers}
     elif heads is None:
         return None
     else:
-        names = stacked_buffers(host_pool, device_pool, costs, heads[0], layers_per_call, raw_copies)
-    if not names:
+        chosen = stacked_buffers(host_pool, device_pool, costs, heads[0], layers_per_call, raw_copies)
+    if not chosen:
         return None
-    return stack_part(host_pool, device_pool, *heads, names, layers_per_call, costs, up)
+    return stack_part(host_pool, device_pool, chosen, heads[1], layers_per_call, costs, up)
 
 
 def _unstackable(host_pool: HostPool, device_pool: DevicePool, heads: object) -> str:
@@ -170,22 +172,22 @@ def _unstackable(host_pool: HostPool, device_pool: DevicePool, heads: object) ->
 def stack_part(
     host_pool: HostPool,
     device_pool: DevicePool,
-    host_heads: np.ndarray,
+    chosen: dict[str, PageRuns],
     device_heads: np.ndarray,
-    names: frozenset[str],
     layers_per_call: int,
     costs: PathCosts,
     up: Uploader,
 ) -> StackPart:
-    """The named buffers of a plan of whole pages (`host_heads`, `device_heads`: `[pages]` int64 first
-    slots) as stacks, windows sized for calls of `layers_per_call` layers."""
+    """The buffers `chosen` (name -> its runs of host pages) of a plan of whole pages as stacks
+    (`device_heads`: `[pages]` int64, each page's first device slot), windows sized for calls of
+    `layers_per_call` layers."""
     ps = host_pool.spec.page_size
     runs = {}
     for b in host_pool.spec.buffers:
-        if b.name not in names:
+        if b.name not in chosen:
             continue
         g = window_layers(host_pool, device_pool, b, layers_per_call)
-        region, host, pages = _page_runs(host_pool, b, host_heads)
+        region, host, pages = chosen[b.name]
         cap = half_bytes(device_pool) // (g * ps * b.row_bytes)
         run, off, cut_pages, stage, windows = cut_windows(pages, cap)
         pitch = len(b.layers) * ps * b.row_bytes
@@ -194,7 +196,7 @@ def stack_part(
         fan = costs.copy_streams if cut_pages.mean() * pitch < costs.fan_out_below_bytes else 1
         runs[b.name] = StackRuns(g, region[run], host_at, stage, cut_pages, windows, fan)
     device_pages = up(torch.from_numpy(device_heads // ps))
-    return StackPart(rows=len(host_heads) * ps, runs=runs, device_pages=device_pages)
+    return StackPart(rows=len(device_heads) * ps, runs=runs, device_pages=device_pages)
 
 
 def move(
