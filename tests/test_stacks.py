@@ -84,11 +84,12 @@ def check(direction: Direction, host: HostPool, dev: DevicePool, hs, ds, before)
 
 
 def run(direction: Direction, plan, host: HostPool, dev: DevicePool, calls: list[list[int]]) -> None:
+    stream = torch.cuda.Stream() if CUDA else None  # batched copies refuse the default stream
     for layers in calls:
         if direction is Direction.LOAD:
-            load_layers(plan, host, dev, layers)
+            load_layers(plan, host, dev, layers, stream)
         else:
-            backup(plan, dev, host, layers)
+            backup(plan, dev, host, layers, stream)
     if CUDA:
         torch.cuda.synchronize()
 

@@ -685,16 +685,16 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
     fanned = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
     start = int(torch.randint(0, 20, (1,), generator=gen))
     cases[TransferPath.BATCHED_DMA, 4] = (fanned, start + torch.arange(3072))
-    # The same host runs onto scattered device slots: a load is staged in 4 windows, each window's
-    # runs fanned out; a backup scatters them with the kernel.
-    staged = TransferPath.STAGED if direction == "load" else TransferPath.KERNEL
-    cases[staged, 4] = (fanned, torch.randperm(8192, generator=gen)[:3072])
-    costs = PathCosts(copy_min_bytes=512 * 132)
+    # The same host runs onto scattered device slots, staged in 4 windows: a load's runs by the copy
+    # engine, each window's fanned out; a backup's by the kernel's units (rows under 256 bytes).
+    cases[TransferPath.STAGED, 4] = (fanned, torch.randperm(8192, generator=gen)[:3072])
+    # Thresholds count each buffer's own rows: the narrowest here are the kv's 48 bytes.
+    costs = PathCosts(copy_min_bytes=512 * 48)
     for expected, (hs, ds) in cases.items():
         streams = 8
         if isinstance(expected, tuple):
             expected, streams = expected
-            costs = PathCosts(copy_min_bytes=96 * 132, staged_min_bytes=96 * 132, copy_streams=streams)
+            costs = PathCosts(copy_min_bytes=96 * 48, staged_min_bytes=96 * 48, copy_streams=streams)
         poison_host(host, gen)
         poison_device(dev, gen)
         plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, stream=stream)
@@ -703,7 +703,9 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
             p.streams == streams for p in plan.parts if isinstance(p, (CopyPart, StagedPart)) and p.batched
         )
         if expected is TransferPath.STAGED:
-            assert plan.parts[0].batched and len(plan.parts[0].windows) == 4
+            (part,) = plan.parts
+            assert part.batched and len(part.windows) == 4
+            assert (part.kernel is None) == (direction == "load")
         before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
         if direction == "load":
             for layer in range(spec.num_layers):
