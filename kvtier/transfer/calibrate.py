@@ -4,19 +4,23 @@ A calibration times, in each direction, on scratch pinned and device buffers of
 `SCRATCH_BYTES`, with the same calls a plan makes:
 
 - batched copy-engine copies of pieces of each of `COPY_PIECES` bytes, fanned out as the
-  planner fans them out, at line-aligned addresses and `UNALIGNED_SHIFT` bytes past them;
+  planner fans them out, at line-aligned addresses and `UNALIGNED_SHIFT` bytes past them,
+  `COPY_BYTES` per call (up to `MAX_PIECES` pieces): as many pieces as one layer's runs, since
+  batches of a few hundred pieces do not show what thousands cost;
 - the on-device pass of staging (`index_copy_`);
 - per row size asked for, the row kernel on scattered single rows and on scattered units of
   `costs.unit_rows` rows (its launch shape from `KernelOptions`);
 - 2-D copies of lines of each row size at a pitch of many rows (`page_first`).
 
-Each figure is the median of `REPEATS` samples of `BATCH` back-to-back calls after a warm-up,
-issued while a GPU sleep holds the stream (the host's cost of issuing is not timed). The result, a
+Each figure is the median of `REPEATS` samples of `BATCH` back-to-back calls (copies: `COPY_REPEATS`
+of `COPY_BATCH`) after a warm-up, issued while a GPU sleep holds the stream (the host's cost of
+issuing is not timed). The result, a
 `costs.CostModel`, is kept in `kvtier.paths.cache_dir()/calibration/`, one file per GPU
 model, driver and kvtier version; row sizes it lacks are measured when first asked for and
 added. Planners use it only with `KVTIER_CALIBRATION=on` (or a `CostModel` given to them):
-otherwise `PathCosts`' thresholds, which measured no worse across leases (bench/FINDINGS.md,
-"The measured cost model"). A calibration that fails logs a warning and leaves the defaults;
+otherwise `PathCosts`' thresholds, which measured no worse across leases: the model stages
+backups of runs of 74-295 KB, where the kernel is faster (bench/FINDINGS.md, "The measured cost
+model"). A calibration that fails logs a warning and leaves the defaults;
 an unreadable cache file, or one measured by an older method (`FORMAT`), is measured again.
 """
 
@@ -47,15 +51,20 @@ from kvtier.transfer.options import KernelOptions, PathCosts
 
 log = logging.getLogger(__name__)
 
-SCRATCH_BYTES = 64 << 20
+SCRATCH_BYTES = 256 << 20
 MOVED_BYTES = 16 << 20
-COPY_PIECES = tuple(1 << k for k in range(10, 21))  # 1 KiB to 1 MiB
+COPY_BYTES = 128 << 20
+MAX_PIECES = 16384
+COPY_PIECES = tuple(1 << k for k in range(12, 21))  # 4 KiB to 1 MiB (smaller: the nearest, 4 KiB)
 REPEATS = 5
 BATCH = 4
+# Copy calls of `COPY_BYTES` last milliseconds: fewer samples of fewer calls each.
+COPY_REPEATS = 3
+COPY_BATCH = 2
 # Pieces of rows that are not whole 128-byte lines start this far past a line.
 UNALIGNED_SHIFT = 16
 HOLD_CYCLES = 4_000_000
-FORMAT = 4  # raised whenever the measuring changes, so older files are measured again
+FORMAT = 5  # raised whenever the measuring changes, so older files are measured again
 
 _lock = threading.Lock()
 
@@ -201,10 +210,10 @@ class _Bench:
         self.dev = torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=device)
         self.rng = np.random.default_rng(0)
 
-    def time(self, call: Callable[[], None]) -> float:
+    def time(self, call: Callable[[], None], repeats: int = REPEATS, batch: int = BATCH) -> float:
         """Seconds of one call on the stream (`held_median_s`, after one warm-up)."""
         call()
-        return held_median_s(self.stream, call, REPEATS, BATCH, HOLD_CYCLES)
+        return held_median_s(self.stream, call, repeats, batch, HOLD_CYCLES)
 
     def sides(self, direction: Direction) -> tuple[int, int]:
         """`(destination, source)` base addresses of `direction`."""
@@ -221,12 +230,14 @@ class _Bench:
         costs, out = PathCosts(), {}
         dst, src = self.sides(direction)
         for piece in COPY_PIECES:
-            count = min(4096, MOVED_BYTES // piece)
+            count = min(MAX_PIECES, COPY_BYTES // piece)
             at = np.minimum(self.places(piece, count) + shift, SCRATCH_BYTES - piece)
             sizes = np.full(count, piece, dtype=np.int64)
             fan = costs.copy_streams if piece < costs.fan_out_below_bytes else 1
             t = self.time(
-                lambda a=at, n=sizes, k=fan: dma.copy_runs(dst + a, src + a, n, self.stream, streams=k)
+                lambda a=at, n=sizes, k=fan: dma.copy_runs(dst + a, src + a, n, self.stream, streams=k),
+                COPY_REPEATS,
+                COPY_BATCH,
             )
             out[piece] = count * piece / t / 1e9
         return out
