@@ -56,6 +56,24 @@ def test_small_rows_go_through_staging_by_the_kernel_only_where_its_units_beat_s
     assert small.staged_min_bytes <= 64 << 10
 
 
+def test_staging_measured_whole_decides_which_host_runs_it_takes() -> None:
+    """With staging timed whole, a host run goes through it from where that rate reaches the kernel's
+    on scattered single rows, whatever the copies and the device pass would give added up."""
+    composed = rates(50.0, 50.3, 1152)
+    staged = {16 << 10: 20.0, 64 << 10: 45.0, 256 << 10: 49.0, 1 << 20: 53.0}
+    measured = Rates(COPY, 1800.0, COPY, {1152: 50.0}, {1152: 50.3}, {1152: 25.0}, staged)
+    slower = Rates(COPY, 1800.0, COPY, {1152: 50.0}, {1152: 50.3}, {1152: 25.0}, {1 << 20: 49.0})
+    added = Choice.of(composed, 1152, "m")
+    whole = Choice.of(measured, 1152, "m")
+    never = Choice.of(slower, 1152, "m")
+    assert added is not None and whole is not None and never is not None
+    assert added.staged_min_bytes < 256 << 10  # 55 GB/s copies with a 1800 GB/s pass beat 50 from there
+    assert 256 << 10 < whole.staged_min_bytes <= 1 << 20  # staging whole reaches 50 GB/s past 256 KiB
+    assert never.staged_min_bytes == NEVER
+    assert whole.copy_min_bytes == added.copy_min_bytes  # joint runs: the copy curve, as before
+    assert measured.staged_from(45.0) == 64 << 10
+
+
 def test_the_defaults_stage_small_rows_by_the_kernel_and_only_long_host_runs_by_the_copy_engine() -> None:
     costs = PathCosts()
     indexer = Choice.fallback(costs, Direction.LOAD, 132, 1152)
@@ -72,6 +90,12 @@ def test_a_model_survives_its_json_and_bad_rates_are_refused() -> None:
     model = CostModel("calibrated x", {d: rates(28.0, 47.0) for d in Direction})
     again = CostModel.from_json(json.loads(json.dumps(model.to_json())))
     assert again == model
+    staged = Rates(COPY, 1800.0, COPY, {132: 28.0}, {132: 47.0}, {}, {64 << 10: 40.0})
+    with_staged = CostModel("calibrated y", {Direction.BACKUP: staged})
+    assert CostModel.from_json(json.loads(json.dumps(with_staged.to_json()))) == with_staged
+    older = model.to_json()
+    del older["rates"]["load"]["staged"]  # a model from before staging was timed whole
+    assert CostModel.from_json(older).rates[Direction.LOAD].staged == {}
     data = model.to_json()
     data["rates"]["load"]["kernel_rows"]["132"] = -1.0
     with pytest.raises(ValueError, match="non-positive"):

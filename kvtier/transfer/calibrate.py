@@ -8,6 +8,9 @@ A calibration times, in each direction, on scratch pinned and device buffers of
   `COPY_BYTES` per call (up to `MAX_PIECES` pieces): as many pieces as one layer's runs, since
   batches of a few hundred pieces do not show what thousands cost;
 - the on-device pass of staging (`index_copy_`);
+- staging whole, as a plan stages one layer: the copies of host pieces of each of
+  `STAGED_PIECES` bytes into a staging buffer and the device pass of its 1152-byte rows onto
+  scattered rows (a backup: the device pass, then the copies out);
 - per row size asked for, the row kernel on scattered single rows and on scattered units of
   `costs.unit_rows` rows (its launch shape from `KernelOptions`);
 - 2-D copies of lines of each row size at a pitch of many rows (`page_first`).
@@ -18,9 +21,9 @@ issuing is not timed). The result, a
 `costs.CostModel`, is kept in `kvtier.paths.cache_dir()/calibration/`, one file per GPU
 model, driver and kvtier version; row sizes it lacks are measured when first asked for and
 added. Planners use it only with `KVTIER_CALIBRATION=on` (or a `CostModel` given to them):
-otherwise `PathCosts`' thresholds, which measured no worse across leases: the model stages
-backups of runs of 74-295 KB, where the kernel is faster (bench/FINDINGS.md, "The measured cost
-model"). A calibration that fails logs a warning and leaves the defaults;
+otherwise `PathCosts`' thresholds: the copy engine's cliff moves between leases of one GPU, and
+the model has been compared with the thresholds on one lease only (bench/FINDINGS.md, "The
+measured cost model"). A calibration that fails logs a warning and leaves the defaults;
 an unreadable cache file, or one measured by an older method (`FORMAT`), is measured again.
 """
 
@@ -56,6 +59,8 @@ MOVED_BYTES = 16 << 20
 COPY_BYTES = 128 << 20
 MAX_PIECES = 16384
 COPY_PIECES = tuple(1 << k for k in range(12, 21))  # 4 KiB to 1 MiB (smaller: the nearest, 4 KiB)
+STAGED_PIECES = tuple(1 << k for k in range(14, 21))  # 16 KiB to 1 MiB
+STAGED_ROW_BYTES = 1152
 REPEATS = 5
 BATCH = 4
 # Copy calls of `COPY_BYTES` last milliseconds: fewer samples of fewer calls each.
@@ -64,7 +69,7 @@ COPY_BATCH = 2
 # Pieces of rows that are not whole 128-byte lines start this far past a line.
 UNALIGNED_SHIFT = 16
 HOLD_CYCLES = 4_000_000
-FORMAT = 5  # raised whenever the measuring changes, so older files are measured again
+FORMAT = 6  # raised whenever the measuring changes, so older files are measured again
 
 _lock = threading.Lock()
 
@@ -164,6 +169,7 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
         copy = bench.copy_rates(d) if old is None else old.copy
         unaligned = bench.copy_rates(d, UNALIGNED_SHIFT) if old is None else old.copy_unaligned
         dev = bench.device_pass() if old is None else old.device_gbps
+        staged = bench.staged_rates(d) if old is None or not old.staged else old.staged
         k_rows = dict(old.kernel_rows) if old else {}
         k_units = dict(old.kernel_units) if old else {}
         lines = dict(old.strided) if old else {}
@@ -171,7 +177,7 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
             k_rows[rb] = bench.kernel(d, rb, 1)
             k_units[rb] = bench.kernel(d, rb, unit_rows(rb))
             lines[rb] = bench.strided(d, rb)
-        rates[d] = Rates(copy, dev, unaligned, k_rows, k_units, lines)
+        rates[d] = Rates(copy, dev, unaligned, k_rows, k_units, lines, staged)
     del bench
     source = f"calibrated {machine_key(device)}"
     log.info(
@@ -240,6 +246,36 @@ class _Bench:
                 COPY_BATCH,
             )
             out[piece] = count * piece / t / 1e9
+        return out
+
+    def staged_rates(self, direction: Direction) -> dict[int, float]:
+        """GB/s of staging whole for host pieces of each of `STAGED_PIECES` bytes: a load's copies into the
+        staging half of the device scratch (fanned out as the planner does), then `index_copy_` of its
+        rows onto a permutation of as many rows in the other half; a backup's `index_select` first."""
+        costs, out, row = PathCosts(), {}, STAGED_ROW_BYTES
+        half = SCRATCH_BYTES // 2
+        for piece in STAGED_PIECES:
+            count = min(MAX_PIECES, COPY_BYTES // piece)
+            rows = count * piece // row
+            words = row // 8
+            stage = self.dev[half : half + rows * row].view(torch.int64).view(rows, words)
+            slots = self.dev[: rows * row].view(torch.int64).view(rows, words)
+            index = torch.from_numpy(self.rng.permutation(rows)).to(self.device)
+            at = self.places(piece, count)
+            host = self.host.data_ptr() + at
+            staged = stage.data_ptr() + np.arange(count, dtype=np.int64) * piece
+            sizes = np.full(count, piece, dtype=np.int64)
+            fan = costs.copy_streams if piece < costs.fan_out_below_bytes else 1
+
+            def call(host=host, staged=staged, sizes=sizes, fan=fan, stage=stage, slots=slots, index=index):
+                if direction is Direction.LOAD:
+                    dma.copy_runs(staged, host, sizes, self.stream, streams=fan)
+                    slots.index_copy_(0, index, stage)
+                else:
+                    torch.index_select(slots, 0, index, out=stage)
+                    dma.copy_runs(host, staged, sizes, self.stream, streams=fan)
+
+            out[piece] = count * piece / self.time(call, COPY_REPEATS, COPY_BATCH) / 1e9
         return out
 
     def device_pass(self) -> float:

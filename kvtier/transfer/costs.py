@@ -9,7 +9,11 @@ A `CostModel` holds, per direction, what `kvtier.transfer.calibrate` measured on
 - `kernel_rows[row bytes]`: the row kernel on scattered single rows of that size, GB/s;
 - `kernel_units[row bytes]`: the row kernel on scattered units of `unit_rows(row bytes)` rows,
   contiguous on both sides (host runs moved into staging, joint runs), GB/s;
-- `strided[line bytes]`: 2-D copy-engine copies of lines of that size (`page_first`), GB/s.
+- `strided[line bytes]`: 2-D copy-engine copies of lines of that size (`page_first`), GB/s;
+- `staged[piece bytes]`: staging as a plan does it, timed whole: the copies of host pieces of
+  that size and the device pass of 1152-byte rows, GB/s (between sizes, log-linear). Where it
+  is measured, it decides which host runs go through staging by the copy engine; older models
+  add the copies' time and the device pass's, which was optimistic for backups by ~5%.
 
 From these `Choice.of` gives, for one buffer's rows and direction, the joint-run bytes from
 which the copy engine beats the kernel, and the host-run bytes from which a host run whose
@@ -58,6 +62,7 @@ class Rates:
     kernel_rows: dict[int, float] = field(default_factory=dict)
     kernel_units: dict[int, float] = field(default_factory=dict)
     strided: dict[int, float] = field(default_factory=dict)
+    staged: dict[int, float] = field(default_factory=dict)
 
     def knows(self, row_bytes: int) -> bool:
         return bool(self.copy) and row_bytes in self.kernel_rows and row_bytes in self.kernel_units
@@ -69,16 +74,34 @@ class Rates:
 
     def copy_from(self, gbps: float, aligned: bool = True) -> float:
         """The fewest bytes a piece needs for the copy engine to reach `gbps` (NEVER if it does not)."""
-        grid = np.geomspace(min(self.copy), max(self.copy), 256)
-        ok = np.flatnonzero(self._copy_rates(grid, aligned) >= gbps)
-        return float(grid[ok[0]]) if len(ok) else NEVER
+        return _first_piece(self._copy_table(aligned), gbps)
+
+    def staged_from(self, gbps: float) -> float:
+        """The fewest bytes a host run needs for staging by the copy engine to reach `gbps` (NEVER if it
+        does not, or `staged` is not measured)."""
+        return _first_piece(self.staged, gbps) if self.staged else NEVER
 
     def _copy_rates(self, pieces: np.ndarray, aligned: bool) -> np.ndarray:
         """`copy_gbps` of each of `pieces` (`[k]` float64 bytes)."""
-        table = self.copy if aligned or not self.copy_unaligned else self.copy_unaligned
-        sizes = sorted(table)
-        logs = np.log(np.array(sizes, dtype=np.float64))
-        return np.interp(np.log(np.maximum(pieces, 1.0)), logs, [table[x] for x in sizes])
+        return _curve(self._copy_table(aligned), pieces)
+
+    def _copy_table(self, aligned: bool) -> dict[int, float]:
+        return self.copy if aligned or not self.copy_unaligned else self.copy_unaligned
+
+
+def _curve(table: dict[int, float], pieces: np.ndarray) -> np.ndarray:
+    """GB/s of `table` (piece bytes -> GB/s) at each of `pieces` (`[k]` float64 bytes): log-linear between
+    measured sizes, the nearest measurement outside them."""
+    sizes = sorted(table)
+    logs = np.log(np.array(sizes, dtype=np.float64))
+    return np.interp(np.log(np.maximum(pieces, 1.0)), logs, [table[x] for x in sizes])
+
+
+def _first_piece(table: dict[int, float], gbps: float) -> float:
+    """The fewest bytes a piece needs for `table`'s curve to reach `gbps` (NEVER if it does not)."""
+    grid = np.geomspace(min(table), max(table), 256)
+    ok = np.flatnonzero(_curve(table, grid) >= gbps)
+    return float(grid[ok[0]]) if len(ok) else NEVER
 
 
 @dataclass(frozen=True)
@@ -106,7 +129,9 @@ class Choice:
         # Host runs over scattered device slots: staging by the copy engine once the copy and the
         # device pass together beat the kernel's single rows ...
         staged_min = NEVER
-        if rows < rates.device_gbps:
+        if rates.staged:  # measured whole
+            staged_min = rates.staged_from(rows)
+        elif rows < rates.device_gbps:
             staged_min = copy_from(1 / (1 / rows - 1 / rates.device_gbps))
         # ... and by the kernel's units where they beat single rows, while the copy engine is slower.
         below = 0.0
@@ -184,6 +209,7 @@ class CostModel:
                     "kernel_rows": {str(k): v for k, v in r.kernel_rows.items()},
                     "kernel_units": {str(k): v for k, v in r.kernel_units.items()},
                     "strided": {str(k): v for k, v in r.strided.items()},
+                    "staged": {str(k): v for k, v in r.staged.items()},
                 }
                 for d, r in self.rates.items()
             },
@@ -194,8 +220,8 @@ class CostModel:
         """The model `to_json` wrote; `KeyError`, `TypeError` or `ValueError` for anything else."""
         rates = {}
         for d, r in data["rates"].items():
-            keys = ("copy", "copy_unaligned", "kernel_rows", "kernel_units", "strided")
-            sizes = {k: {int(s): float(v) for s, v in r[k].items()} for k in keys}
+            keys = ("copy", "copy_unaligned", "kernel_rows", "kernel_units", "strided", "staged")
+            sizes = {k: {int(s): float(v) for s, v in r.get(k, {}).items()} for k in keys}
             dev = float(r["device_gbps"])
             if dev <= 0 or not sizes["copy"] or any(v <= 0 for s in sizes.values() for v in s.values()):
                 raise ValueError(f"a missing or non-positive rate in {r}")
