@@ -220,8 +220,10 @@ class CostModel:
         """The model `to_json` wrote; `KeyError`, `TypeError` or `ValueError` for anything else."""
         rates = {}
         for d, r in data["rates"].items():
-            keys = ("copy", "copy_unaligned", "kernel_rows", "kernel_units", "strided", "staged")
-            sizes = {k: {int(s): float(v) for s, v in r.get(k, {}).items()} for k in keys}
+            keys = ("copy", "copy_unaligned", "kernel_rows", "kernel_units", "strided")
+            sizes = {k: {int(s): float(v) for s, v in r[k].items()} for k in keys}
+            # A model from before staging was timed whole has no `staged`.
+            sizes["staged"] = {int(s): float(v) for s, v in r.get("staged", {}).items()}
             dev = float(r["device_gbps"])
             if dev <= 0 or not sizes["copy"] or any(v <= 0 for s in sizes.values() for v in s.values()):
                 raise ValueError(f"a missing or non-positive rate in {r}")
