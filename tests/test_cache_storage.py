@@ -32,11 +32,13 @@ from kvtier.storage.keys import Fingerprint, PageKeys
 PS = 4
 
 
-def kv_of(tokens: np.ndarray, spec, buffer: str, layer: int) -> torch.Tensor:
-    """`[len(tokens), row bytes]` uint8: the KV of each position, a hash of its prefix."""
+def kv_of(tokens: np.ndarray, spec, buffer: str, layer: int, rank: int | None = None) -> torch.Tensor:
+    """`[len(tokens), row bytes]` uint8: the KV of each position, a hash of its prefix (and of `rank`,
+    where a rank's rows differ)."""
     b = spec.buffer(buffer)
     out = np.empty((len(tokens), b.row_bytes), dtype=np.uint8)
-    h = hashlib.blake2b(f"{buffer}/{layer}".encode(), digest_size=16)
+    key = f"{buffer}/{layer}" if rank is None else f"{buffer}/{layer}/{rank}"
+    h = hashlib.blake2b(key.encode(), digest_size=16)
     for i, t in enumerate(tokens.tolist()):
         h.update(int(t).to_bytes(8, "little"))
         seed = int.from_bytes(h.copy().digest()[:8], "little")

@@ -9,7 +9,6 @@ poisoned first. Results come back through one pickle file per rank.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 import pickle
 import socket
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_cache_storage import kv_of
 
 from kvtier.cache import CacheConfig, CacheController
 from kvtier.cache.ranks import RankGroup
@@ -32,18 +32,6 @@ from kvtier.storage.keys import Fingerprint
 
 PS = 4
 MODEL = "ranks-test-model"
-
-
-def kv_of(tokens: np.ndarray, spec, buffer: str, layer: int, rank: int) -> torch.Tensor:
-    """`[len(tokens), row bytes]` uint8: each position's KV, a hash of its prefix (and of `rank`)."""
-    b = spec.buffer(buffer)
-    out = np.empty((len(tokens), b.row_bytes), dtype=np.uint8)
-    h = hashlib.blake2b(f"{buffer}/{layer}/{rank}".encode(), digest_size=16)
-    for i, t in enumerate(tokens.tolist()):
-        h.update(int(t).to_bytes(8, "little"))
-        seed = int.from_bytes(h.copy().digest()[:8], "little")
-        out[i] = np.random.default_rng(seed).integers(0, 256, b.row_bytes, dtype=np.uint8)
-    return torch.from_numpy(out)
 
 
 def rows(dev: DevicePool, name: str, layer: int) -> torch.Tensor:
