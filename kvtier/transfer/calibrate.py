@@ -206,6 +206,15 @@ def held_median_s(
     return statistics.median(samples)
 
 
+def _batch(piece: int) -> tuple[int, np.ndarray, int]:
+    """One timed call's copies of `piece` bytes: their count, `[count]` int64 sizes, and the streams the
+    planner fans such pieces over (`PathCosts.fan_out_below_bytes`)."""
+    costs = PathCosts()
+    count = min(MAX_PIECES, COPY_BYTES // piece)
+    fan = costs.copy_streams if piece < costs.fan_out_below_bytes else 1
+    return count, np.full(count, piece, dtype=np.int64), fan
+
+
 class _Bench:
     """Scratch buffers and timed calls for one calibration."""
 
@@ -233,13 +242,11 @@ class _Bench:
     def copy_rates(self, direction: Direction, shift: int = 0) -> dict[int, float]:
         """GB/s of batched copies of each of `COPY_PIECES` bytes, fanned out as the planner does, at
         piece-aligned addresses plus `shift` bytes."""
-        costs, out = PathCosts(), {}
+        out = {}
         dst, src = self.sides(direction)
         for piece in COPY_PIECES:
-            count = min(MAX_PIECES, COPY_BYTES // piece)
+            count, sizes, fan = _batch(piece)
             at = np.minimum(self.places(piece, count) + shift, SCRATCH_BYTES - piece)
-            sizes = np.full(count, piece, dtype=np.int64)
-            fan = costs.copy_streams if piece < costs.fan_out_below_bytes else 1
             t = self.time(
                 lambda a=at, n=sizes, k=fan: dma.copy_runs(dst + a, src + a, n, self.stream, streams=k),
                 COPY_REPEATS,
@@ -252,10 +259,10 @@ class _Bench:
         """GB/s of staging whole for host pieces of each of `STAGED_PIECES` bytes: a load's copies into the
         staging half of the device scratch (fanned out as the planner does), then `index_copy_` of its
         rows onto a permutation of as many rows in the other half; a backup's `index_select` first."""
-        costs, out, row = PathCosts(), {}, STAGED_ROW_BYTES
+        out, row = {}, STAGED_ROW_BYTES
         half = SCRATCH_BYTES // 2
         for piece in STAGED_PIECES:
-            count = min(MAX_PIECES, COPY_BYTES // piece)
+            count, sizes, fan = _batch(piece)
             rows = count * piece // row
             words = row // 8
             stage = self.dev[half : half + rows * row].view(torch.int64).view(rows, words)
@@ -264,8 +271,6 @@ class _Bench:
             at = self.places(piece, count)
             host = self.host.data_ptr() + at
             staged = stage.data_ptr() + np.arange(count, dtype=np.int64) * piece
-            sizes = np.full(count, piece, dtype=np.int64)
-            fan = costs.copy_streams if piece < costs.fan_out_below_bytes else 1
 
             def call(host=host, staged=staged, sizes=sizes, fan=fan, stage=stage, slots=slots, index=index):
                 if direction is Direction.LOAD:
