@@ -12,7 +12,7 @@ from kvtier import cli
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
-from kvtier.transfer import Planner, backup, calibrate, kernels, load_layers
+from kvtier.transfer import Planner, backup, calibrate, kernels, load_layer, load_layers
 from kvtier.transfer.costs import NEVER, Choice, CostModel, Rates
 from kvtier.transfer.options import PathCosts
 
@@ -22,10 +22,22 @@ needs_triton = pytest.mark.skipif(
 
 # A copy engine that reaches 50 GB/s from 64 KiB pieces and 55 GB/s at 1 MiB.
 COPY = {1 << 10: 1.0, 16 << 10: 10.0, 64 << 10: 50.0, 1 << 20: 55.0}
+# Staging timed whole: 45 GB/s from 64 KiB host runs, 49 at 256 KiB, 53 at 1 MiB.
+STAGED = {16 << 10: 20.0, 64 << 10: 45.0, 256 << 10: 49.0, 1 << 20: 53.0}
 
 
-def rates(rows: float, units: float, row_bytes: int = 132, device: float = 1800.0) -> Rates:
-    return Rates(COPY, device, COPY, {row_bytes: rows}, {row_bytes: units}, {row_bytes: 25.0})
+def rates(
+    rows: float, units: float, row_bytes: int = 132, device: float = 1800.0, staged: dict | None = None
+) -> Rates:
+    return Rates(
+        COPY,
+        COPY,
+        device_pass={row_bytes: device},
+        kernel_rows={row_bytes: rows},
+        kernel_units={row_bytes: units},
+        strided={row_bytes: 25.0},
+        staged={row_bytes: STAGED if staged is None else staged},
+    )
 
 
 def test_a_row_size_the_model_did_not_measure_has_no_choice() -> None:
@@ -48,30 +60,33 @@ def test_the_copy_engine_takes_runs_from_where_it_keeps_up_with_the_kernel() -> 
 def test_small_rows_go_through_staging_by_the_kernel_only_where_its_units_beat_single_rows() -> None:
     small = Choice.of(rates(28.0, 47.0), 132, "m")  # units far faster than scattered single rows
     wide = Choice.of(rates(50.0, 50.3, 1152), 1152, "m")  # units no faster: no kernel staging
-    assert small is not None and wide is not None
-    assert small.kernel_staged_below > 0
-    assert wide.kernel_staged_below == 0
-    # Staging by the copy engine needs a rate the copy and the device pass reach together.
-    assert wide.staged_min_bytes > 64 << 10
-    assert small.staged_min_bytes <= 64 << 10
+    slow_pass = Choice.of(rates(28.0, 47.0, device=60.0), 132, "m")  # units + a slow pass lose to rows
+    assert small is not None and wide is not None and slow_pass is not None
+    # Units then the 1800 GB/s pass: 45.8 GB/s, which staging by the copy engine reaches at ~64 KiB.
+    assert 16 << 10 < small.kernel_staged_below == small.staged_min_bytes <= 64 << 10
+    assert wide.kernel_staged_below == 0 and slow_pass.kernel_staged_below == 0
+    # Against the kernel's 50 GB/s on single rows, staging by the copy engine pays from past 256 KiB;
+    # against its 28, from between 16 and 64 KiB.
+    assert 256 << 10 < wide.staged_min_bytes <= 1 << 20
+    assert 16 << 10 < slow_pass.staged_min_bytes < small.staged_min_bytes
 
 
-def test_staging_measured_whole_decides_which_host_runs_it_takes() -> None:
-    """With staging timed whole, a host run goes through it from where that rate reaches the kernel's
-    on scattered single rows, whatever the copies and the device pass would give added up."""
-    composed = rates(50.0, 50.3, 1152)
-    staged = {16 << 10: 20.0, 64 << 10: 45.0, 256 << 10: 49.0, 1 << 20: 53.0}
-    measured = Rates(COPY, 1800.0, COPY, {1152: 50.0}, {1152: 50.3}, {1152: 25.0}, staged)
-    slower = Rates(COPY, 1800.0, COPY, {1152: 50.0}, {1152: 50.3}, {1152: 25.0}, {1 << 20: 49.0})
-    added = Choice.of(composed, 1152, "m")
-    whole = Choice.of(measured, 1152, "m")
-    never = Choice.of(slower, 1152, "m")
-    assert added is not None and whole is not None and never is not None
-    assert added.staged_min_bytes < 256 << 10  # 55 GB/s copies with a 1800 GB/s pass beat 50 from there
-    assert 256 << 10 < whole.staged_min_bytes <= 1 << 20  # staging whole reaches 50 GB/s past 256 KiB
-    assert never.staged_min_bytes == NEVER
-    assert whole.copy_min_bytes == added.copy_min_bytes  # joint runs: the copy curve, as before
-    assert measured.staged_from(45.0) == 64 << 10
+def test_staging_measured_whole_per_row_size_decides_which_host_runs_it_takes() -> None:
+    """A host run goes through staging by the copy engine from where that rate, timed whole on its own
+    rows, reaches the best the kernel does without it; the same copy engine with a slower staging
+    curve for small rows keeps their host runs of 33 KB (runs of 256 indexer rows) on the kernel's units."""
+    fast = rates(28.0, 47.0, staged={16 << 10: 40.0, 32 << 10: 47.0, 1 << 20: 53.0})
+    slow = rates(28.0, 47.0, staged={16 << 10: 38.0, 32 << 10: 44.0, 256 << 10: 50.0})
+    never = rates(50.0, 50.3, 1152, staged={1 << 20: 49.0})
+    a, b, c = Choice.of(fast, 132, "m"), Choice.of(slow, 132, "m"), Choice.of(never, 1152, "m")
+    assert a is not None and b is not None and c is not None
+    run = 256 * 132
+    assert a.staged_min_bytes <= run  # staged by the copy engine
+    assert b.staged_min_bytes > run and b.kernel_staged_below > run  # staged by the kernel's units
+    assert c.staged_min_bytes == NEVER and c.kernel_staged_below == 0
+    assert a.copy_min_bytes == b.copy_min_bytes  # joint runs: the copy curve, whatever staging costs
+    assert fast.staged_from(132, 47.0) == pytest.approx(32 << 10, rel=0.02)  # on a grid of 256 sizes
+    assert slow.staged_gbps(132, 32 << 10) == pytest.approx(44.0)
 
 
 def test_the_defaults_stage_small_rows_by_the_kernel_and_only_long_host_runs_by_the_copy_engine() -> None:
@@ -90,19 +105,22 @@ def test_a_model_survives_its_json_and_bad_rates_are_refused() -> None:
     model = CostModel("calibrated x", {d: rates(28.0, 47.0) for d in Direction})
     again = CostModel.from_json(json.loads(json.dumps(model.to_json())))
     assert again == model
-    staged = Rates(COPY, 1800.0, COPY, {132: 28.0}, {132: 47.0}, {}, {64 << 10: 40.0})
-    with_staged = CostModel("calibrated y", {Direction.BACKUP: staged})
-    assert CostModel.from_json(json.loads(json.dumps(with_staged.to_json()))) == with_staged
-    older = model.to_json()
-    del older["rates"]["load"]["staged"]  # a model from before staging was timed whole
-    assert CostModel.from_json(older).rates[Direction.LOAD].staged == {}
-    data = model.to_json()
-    data["rates"]["load"]["kernel_rows"]["132"] = -1.0
-    with pytest.raises(ValueError, match="non-positive"):
-        CostModel.from_json(data)
+    assert again.rates[Direction.LOAD].staged == {132: STAGED}
+    for table, key in (("kernel_rows", "132"), ("staged", "132")):
+        data = model.to_json()
+        if table == "staged":
+            data["rates"]["load"]["staged"][key]["65536"] = 0.0
+        else:
+            data["rates"]["load"][table][key] = -1.0
+        with pytest.raises(ValueError, match="non-positive"):
+            CostModel.from_json(data)
     data = model.to_json()
     data["rates"]["load"]["copy"] = {}
     with pytest.raises(ValueError, match="missing"):
+        CostModel.from_json(data)
+    data = model.to_json()
+    del data["rates"]["backup"]["device_pass"]
+    with pytest.raises(KeyError):
         CostModel.from_json(data)
 
 
@@ -120,9 +138,12 @@ def test_the_cache_file_is_written_whole_and_an_unreadable_one_is_ignored(tmp_pa
     assert calibrate.read(tmp_path / "missing.json") is None
 
 
-def test_calibration_is_opt_in_and_needs_a_gpu(monkeypatch) -> None:
+def test_calibration_is_on_unless_turned_off_and_needs_a_gpu(monkeypatch) -> None:
     monkeypatch.delenv("KVTIER_CALIBRATION", raising=False)
-    assert not calibrate.enabled()
+    assert calibrate.enabled()
+    for off in ("off", "0", "False", "no"):
+        monkeypatch.setenv("KVTIER_CALIBRATION", off)
+        assert not calibrate.enabled()
     monkeypatch.setenv("KVTIER_CALIBRATION", "on")
     assert calibrate.enabled()
     assert calibrate.model_for(torch.device("cpu"), [132]) is None
@@ -145,22 +166,31 @@ def test_a_plan_on_a_model_moves_each_buffer_its_own_way_byte_for_byte(direction
     poison_device(dev, gen)
     hs = (torch.tensor([1, 5, 9, 20])[:, None] * 32 + torch.arange(32)).flatten()
     ds = torch.randperm(1024, generator=gen)[: hs.numel()]
-    kv = Rates({1 << 10: 60.0, 1 << 20: 60.0}, 1800.0, {}, {48: 20.0}, {48: 21.0}, {})
-    indexer = Rates({1 << 10: 1.0, 1 << 20: 2.0}, 1800.0, {}, {132: 20.0}, {132: 50.0}, {})
-    both = Rates(
-        kv.copy, 1800.0, {}, kv.kernel_rows | indexer.kernel_rows, kv.kernel_units | indexer.kernel_units
-    )
+    fast, slow = {1 << 10: 60.0, 1 << 20: 60.0}, {1 << 10: 1.0, 1 << 20: 2.0}
+
+    def measured(staged_indexer: dict[int, float]) -> Rates:
+        """48-byte kv rows: kernel 20 GB/s, staging 60 from 1 KiB; 132-byte indexer rows: kernel 20,
+        units 50, staging as given."""
+        return Rates(
+            fast,
+            device_pass={48: 1800.0, 132: 1800.0},
+            kernel_rows={48: 20.0, 132: 20.0},
+            kernel_units={48: 21.0, 132: 50.0},
+            staged={48: fast, 132: staged_indexer},
+        )
+
+    both = measured(fast)
     model = CostModel("calibrated test", {d: both for d in Direction})
-    choices = {rb: Choice.of(r, rb, "calibrated test") for r, rb in ((kv, 48), (indexer, 132))}
-    assert choices[48].staged_min_bytes < 32 * 48 and choices[132].kernel_staged_below > 32 * 132
+    assert Choice.of(both, 48, "m").staged_min_bytes < 32 * 48
     planner = Planner(host, dev, use_kernel=True, model=model)
     plan = planner.plan(direction, hs, ds)
     assert plan.cost_model == "calibrated test"
     by = plan.mechanisms_by_buffer()
-    assert by["kv"] == {"staged": 128} and by["indexer"] == {"staged": 128}  # copy rate 60: both by copy
-    # Now the indexer's copy engine is slow: its rows go through the kernel's units into staging.
-    slow = Rates(indexer.copy, 1800.0, {}, both.kernel_rows, both.kernel_units)
-    model = CostModel("calibrated slow", {d: slow for d in Direction})
+    assert by["kv"] == {"staged": 128} and by["indexer"] == {"staged": 128}  # staging at 60: both by copy
+    # Now staging the indexer's rows by the copy engine is slow: they go through the kernel's units.
+    slow_model = measured(slow)
+    assert Choice.of(slow_model, 132, "m").kernel_staged_below > 32 * 132
+    model = CostModel("calibrated slow", {d: slow_model for d in Direction})
     plan = Planner(host, dev, use_kernel=True, model=model).plan(direction, hs, ds)
     assert plan.mechanisms_by_buffer()["indexer"] == {"staged_kernel": 128}
     before = {(b.name, layer): dev.layer(b.name, layer).clone() for b in spec.buffers for layer in b.layers}
@@ -180,3 +210,49 @@ def test_a_plan_on_a_model_moves_each_buffer_its_own_way_byte_for_byte(direction
                 keep = torch.ones(dev.num_slots, dtype=torch.bool)
                 keep[ds] = False
                 assert same_bytes(dev.layer(b.name, layer)[keep], before[(b.name, layer)][keep])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("direction", list(Direction))
+def test_on_a_gpu_the_planner_calibrates_at_first_use_and_moves_rows_byte_for_byte(
+    direction, gen, tmp_path, monkeypatch
+) -> None:
+    """With calibration on (the default), a planner given no model measures this GPU once, caches it in
+    the user cache, and plans on it; its plan of host runs of mixed lengths onto scattered device slots
+    moves every row exactly, on a side stream."""
+    monkeypatch.setenv("KVTIER_CALIBRATION", "on")
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    calibrate._model_for.cache_clear()
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 8192), DevicePool(spec, 8192, "cuda", staging_tokens=1000)
+    stream = torch.cuda.Stream()
+    # Runs of 512 slots, every other one, with a fifth of their slots dropped: runs of 1 to ~100.
+    runs = (torch.arange(0, 16, 2)[:, None] * 512 + torch.arange(512)).flatten()
+    hs = runs[torch.rand(runs.numel(), generator=gen) > 0.2]
+    ds = torch.randperm(8192, generator=gen)[: hs.numel()]
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    plan = Planner(host, dev).plan(direction, hs, ds, stream=stream)
+    assert plan.cost_model.startswith("calibrated ")
+    model = calibrate.read(calibrate.cache_file(dev.device))
+    assert model is not None
+    assert all(model.rates[d].knows(b.row_bytes) for d in Direction for b in spec.buffers)
+    before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
+    if direction is Direction.LOAD:
+        for layer in range(spec.num_layers):
+            load_layer(plan, host, dev, layer, stream)
+    else:
+        backup(plan, dev, host, stream=stream)
+    stream.synchronize()
+    for b in spec.buffers:
+        for layer in b.layers:
+            rows = host.gather(b.name, layer, hs)
+            got = dev.layer(b.name, layer).cpu()
+            want = got[ds] if direction is Direction.LOAD else before[(b.name, layer)][ds]
+            assert same_bytes(want, rows)
+            if direction is Direction.LOAD:
+                keep = torch.ones(dev.num_slots, dtype=torch.bool)
+                keep[ds] = False
+                assert same_bytes(got[keep], before[(b.name, layer)][keep])
+    calibrate._model_for.cache_clear()

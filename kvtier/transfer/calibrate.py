@@ -7,24 +7,24 @@ A calibration times, in each direction, on scratch pinned and device buffers of
   planner fans them out, at line-aligned addresses and `UNALIGNED_SHIFT` bytes past them,
   `COPY_BYTES` per call (up to `MAX_PIECES` pieces): as many pieces as one layer's runs, since
   batches of a few hundred pieces do not show what thousands cost;
-- the on-device pass of staging (`index_copy_`);
-- staging whole, as a plan stages one layer: the copies of host pieces of each of
-  `STAGED_PIECES` bytes into a staging buffer and the device pass of its 1152-byte rows onto
-  scattered rows (a backup: the device pass, then the copies out);
-- per row size asked for, the row kernel on scattered single rows and on scattered units of
-  `costs.unit_rows` rows (its launch shape from `KernelOptions`);
-- 2-D copies of lines of each row size at a pitch of many rows (`page_first`).
+- per row size asked for:
+  - the on-device pass of staging (`index_copy_` onto scattered rows);
+  - staging whole, as a plan stages one layer: the copies of host pieces of each of
+    `STAGED_PIECES` bytes into a staging buffer and the device pass of its rows onto scattered
+    rows (a backup: the device pass, then the copies out);
+  - the row kernel on scattered single rows and on scattered units of `costs.unit_rows` rows
+    (its launch shape from `KernelOptions`);
+  - 2-D copies of lines of that size at a pitch of many rows (`page_first`).
 
 Each figure is the median of `REPEATS` samples of `BATCH` back-to-back calls (copies: `COPY_REPEATS`
 of `COPY_BATCH`) after a warm-up, issued while a GPU sleep holds the stream (the host's cost of
 issuing is not timed). The result, a
 `costs.CostModel`, is kept in `kvtier.paths.cache_dir()/calibration/`, one file per GPU
 model, driver and kvtier version; row sizes it lacks are measured when first asked for and
-added. Planners use it only with `KVTIER_CALIBRATION=on` (or a `CostModel` given to them):
-otherwise `PathCosts`' thresholds: the copy engine's cliff moves between leases of one GPU, and
-the model has been compared with the thresholds on one lease only (bench/FINDINGS.md, "The
-measured cost model"). A calibration that fails logs a warning and leaves the defaults;
-an unreadable cache file, or one measured by an older method (`FORMAT`), is measured again.
+added. Planners on CUDA use it unless `KVTIER_CALIBRATION=off` (or given a `CostModel`); with it
+off, `PathCosts`' thresholds (bench/FINDINGS.md, "The measured cost model"). A calibration that
+fails logs a warning and leaves the thresholds; an unreadable cache file, or one measured by an
+older method (`FORMAT`), is measured again.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from kvtier import paths
 from kvtier.errors import BackendUnavailableError, KVTierError
 from kvtier.pool.device import Direction
 from kvtier.pool.rows import WORD_DTYPES as WORDS
+from kvtier.pool.rows import word_dtype
 from kvtier.transfer import cudart, dma, kernel_args, kernels, strided
 from kvtier.transfer.costs import CostModel, Rates, unit_rows
 from kvtier.transfer.options import KernelOptions, PathCosts
@@ -60,7 +61,6 @@ COPY_BYTES = 128 << 20
 MAX_PIECES = 16384
 COPY_PIECES = tuple(1 << k for k in range(12, 21))  # 4 KiB to 1 MiB (smaller: the nearest, 4 KiB)
 STAGED_PIECES = tuple(1 << k for k in range(14, 21))  # 16 KiB to 1 MiB
-STAGED_ROW_BYTES = 1152
 REPEATS = 5
 BATCH = 4
 # Copy calls of `COPY_BYTES` last milliseconds: fewer samples of fewer calls each.
@@ -69,13 +69,17 @@ COPY_BATCH = 2
 # Pieces of rows that are not whole 128-byte lines start this far past a line.
 UNALIGNED_SHIFT = 16
 HOLD_CYCLES = 4_000_000
-FORMAT = 6  # raised whenever the measuring changes, so older files are measured again
+FORMAT = 7  # raised whenever the measuring changes, so older files are measured again
+
+# `Rates`' tables measured per row size.
+_BY_ROW = ("device_pass", "staged", "kernel_rows", "kernel_units", "strided")
 
 _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get("KVTIER_CALIBRATION", "off").lower() in ("on", "1", "true", "yes")
+    """Whether planners calibrate (`KVTIER_CALIBRATION`: on unless `off`, `0`, `false` or `no`)."""
+    return os.environ.get("KVTIER_CALIBRATION", "on").lower() not in ("off", "0", "false", "no")
 
 
 def machine_key(device: torch.device) -> str:
@@ -168,16 +172,14 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
         old = base.rates.get(d) if base else None
         copy = bench.copy_rates(d) if old is None else old.copy
         unaligned = bench.copy_rates(d, UNALIGNED_SHIFT) if old is None else old.copy_unaligned
-        dev = bench.device_pass() if old is None else old.device_gbps
-        staged = bench.staged_rates(d) if old is None or not old.staged else old.staged
-        k_rows = dict(old.kernel_rows) if old else {}
-        k_units = dict(old.kernel_units) if old else {}
-        lines = dict(old.strided) if old else {}
+        by_row = {k: dict(getattr(old, k)) if old else {} for k in _BY_ROW}
         for rb in row_sizes:
-            k_rows[rb] = bench.kernel(d, rb, 1)
-            k_units[rb] = bench.kernel(d, rb, unit_rows(rb))
-            lines[rb] = bench.strided(d, rb)
-        rates[d] = Rates(copy, dev, unaligned, k_rows, k_units, lines, staged)
+            by_row["device_pass"][rb] = bench.device_pass(rb)
+            by_row["staged"][rb] = bench.staged_rates(d, rb)
+            by_row["kernel_rows"][rb] = bench.kernel(d, rb, 1)
+            by_row["kernel_units"][rb] = bench.kernel(d, rb, unit_rows(rb))
+            by_row["strided"][rb] = bench.strided(d, rb)
+        rates[d] = Rates(copy, unaligned, **by_row)
     del bench
     source = f"calibrated {machine_key(device)}"
     log.info(
@@ -255,21 +257,20 @@ class _Bench:
             out[piece] = count * piece / t / 1e9
         return out
 
-    def staged_rates(self, direction: Direction) -> dict[int, float]:
-        """GB/s of staging whole for host pieces of each of `STAGED_PIECES` bytes: a load's copies into the
-        staging half of the device scratch (fanned out as the planner does), then `index_copy_` of its
-        rows onto a permutation of as many rows in the other half; a backup's `index_select` first."""
-        out, row = {}, STAGED_ROW_BYTES
-        half = SCRATCH_BYTES // 2
-        for piece in STAGED_PIECES:
+    def staged_rates(self, direction: Direction, row_bytes: int) -> dict[int, float]:
+        """GB/s of staging whole for host runs of rows of `row_bytes`, as many whole rows as fit each of
+        `STAGED_PIECES` bytes (keyed by their bytes): a load's copies into the staging half of the
+        device scratch (fanned out as the planner does), then `index_copy_` of its rows onto a
+        permutation of as many rows in the other half; a backup's `index_select` first."""
+        out, half = {}, SCRATCH_BYTES // 2
+        for nominal in STAGED_PIECES:
+            piece = max(1, nominal // row_bytes) * row_bytes
             count, sizes, fan = _batch(piece)
-            rows = count * piece // row
-            words = row // 8
-            stage = self.dev[half : half + rows * row].view(torch.int64).view(rows, words)
-            slots = self.dev[: rows * row].view(torch.int64).view(rows, words)
+            rows = count * piece // row_bytes
+            stage = self.rows(half, rows, row_bytes)
+            slots = self.rows(0, rows, row_bytes)
             index = torch.from_numpy(self.rng.permutation(rows)).to(self.device)
-            at = self.places(piece, count)
-            host = self.host.data_ptr() + at
+            host = self.host.data_ptr() + self.places(piece, count)
             staged = stage.data_ptr() + np.arange(count, dtype=np.int64) * piece
 
             def call(host=host, staged=staged, sizes=sizes, fan=fan, stage=stage, slots=slots, index=index):
@@ -283,14 +284,19 @@ class _Bench:
             out[piece] = count * piece / self.time(call, COPY_REPEATS, COPY_BATCH) / 1e9
         return out
 
-    def device_pass(self) -> float:
-        """GB/s of the staging pass: `index_copy_` of 1152-byte rows to scattered rows (read + write)."""
-        rows = MOVED_BYTES // 1152
-        src = self.dev[: rows * 1152].view(torch.int64).view(rows, -1)
-        out = self.dev[rows * 1152 : rows * 1152 * 3].view(torch.int64).view(2 * rows, -1)
+    def device_pass(self, row_bytes: int) -> float:
+        """GB/s of the staging pass: `index_copy_` of `MOVED_BYTES` of rows of `row_bytes` onto scattered
+        rows among twice as many (read + write)."""
+        rows = MOVED_BYTES // row_bytes
+        src, out = self.rows(0, rows, row_bytes), self.rows(rows * row_bytes, 2 * rows, row_bytes)
         index = torch.from_numpy(self.rng.permutation(2 * rows)[:rows]).to(self.device)
         t = self.time(lambda: out.index_copy_(0, index, src))
-        return rows * 1152 / t / 1e9
+        return rows * row_bytes / t / 1e9
+
+    def rows(self, at: int, count: int, row_bytes: int) -> torch.Tensor:
+        """`count` rows of `row_bytes` of the device scratch from byte `at`, as words: `[count, words]`."""
+        raw = self.dev[at : at + count * row_bytes].view(count, row_bytes)
+        return raw.view(word_dtype(row_bytes))
 
     def kernel(self, direction: Direction, row_bytes: int, unit: int) -> float:
         """GB/s of the row kernel on scattered units of `unit` rows of `row_bytes`, as a plan launches it."""

@@ -70,20 +70,23 @@ def _rates_table(model: CostModel, sizes: list[int]) -> Table:
     for col in (
         "direction",
         "copy engine",
-        "staging pass",
         "rows (B)",
+        "staging pass",
+        "staged, 32 KiB / 256 KiB runs",
         "kernel, rows",
         "kernel, units",
         "2-D lines",
     ):
         t.add_column(col, justify="right")
     for d, r in model.rates.items():
+        pieces = " / ".join(f"{r.copy_gbps(p):.1f}" for p in (4 << 10, 16 << 10, 64 << 10, 1 << 20))
         for i, rb in enumerate(sizes):
-            pieces = " / ".join(f"{r.copy_gbps(p):.1f}" for p in (4 << 10, 16 << 10, 64 << 10, 1 << 20))
-            head = (d.value, pieces, f"{r.device_gbps:.0f}") if i == 0 else ("", "", "")
+            staged = " / ".join(f"{r.staged_gbps(rb, p):.1f}" for p in (32 << 10, 256 << 10))
             t.add_row(
-                *head,
+                *((d.value, pieces) if i == 0 else ("", "")),
                 str(rb),
+                f"{r.device_pass.get(rb, 0):.0f}",
+                staged if rb in r.staged else "",
                 f"{r.kernel_rows.get(rb, 0):.1f}",
                 f"{r.kernel_units.get(rb, 0):.1f}",
                 f"{r.strided.get(rb, 0):.1f}",

@@ -5,22 +5,24 @@ A `CostModel` holds, per direction, what `kvtier.transfer.calibrate` measured on
 
 - `copy[piece bytes]`: the copy engine's GB/s on batched copies of pieces of that size, fanned out
   as the planner fans them out (between sizes, log-linear);
-- `device_gbps`: the on-device pass of staging (`index_copy_` / `index_select`);
+- `device_pass[row bytes]`: the on-device pass of staging (`index_copy_` / `index_select`) on
+  rows of that size, GB/s;
 - `kernel_rows[row bytes]`: the row kernel on scattered single rows of that size, GB/s;
 - `kernel_units[row bytes]`: the row kernel on scattered units of `unit_rows(row bytes)` rows,
   contiguous on both sides (host runs moved into staging, joint runs), GB/s;
 - `strided[line bytes]`: 2-D copy-engine copies of lines of that size (`page_first`), GB/s;
-- `staged[piece bytes]`: staging as a plan does it, timed whole: the copies of host pieces of
-  that size and the device pass of 1152-byte rows, GB/s (between sizes, log-linear). Where it
-  is measured, it decides which host runs go through staging by the copy engine; older models
-  add the copies' time and the device pass's, which was optimistic for backups by ~5%.
+- `staged[row bytes][piece bytes]`: staging as a plan does it, timed whole: the copies of host
+  pieces of that size and the device pass of rows of that size, GB/s (between pieces,
+  log-linear).
 
 From these `Choice.of` gives, for one buffer's rows and direction, the joint-run bytes from
 which the copy engine beats the kernel, and the host-run bytes from which a host run whose
-device slots are scattered goes through staging, by the copy engine or by the kernel's units.
-The copy engine wins a tie within `COPY_MARGIN`: every SM the kernel holds is taken from the
-model beside it (bench/FINDINGS.md, "Overlap and interference"). Without a model, or one that
-lacks a row size, `Choice.fallback` gives the fixed thresholds of `PathCosts`, per buffer.
+device slots are scattered goes through staging by the copy engine; shorter host runs go
+through staging by the kernel's units where that (units, then the device pass) beats the
+kernel on single rows. The copy engine wins a tie within `COPY_MARGIN`: every SM the kernel
+holds is taken from the model beside it (bench/FINDINGS.md, "Overlap and interference").
+Without a model, or one that lacks a row size, `Choice.fallback` gives the fixed thresholds of
+`PathCosts`, per buffer.
 """
 
 from __future__ import annotations
@@ -56,16 +58,18 @@ class Rates:
     """One direction's measured rates (see the module docstring); GB/s are 1e9 bytes per second."""
 
     copy: dict[int, float]
-    device_gbps: float
     # The copy engine on pieces at 16-byte (not 128-byte) aligned addresses, as rows of other sizes.
     copy_unaligned: dict[int, float] = field(default_factory=dict)
+    device_pass: dict[int, float] = field(default_factory=dict)
     kernel_rows: dict[int, float] = field(default_factory=dict)
     kernel_units: dict[int, float] = field(default_factory=dict)
     strided: dict[int, float] = field(default_factory=dict)
-    staged: dict[int, float] = field(default_factory=dict)
+    staged: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def knows(self, row_bytes: int) -> bool:
-        return bool(self.copy) and row_bytes in self.kernel_rows and row_bytes in self.kernel_units
+        """Whether every rate `Choice.of` needs for rows of `row_bytes` was measured."""
+        tables = (self.device_pass, self.kernel_rows, self.kernel_units, self.staged)
+        return bool(self.copy) and all(row_bytes in t for t in tables) and bool(self.staged[row_bytes])
 
     def copy_gbps(self, piece: float, aligned: bool = True) -> float:
         """The copy engine's GB/s for pieces of `piece` bytes (at line-aligned addresses, or not):
@@ -76,10 +80,14 @@ class Rates:
         """The fewest bytes a piece needs for the copy engine to reach `gbps` (NEVER if it does not)."""
         return _first_piece(self._copy_table(aligned), gbps)
 
-    def staged_from(self, gbps: float) -> float:
-        """The fewest bytes a host run needs for staging by the copy engine to reach `gbps` (NEVER if it
-        does not, or `staged` is not measured)."""
-        return _first_piece(self.staged, gbps) if self.staged else NEVER
+    def staged_gbps(self, row_bytes: int, run: float) -> float:
+        """Staging by the copy engine's GB/s for host runs of `run` bytes of `row_bytes` rows."""
+        return float(_curve(self.staged[row_bytes], np.array([run], dtype=np.float64))[0])
+
+    def staged_from(self, row_bytes: int, gbps: float) -> float:
+        """The fewest bytes a host run of `row_bytes` rows needs for staging by the copy engine to reach
+        `gbps` (NEVER if it does not)."""
+        return _first_piece(self.staged[row_bytes], gbps)
 
     def _copy_rates(self, pieces: np.ndarray, aligned: bool) -> np.ndarray:
         """`copy_gbps` of each of `pieces` (`[k]` float64 bytes)."""
@@ -126,17 +134,13 @@ class Choice:
         copy_from = functools.partial(rates.copy_from, aligned=row_bytes % LINE_BYTES == 0)
         # Joint runs: the copy engine once its rate is within the margin of the kernel's on units.
         copy_min = copy_from(units / (1 + COPY_MARGIN))
-        # Host runs over scattered device slots: staging by the copy engine once the copy and the
-        # device pass together beat the kernel's single rows ...
-        staged_min = NEVER
-        if rates.staged:  # measured whole
-            staged_min = rates.staged_from(rows)
-        elif rows < rates.device_gbps:
-            staged_min = copy_from(1 / (1 / rows - 1 / rates.device_gbps))
-        # ... and by the kernel's units where they beat single rows, while the copy engine is slower.
-        below = 0.0
-        if 1 / units + 1 / rates.device_gbps < 1 / rows:
-            below = copy_from(units)
+        # Host runs over scattered device slots, without the copy engine: the kernel on single rows,
+        # or its units into staging and the device pass, whichever is faster ...
+        by_units = 1 / (1 / units + 1 / rates.device_pass[row_bytes])
+        best = max(rows, by_units)
+        # ... until staging by the copy engine, timed whole, comes within the margin of it.
+        staged_min = rates.staged_from(row_bytes, best / (1 + COPY_MARGIN))
+        below = staged_min if by_units > rows else 0.0
         return cls(copy_min, staged_min, below, source)
 
     @classmethod
@@ -199,17 +203,15 @@ class CostModel:
         return Choice.of(self.rates.get(direction), row_bytes, self.source)
 
     def to_json(self) -> dict:
+        def sizes(table: dict[int, float]) -> dict[str, float]:
+            return {str(k): v for k, v in table.items()}
+
         return {
             "source": self.source,
             "rates": {
                 d.value: {
-                    "copy": {str(k): v for k, v in r.copy.items()},
-                    "copy_unaligned": {str(k): v for k, v in r.copy_unaligned.items()},
-                    "device_gbps": r.device_gbps,
-                    "kernel_rows": {str(k): v for k, v in r.kernel_rows.items()},
-                    "kernel_units": {str(k): v for k, v in r.kernel_units.items()},
-                    "strided": {str(k): v for k, v in r.strided.items()},
-                    "staged": {str(k): v for k, v in r.staged.items()},
+                    **{k: sizes(getattr(r, k)) for k in _TABLES},
+                    "staged": {str(rb): sizes(t) for rb, t in r.staged.items()},
                 }
                 for d, r in self.rates.items()
             },
@@ -218,14 +220,20 @@ class CostModel:
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         """The model `to_json` wrote; `KeyError`, `TypeError` or `ValueError` for anything else."""
+
+        def sizes(table: dict) -> dict[int, float]:
+            return {int(s): float(v) for s, v in table.items()}
+
         rates = {}
         for d, r in data["rates"].items():
-            keys = ("copy", "copy_unaligned", "kernel_rows", "kernel_units", "strided")
-            sizes = {k: {int(s): float(v) for s, v in r[k].items()} for k in keys}
-            # A model from before staging was timed whole has no `staged`.
-            sizes["staged"] = {int(s): float(v) for s, v in r.get("staged", {}).items()}
-            dev = float(r["device_gbps"])
-            if dev <= 0 or not sizes["copy"] or any(v <= 0 for s in sizes.values() for v in s.values()):
+            tables = {k: sizes(r[k]) for k in _TABLES}
+            staged = {int(rb): sizes(t) for rb, t in r["staged"].items()}
+            every = [*tables.values(), *staged.values()]
+            if not tables["copy"] or any(v <= 0 for t in every for v in t.values()):
                 raise ValueError(f"a missing or non-positive rate in {r}")
-            rates[Direction(d)] = Rates(device_gbps=dev, **sizes)
+            rates[Direction(d)] = Rates(**tables, staged=staged)
         return cls(str(data["source"]), rates)
+
+
+# `Rates`' tables keyed by one size (bytes), as `to_json` writes them.
+_TABLES = ("copy", "copy_unaligned", "device_pass", "kernel_rows", "kernel_units", "strided")

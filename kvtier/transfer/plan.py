@@ -142,7 +142,8 @@ class Planner:
     `force` picks one path instead of the planner (benchmarks and tests; not `MIXED`,
     `SINGLE_COPY` only on one joint run, `KERNEL` where it runs). `use_kernel` lets the
     planner use the kernel (default: on CUDA with Triton). `model`: measured costs to choose by
-    (None: this GPU's calibration where `KVTIER_CALIBRATION=on`, else `costs`' thresholds).
+    (None: this GPU's calibration, measured at first use and cached, unless `KVTIER_CALIBRATION=off`;
+    without it, or where it fails, `costs`' thresholds).
     """
 
     def __init__(
