@@ -19,8 +19,10 @@ From these `Choice.of` gives, for one buffer's rows and direction, the joint-run
 which the copy engine beats the kernel, and the host-run bytes from which a host run whose
 device slots are scattered goes through staging by the copy engine; shorter host runs go
 through staging by the kernel's units where that (units, then the device pass) beats the
-kernel on single rows. The copy engine wins a tie within `COPY_MARGIN`: every SM the kernel
-holds is taken from the model beside it (bench/FINDINGS.md, "Overlap and interference").
+kernel on single rows by more than `COPY_MARGIN`. For joint runs the copy engine wins a tie
+within `COPY_MARGIN`: every SM the kernel holds is taken from the model beside it
+(bench/FINDINGS.md, "Overlap and interference"); staging, whose device pass holds SMs too,
+must be as fast.
 Without a model, or one that lacks a row size, `Choice.fallback` gives the fixed thresholds of
 `PathCosts`, per buffer.
 """
@@ -137,10 +139,13 @@ class Choice:
         # Host runs over scattered device slots, without the copy engine: the kernel on single rows,
         # or its units into staging and the device pass, whichever is faster ...
         by_units = 1 / (1 / units + 1 / rates.device_pass[row_bytes])
-        best = max(rows, by_units)
-        # ... until staging by the copy engine, timed whole, comes within the margin of it.
-        staged_min = rates.staged_from(row_bytes, best / (1 + COPY_MARGIN))
-        below = staged_min if by_units > rows else 0.0
+        units_win = by_units > rows * (1 + COPY_MARGIN)  # a pass more, for a clear gain only
+        best = by_units if units_win else rows
+        # ... until staging by the copy engine, timed whole, reaches it. No margin: the device pass of
+        # staging holds SMs too, and a plan's staged backups ran ~2% under the calibration's rate
+        # (bench/FINDINGS.md, "The measured cost model").
+        staged_min = rates.staged_from(row_bytes, best)
+        below = staged_min if units_win else 0.0
         return cls(copy_min, staged_min, below, source)
 
     @classmethod
