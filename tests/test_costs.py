@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 
 import pytest
@@ -89,6 +90,29 @@ def test_staging_measured_whole_per_row_size_decides_which_host_runs_it_takes() 
     assert slow.staged_gbps(132, 32 << 10) == pytest.approx(44.0)
 
 
+def test_the_planners_floor_keeps_short_runs_off_the_copy_engine_whatever_the_model_says() -> None:
+    """With a floor of 64 KiB, a model whose copy engine keeps up from 16 KiB still sends shorter
+    joint runs to the kernel and stages shorter host runs by the kernel's units; longer thresholds
+    are the model's own."""
+    quick = {16 << 10: 54.0, 1 << 20: 55.0}
+    r = Rates(
+        quick,
+        quick,
+        device_pass={132: 1800.0, 1152: 1800.0},
+        kernel_rows={132: 28.0, 1152: 50.0},
+        kernel_units={132: 47.0, 1152: 50.3},
+        staged={132: quick, 1152: {16 << 10: 20.0, 1 << 20: 53.0}},
+    )
+    free = {rb: Choice.of(r, rb, "m") for rb in (132, 1152)}
+    model = CostModel("m", {Direction.LOAD: r})
+    floored = {rb: model.choice(rb, Direction.LOAD, 64 << 10) for rb in (132, 1152)}
+    assert free[132].copy_min_bytes <= 16 << 10 and free[132].staged_min_bytes <= 16 << 10
+    assert floored[132].copy_min_bytes == floored[132].staged_min_bytes == 64 << 10
+    assert floored[132].kernel_staged_below == 64 << 10  # units still beat single rows below it
+    assert floored[1152].staged_min_bytes == free[1152].staged_min_bytes > 64 << 10
+    assert floored[1152].kernel_staged_below == free[1152].kernel_staged_below == 0
+
+
 def test_the_defaults_stage_small_rows_by_the_kernel_and_only_long_host_runs_by_the_copy_engine() -> None:
     costs = PathCosts()
     indexer = Choice.fallback(costs, Direction.LOAD, 132, 1152)
@@ -149,6 +173,17 @@ def test_calibration_is_on_unless_turned_off_and_needs_a_gpu(monkeypatch) -> Non
     assert calibrate.model_for(torch.device("cpu"), [132]) is None
 
 
+def test_one_process_at_a_time_calibrates_a_machine(tmp_path) -> None:
+    """The cache file's lock is exclusive across open files (as across processes) while it is held."""
+    path = tmp_path / "calibration" / "gpu.json"
+    lock = path.with_suffix(".lock")
+    with calibrate.machine_lock(path), open(lock, "a") as other, pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(lock, "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on leaving
+        fcntl.flock(other, fcntl.LOCK_UN)
+
+
 def test_kvtier_calibrate_refuses_the_cpu_in_one_line(capsys) -> None:
     assert cli.main(["calibrate", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
@@ -182,16 +217,21 @@ def test_a_plan_on_a_model_moves_each_buffer_its_own_way_byte_for_byte(direction
     both = measured(fast)
     model = CostModel("calibrated test", {d: both for d in Direction})
     assert Choice.of(both, 48, "m").staged_min_bytes < 32 * 48
-    planner = Planner(host, dev, use_kernel=True, model=model)
-    plan = planner.plan(direction, hs, ds)
+    # The planner's floor (`PathCosts.copy_min_bytes`, 64 KiB) keeps these short host runs off the copy
+    # engine: both buffers' go through staging by the kernel's units, which beat its single rows.
+    plan = Planner(host, dev, use_kernel=True, model=model).plan(direction, hs, ds)
     assert plan.cost_model == "calibrated test"
+    assert plan.mechanisms_by_buffer() == {"kv": {"staged_kernel": 128}, "indexer": {"staged_kernel": 128}}
+    # Under a floor of 1 KiB the model's own choice: staging at 60 GB/s, both buffers by the copy engine.
+    low = PathCosts(copy_min_bytes=1 << 10)
+    plan = Planner(host, dev, low, use_kernel=True, model=model).plan(direction, hs, ds)
     by = plan.mechanisms_by_buffer()
-    assert by["kv"] == {"staged": 128} and by["indexer"] == {"staged": 128}  # staging at 60: both by copy
+    assert by["kv"] == {"staged": 128} and by["indexer"] == {"staged": 128}
     # Now staging the indexer's rows by the copy engine is slow: they go through the kernel's units.
     slow_model = measured(slow)
     assert Choice.of(slow_model, 132, "m").kernel_staged_below > 32 * 132
     model = CostModel("calibrated slow", {d: slow_model for d in Direction})
-    plan = Planner(host, dev, use_kernel=True, model=model).plan(direction, hs, ds)
+    plan = Planner(host, dev, low, use_kernel=True, model=model).plan(direction, hs, ds)
     assert plan.mechanisms_by_buffer()["indexer"] == {"staged_kernel": 128}
     before = {(b.name, layer): dev.layer(b.name, layer).clone() for b in spec.buffers for layer in b.layers}
     if direction is Direction.LOAD:

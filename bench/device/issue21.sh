@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 21 in one call: `kvtier calibrate --force` (its run time and the choices per spec), the
-# line-rate table per spec on the default thresholds (`specs.sh`: one JSON per spec, meta.spec set),
+# line-rate table per spec on the default planner, the calibrated model (`specs.sh`: one JSON per spec,
+# meta.spec set),
 # with SERVED=1 the GLM-5-shaped served setup at 8k, 32k and 128k (one repeat, one churn cycle: the
 # stock configuration's per-token transfers of 13 GB take most of that), then glm-5 again on the
-# calibrated cost model. Usage: [SPECS=...] [SERVED=1] bash bench/device/issue21.sh
+# thresholds (KVTIER_CALIBRATION=off). Usage: [SPECS=...] [SERVED=1] bash bench/device/issue21.sh
 source bench/device/setup.sh
 (time $KV calibrate --force --json "$OUT/calibration_${GPU}_$DATE.json") 2>&1 | tee "$SCRATCH/calibration.log" \
   | grep -E "calibrated|real"
@@ -14,6 +15,6 @@ if [ "${SERVED:-0}" = 1 ]; then
     --cycles 1 --json "$OUT/served_glm-5_${GPU}_$DATE.json" "${SMOKE_SERVED[@]}" 2>&1 \
     | tee "$OUT/served_glm-5_${GPU}_$DATE.log" | grep -vE "^ *$" | tail -12
 fi
-# The planner on the calibrated cost model (opt-in: KVTIER_CALIBRATION=on), for comparison.
-KVTIER_CALIBRATION=on SPECS=${CALIBRATED_SPECS:-glm-5} TAG=_calibrated LOG_DIR=$SCRATCH VARIANTS=planned PAGE_FIRST=none \
+# The planner on the thresholds (the fallback: KVTIER_CALIBRATION=off), for comparison.
+KVTIER_CALIBRATION=off SPECS=${THRESHOLD_SPECS:-glm-5} TAG=_thresholds LOG_DIR=$SCRATCH VARIANTS=planned PAGE_FIRST=none \
   bash bench/device/specs.sh 2>&1 | grep -E "==|ceiling:"

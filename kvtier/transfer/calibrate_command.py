@@ -11,6 +11,7 @@ from rich.table import Table
 from kvtier.errors import ConfigError
 from kvtier.pool.device import Direction
 from kvtier.transfer.costs import NEVER, CostModel
+from kvtier.transfer.options import PathCosts
 
 # The specs calibrated by default: every preset of a real model's shape.
 DEFAULT_SPECS = (
@@ -52,7 +53,7 @@ def command(args: Namespace) -> int:
 
 
 def _choice(model: CostModel, row_bytes: int, direction: Direction) -> dict:
-    c = model.choice(row_bytes, direction)
+    c = model.choice(row_bytes, direction, PathCosts().copy_min_bytes)  # as the planner asks
     if c is None:
         return {}
     return {

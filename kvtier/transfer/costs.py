@@ -25,6 +25,13 @@ within `COPY_MARGIN`: every SM the kernel holds is taken from the model beside i
 must be as fast.
 Without a model, or one that lacks a row size, `Choice.fallback` gives the fixed thresholds of
 `PathCosts`, per buffer.
+
+The planner gives a model's choices a floor, `PathCosts.copy_min_bytes` (64 KiB): the copy engine
+takes no joint run, nor stages any host run, shorter than that. Under 64 KiB its rate moves by
+lease, shape and timing (36-55 GB/s for pieces of 32-42 KiB) where the kernel's holds at ~50: a
+calibration that measured 54 GB/s at 41984-byte pieces planned `deepseek-v3-fp8-packed` backups
+of runs of 64 rows onto the copy engine, which ran them at 0.77 of the ceiling against the
+kernel's 0.94 (bench/FINDINGS.md, "The measured cost model").
 """
 
 from __future__ import annotations
@@ -128,8 +135,9 @@ class Choice:
     source: str
 
     @classmethod
-    def of(cls, rates: Rates | None, row_bytes: int, source: str) -> Choice | None:
-        """The choice `rates` imply for rows of `row_bytes` (None where they do not know the size)."""
+    def of(cls, rates: Rates | None, row_bytes: int, source: str, least: float = 0.0) -> Choice | None:
+        """The choice `rates` imply for rows of `row_bytes` (None where they do not know the size), the
+        copy engine taking no run under `least` bytes (the planner's floor, in the module docstring)."""
         if rates is None or not rates.knows(row_bytes):
             return None
         rows, units = rates.kernel_rows[row_bytes], rates.kernel_units[row_bytes]
@@ -146,7 +154,9 @@ class Choice:
         # (bench/FINDINGS.md, "The measured cost model").
         staged_min = rates.staged_from(row_bytes, best)
         below = staged_min if units_win else 0.0
-        return cls(copy_min, staged_min, below, source)
+        if below:
+            below = max(below, least)
+        return cls(max(copy_min, least), max(staged_min, least), below, source)
 
     @classmethod
     def fallback(cls, costs: PathCosts, direction: Direction, row_bytes: int, widest: int) -> Choice:
@@ -204,8 +214,9 @@ class CostModel:
     source: str
     rates: dict[Direction, Rates]
 
-    def choice(self, row_bytes: int, direction: Direction) -> Choice | None:
-        return Choice.of(self.rates.get(direction), row_bytes, self.source)
+    def choice(self, row_bytes: int, direction: Direction, least: float = 0.0) -> Choice | None:
+        """`Choice.of` this model's rates in `direction` (`least`: its copy floor, bytes)."""
+        return Choice.of(self.rates.get(direction), row_bytes, self.source, least)
 
     def to_json(self) -> dict:
         def sizes(table: dict[int, float]) -> dict[str, float]:

@@ -178,7 +178,8 @@ class Planner:
     def _groups(self, direction: Direction) -> tuple[Group, ...]:
         """Each buffer's `Choice`: the model's where it knows every row size, else `PathCosts`'."""
         spec = self.host_pool.spec
-        found = [self.model.choice(b.row_bytes, direction) for b in spec.buffers] if self.model else []
+        least = self.costs.copy_min_bytes
+        found = [self.model.choice(b.row_bytes, direction, least) for b in spec.buffers] if self.model else []
         if not found or any(c is None for c in found):
             found = [Choice.fallback(self.costs, direction, b.row_bytes, self.widest) for b in spec.buffers]
         return tuple(Group(b.name, b.row_bytes, c) for b, c in zip(spec.buffers, found, strict=True))
