@@ -179,3 +179,31 @@ def served():
     processes = ServedProcesses()
     yield processes
     processes.kill()
+
+
+def run_and_check(plan, host: HostPool, dev: DevicePool, hs: torch.Tensor, ds: torch.Tensor, stream) -> None:
+    """Run `plan` (`hs` host slots to or from `ds` device slots, `[n]` int64) over every layer on
+    `stream`, then check each buffer's rows byte for byte against a copy taken before: a load wrote
+    the host rows at `ds` and nothing else on the device, a backup wrote the device rows at `hs`."""
+    from kvtier.pool.device import Direction
+    from kvtier.transfer import backup, load_layer
+
+    spec = host.spec
+    before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
+    if plan.direction is Direction.LOAD:
+        for layer in range(spec.num_layers):
+            load_layer(plan, host, dev, layer, stream)
+    else:
+        backup(plan, dev, host, stream=stream)
+    if stream is not None:
+        stream.synchronize()
+    for b in spec.buffers:
+        for layer in b.layers:
+            got = dev.layer(b.name, layer).cpu()
+            rows = host.gather(b.name, layer, hs)
+            if plan.direction is Direction.LOAD:
+                want = before[(b.name, layer)].clone()
+                want[ds] = rows
+                assert same_bytes(got, want), (plan.path, b.name, layer)
+            else:
+                assert same_bytes(rows, before[(b.name, layer)][ds]), (plan.path, b.name, layer)

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-from conftest import host_row, poison_device, poison_host, same_bytes
+from conftest import host_row, poison_device, poison_host, run_and_check, same_bytes
 
 from kvtier import cli
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
-from kvtier.transfer import Planner, backup, calibrate, kernels, load_layer, load_layers
+from kvtier.transfer import Planner, backup, calibrate, kernels, load_layers
 from kvtier.transfer.costs import NEVER, Choice, CostModel, Rates
 from kvtier.transfer.options import PathCosts
 
@@ -278,21 +278,5 @@ def test_on_a_gpu_the_planner_calibrates_at_first_use_and_moves_rows_byte_for_by
     model = calibrate.read(calibrate.cache_file(dev.device))
     assert model is not None
     assert all(model.rates[d].knows(b.row_bytes) for d in Direction for b in spec.buffers)
-    before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
-    if direction is Direction.LOAD:
-        for layer in range(spec.num_layers):
-            load_layer(plan, host, dev, layer, stream)
-    else:
-        backup(plan, dev, host, stream=stream)
-    stream.synchronize()
-    for b in spec.buffers:
-        for layer in b.layers:
-            rows = host.gather(b.name, layer, hs)
-            got = dev.layer(b.name, layer).cpu()
-            want = got[ds] if direction is Direction.LOAD else before[(b.name, layer)][ds]
-            assert same_bytes(want, rows)
-            if direction is Direction.LOAD:
-                keep = torch.ones(dev.num_slots, dtype=torch.bool)
-                keep[ds] = False
-                assert same_bytes(got[keep], before[(b.name, layer)][keep])
+    run_and_check(plan, host, dev, hs, ds, stream)
     calibrate._model_for.cache_clear()

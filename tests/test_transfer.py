@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import host_row, host_rows, poison_device, poison_host, random_rows, same_bytes
+from conftest import host_row, host_rows, poison_device, poison_host, random_rows, run_and_check, same_bytes
 
 from kvtier.errors import ConfigError, PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
@@ -706,23 +706,7 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
             (part,) = plan.parts
             assert part.batched and len(part.windows) == 4
             assert (part.kernel is None) == (direction == "load")
-        before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
-        if direction == "load":
-            for layer in range(spec.num_layers):
-                load_layer(plan, host, dev, layer, stream)
-        else:
-            backup(plan, dev, host, stream=stream)
-        stream.synchronize()
-        for b in spec.buffers:
-            for layer in b.layers:
-                got = dev.layer(b.name, layer).cpu()
-                rows = host.gather(b.name, layer, hs)
-                if direction == "load":
-                    want = before[(b.name, layer)].clone()
-                    want[ds] = rows
-                    assert same_bytes(got, want), (expected, b.name, layer)
-                else:
-                    assert same_bytes(rows, before[(b.name, layer)][ds]), (expected, b.name, layer)
+        run_and_check(plan, host, dev, hs, ds, stream)
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))

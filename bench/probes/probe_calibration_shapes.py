@@ -23,9 +23,7 @@ import numpy as np
 import torch
 
 from kvtier.pool.device import Direction
-from kvtier.pool.rows import WORD_DTYPES
-from kvtier.transfer import calibrate, dma, kernel_args, kernels
-from kvtier.transfer.options import KernelOptions
+from kvtier.transfer import calibrate, dma
 
 PIECES = (16 << 10, 24 << 10, 32 << 10, 41984, 48 << 10, 64 << 10)
 SHIFTS = ((0, 0), (16, 16), (0, 16), (16, 0), (0, 64))  # (device, host) bytes past a line
@@ -55,32 +53,7 @@ def kernel_rows(bench: calibrate._Bench, d: Direction, rb: int, host_run: int) -
     runs = bench.rng.permutation(total // host_run)[: rows // host_run].astype(np.int64) * host_run
     host_at = ((runs[:, None] + np.arange(host_run)).reshape(-1)) * rb
     dev_at = bench.rng.permutation(total)[:rows].astype(np.int64) * rb
-    align = kernel_args.common_alignment(host_at, dev_at)
-    word = kernel_args.word_size(rb, [align])
-    align_words = max(1, align // word)
-    launch = KernelOptions().launch(rb, align_words * word, bench.device, d)
-    host, dev = bench.host.view(WORD_DTYPES[word]), bench.dev.view(WORD_DTYPES[word])
-    load = d is Direction.LOAD
-    src, dst = (host, dev) if load else (dev, host)
-    src_at, dst_at = (host_at, dev_at) if load else (dev_at, host_at)
-    src_off = torch.from_numpy(src_at // word).to(bench.device)
-    dst_off = torch.from_numpy(dst_at // word).to(bench.device)
-
-    def call() -> None:
-        kernels.copy_rows(
-            src,
-            src_off,
-            dst,
-            dst_off,
-            rb // word,
-            sm_budget=launch.programs,
-            rows_per_program=launch.rows,
-            validate=False,
-            offsets_align=align_words,
-            stages=launch.stages,
-        )
-
-    return rows * rb / bench.time(call) / 1e9
+    return bench.kernel_at(d, rb, host_at, dev_at)
 
 
 def main() -> None:

@@ -324,16 +324,24 @@ class _Bench:
         """GB/s of the row kernel on scattered units of `unit` rows of `row_bytes`, as a plan launches it."""
         span = row_bytes * unit
         count = max(1, min(MOVED_BYTES // span, SCRATCH_BYTES // span // 2))
-        at, other = self.places(span, count), self.places(span, count)
+        src, dst = self.places(span, count), self.places(span, count)
+        load = direction is Direction.LOAD
+        return self.kernel_at(direction, span, *((src, dst) if load else (dst, src)))
+
+    def kernel_at(self, direction: Direction, span: int, host_at: np.ndarray, dev_at: np.ndarray) -> float:
+        """GB/s of the row kernel moving `span` bytes between each of `host_at` and `dev_at` (`[k]` int64
+        byte offsets in the scratch buffers), launched as a plan launches it."""
         # As `units.unit_regions` shapes a plan's launch: the widest word the offsets allow.
-        align = kernel_args.common_alignment(at, other)
+        align = kernel_args.common_alignment(host_at, dev_at)
         word = kernel_args.word_size(span, [align])
         align_words = max(1, align // word)
         launch = KernelOptions().launch(span, align_words * word, self.device, direction)
         host, dev = self.host.view(WORDS[word]), self.dev.view(WORDS[word])
-        src, dst = (host, dev) if direction is Direction.LOAD else (dev, host)
-        src_off = torch.from_numpy(at // word).to(self.device)
-        dst_off = torch.from_numpy(other // word).to(self.device)
+        load = direction is Direction.LOAD
+        src, dst = (host, dev) if load else (dev, host)
+        src_at, dst_at = (host_at, dev_at) if load else (dev_at, host_at)
+        src_off = torch.from_numpy(src_at // word).to(self.device)
+        dst_off = torch.from_numpy(dst_at // word).to(self.device)
 
         def call() -> None:
             kernels.copy_rows(
@@ -349,7 +357,7 @@ class _Bench:
                 stages=launch.stages,
             )
 
-        return count * span / self.time(call) / 1e9
+        return len(host_at) * span / self.time(call) / 1e9
 
     def strided(self, direction: Direction, line_bytes: int) -> float:
         """GB/s of one 2-D copy of lines of `line_bytes` whose host pitch is `PITCH_LINES` lines."""
