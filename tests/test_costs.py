@@ -280,3 +280,22 @@ def test_on_a_gpu_the_planner_calibrates_at_first_use_and_moves_rows_byte_for_by
     assert all(model.rates[d].knows(b.row_bytes) for d in Direction for b in spec.buffers)
     run_and_check(plan, host, dev, hs, ds, stream)
     calibrate._model_for.cache_clear()
+
+
+def test_kvtier_calibrate_shows_the_rates_and_the_floored_choices_of_a_model() -> None:
+    """The command's tables from a model: every measured row size, and the choices as a planner with
+    the default thresholds makes them (the copy engine floored at 64 KiB)."""
+    from rich.console import Console
+
+    from kvtier.transfer import calibrate_command
+
+    model = CostModel("calibrated x", {d: rates(28.0, 47.0) for d in Direction})
+    choice = calibrate_command._choice(model, 132, Direction.LOAD)
+    assert choice["copy_min_bytes"] == 64 << 10  # the floor: the curve alone says ~56 KiB
+    assert choice["staged_min_bytes"] == choice["kernel_staged_below"] > 64 << 10
+    assert calibrate_command._choice(model, 1152, Direction.LOAD) == {}  # a size it did not measure
+    console = Console(width=200, record=True)
+    console.print(calibrate_command._rates_table(model, [132]))
+    console.print(calibrate_command._choices_table({"tiny": {"indexer": {"load": choice}}}))
+    text = console.export_text()
+    assert "1800" in text and "47.0" in text and "65,536" in text
