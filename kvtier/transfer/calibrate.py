@@ -186,6 +186,13 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
         raise BackendUnavailableError(f"calibration needs a CUDA device and Triton, not {device}")
     if dma.dma_mode() is dma.DmaMode.TORCH or cudart.runtime() is None:
         raise BackendUnavailableError("calibration needs raw copy-engine calls (cuda.bindings and libcudart)")
+    row_sizes = sorted(set(row_sizes))
+    log.info(
+        "calibrating transfers on %s for rows of %s bytes (~10 s, once per GPU model, driver and kvtier "
+        "version; KVTIER_CALIBRATION=off plans on fixed thresholds instead)",
+        device,
+        row_sizes,
+    )
     t0 = time.perf_counter()
     bench = _Bench(device)
     rates = {}
@@ -204,9 +211,7 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
     del bench
     torch.cuda.empty_cache()  # the device scratch back to the device, for pools sized after this
     source = f"calibrated {machine_key(device)}"
-    log.info(
-        "calibrated %s for rows of %s bytes in %.1f s", device, list(row_sizes), time.perf_counter() - t0
-    )
+    log.info("calibrated %s for rows of %s bytes in %.1f s", device, row_sizes, time.perf_counter() - t0)
     return CostModel(source, rates)
 
 
