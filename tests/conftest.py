@@ -17,7 +17,9 @@ os.environ["KVTIER_CALIBRATION"] = "off"
 import pytest
 
 from kvtier.pool import DevicePool, HostPool
+from kvtier.pool.device import Direction
 from kvtier.spec import BufferSpec
+from kvtier.transfer import backup, load_layer
 
 
 def on_host(t: torch.Tensor) -> torch.Tensor:
@@ -185,9 +187,6 @@ def run_and_check(plan, host: HostPool, dev: DevicePool, hs: torch.Tensor, ds: t
     """Run `plan` (`hs` host slots to or from `ds` device slots, `[n]` int64) over every layer on
     `stream`, then check each buffer's rows byte for byte against a copy taken before: a load wrote
     the host rows at `ds` and nothing else on the device, a backup wrote the device rows at `hs`."""
-    from kvtier.pool.device import Direction
-    from kvtier.transfer import backup, load_layer
-
     spec = host.spec
     before = {(b.name, lay): dev.layer(b.name, lay).cpu() for b in spec.buffers for lay in b.layers}
     if plan.direction is Direction.LOAD:

@@ -152,11 +152,8 @@ class Choice:
         # ... until staging by the copy engine, timed whole, reaches it. No margin: the device pass of
         # staging holds SMs too, and a plan's staged backups ran ~2% under the calibration's rate
         # (bench/FINDINGS.md, "The measured cost model").
-        staged_min = rates.staged_from(row_bytes, best)
-        below = staged_min if units_win else 0.0
-        if below:
-            below = max(below, least)
-        return cls(max(copy_min, least), max(staged_min, least), below, source)
+        staged_min = max(rates.staged_from(row_bytes, best), least)
+        return cls(max(copy_min, least), staged_min, staged_min if units_win else 0.0, source)
 
     @classmethod
     def fallback(cls, costs: PathCosts, direction: Direction, row_bytes: int, widest: int) -> Choice:
