@@ -27,11 +27,14 @@ Without a model, or one that lacks a row size, `Choice.fallback` gives the fixed
 `PathCosts`, per buffer.
 
 The planner gives a model's choices a floor, `PathCosts.copy_min_bytes` (64 KiB): the copy engine
-takes no joint run, nor stages any host run, shorter than that. Under 64 KiB its rate moves by
-lease, shape and timing (36-55 GB/s for pieces of 32-42 KiB) where the kernel's holds at ~50: a
-calibration that measured 54 GB/s at 41984-byte pieces planned `deepseek-v3-fp8-packed` backups
-of runs of 64 rows onto the copy engine, which ran them at 0.77 of the ceiling against the
-kernel's 0.94 (bench/FINDINGS.md, "The measured cost model").
+takes no joint run, nor stages any host run, shorter than that. The host pays ~0.5-1 us to issue
+each copy whatever its size, so under ~64 KiB a copy is issued slower than the link moves it, and
+its rate moves by lease, shape and timing (36-55 GB/s for pieces of 32-42 KiB) where the kernel's
+holds at ~50 (`bench/probes/probe_copy_issue.py`); a calibration that measured 54 GB/s at
+41984-byte pieces planned `deepseek-v3-fp8-packed` backups of runs of 64 rows onto the copy
+engine, which ran them at 0.77 of the ceiling against the kernel's 0.94 (bench/FINDINGS.md, "The
+measured cost model"). Shorter pieces of small rows may still ride with a wider buffer's
+(`kvtier.transfer.splits`), where the layer's copies average the floor.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ single host run with scattered device slots is staged; otherwise, where the kern
 and Triton), each buffer is planned by its `costs.Choice` (the fixed thresholds of `PathCosts`,
 or a measured `CostModel`): its long joint runs go to batched DMA, long host runs whose device
 slots are scattered to staging by the copy engine, shorter ones of small rows to staging by the
-kernel's units, and the remaining rows to the kernel; buffers whose runs split alike share their
-parts. Without the kernel it takes the cheapest of per-run copies, staging and the reference
-path by `PathCosts`.
+kernel's units, and the remaining rows to the kernel; a buffer of small rows also stages by the copy
+engine the host runs the widest buffer stages, where the copies stay long on average (`splits`);
+buffers whose runs split alike share their parts. Without the kernel it takes the cheapest of
+per-run copies, staging and the reference path by `PathCosts`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostLayout, HostPool
 from kvtier.slots import as_slot_tensor
-from kvtier.transfer import calibrate, dma, kernels, options, parts, stacks, units
+from kvtier.transfer import calibrate, dma, kernels, options, parts, splits, stacks, units
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice, CostModel
 from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
@@ -376,18 +377,11 @@ class Planner:
             return build(kernel=found.joint, buffers=only)
         if path is TransferPath.REFERENCE:
             return (parts.reference_part(d, up, names),)
-        # Mixed, per group of buffers: each group's runs split by its choice; groups that split alike
-        # share their parts.
-        splits: dict[tuple[bytes, ...], tuple[frozenset[str], dict[str, Runs | None]]] = {}
-        for g in self.groups[direction]:
-            if g.name not in names:
-                continue
-            split = g.choice.split(found, g.row_bytes)
-            key = tuple(b"" if v is None else v[0].tobytes() + v[1].tobytes() for v in split.values())
-            alike = splits[key][0] if key in splits else frozenset()
-            splits[key] = (alike | {g.name}, split)
+        # Mixed, per buffer (`splits`): buffers that split alike share their parts.
+        mine = [g for g in self.groups[direction] if g.name in names]
         out: list[Part] = []
-        for group, split in splits.values():
+        each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes)
+        for group, split in splits.by_buffer(each):
             out += build(**split, buffers=None if group == every else group)
         return tuple(out)
 

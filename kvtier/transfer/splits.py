@@ -1,0 +1,81 @@
+"""The planner's mixed path: one operation's runs split among the mechanisms, buffer by buffer.
+
+Each buffer's runs split by its `Choice` (`Choice.split`), and buffers whose runs split alike
+share their parts (`by_buffer`).
+
+Riders: a buffer of small rows (under `costs.SMALL_ROW_BYTES`, a DSA indexer's 132 bytes beside
+an MLA latent's 1152) has its host runs staged by the copy engine wherever the widest buffer's
+are, however short its own pieces, when the operation's copy-engine copies (every buffer's
+joint-run copies and staged host runs, one layer) still average `PathCosts.copy_min_bytes` of
+the bytes the layer moves. A copy costs the host ~0.5-1 us to issue whatever its size
+(`bench/probes/probe_copy_issue.py`), so that average keeps the issuing under the layer's time on
+the link, while the small pieces themselves cost the copy engine little beside the widest
+buffer's: `glm-5` loads after first-fit churn onto scattered slots ran at 0.924 of the ceiling
+with the indexer riding against 0.886-0.905 staged by its own 64 KiB, and runs of 64 rows (8.4 KB
+indexer pieces, 4096 copies a layer) at 0.559 when it rode regardless (bench/FINDINGS.md).
+Otherwise a rider keeps its own choice.
+
+Contract: pure functions of CPU index arrays; every row of every named buffer lands in exactly
+one of a split's run sets, as `Choice.split` gives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Protocol
+
+import numpy as np
+
+from kvtier.transfer.costs import SMALL_ROW_BYTES, Choice
+from kvtier.transfer.runs import Scan
+
+# `(starts, lengths)` of runs, `[k]` int64 each, or None: a split's runs per mechanism keyword.
+Split = dict[str, tuple[np.ndarray, np.ndarray] | None]
+
+
+class Buffer(Protocol):
+    """A buffer as the planner sees it (`plan.Group`)."""
+
+    name: str
+    row_bytes: int
+    choice: Choice
+
+
+def copies(split: Split) -> int:
+    """Copy-engine copies of one layer of `split`: its joint-run copies and staged host runs."""
+    return sum(len(split[k][0]) for k in ("copy", "staged") if split[k] is not None)
+
+
+def rider(own: Choice, rb: int, wide: Choice, wide_rb: int) -> Choice:
+    """`own` (rows of `rb` bytes) staging by the copy engine every host run `wide` (rows of `wide_rb`)
+    stages, as well as its own."""
+    least = min(own.staged_min_bytes, wide.staged_min_bytes * rb / wide_rb)
+    return dataclasses.replace(own, staged_min_bytes=least)
+
+
+def split_all(groups: Iterable[Buffer], found: Scan, n: int, min_average: float) -> dict[str, Split]:
+    """Each buffer's split of `found` (`n` rows), riders riding where the copies still average
+    `min_average` bytes (the module docstring)."""
+    groups = list(groups)
+    splits = {g.name: g.choice.split(found, g.row_bytes) for g in groups}
+    wide = max(groups, key=lambda g: g.row_bytes)
+    small = [g for g in groups if g.row_bytes < SMALL_ROW_BYTES and g.row_bytes < wide.row_bytes]
+    if not small:
+        return splits
+    riding = dict(splits)
+    for g in small:
+        riding[g.name] = rider(g.choice, g.row_bytes, wide.choice, wide.row_bytes).split(found, g.row_bytes)
+    layer_bytes = n * sum(g.row_bytes for g in groups)
+    total = sum(copies(s) for s in riding.values())
+    return riding if total and layer_bytes / total >= min_average else splits
+
+
+def by_buffer(splits: dict[str, Split]) -> list[tuple[frozenset[str], Split]]:
+    """The buffers of `splits` grouped by identical splits, in order: `(names, split)`."""
+    alike: dict[tuple[bytes, ...], tuple[frozenset[str], Split]] = {}
+    for name, split in splits.items():
+        key = tuple(b"" if v is None else v[0].tobytes() + v[1].tobytes() for v in split.values())
+        names = alike[key][0] if key in alike else frozenset()
+        alike[key] = (names | {name}, split)
+    return list(alike.values())

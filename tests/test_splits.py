@@ -1,0 +1,111 @@
+"""The planner's split of mixed runs by buffer: small rows riding with the widest buffer's staging."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import poison_device, poison_host, run_and_check
+
+from kvtier.pool import DevicePool, HostLayout, HostPool
+from kvtier.pool.device import Direction
+from kvtier.spec import mla_spec
+from kvtier.transfer import Planner, kernels, splits
+from kvtier.transfer import runs as slot_runs
+from kvtier.transfer.costs import Choice
+from kvtier.transfer.options import PathCosts
+
+needs_triton = pytest.mark.skipif(
+    not kernels.runs_on(torch.device("cpu")), reason="needs Triton's interpreter"
+)
+# A GLM-5-shaped token on two layers: the 1152-byte latent row and the 132-byte indexer row.
+SPEC = mla_spec("glm-5-shaped", 2, 512, 64, torch.bfloat16, indexer_layers=range(2))
+# The thresholds with backups staged from 64 KiB too, so both directions plan alike.
+COSTS = PathCosts(backup_staged_min_bytes=64 << 10)
+
+
+def host_runs(lengths: list[int]) -> torch.Tensor:
+    """Host slots: runs of `lengths` at distinct places 1024 slots apart."""
+    return torch.cat([i * 1024 + torch.arange(n) for i, n in enumerate(lengths)])
+
+
+def planned(direction: Direction, lengths: list[int], gen: torch.Generator):
+    host, dev = HostPool(SPEC, 8192, HostLayout.LAYER_FIRST), DevicePool(SPEC, 8192)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    hs = host_runs(lengths)
+    ds = torch.randperm(8192, generator=gen)[: hs.numel()]
+    plan = Planner(host, dev, COSTS, use_kernel=True).plan(direction, hs, ds)
+    return plan, host, dev, hs, ds
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", list(Direction))
+def test_indexer_rows_ride_with_the_latents_staging_where_the_copies_stay_long(direction, gen) -> None:
+    """Host runs of 128 and 16 rows onto scattered slots: the latent stages its runs of 128 rows by the
+    copy engine (147 KB each); the indexer's same runs (17 KB, under its own 64 KiB) ride with them,
+    the copies averaging 92 KB; its runs of 16 rows keep its own choice, staging by the kernel."""
+    plan, host, dev, hs, ds = planned(direction, [128] * 4 + [16] * 4, gen)
+    by = plan.mechanisms_by_buffer()
+    assert by["kv"] == {"staged": 512, "kernel": 64}
+    assert by["indexer"] == {"staged": 512, "staged_kernel": 64}
+    # Each buffer's staging by the copy engine copies the same host runs.
+    by_copy = [p for p in plan.parts if p.mechanism.value == "staged" and p.kernel is None]
+    staged = {p.buffers: p.runs.length.tolist() for p in by_copy}
+    assert staged == {frozenset({"kv"}): [128] * 4, frozenset({"indexer"}): [128] * 4}
+    run_and_check(plan, host, dev, hs, ds, None)
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", list(Direction))
+def test_indexer_rows_keep_their_own_choice_where_riding_would_make_the_copies_short(direction, gen) -> None:
+    """Host runs of 64 rows: riding would make two copies of 41 KB a run on average, under the 64 KiB
+    the host's issuing keeps up with, so the indexer's runs go through staging by the kernel."""
+    plan, host, dev, hs, ds = planned(direction, [64] * 8, gen)
+    assert plan.mechanisms_by_buffer() == {"kv": {"staged": 512}, "indexer": {"staged_kernel": 512}}
+    run_and_check(plan, host, dev, hs, ds, None)
+
+
+class Buf:
+    def __init__(self, name: str, row_bytes: int, choice: Choice) -> None:
+        self.name, self.row_bytes, self.choice = name, row_bytes, choice
+
+
+def scan_of(lengths: list[int]) -> slot_runs.Scan:
+    """The runs of host runs of `lengths` onto scattered device slots (every device slot its own run)."""
+    hn = np.concatenate([i * 4096 + np.arange(n) for i, n in enumerate(lengths)]).astype(np.int64)
+    dn = np.random.default_rng(0).permutation(1 << 16)[: len(hn)].astype(np.int64)
+    host = HostPool(SPEC, 1 << 16, HostLayout.LAYER_FIRST)
+    return slot_runs.scan(host, hn, dn, 1)
+
+
+def same(a: splits.Split, b: splits.Split) -> bool:
+    def key(s: splits.Split) -> list:
+        return [None if v is None else (v[0].tolist(), v[1].tolist()) for v in s.values()]
+
+    return key(a) == key(b)
+
+
+def test_riding_needs_a_wider_buffer_and_keeps_every_row_once() -> None:
+    wide = Buf("kv", 1152, Choice(64 << 10, 64 << 10, 0.0, "t"))
+    small = Buf("indexer", 132, Choice(64 << 10, 64 << 10, 64 << 10, "t"))
+    found = scan_of([200, 30, 200])
+    n = 430
+    assert same(splits.split_all([small], found, n, 64 << 10)["indexer"], small.choice.split(found, 132))
+    both = splits.split_all([wide, small], found, n, 64 << 10)
+    for name in ("kv", "indexer"):
+        rows = sum(int(v[1].sum()) for v in both[name].values() if v is not None)
+        assert rows == n
+    # The indexer stages by the copy engine the two runs the latent stages; the run of 30 rows
+    # (34 KB of latent rows) goes to the kernel for the latent, staging by the kernel for the indexer.
+    assert both["indexer"]["staged"][1].tolist() == both["kv"]["staged"][1].tolist() == [200, 200]
+    assert both["indexer"]["kernel_staged"][1].tolist() == [30]
+    # A floor on the average copy no layer reaches: no riding.
+    assert splits.split_all([wide, small], found, n, 1 << 30)["indexer"]["staged"] is None
+
+
+def test_buffers_that_split_alike_share_one_entry() -> None:
+    found = scan_of([100, 100])
+    c = Choice(64 << 10, 1 << 10, 0.0, "t")
+    got = splits.by_buffer(splits.split_all([Buf("k", 512, c), Buf("v", 512, c)], found, 200, 0))
+    assert [names for names, _ in got] == [frozenset({"k", "v"})]
