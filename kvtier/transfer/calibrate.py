@@ -21,7 +21,7 @@ of `COPY_BATCH`) after a warm-up, issued while a GPU sleep holds the stream (the
 issuing is not timed). The result, a
 `costs.CostModel`, is kept in `kvtier.paths.cache_dir()/calibration/`, one file per GPU
 model, driver and kvtier version; row sizes it lacks are measured when first asked for and
-added. Planners on CUDA measure it at first use (~11 s; under 0.1 s from the cache file) and
+added. Planners on CUDA measure it at first use (~7 s on a fresh machine; under 0.1 s from the cache file) and
 choose by it, floored as `costs` says, unless `KVTIER_CALIBRATION=off`, or given a `CostModel`;
 `PathCosts`' thresholds are the fallback. A calibration that fails logs a warning and leaves the
 thresholds; an unreadable cache file, or one measured by an older method (`FORMAT`), is measured
@@ -62,10 +62,11 @@ SCRATCH_BYTES = 256 << 20
 MOVED_BYTES = 16 << 20
 COPY_BYTES = 128 << 20
 MAX_PIECES = 16384
-COPY_PIECES = tuple(1 << k for k in range(12, 21))  # 4 KiB to 1 MiB (smaller: the nearest, 4 KiB)
-# 32 KiB to 1 MiB: the planner stages no host run under its floor of 64 KiB (`costs`), and loads of
-# 16 KiB pieces run at ~4 GB/s, the slowest of the measurements.
-STAGED_PIECES = tuple(1 << k for k in range(15, 21))
+# 32 KiB to 1 MiB (smaller: the nearest, 32 KiB). The planner takes no copy under its floor of 64 KiB
+# (`costs`), and smaller pieces, thousands a call, are the calibration's slowest: their issuing.
+COPY_PIECES = tuple(1 << k for k in range(15, 21))
+# 64 KiB to 1 MiB, for the same floor.
+STAGED_PIECES = tuple(1 << k for k in range(16, 21))
 REPEATS = 5
 BATCH = 4
 # Copy calls of `COPY_BYTES` last milliseconds: fewer samples of fewer calls each.
@@ -74,7 +75,7 @@ COPY_BATCH = 2
 # Pieces of rows that are not whole 128-byte lines start this far past a line.
 UNALIGNED_SHIFT = 16
 HOLD_CYCLES = 4_000_000
-FORMAT = 7  # raised whenever the measuring changes, so older files are measured again
+FORMAT = 8  # raised whenever the measuring changes, so older files are measured again
 
 # `Rates`' tables measured per row size.
 _BY_ROW = ("device_pass", "staged", "kernel_rows", "kernel_units", "strided")
@@ -188,7 +189,7 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
         raise BackendUnavailableError("calibration needs raw copy-engine calls (cuda.bindings and libcudart)")
     row_sizes = sorted(set(row_sizes))
     log.info(
-        "calibrating transfers on %s for rows of %s bytes (~10 s, once per GPU model, driver and kvtier "
+        "calibrating transfers on %s for rows of %s bytes (~4-8 s, once per GPU model, driver and kvtier "
         "version; KVTIER_CALIBRATION=off plans on fixed thresholds instead)",
         device,
         row_sizes,

@@ -67,22 +67,22 @@ def _choice(model: CostModel, row_bytes: int, direction: Direction) -> dict:
 
 
 def _rates_table(model: CostModel, sizes: list[int]) -> Table:
-    t = Table(title="measured rates (GB/s; copy engine by piece: 4 KiB / 16 KiB / 64 KiB / 1 MiB)")
+    t = Table(title="measured rates (GB/s; copy engine by piece: 32 KiB / 64 KiB / 256 KiB / 1 MiB)")
     for col in (
         "direction",
         "copy engine",
         "rows (B)",
         "staging pass",
-        "staged, 32 KiB / 256 KiB runs",
+        "staged, 64 KiB / 256 KiB runs",
         "kernel, rows",
         "kernel, units",
         "2-D lines",
     ):
         t.add_column(col, justify="right")
     for d, r in model.rates.items():
-        pieces = " / ".join(f"{r.copy_gbps(p):.1f}" for p in (4 << 10, 16 << 10, 64 << 10, 1 << 20))
+        pieces = " / ".join(f"{r.copy_gbps(p):.1f}" for p in (32 << 10, 64 << 10, 256 << 10, 1 << 20))
         for i, rb in enumerate(sizes):
-            staged = " / ".join(f"{r.staged_gbps(rb, p):.1f}" for p in (32 << 10, 256 << 10))
+            staged = " / ".join(f"{r.staged_gbps(rb, p):.1f}" for p in (64 << 10, 256 << 10))
             t.add_row(
                 *((d.value, pieces) if i == 0 else ("", "")),
                 str(rb),
