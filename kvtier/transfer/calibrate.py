@@ -18,10 +18,10 @@ A calibration times, in each direction, on scratch pinned and device buffers of
 
 Each figure is the median of `REPEATS` samples of `BATCH` back-to-back calls (copies: `COPY_REPEATS`
 of `COPY_BATCH`) after a warm-up, issued while a GPU sleep holds the stream (the host's cost of
-issuing is not timed). The result, a
-`costs.CostModel`, is kept in `kvtier.paths.cache_dir()/calibration/`, one file per GPU
-model, driver and kvtier version; row sizes it lacks are measured when first asked for and
-added. Planners on CUDA measure it at first use (~7 s on a fresh machine; under 0.1 s from the cache file) and
+issuing is not timed). The result, a `costs.CostModel`, is kept in
+`kvtier.paths.cache_dir()/calibration/`, one file per GPU model, driver and kvtier version; row
+sizes it lacks are measured when first asked for and added. Planners on CUDA measure it at first
+use (~7 s on a fresh machine, ~4 s with Triton's cache warm; under 0.1 s from the cache file) and
 choose by it, floored as `costs` says, unless `KVTIER_CALIBRATION=off`, or given a `CostModel`;
 `PathCosts`' thresholds are the fallback. A calibration that fails logs a warning and leaves the
 thresholds; an unreadable cache file, or one measured by an older method (`FORMAT`), is measured
