@@ -10,9 +10,10 @@ joint-run copies and staged host runs, one layer) still average `PathCosts.copy_
 the bytes the layer moves. A copy costs the host ~0.5-1 us to issue whatever its size
 (`bench/probes/probe_copy_issue.py`), so that average keeps the issuing under the layer's time on
 the link, while the small pieces themselves cost the copy engine little beside the widest
-buffer's: `glm-5` loads after first-fit churn onto scattered slots ran at 0.924 of the ceiling
-with the indexer riding against 0.886-0.905 staged by its own 64 KiB, and runs of 64 rows (8.4 KB
-indexer pieces, 4096 copies a layer) at 0.559 when it rode regardless (bench/FINDINGS.md).
+buffer's: `glm-5` loads after first-fit churn onto scattered slots ran at 0.911-0.924 of the
+ceiling on four H200 leases with the indexer riding, against 0.884-0.905 staged by its own 64 KiB,
+and runs of 64 rows (8.4 KB indexer pieces, 4096 copies a layer) at 0.559 when it rode regardless
+(bench/FINDINGS.md).
 Otherwise a rider keeps its own choice.
 
 Contract: pure functions of CPU index arrays; every row of every named buffer lands in exactly
