@@ -102,6 +102,11 @@ def test_riding_needs_a_wider_buffer_and_keeps_every_row_once() -> None:
     assert both["indexer"]["kernel_staged"][1].tolist() == [30]
     # A floor on the average copy no layer reaches: no riding.
     assert splits.split_all([wide, small], found, n, 1 << 30)["indexer"]["staged"] is None
+    # Nor on a layer the latent is not on, where the indexer's short copies would go alone.
+    apart = splits.split_all([wide, small], found, n, 64 << 10, {"kv": [0, 1], "indexer": [1, 2]})
+    assert same(apart["indexer"], small.choice.split(found, 132))
+    within = splits.split_all([wide, small], found, n, 64 << 10, {"kv": [0, 1, 2], "indexer": [1, 2]})
+    assert same(within["indexer"], both["indexer"])
 
 
 def test_buffers_that_split_alike_share_one_entry() -> None:

@@ -380,7 +380,8 @@ class Planner:
         # Mixed, per buffer (`splits`): buffers that split alike share their parts.
         mine = [g for g in self.groups[direction] if g.name in names]
         out: list[Part] = []
-        each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes)
+        layers = {b.name: b.layers for b in self.host_pool.spec.buffers}
+        each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes, layers)
         for group, split in splits.by_buffer(each):
             out += build(**split, buffers=None if group == every else group)
         return tuple(out)

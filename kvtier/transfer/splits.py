@@ -14,7 +14,8 @@ buffer's: `glm-5` loads after first-fit churn onto scattered slots ran at 0.911-
 ceiling on four H200 leases with the indexer riding, against 0.884-0.905 staged by its own 64 KiB,
 and runs of 64 rows (8.4 KB indexer pieces, 4096 copies a layer) at 0.559 when it rode regardless
 (bench/FINDINGS.md).
-Otherwise a rider keeps its own choice.
+Otherwise, or where it has layers the widest buffer lacks (their copies would be its short pieces
+alone), a rider keeps its own choice.
 
 Contract: pure functions of CPU index arrays; every row of every named buffer lands in exactly
 one of a split's run sets, as `Choice.split` gives them.
@@ -23,7 +24,7 @@ one of a split's run sets, as `Choice.split` gives them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -55,13 +56,26 @@ def rider(own: Choice, rb: int, wide: Choice, wide_rb: int) -> Choice:
     return dataclasses.replace(own, staged_min_bytes=least)
 
 
-def split_all(groups: Iterable[Buffer], found: Scan, n: int, min_average: float) -> dict[str, Split]:
+def split_all(
+    groups: Iterable[Buffer],
+    found: Scan,
+    n: int,
+    min_average: float,
+    layers: Mapping[str, Iterable[int]] | None = None,
+) -> dict[str, Split]:
     """Each buffer's split of `found` (`n` rows), riders riding where the copies still average
-    `min_average` bytes (the module docstring)."""
+    `min_average` bytes and (given each buffer's `layers`) the widest buffer is on all of theirs
+    (the module docstring)."""
     groups = list(groups)
     splits = {g.name: g.choice.split(found, g.row_bytes) for g in groups}
     wide = max(groups, key=lambda g: g.row_bytes)
-    small = [g for g in groups if g.row_bytes < SMALL_ROW_BYTES and g.row_bytes < wide.row_bytes]
+
+    def beside(g: Buffer) -> bool:
+        return layers is None or set(layers[g.name]) <= set(layers[wide.name])
+
+    small = [
+        g for g in groups if g.row_bytes < SMALL_ROW_BYTES and g.row_bytes < wide.row_bytes and beside(g)
+    ]
     if not small:
         return splits
     riding = dict(splits)
