@@ -67,8 +67,8 @@ def test_indexer_rows_keep_their_own_choice_where_riding_would_make_the_copies_s
 
 
 class Buf:
-    def __init__(self, name: str, row_bytes: int, choice: Choice) -> None:
-        self.name, self.row_bytes, self.choice = name, row_bytes, choice
+    def __init__(self, name: str, row_bytes: int, choice: Choice, layers: tuple[int, ...] = (0, 1)) -> None:
+        self.name, self.row_bytes, self.choice, self.layers = name, row_bytes, choice, frozenset(layers)
 
 
 def scan_of(lengths: list[int]) -> slot_runs.Scan:
@@ -103,10 +103,12 @@ def test_riding_needs_a_wider_buffer_and_keeps_every_row_once() -> None:
     # A floor on the average copy no layer reaches: no riding.
     assert splits.split_all([wide, small], found, n, 1 << 30)["indexer"]["staged"] is None
     # Nor on a layer the latent is not on, where the indexer's short copies would go alone.
-    apart = splits.split_all([wide, small], found, n, 64 << 10, {"kv": [0, 1], "indexer": [1, 2]})
-    assert same(apart["indexer"], small.choice.split(found, 132))
-    within = splits.split_all([wide, small], found, n, 64 << 10, {"kv": [0, 1, 2], "indexer": [1, 2]})
-    assert same(within["indexer"], both["indexer"])
+    apart = Buf("indexer", 132, small.choice, (1, 2))
+    assert same(
+        splits.split_all([wide, apart], found, n, 64 << 10)["indexer"], small.choice.split(found, 132)
+    )
+    wider = Buf("kv", 1152, wide.choice, (0, 1, 2))
+    assert same(splits.split_all([wider, apart], found, n, 64 << 10)["indexer"], both["indexer"])
 
 
 def test_buffers_that_split_alike_share_one_entry() -> None:

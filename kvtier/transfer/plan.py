@@ -50,11 +50,13 @@ Runs = tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class Group:
-    """One buffer as the planner sees it: its name, the bytes of its rows, and its `Choice`."""
+    """One buffer as the planner sees it: its name, the bytes of its rows, its `Choice`, and the model
+    layers it is on."""
 
     name: str
     row_bytes: int
     choice: Choice
+    layers: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,10 @@ class Planner:
         found = [self.model.choice(b.row_bytes, direction, least) for b in spec.buffers] if self.model else []
         if not found or any(c is None for c in found):
             found = [Choice.fallback(self.costs, direction, b.row_bytes, self.widest) for b in spec.buffers]
-        return tuple(Group(b.name, b.row_bytes, c) for b, c in zip(spec.buffers, found, strict=True))
+        return tuple(
+            Group(b.name, b.row_bytes, c, frozenset(b.layers))
+            for b, c in zip(spec.buffers, found, strict=True)
+        )
 
     def plan(
         self,
@@ -380,8 +385,7 @@ class Planner:
         # Mixed, per buffer (`splits`): buffers that split alike share their parts.
         mine = [g for g in self.groups[direction] if g.name in names]
         out: list[Part] = []
-        layers = {b.name: b.layers for b in self.host_pool.spec.buffers}
-        each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes, layers)
+        each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes)
         for group, split in splits.by_buffer(each):
             out += build(**split, buffers=None if group == every else group)
         return tuple(out)

@@ -24,7 +24,7 @@ one of a split's run sets, as `Choice.split` gives them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -42,6 +42,7 @@ class Buffer(Protocol):
     name: str
     row_bytes: int
     choice: Choice
+    layers: frozenset[int]
 
 
 def copies(split: Split) -> int:
@@ -56,25 +57,16 @@ def rider(own: Choice, rb: int, wide: Choice, wide_rb: int) -> Choice:
     return dataclasses.replace(own, staged_min_bytes=least)
 
 
-def split_all(
-    groups: Iterable[Buffer],
-    found: Scan,
-    n: int,
-    min_average: float,
-    layers: Mapping[str, Iterable[int]] | None = None,
-) -> dict[str, Split]:
+def split_all(groups: Iterable[Buffer], found: Scan, n: int, min_average: float) -> dict[str, Split]:
     """Each buffer's split of `found` (`n` rows), riders riding where the copies still average
-    `min_average` bytes and (given each buffer's `layers`) the widest buffer is on all of theirs
-    (the module docstring)."""
+    `min_average` bytes and the widest buffer is on all their layers (the module docstring)."""
     groups = list(groups)
     splits = {g.name: g.choice.split(found, g.row_bytes) for g in groups}
     wide = max(groups, key=lambda g: g.row_bytes)
-
-    def beside(g: Buffer) -> bool:
-        return layers is None or set(layers[g.name]) <= set(layers[wide.name])
-
     small = [
-        g for g in groups if g.row_bytes < SMALL_ROW_BYTES and g.row_bytes < wide.row_bytes and beside(g)
+        g
+        for g in groups
+        if g.row_bytes < SMALL_ROW_BYTES and g.row_bytes < wide.row_bytes and g.layers <= wide.layers
     ]
     if not small:
         return splits
