@@ -29,6 +29,7 @@ DIRECTIONS = ("load", "backup", "both")  # kvtier.pool.device.Direction, or both
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
 VARIANTS = (
     "planned",
+    "serial",
     "single_copy",
     "batched_dma",
     "per_run",

@@ -1,4 +1,5 @@
-"""The planner's split of mixed runs by buffer: small rows riding with the widest buffer's staging."""
+"""The planner's split of mixed runs by buffer (small rows riding with the widest buffer's staging),
+and the executor's overlap of such a plan's kernel and copy-engine parts."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from conftest import poison_device, poison_host, run_and_check
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import mla_spec
-from kvtier.transfer import Planner, kernels, splits
+from kvtier.transfer import Planner, execute, kernels, phases, splits
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice
-from kvtier.transfer.options import PathCosts
+from kvtier.transfer.options import KernelOptions, PathCosts
 
 needs_triton = pytest.mark.skipif(
     not kernels.runs_on(torch.device("cpu")), reason="needs Triton's interpreter"
@@ -29,13 +30,21 @@ def host_runs(lengths: list[int]) -> torch.Tensor:
     return torch.cat([i * 1024 + torch.arange(n) for i, n in enumerate(lengths)])
 
 
-def planned(direction: Direction, lengths: list[int], gen: torch.Generator):
-    host, dev = HostPool(SPEC, 8192, HostLayout.LAYER_FIRST), DevicePool(SPEC, 8192)
+def planned(
+    direction: Direction,
+    lengths: list[int],
+    gen: torch.Generator,
+    device: str = "cpu",
+    kernel: KernelOptions | None = None,
+    staging: int | None = None,
+):
+    host = HostPool(SPEC, max(8192, 1024 * len(lengths)), HostLayout.LAYER_FIRST)
+    dev = DevicePool(SPEC, 8192, device, staging_tokens=staging)
     poison_host(host, gen)
     poison_device(dev, gen)
     hs = host_runs(lengths)
     ds = torch.randperm(8192, generator=gen)[: hs.numel()]
-    plan = Planner(host, dev, COSTS, use_kernel=True).plan(direction, hs, ds)
+    plan = Planner(host, dev, COSTS, kernel, use_kernel=True).plan(direction, hs, ds)
     return plan, host, dev, hs, ds
 
 
@@ -116,3 +125,57 @@ def test_buffers_that_split_alike_share_one_entry() -> None:
     c = Choice(64 << 10, 1 << 10, 0.0, "t")
     got = splits.by_buffer(splits.split_all([Buf("k", 512, c), Buf("v", 512, c)], found, 200, 0))
     assert [names for names, _ in got] == [frozenset({"k", "v"})]
+
+
+def split_of(direction: Direction, lengths: list[int], kernel: KernelOptions | None = None):
+    plan = planned(direction, lengths, torch.Generator().manual_seed(0), kernel=kernel)[0]
+    got = phases.phases(plan.parts, plan.kernel)
+    named = None if got is None else [[(type(p).__name__, *sorted(p.buffers)) for p in ps] for ps in got]
+    return plan, got, named
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", list(Direction))
+def test_a_mixed_plan_runs_its_direct_kernel_parts_beside_the_rest(direction) -> None:
+    """Each part once, in plan order per stream; the kernel's units beside the direct kernel part only
+    where the two grids fit the budget together (2 + 4 programs of 8 here), else before the fork."""
+    plan, got, named = split_of(direction, [128] * 4 + [16] * 4)
+    assert named == [
+        [],
+        [("KernelPart", "kv")],
+        [("StagedPart", "kv"), ("StagedPart", "indexer"), ("StagedPart", "indexer")],
+    ]
+    assert sorted(map(id, got.before + got.side + got.beside)) == sorted(map(id, plan.parts))
+    side, units = phases.programs(got.side[0]), phases.programs(got.beside[2])
+    assert plan.sms_used == side + units <= plan.kernel.sm_budget
+    assert not execute.overlaps(plan)  # on the CPU every part runs in plan order, on no stream
+    # A budget of 5: the units fill the staging before the fork, and the plan holds 4 SMs at most.
+    plan, got, named = split_of(direction, [128] * 4 + [16] * 4, KernelOptions(sm_budget=5))
+    assert named[0] == [("StagedPart", "indexer")] and named[1] == [("KernelPart", "kv")]
+    assert plan.sms_used == max(map(phases.programs, plan.parts)) <= 5
+    # Runs of 16 alone: the latent's kernel beside the indexer's units, nothing on the copy engine.
+    assert split_of(direction, [16] * 8)[2] == [[], [("KernelPart", "kv")], [("StagedPart", "indexer")]]
+
+
+@needs_triton
+def test_plans_without_a_direct_kernel_part_or_overlap_run_in_order() -> None:
+    assert split_of(Direction.LOAD, [64] * 8)[1] is None  # staging only
+    assert split_of(Direction.LOAD, [128] * 4 + [16] * 4, KernelOptions(overlap=False))[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lengths", [[128] * 4 + [16] * 4 + [1] * 40, [16] * 8], ids=["mixed", "runs-16"])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_cuda_overlapped_plans_are_byte_identical(direction, overlap, lengths, gen) -> None:
+    """On the GPU, GLM-5-shaped plans over a side stream, their kernel parts beside the rest or not:
+    staging by the copy engine (in windows) and by the kernel's units, and direct kernel rows."""
+    kernel = KernelOptions(overlap=overlap)
+    plan, host, dev, hs, ds = planned(direction, lengths, gen, "cuda", kernel, 300)
+    assert execute.overlaps(plan) is overlap
+    stream = torch.cuda.Stream()
+    for _ in range(2):  # the second time on the second stream that the first made
+        poison_host(host, gen)
+        poison_device(dev, gen)
+        run_and_check(plan, host, dev, hs, ds, stream)

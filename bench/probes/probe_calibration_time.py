@@ -1,9 +1,10 @@
 """Where `kvtier calibrate`'s seconds go: each measurement of `calibrate._Bench` timed by the wall clock
 (the first call of a kernel shape includes Triton compiling it, or loading it from Triton's disk cache),
-for the six presets' row sizes. Run it twice in one call: the second process finds Triton's cache warm.
+for the six presets' row sizes, or those given (one spec's: what its planner measures at first use).
+Run it twice in one call: the second process finds Triton's cache warm.
 
 One JSON line appended to OUT: the total, the pinned scratch's allocation, and the seconds per method.
-Usage: python3 bench/probes/probe_calibration_time.py OUT LABEL
+Usage: python3 bench/probes/probe_calibration_time.py OUT LABEL [ROW_BYTES,...]
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from kvtier.transfer import calibrate
 
-ROWS = (132, 576, 656, 1152, 2048)
+ROWS = tuple(int(r) for r in sys.argv[3].split(",")) if len(sys.argv) > 3 else (132, 576, 656, 1152, 2048)
 spent: dict[str, float] = defaultdict(float)
 
 
@@ -43,7 +44,8 @@ torch.empty(1, device="cuda")
 t0 = time.perf_counter()
 calibrate.calibrate(torch.device("cuda"), ROWS)
 total = time.perf_counter() - t0
-line = {"label": sys.argv[2], "total_s": round(total, 2), **{k: round(v, 2) for k, v in spent.items()}}
+line = {"label": sys.argv[2], "rows": list(ROWS), "total_s": round(total, 2)}
+line.update({k: round(v, 2) for k, v in spent.items()})
 print(json.dumps(line))
 with open(sys.argv[1], "a") as fh:
     fh.write(json.dumps(line) + "\n")

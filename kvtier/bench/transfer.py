@@ -3,19 +3,20 @@
 For one layer of a prefix of `tokens` tokens it builds host slot sets from one run to
 fully scattered (and after fill/evict churn of each allocator policy), device slots
 contiguous or scattered, and times each applicable variant in each direction: the
-planner's choice, each path forced, and a stock-style kernel (2 programs, a few rows
-in flight each). The ceiling is one contiguous pinned copy of the same bytes,
-measured in the same run. Every timed variant is first checked byte for byte: its
-target rows are poisoned with the complement of the right bytes, and afterwards the
-whole destination layer must equal what it held before with exactly the targets
-replaced by their sources.
+planner's choice, each path forced, a stock-style kernel (2 programs, a few rows
+in flight each) and, where the planner's plan overlaps its kernel and copy-engine parts,
+the same plan with them one after another (`serial`). The ceiling is one contiguous
+pinned copy of the same bytes, measured in the same run. Every timed variant is first
+checked byte for byte: its target rows are poisoned with the complement of the right
+bytes, and afterwards the whole destination layer must equal what it held before with
+exactly the targets replaced by their sources.
 """
 
 from __future__ import annotations
 
 from argparse import Namespace
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from rich.console import Group
@@ -35,6 +36,7 @@ from kvtier.transfer import (
     TransferPath,
     TransferPlan,
     backup,
+    execute,
     kernels,
     launch,
     load_layers,
@@ -178,7 +180,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
                     layers_per_call=cfg.layers,
                 )
                 for variant, path, opts in _variants(cfg, planned, host_label):
-                    if path is None:  # the planner's own plan, already built
+                    if variant == "planned":  # the planner's own plan, already built
                         plan = planned
                     else:
                         plan = TransferPlan.build(
@@ -207,6 +209,10 @@ def _variants(
     for v in cfg.variants:
         if v == "planned":
             out.append((v, None, cfg.kernel))
+            continue
+        if v == "serial":  # the planner's plan with its parts one after another on one stream
+            if execute.overlaps(planned):
+                out.append((v, None, replace(cfg.kernel, overlap=False)))
             continue
         path = TransferPath.KERNEL if v == "stock" else TransferPath(v)
         if path is planned.path and v != "stock":

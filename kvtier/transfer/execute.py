@@ -6,6 +6,11 @@ Rows move as raw words (`as_words`), bit for bit, each part by its mechanism's e
 with what the plan computed. A buffer whose device tensors are not packed rows of its
 dtype (a wrapped engine tensor) takes the reference path, for that buffer alone.
 
+Overlap (`phases`, `KernelOptions.overlap`): a layer's direct kernel parts run on a second stream
+(one per caller's stream, `side_stream`), forked from the caller's after the parts that must come
+first and joined before the layer ends, beside its other parts; the parts move disjoint rows,
+and the host waits for nothing.
+
 Concurrency contract: the caller orders a load after any backup that writes the same host
 slots, and keeps the plan alive until its stream has run. Plans with a staged part use the
 device pool's staging buffer of their direction: two of them must not run at once on
@@ -15,7 +20,8 @@ different streams (the cache runs every load on one stream, every backup on anot
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -25,8 +31,8 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
-from kvtier.transfer import dma, groups, kernels, stacks
-from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, StackPart, StagedPart
+from kvtier.transfer import dma, groups, kernels, phases, stacks
+from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StackPart, StagedPart
 from kvtier.transfer.plan import TransferPlan
 from kvtier.transfer.runs import layer_spans
 
@@ -102,9 +108,13 @@ def _move_layers(
     grouped = len(layers) > 1
     stacked = [p for p in plan.parts if isinstance(p, StackPart)]
     with _on_stream(plan, device_pool, stream) as s:
+        split = phases.phases(plan.parts, plan.kernel) if s is not None else None
         for layer, buffers in on:
-            for b in buffers:
-                _move(plan, host_pool, device_pool, b, layer, s, grouped)
+            if split is None:
+                for b in buffers:
+                    _move(plan, plan.parts, host_pool, device_pool, b, layer, s, grouped)
+            else:
+                _overlapped(plan, split, host_pool, device_pool, buffers, layer, s, grouped)
         if not (grouped or stacked):
             return
         for b in spec.buffers:
@@ -119,8 +129,56 @@ def _move_layers(
                     _kernel_groups(plan, part, host_pool, device_pool, b, mine)
 
 
+def overlaps(plan: TransferPlan) -> bool:
+    """Whether the plan's layers run their direct kernel parts beside their other parts (`phases`)."""
+    return plan.device_pool.device.type == "cuda" and phases.phases(plan.parts, plan.kernel) is not None
+
+
+def _overlapped(
+    plan: TransferPlan,
+    split: phases.Phases,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    buffers: Sequence[BufferSpec],
+    layer: int,
+    stream: torch.cuda.Stream,
+    grouped: bool,
+) -> None:
+    """One layer as `split` says (`phases`); a buffer that takes the reference path moves once, on
+    `stream`, as without overlap."""
+    raw = [b for b in buffers if device_pool.raw_rows(b.name)]
+    for b in buffers:
+        if not device_pool.raw_rows(b.name):
+            _move(plan, plan.parts, host_pool, device_pool, b, layer, stream, grouped)
+    for b in raw:
+        _move(plan, split.before, host_pool, device_pool, b, layer, stream, grouped)
+    side = side_stream(stream)
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        for b in raw:
+            _move(plan, split.side, host_pool, device_pool, b, layer, side, grouped)
+    for b in raw:
+        _move(plan, split.beside, host_pool, device_pool, b, layer, stream, grouped)
+    stream.wait_stream(side)
+
+
+_sides: dict[tuple[int, int], torch.cuda.Stream] = {}
+_sides_lock = threading.Lock()
+
+
+def side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The second stream of `stream` (made on first use, of its device and priority, kept)."""
+    key = (stream.device.index, stream.cuda_stream)
+    with _sides_lock:
+        side = _sides.get(key)
+        if side is None:
+            side = _sides[key] = torch.cuda.Stream(stream.device, priority=stream.priority)
+        return side
+
+
 def _move(
     plan: TransferPlan,
+    parts: Sequence[Part],
     host_pool: HostPool,
     device_pool: DevicePool,
     b: BufferSpec,
@@ -128,7 +186,7 @@ def _move(
     stream: torch.cuda.Stream | None,
     grouped: bool,
 ) -> None:
-    """Buffer `b` of one layer, every part of the plan; with `grouped`, not the kernel parts that
+    """Buffer `b` of one layer, each of `parts` (the plan's); with `grouped`, not the kernel parts that
     have a layer table for `b` (the caller moves those several layers at once)."""
     dev = device_pool.layer(b.name, layer)
     if not device_pool.raw_rows(b.name):
@@ -136,7 +194,7 @@ def _move(
         return
     dev_w = as_words(dev)
     load = plan.direction is Direction.LOAD
-    for part in plan.parts:
+    for part in parts:
         if b.name not in part.buffers or isinstance(part, StackPart):  # stacks: moved by the caller
             continue
         if isinstance(part, CopyPart):

@@ -33,11 +33,11 @@ from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostLayout, HostPool
 from kvtier.slots import as_slot_tensor
-from kvtier.transfer import calibrate, dma, kernels, options, parts, splits, stacks, units
+from kvtier.transfer import calibrate, dma, kernels, options, parts, phases, splits, stacks, units
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice, CostModel
 from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
-from kvtier.transfer.parts import Buffers, CopyPart, KernelPart, Part, RunCopies, StagedPart, Uploader
+from kvtier.transfer.parts import Buffers, CopyPart, Part, RunCopies, StagedPart, Uploader
 from kvtier.transfer.runs import RunPair, RunTable
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,8 @@ class TransferPlan:
 
     @property
     def sms_used(self) -> int:
-        """SMs the plan takes from the model while it runs: the largest grid of its kernel launches."""
-        return max((p.programs for p in self.parts if isinstance(p, KernelPart)), default=0)
+        """SMs the plan takes from the model while it runs: its kernels' grids at once (`phases`)."""
+        return phases.sms_held(self.parts, self.kernel)
 
     def rows_by_mechanism(self) -> dict[str, int]:
         """Rows each mechanism moves, summed over parts (a part of some buffers counts its rows once)."""
