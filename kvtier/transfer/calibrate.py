@@ -21,9 +21,9 @@ of `COPY_BATCH`) after a warm-up, issued while a GPU sleep holds the stream (the
 issuing is not timed). The result, a `costs.CostModel`, is kept in
 `kvtier.paths.cache_dir()/calibration/`, one file per GPU model, driver and kvtier version; row
 sizes it lacks are measured when first asked for and added. Planners on CUDA measure it at first
-use (~7 s on a fresh machine, ~4 s with Triton's cache warm; under 0.1 s from the cache file) and
-choose by it, floored as `costs` says, unless `KVTIER_CALIBRATION=off`, or given a `CostModel`;
-`PathCosts`' thresholds are the fallback. A calibration that fails logs a warning and leaves the
+use, for their spec's row sizes (3-5 s on a fresh machine, 2-3 s with Triton's cache warm; every
+preset's at once ~7 s; under 0.1 s from the cache file) and choose by it, floored as `costs` says,
+unless `KVTIER_CALIBRATION=off`, or given a `CostModel`; `PathCosts`' thresholds are the fallback. A calibration that fails logs a warning and leaves the
 thresholds; an unreadable cache file, or one measured by an older method (`FORMAT`), is measured
 again. Why it is on and what it was compared with: bench/FINDINGS.md, "The measured cost model".
 """
@@ -189,7 +189,7 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
         raise BackendUnavailableError("calibration needs raw copy-engine calls (cuda.bindings and libcudart)")
     row_sizes = sorted(set(row_sizes))
     log.info(
-        "calibrating transfers on %s for rows of %s bytes (~4-8 s, once per GPU model, driver and kvtier "
+        "calibrating transfers on %s for rows of %s bytes (~2-8 s, once per GPU model, driver and kvtier "
         "version; KVTIER_CALIBRATION=off plans on fixed thresholds instead)",
         device,
         row_sizes,
