@@ -1,0 +1,89 @@
+"""Whether an overlapped plan gains when its split between staging by the copy engine and the kernel is
+moved towards the kernel: the calibrated model's staging threshold of the widest rows (rows of 256 B or
+more) scaled by `FACTORS`, everything else as planned (riders follow the widest buffer's threshold).
+
+Overlapped (`execute.phases`), a layer's time is the longer of its two streams: after first-fit churn
+onto scattered slots the copy engine's stream carries most rows, the kernel's stream idles after
+a third of the layer. Per spec and direction, per factor: the plan's rows by mechanism, GB/s over
+the same run's ceiling, overlapped and serial, each byte-checked first (destinations poisoned).
+
+One JSON line per row appended to OUT. Usage: python3 bench/probes/probe_balance.py OUT [SPEC ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+
+from kvtier.bench.transfer import BenchConfig, check_plan, plan_op, setup
+from kvtier.pool import HostLayout
+from kvtier.pool.device import Direction
+from kvtier.spec import preset
+from kvtier.transfer import Planner, calibrate, costs
+from kvtier.transfer.options import KernelOptions
+
+FACTORS = (1.0, 1.5, 2.0, 3.0, 5.0, 1e6)
+SETS = ("first_fit-churn", "contiguous-churn", "runs-256")
+factor = 1.0
+_choice = costs.CostModel.choice
+
+
+def scaled_choice(self, row_bytes, direction, least=0.0):
+    c = _choice(self, row_bytes, direction, least)
+    if c is None or row_bytes < costs.SMALL_ROW_BYTES:
+        return c
+    return dataclasses.replace(c, staged_min_bytes=c.staged_min_bytes * factor)
+
+
+costs.CostModel.choice = scaled_choice
+
+
+def main() -> None:
+    global factor
+    out = open(sys.argv[1], "a")  # noqa: SIM115
+    for name in sys.argv[2:] or ["glm-5", "deepseek-v3"]:
+        cfg = BenchConfig(
+            spec=preset(name, 1).with_layers(1),
+            tokens=131072,
+            layout=HostLayout.LAYER_FIRST,
+            device=torch.device("cuda"),
+            repeats=10,
+            warmup=2,
+            cycles=8,
+            host_sets=SETS,
+            device_sets=("scattered",),
+        )
+        s = setup(cfg, lambda _m: None)
+        model = calibrate.model_for(s.dev.device, [b.row_bytes for b in cfg.spec.buffers])
+        for direction in Direction:
+            for host_label in SETS:
+                for factor in FACTORS:
+                    for overlap in (True, False):
+                        planner = Planner(s.host, s.dev, kernel=KernelOptions(overlap=overlap), model=model)
+                        plan = planner.plan(direction, s.host_sets[host_label], s.dev_sets["scattered"])
+                        ok = check_plan(s, plan)
+                        ms = s.timer.median_ms(plan_op(plan, s.host, s.dev, s.stream), 10, 2, 4)
+                        ratio = s.layer_bytes / ms / 1e6 / s.ceilings[direction]
+                        row = {
+                            "spec": name,
+                            "direction": direction.value,
+                            "host_runs": host_label,
+                            "factor": factor,
+                            "overlap": overlap,
+                            "mechanisms": plan.mechanisms_by_buffer(),
+                            "sms": plan.sms_used,
+                            "ceiling_ratio": round(ratio, 3),
+                            "identical": ok,
+                        }
+                        print(json.dumps(row), flush=True)
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+        del s
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
