@@ -23,9 +23,10 @@ issuing is not timed). The result, a `costs.CostModel`, is kept in
 sizes it lacks are measured when first asked for and added. Planners on CUDA measure it at first
 use, for their spec's row sizes (3-5 s on a fresh machine, 2-3 s with Triton's cache warm; every
 preset's at once ~7 s; under 0.1 s from the cache file) and choose by it, floored as `costs` says,
-unless `KVTIER_CALIBRATION=off`, or given a `CostModel`; `PathCosts`' thresholds are the fallback. A calibration that fails logs a warning and leaves the
-thresholds; an unreadable cache file, or one measured by an older method (`FORMAT`), is measured
-again. Why it is on and what it was compared with: bench/FINDINGS.md, "The measured cost model".
+unless `KVTIER_CALIBRATION=off`, or given a `CostModel`; `PathCosts`' thresholds are the fallback.
+A calibration that fails logs a warning and leaves the thresholds; an unreadable cache file, or
+one measured by an older method (`FORMAT`), is measured again. Why it is on and what it was
+compared with: bench/FINDINGS.md, "The measured cost model".
 """
 
 from __future__ import annotations
