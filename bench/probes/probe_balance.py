@@ -1,13 +1,15 @@
 """Whether an overlapped plan gains when its split between staging by the copy engine and the kernel is
 moved towards the kernel: the calibrated model's staging threshold of the widest rows (rows of 256 B or
 more) scaled by `FACTORS`, everything else as planned (riders follow the widest buffer's threshold).
+With `--riders`, instead: the plan as the planner makes it against the same plan with no buffer
+riding (`splits`; the factor column then says 1 riding, 0 not).
 
 Overlapped (`execute.phases`), a layer's time is the longer of its two streams: after first-fit churn
 onto scattered slots the copy engine's stream carries most rows, the kernel's stream idles after
 a third of the layer. Per spec and direction, per factor: the plan's rows by mechanism, GB/s over
 the same run's ceiling, overlapped and serial, each byte-checked first (destinations poisoned).
 
-One JSON line per row appended to OUT. Usage: python3 bench/probes/probe_balance.py OUT [SPEC ...]
+One JSON line per row appended to OUT. Usage: python3 bench/probes/probe_balance.py OUT [--riders] [SPEC ...]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvtier.bench.transfer import BenchConfig, check_plan, plan_op, setup
 from kvtier.pool import HostLayout
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
-from kvtier.transfer import Planner, calibrate, costs
+from kvtier.transfer import Planner, calibrate, costs, splits
 from kvtier.transfer.options import KernelOptions
 
 FACTORS = (1.0, 1.5, 2.0, 3.0, 5.0, 1e6)
@@ -39,12 +41,25 @@ def scaled_choice(self, row_bytes, direction, least=0.0):
 
 
 costs.CostModel.choice = scaled_choice
+_split_all = splits.split_all
+
+
+def split_all(groups, found, n, min_average):
+    """`splits.split_all`, riding only where `factor` is 1 (0: no buffer rides)."""
+    return _split_all(groups, found, n, min_average if factor else float("inf"))
 
 
 def main() -> None:
     global factor
+    global FACTORS
     out = open(sys.argv[1], "a")  # noqa: SIM115
-    for name in sys.argv[2:] or ["glm-5", "deepseek-v3"]:
+    names = sys.argv[2:]
+    if names[:1] == ["--riders"]:
+        names = names[1:]
+        FACTORS = (1, 0)
+        splits.split_all = split_all
+        costs.CostModel.choice = _choice
+    for name in names or ["glm-5", "deepseek-v3"]:
         cfg = BenchConfig(
             spec=preset(name, 1).with_layers(1),
             tokens=131072,
