@@ -45,16 +45,14 @@ def phases(parts: Sequence[Part], kernel: KernelOptions) -> Phases | None:
     if not kernel.overlap:
         return None
     side = tuple(p for p in parts if isinstance(p, KernelPart))
-    units = tuple(p for p in parts if isinstance(p, StagedPart) and p.kernel is not None)
-    taken = {id(p) for p in side + units}
-    rest = tuple(p for p in parts if id(p) not in taken)
+    others = tuple(p for p in parts if not isinstance(p, KernelPart))
+    units = tuple(p for p in others if isinstance(p, StagedPart) and p.kernel is not None)
+    rest = tuple(p for p in others if not (isinstance(p, StagedPart) and p.kernel is not None))
     engine = any(isinstance(p, (CopyPart, StagedPart)) for p in rest)
     fits = bool(units) and _widest(side) + _widest(units) <= kernel.sm_budget
     if not side or not (engine or fits):
         return None
-    if fits:
-        return Phases((), side, tuple(p for p in parts if id(p) not in {id(q) for q in side}))
-    return Phases(units, side, rest)
+    return Phases((), side, others) if fits else Phases(units, side, rest)
 
 
 def sms_held(parts: Sequence[Part], kernel: KernelOptions) -> int:
