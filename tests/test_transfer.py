@@ -840,6 +840,16 @@ def test_copy_streams_must_be_positive() -> None:
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), costs=costs)
 
 
+@pytest.mark.parametrize("flag", ["lean", "overlap"])
+def test_kernel_option_flags_must_be_booleans(flag: str) -> None:
+    """A flag given as a string ("no" would read as on) is refused before anything is planned."""
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    with pytest.raises(ConfigError, match=f"must be True or False, got {{'{flag}': 'no'}}"):
+        opts = KernelOptions(**{flag: "no"})
+        TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), kernel=opts)
+
+
 @pytest.mark.parametrize("bad", [{"sm_budget": 0}, {"rows_per_program": 0}, {"stages": 0}, {"stages": -1}])
 def test_kernel_options_must_be_positive(bad: dict) -> None:
     spec = preset("tiny-mla", 1)

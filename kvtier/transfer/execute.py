@@ -108,7 +108,7 @@ def _move_layers(
     grouped = len(layers) > 1
     stacked = [p for p in plan.parts if isinstance(p, StackPart)]
     with _on_stream(plan, device_pool, stream) as s:
-        split = phases.phases(plan.parts, plan.kernel) if s is not None else None
+        split = plan.overlap if s is not None else None
         for layer, buffers in on:
             if split is None:
                 for b in buffers:
@@ -131,7 +131,7 @@ def _move_layers(
 
 def overlaps(plan: TransferPlan) -> bool:
     """Whether the plan's layers run their direct kernel parts beside their other parts (`phases`)."""
-    return plan.device_pool.device.type == "cuda" and phases.phases(plan.parts, plan.kernel) is not None
+    return plan.device_pool.device.type == "cuda" and plan.overlap is not None
 
 
 def _overlapped(
@@ -148,7 +148,7 @@ def _overlapped(
     `stream`, as without overlap."""
     raw = [b for b in buffers if device_pool.raw_rows(b.name)]
     for b in buffers:
-        if not device_pool.raw_rows(b.name):
+        if b not in raw:
             _move(plan, plan.parts, host_pool, device_pool, b, layer, stream, grouped)
     for b in raw:
         _move(plan, split.before, host_pool, device_pool, b, layer, stream, grouped)
@@ -167,7 +167,10 @@ _sides_lock = threading.Lock()
 
 
 def side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
-    """The second stream of `stream` (made on first use, of its device and priority, kept)."""
+    """The second stream of `stream` (made on first use, of its device and priority, kept). Keys are
+    CUDA stream handles, which torch draws from a fixed pool per device and priority, so the table
+    stays small; a side stream that is also some caller's stream only costs that pair its overlap
+    (every wait is an event)."""
     key = (stream.device.index, stream.cuda_stream)
     with _sides_lock:
         side = _sides.get(key)

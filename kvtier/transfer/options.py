@@ -151,5 +151,9 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
     bad = {k: v for k, v in counts.items() if v is not None and (isinstance(v, bool) or v < 1)}
     if bad:
         raise ConfigError(f"kernel options must be positive, got {bad} in {kernel}")
+    flags = {"lean": kernel.lean, "overlap": kernel.overlap}
+    flags = {k: v for k, v in flags.items() if not isinstance(v, bool)}
+    if flags:
+        raise ConfigError(f"kernel options lean and overlap must be True or False, got {flags}")
     if costs.copy_streams < 1:
         raise ConfigError(f"copy_streams must be at least 1, got {costs.copy_streams}")

@@ -55,14 +55,11 @@ def phases(parts: Sequence[Part], kernel: KernelOptions) -> Phases | None:
     return Phases((), side, others) if fits else Phases(units, side, rest)
 
 
-def sms_held(parts: Sequence[Part], kernel: KernelOptions) -> int:
-    """The most SMs `parts` hold at once: the widest launch, or the second stream's and the caller's
-    widest together while they overlap."""
+def sms_held(parts: Sequence[Part], split: Phases | None) -> int:
+    """The most SMs `parts` hold at once, run as `split` says (`phases`): the widest launch, or the
+    second stream's and the caller's widest together while they overlap."""
     alone = _widest(parts)
-    ph = phases(parts, kernel)
-    if ph is None:
-        return alone
-    return max(alone, _widest(ph.side) + _widest(ph.beside))
+    return alone if split is None else max(alone, _widest(split.side) + _widest(split.beside))
 
 
 def _widest(parts: Sequence[Part]) -> int:

@@ -50,8 +50,7 @@ Runs = tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class Group:
-    """One buffer as the planner sees it: its name, the bytes of its rows, its `Choice`, and the model
-    layers it is on."""
+    """One buffer as the planner sees it: its name, row bytes, `Choice` and the model layers it is on."""
 
     name: str
     row_bytes: int
@@ -85,10 +84,15 @@ class TransferPlan:
     def num_tokens(self) -> int:
         return int(self.host_slots.numel())
 
+    @functools.cached_property
+    def overlap(self) -> phases.Phases | None:
+        """How each layer's parts run at once (`phases.phases`; None: in plan order), found once."""
+        return phases.phases(self.parts, self.kernel)
+
     @property
     def sms_used(self) -> int:
         """SMs the plan takes from the model while it runs: its kernels' grids at once (`phases`)."""
-        return phases.sms_held(self.parts, self.kernel)
+        return phases.sms_held(self.parts, self.overlap)
 
     def rows_by_mechanism(self) -> dict[str, int]:
         """Rows each mechanism moves, summed over parts (a part of some buffers counts its rows once)."""
