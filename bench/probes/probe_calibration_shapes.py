@@ -53,7 +53,7 @@ def kernel_rows(bench: calibrate._Bench, d: Direction, rb: int, host_run: int) -
     runs = bench.rng.permutation(total // host_run)[: rows // host_run].astype(np.int64) * host_run
     host_at = ((runs[:, None] + np.arange(host_run)).reshape(-1)) * rb
     dev_at = bench.rng.permutation(total)[:rows].astype(np.int64) * rb
-    return bench.kernel_at(d, rb, host_at, dev_at)
+    return bench.rate(*bench.kernel_at(d, rb, host_at, dev_at))
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Where `kvtier calibrate`'s seconds go: each measurement of `calibrate._Bench` timed by the wall clock
-(the first call of a kernel shape includes Triton compiling it, or loading it from Triton's disk cache),
+(`kernel_calls`: each kernel shape's first run, from `COMPILE_THREADS` threads (env), which compiles it
+or loads it from Triton's disk cache; `rate`: the kernel's timing),
 for the six presets' row sizes, or those given (one spec's: what its planner measures at first use).
 Run it twice in one call: the second process finds Triton's cache warm.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -19,6 +21,7 @@ import torch
 
 from kvtier.transfer import calibrate
 
+calibrate.COMPILE_THREADS = int(os.environ.get("COMPILE_THREADS", calibrate.COMPILE_THREADS))
 ROWS = tuple(int(r) for r in sys.argv[3].split(",")) if len(sys.argv) > 3 else (132, 576, 656, 1152, 2048)
 spent: dict[str, float] = defaultdict(float)
 
@@ -36,7 +39,7 @@ def timed(name: str, fn):
     return wrapper
 
 
-for method in ("__init__", "copy_rates", "device_pass", "staged_rates", "kernel", "strided"):
+for method in ("__init__", "kernel_calls", "copy_rates", "device_pass", "staged_rates", "rate", "strided"):
     setattr(calibrate._Bench, method, timed(method, getattr(calibrate._Bench, method)))
 
 torch.cuda.init()
@@ -44,7 +47,8 @@ torch.empty(1, device="cuda")
 t0 = time.perf_counter()
 calibrate.calibrate(torch.device("cuda"), ROWS)
 total = time.perf_counter() - t0
-line = {"label": sys.argv[2], "rows": list(ROWS), "total_s": round(total, 2)}
+line = {"label": sys.argv[2], "rows": list(ROWS), "threads": calibrate.COMPILE_THREADS}
+line["total_s"] = round(total, 2)
 line.update({k: round(v, 2) for k, v in spent.items()})
 print(json.dumps(line))
 with open(sys.argv[1], "a") as fh:

@@ -21,8 +21,9 @@ of `COPY_BATCH`) after a warm-up, issued while a GPU sleep holds the stream (the
 issuing is not timed). The result, a `costs.CostModel`, is kept in
 `kvtier.paths.cache_dir()/calibration/`, one file per GPU model, driver and kvtier version; row
 sizes it lacks are measured when first asked for and added. Planners on CUDA measure it at first
-use, for their spec's row sizes (3-5 s on a fresh machine, 2-3 s with Triton's cache warm; every
-preset's at once ~7 s; under 0.1 s from the cache file) and choose by it, floored as `costs` says,
+use, for their spec's row sizes (~3 s on a fresh machine, the kernel's launch shapes compiled
+ahead from threads; 2-2.5 s with Triton's cache warm; every preset's at once ~5 s; under 0.1 s
+from the cache file) and choose by it, floored as `costs` says,
 unless `KVTIER_CALIBRATION=off`, or given a `CostModel`; `PathCosts`' thresholds are the fallback.
 A calibration that fails logs a warning and leaves the thresholds; an unreadable cache file, or
 one measured by an older method (`FORMAT`), is measured again. Why it is on and what it was
@@ -43,6 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -76,10 +78,15 @@ COPY_BATCH = 2
 # Pieces of rows that are not whole 128-byte lines start this far past a line.
 UNALIGNED_SHIFT = 16
 HOLD_CYCLES = 4_000_000
+# Threads that run the kernel's calls once before any is timed (`_Bench.kernel_calls`).
+COMPILE_THREADS = 8
 FORMAT = 8  # raised whenever the measuring changes, so older files are measured again
 
 # `Rates`' tables measured per row size.
 _BY_ROW = ("device_pass", "staged", "kernel_rows", "kernel_units", "strided")
+
+# A kernel call of the calibration and the bytes it moves.
+KernelCall = tuple[Callable[[], None], int]
 
 _lock = threading.Lock()
 
@@ -190,13 +197,14 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
         raise BackendUnavailableError("calibration needs raw copy-engine calls (cuda.bindings and libcudart)")
     row_sizes = sorted(set(row_sizes))
     log.info(
-        "calibrating transfers on %s for rows of %s bytes (~2-8 s, once per GPU model, driver and kvtier "
+        "calibrating transfers on %s for rows of %s bytes (~2-5 s, once per GPU model, driver and kvtier "
         "version; KVTIER_CALIBRATION=off plans on fixed thresholds instead)",
         device,
         row_sizes,
     )
     t0 = time.perf_counter()
     bench = _Bench(device)
+    kernel_calls = bench.kernel_calls(row_sizes)
     rates = {}
     for d in Direction:
         old = base.rates.get(d) if base else None
@@ -206,8 +214,8 @@ def calibrate(device: torch.device, row_sizes: Iterable[int], base: CostModel | 
         for rb in row_sizes:
             by_row["device_pass"][rb] = bench.device_pass(rb)
             by_row["staged"][rb] = bench.staged_rates(d, rb)
-            by_row["kernel_rows"][rb] = bench.kernel(d, rb, 1)
-            by_row["kernel_units"][rb] = bench.kernel(d, rb, unit_rows(rb))
+            by_row["kernel_rows"][rb] = bench.rate(*kernel_calls[d, rb, 1])
+            by_row["kernel_units"][rb] = bench.rate(*kernel_calls[d, rb, unit_rows(rb)])
             by_row["strided"][rb] = bench.strided(d, rb)
         rates[d] = Rates(copy, unaligned, **by_row)
     del bench
@@ -327,17 +335,36 @@ class _Bench:
         raw = self.dev[at : at + count * row_bytes].view(count, row_bytes)
         return raw.view(word_dtype(row_bytes))
 
-    def kernel(self, direction: Direction, row_bytes: int, unit: int) -> float:
-        """GB/s of the row kernel on scattered units of `unit` rows of `row_bytes`, as a plan launches it."""
+    def rate(self, call: Callable[[], None], nbytes: int) -> float:
+        """GB/s of `call`, which moves `nbytes`."""
+        return nbytes / self.time(call) / 1e9
+
+    def kernel_calls(self, row_sizes: Iterable[int]) -> dict[tuple[Direction, int, int], KernelCall]:
+        """The row kernel's calls of this calibration, keyed by direction, row bytes and unit rows (1 and
+        `costs.unit_rows`), each run once from `COMPILE_THREADS` threads: a launch shape's first run
+        compiles it, and Triton's compiles (most of a fresh machine's calibration) overlap there."""
+        shapes = {(d, rb, u) for d in Direction for rb in row_sizes for u in (1, unit_rows(rb))}
+        calls = {s: self.kernel(*s) for s in sorted(shapes, key=lambda s: (s[0].name, s[1], s[2]))}
+        kernels._kernel()  # the JIT wrapper made once, before the threads
+        with ThreadPoolExecutor(max(1, min(COMPILE_THREADS, len(calls)))) as pool:
+            for _ in pool.map(lambda c: c[0](), calls.values()):
+                pass
+        torch.cuda.synchronize(self.device)
+        return calls
+
+    def kernel(self, direction: Direction, row_bytes: int, unit: int) -> KernelCall:
+        """The row kernel on scattered units of `unit` rows of `row_bytes`, as a plan launches it."""
         span = row_bytes * unit
         count = max(1, min(MOVED_BYTES // span, SCRATCH_BYTES // span // 2))
         src, dst = self.places(span, count), self.places(span, count)
         load = direction is Direction.LOAD
         return self.kernel_at(direction, span, *((src, dst) if load else (dst, src)))
 
-    def kernel_at(self, direction: Direction, span: int, host_at: np.ndarray, dev_at: np.ndarray) -> float:
-        """GB/s of the row kernel moving `span` bytes between each of `host_at` and `dev_at` (`[k]` int64
-        byte offsets in the scratch buffers), launched as a plan launches it."""
+    def kernel_at(
+        self, direction: Direction, span: int, host_at: np.ndarray, dev_at: np.ndarray
+    ) -> KernelCall:
+        """The row kernel moving `span` bytes between each of `host_at` and `dev_at` (`[k]` int64 byte
+        offsets in the scratch buffers), launched as a plan launches it on the current stream."""
         # As `units.unit_regions` shapes a plan's launch: the widest word the offsets allow.
         align = kernel_args.common_alignment(host_at, dev_at)
         word = kernel_args.word_size(span, [align])
@@ -364,7 +391,7 @@ class _Bench:
                 stages=launch.stages,
             )
 
-        return len(host_at) * span / self.time(call) / 1e9
+        return call, len(host_at) * span
 
     def strided(self, direction: Direction, line_bytes: int) -> float:
         """GB/s of one 2-D copy of lines of `line_bytes` whose host pitch is `PITCH_LINES` lines."""
