@@ -3,6 +3,8 @@ and the executor's overlap of such a plan's kernel and copy-engine parts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,11 +12,12 @@ from conftest import poison_device, poison_host, run_and_check
 
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
-from kvtier.spec import mla_spec
+from kvtier.spec import mha_spec, mla_spec
 from kvtier.transfer import Planner, execute, kernels, phases, splits
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice
 from kvtier.transfer.options import KernelOptions, PathCosts
+from kvtier.transfer.parts import KernelPart
 
 needs_triton = pytest.mark.skipif(
     not kernels.runs_on(torch.device("cpu")), reason="needs Triton's interpreter"
@@ -129,7 +132,7 @@ def test_buffers_that_split_alike_share_one_entry() -> None:
 
 def split_of(direction: Direction, lengths: list[int], kernel: KernelOptions | None = None):
     plan = planned(direction, lengths, torch.Generator().manual_seed(0), kernel=kernel)[0]
-    got = phases.phases(plan.parts, plan.kernel)
+    got = plan.overlap
     named = None if got is None else [[(type(p).__name__, *sorted(p.buffers)) for p in ps] for ps in got]
     return plan, got, named
 
@@ -163,6 +166,38 @@ def test_plans_without_a_direct_kernel_part_or_overlap_run_in_order() -> None:
     assert split_of(Direction.LOAD, [128] * 4 + [16] * 4, KernelOptions(overlap=False))[1] is None
 
 
+@needs_triton
+def test_a_load_of_kernel_parts_alone_runs_by_buffer_on_the_programs_left(gen) -> None:
+    """Fully scattered rows: the latent's launches on the second stream as planned, the indexer's beside
+    them relaunched on what the latent leaves of the budget, every unit once and byte for byte;
+    backups in plan order."""
+    plan, got, named = split_of(Direction.LOAD, [1] * 48)
+    assert plan.mechanisms_by_buffer() == {"kv": {"kernel": 48}, "indexer": {"kernel": 48}}
+    assert named == [[], [("KernelPart", "kv")], [("KernelPart", "indexer")]]
+    (part,) = plan.parts
+    lead, rest = got.side[0], got.beside[0]
+    assert lead.regions["kv"] == part.regions["kv"]
+    narrowed = [r.launch.programs for r in rest.regions["indexer"]]
+    assert max(narrowed) == plan.kernel.sm_budget - lead.programs < part.programs
+    assert [(r.region, r.src, r.dst) for r in rest.regions["indexer"]] == [
+        (r.region, r.src, r.dst) for r in part.regions["indexer"]
+    ]
+    assert plan.sms_used == lead.programs + rest.programs <= plan.kernel.sm_budget
+    # The split's parts in turn (on the CPU, no streams) move exactly what the plan moves.
+    plan, host, dev, hs, ds = planned(Direction.LOAD, [1] * 48, gen)
+    split = plan.overlap
+    run_and_check(dataclasses.replace(plan, parts=split.side + split.beside), host, dev, hs, ds, None)
+    assert split_of(Direction.BACKUP, [1] * 48)[1] is None
+    assert split_of(Direction.LOAD, [1] * 48, KernelOptions(overlap=False))[1] is None
+    # K and V rows of 2048 bytes: equal launches, on the few programs the planner gave them, in turn.
+    spec = mha_spec("llama-shaped", 2, 8, 128)
+    host, dev = HostPool(spec, 8192, HostLayout.LAYER_FIRST), DevicePool(spec, 8192, "cpu")
+    plan = Planner(host, dev, COSTS, use_kernel=True).plan(
+        Direction.LOAD, host_runs([1] * 8), torch.arange(8)
+    )
+    assert isinstance(plan.parts[0], KernelPart) and plan.overlap is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lengths", [[128] * 4 + [16] * 4 + [1] * 40, [16] * 8], ids=["mixed", "runs-16"])
@@ -176,6 +211,20 @@ def test_cuda_overlapped_plans_are_byte_identical(direction, overlap, lengths, g
     assert execute.overlaps(plan) is overlap
     stream = torch.cuda.Stream()
     for _ in range(2):  # the second time on the second stream that the first made
+        poison_host(host, gen)
+        poison_device(dev, gen)
+        run_and_check(plan, host, dev, hs, ds, stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_loads_by_buffer_are_byte_identical(gen) -> None:
+    """On the GPU, a fully scattered GLM-5-shaped load: the latent on the side stream, the indexer on
+    the caller's on the programs left."""
+    plan, host, dev, hs, ds = planned(Direction.LOAD, [1] * 200, gen, "cuda")
+    assert execute.overlaps(plan) and [p.buffers for p in plan.overlap.beside] == [{"indexer"}]
+    stream = torch.cuda.Stream()
+    for _ in range(2):
         poison_host(host, gen)
         poison_device(dev, gen)
         run_and_check(plan, host, dev, hs, ds, stream)

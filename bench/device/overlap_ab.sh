@@ -5,23 +5,25 @@
 # overlaps its direct kernel parts with its copy-engine parts). One JSON keyed by spec, and each spec's
 # run alone (line_rate_<spec>_..._overlap.json, meta.spec set). Then the calibration's first-use time
 # per spec's row sizes on a fresh Triton cache (and again warm).
-# OVERLAP_SPECS (default: glm-5 deepseek-v3-fp8-packed deepseek-v3 llama-3.1-8b).
+# OVERLAP_SPECS (default: glm-5 deepseek-v3-fp8-packed deepseek-v3 llama-3.1-8b); TAG names the files
+# (default _overlap); CAL_TIME=0 skips the first-use times.
 # Usage: bash bench/device/overlap_ab.sh
 source bench/device/setup.sh
+TAG=${TAG:-_overlap}
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_splits.py tests/test_transfer.py \
-  > "$OUT/gpu_tests_${GPU}_${DATE}_overlap.log" 2>&1; tail -2 "$OUT/gpu_tests_${GPU}_${DATE}_overlap.log"
+  > "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log" 2>&1; tail -2 "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log"
 (time $KV calibrate --force --json "$SCRATCH/calibration.json") 2>&1 | grep -E "calibrated|real"
 for spec in ${OVERLAP_SPECS:-glm-5 deepseek-v3-fp8-packed deepseek-v3 llama-3.1-8b}; do
   timeout "${SPEC_TIMEOUT:-120}" $KV bench transfer --spec "$spec" --variants planned,serial \
     --direction "${DIRECTION:-both}" --repeats 10 --json "$SCRATCH/overlap_${spec}.json" "${SMOKE_TRANSFER[@]}" \
     > "$SCRATCH/overlap.log" 2>&1 || tail -3 "$SCRATCH/overlap.log"
-  cp "$SCRATCH/overlap_${spec}.json" "$OUT/line_rate_${spec}_${GPU}_${DATE}_overlap.json"
+  cp "$SCRATCH/overlap_${spec}.json" "$OUT/line_rate_${spec}_${GPU}_${DATE}${TAG}.json"
   python3 -c "import json; d = json.load(open('$SCRATCH/overlap_${spec}.json'))
 print('$spec', ' '.join(f\"{r['direction'][0]}:{r['host_runs']}/{r['device'][0]}:{r['variant']}={r['ceiling_ratio']}\" for r in d['rows']))"
 done
-python3 bench/device/results.py combine "$OUT/overlap_ab_${GPU}_$DATE.json" \
+python3 bench/device/results.py combine "$OUT/overlap_ab_${GPU}_$DATE${TAG}.json" \
   $(for f in "$SCRATCH"/overlap_*.json; do echo "$(basename "$f" .json)=$f"; done)
-[ "${SMOKE:-0}" = 1 ] && exit 0
+{ [ "${SMOKE:-0}" = 1 ] || [ "${CAL_TIME:-1}" = 0 ]; } && exit 0
 for rows in 132,1152 656 1152 2048; do  # glm-5, packed fp8, deepseek-v3, llama-3.1-8b
   export TRITON_CACHE_DIR=$SCRATCH/triton_$rows
   for label in fresh warm; do

@@ -8,17 +8,31 @@ together stay within `KernelOptions.sm_budget`, else before them: a plan never h
 its budget. A plan does not overlap (None) without `KernelOptions.overlap`, without a direct
 kernel part, or with nothing to run beside one.
 
+A load of direct kernel parts alone over several buffers (`glm-5` fully scattered: the latent and
+the indexer of the same tokens) runs by buffer instead, where some buffer's launches take more
+programs than the widest rows' (short rows, bound by the read requests each program keeps in
+flight): the widest rows' launches on the second stream, those buffers' on the caller's stream
+beside them, relaunched on the programs the first leave (`sm_budget` less their grid). Buffers
+of equal launches (K and V) stay one after the other, on the few programs the planner gave them.
+Backups stay in plan order: side by side they gained nothing steady.
+
 Why: one layer's kernel rows and its copy-engine rows are disjoint, and one after the other the
-link idles while the kernel's SMs wait on their read requests (bench/FINDINGS.md, "Overlapped parts").
+link idles while the kernel's SMs wait on their read requests; so, too, while the indexer's
+132-byte rows (two read requests each, ~0.5 of the ceiling alone) follow the latent's (bench/FINDINGS.md,
+"Overlapped parts").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+import torch
+
+from kvtier.pool.device import Direction
 from kvtier.transfer.options import KernelOptions
-from kvtier.transfer.parts import CopyPart, KernelPart, Part, StagedPart
+from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StagedPart
 
 
 class Phases(NamedTuple):
@@ -40,8 +54,16 @@ def programs(part: Part) -> int:
     return 0
 
 
-def phases(parts: Sequence[Part], kernel: KernelOptions) -> Phases | None:
-    """How one layer of `parts` runs (the module docstring), or None where it runs in plan order."""
+def phases(
+    parts: Sequence[Part],
+    kernel: KernelOptions,
+    direction: Direction | None = None,
+    row_bytes: Mapping[str, int] | None = None,
+    device: torch.device | None = None,
+) -> Phases | None:
+    """How one layer of `parts` runs (the module docstring), or None where it runs in plan order;
+    with the plan's `direction`, its buffers' `row_bytes` (by name) and `device`, a load of kernel
+    parts alone runs by buffer."""
     if not kernel.overlap:
         return None
     side = tuple(p for p in parts if isinstance(p, KernelPart))
@@ -50,9 +72,52 @@ def phases(parts: Sequence[Part], kernel: KernelOptions) -> Phases | None:
     rest = tuple(p for p in others if not (isinstance(p, StagedPart) and p.kernel is not None))
     engine = any(isinstance(p, (CopyPart, StagedPart)) for p in rest)
     fits = bool(units) and _widest(side) + _widest(units) <= kernel.sm_budget
+    if side and not others and direction is Direction.LOAD and row_bytes is not None:
+        return _by_buffer(side, kernel, row_bytes, device)
     if not side or not (engine or fits):
         return None
     return Phases((), side, others) if fits else Phases(units, side, rest)
+
+
+def _by_buffer(
+    side: tuple[KernelPart, ...],
+    kernel: KernelOptions,
+    row_bytes: Mapping[str, int],
+    device: torch.device | None,
+) -> Phases | None:
+    """Loads of kernel parts alone: the launches of the widest rows, and of buffers whose launches take
+    no more programs, on the second stream; the other buffers' (shorter rows, on more programs) beside
+    them on the programs left (None: no such buffer, layer tables, or no program left)."""
+    names = frozenset().union(*(p.buffers for p in side))
+    if any(p.tables for p in side):
+        return None
+    grid = {n: max(r.launch.programs for p in side for r in p.regions.get(n, ())) for n in names}
+    lead = max(names, key=lambda n: (row_bytes[n], n))
+    wide = {n for n in names if grid[n] <= grid[lead]}
+    first = tuple(_only(p, wide) for p in side if p.buffers & wide)
+    left = kernel.sm_budget - _widest(first)
+    if wide == names or left < 1:
+        return None
+    narrow = dataclasses.replace(kernel, sm_budget=left)
+    beside = []
+    for p in side:
+        for n in sorted(p.buffers - wide):
+            regions = tuple(_narrowed(r, narrow, row_bytes[n] * p.unit, device) for r in p.regions[n])
+            beside.append(KernelPart(p.rows, p.unit, {n: regions}, {}))
+    return Phases((), first, tuple(beside))
+
+
+def _only(part: KernelPart, names: set[str] | frozenset[str]) -> KernelPart:
+    """`part` for the buffers `names` alone."""
+    return KernelPart(part.rows, part.unit, {n: rs for n, rs in part.regions.items() if n in names}, {})
+
+
+def _narrowed(
+    region: KernelRegion, opts: KernelOptions, unit_bytes: int, device: torch.device | None
+) -> KernelRegion:
+    """`region` launched as `opts` launches its units of `unit_bytes`, where that takes fewer programs."""
+    launch = opts.launch(unit_bytes, region.align * region.word, device, Direction.LOAD)
+    return region if region.launch.programs <= launch.programs else dataclasses.replace(region, launch=launch)
 
 
 def sms_held(parts: Sequence[Part], split: Phases | None) -> int:

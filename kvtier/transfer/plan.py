@@ -87,7 +87,8 @@ class TransferPlan:
     @functools.cached_property
     def overlap(self) -> phases.Phases | None:
         """How each layer's parts run at once (`phases.phases`; None: in plan order), found once."""
-        return phases.phases(self.parts, self.kernel)
+        rows = {b.name: b.row_bytes for b in self.host_pool.spec.buffers}
+        return phases.phases(self.parts, self.kernel, self.direction, rows, self.device_pool.device)
 
     @property
     def sms_used(self) -> int:
