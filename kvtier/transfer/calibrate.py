@@ -346,10 +346,15 @@ class _Bench:
         shapes = {(d, rb, u) for d in Direction for rb in row_sizes for u in (1, unit_rows(rb))}
         calls = {s: self.kernel(*s) for s in sorted(shapes, key=lambda s: (s[0].name, s[1], s[2]))}
         kernels._kernel()  # the JIT wrapper made once, before the threads
+
+        def first_run(call: KernelCall) -> None:
+            with torch.cuda.stream(self.stream):  # a thread starts on the default stream
+                call[0]()
+
         with ThreadPoolExecutor(max(1, min(COMPILE_THREADS, len(calls)))) as pool:
-            for _ in pool.map(lambda c: c[0](), calls.values()):
+            for _ in pool.map(first_run, calls.values()):
                 pass
-        torch.cuda.synchronize(self.device)
+        self.stream.synchronize()
         return calls
 
     def kernel(self, direction: Direction, row_bytes: int, unit: int) -> KernelCall:

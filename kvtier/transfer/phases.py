@@ -91,7 +91,7 @@ def _by_buffer(
     names = frozenset().union(*(p.buffers for p in side))
     if any(p.tables for p in side):
         return None
-    grid = {n: max(r.launch.programs for p in side for r in p.regions.get(n, ())) for n in names}
+    grid = {n: max((r.launch.programs for p in side for r in p.regions.get(n, ())), default=0) for n in names}
     lead = max(names, key=lambda n: (row_bytes[n], n))
     wide = {n for n in names if grid[n] <= grid[lead]}
     first = tuple(_only(p, wide) for p in side if p.buffers & wide)
