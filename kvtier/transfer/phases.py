@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvtier.pool.device import Direction
 from kvtier.transfer.options import KernelOptions
 from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StagedPart
+
+if TYPE_CHECKING:
+    from kvtier.transfer.plan import TransferPlan
 
 
 class Phases(NamedTuple):
@@ -54,16 +57,9 @@ def programs(part: Part) -> int:
     return 0
 
 
-def phases(
-    parts: Sequence[Part],
-    kernel: KernelOptions,
-    direction: Direction | None = None,
-    row_bytes: Mapping[str, int] | None = None,
-    device: torch.device | None = None,
-) -> Phases | None:
-    """How one layer of `parts` runs (the module docstring), or None where it runs in plan order;
-    with the plan's `direction`, its buffers' `row_bytes` (by name) and `device`, a load of kernel
-    parts alone runs by buffer."""
+def phases(plan: TransferPlan) -> Phases | None:
+    """How each layer of `plan` runs (the module docstring), or None where it runs in plan order."""
+    parts, kernel = plan.parts, plan.kernel
     if not kernel.overlap:
         return None
     side = tuple(p for p in parts if isinstance(p, KernelPart))
@@ -72,8 +68,9 @@ def phases(
     rest = tuple(p for p in others if not (isinstance(p, StagedPart) and p.kernel is not None))
     engine = any(isinstance(p, (CopyPart, StagedPart)) for p in rest)
     fits = bool(units) and _widest(side) + _widest(units) <= kernel.sm_budget
-    if side and not others and direction is Direction.LOAD and row_bytes is not None:
-        return _by_buffer(side, kernel, row_bytes, device)
+    if side and not others and plan.direction is Direction.LOAD:
+        row_bytes = {b.name: b.row_bytes for b in plan.host_pool.spec.buffers}
+        return _by_buffer(side, kernel, row_bytes, plan.device_pool.device)
     if not side or not (engine or fits):
         return None
     return Phases((), side, others) if fits else Phases(units, side, rest)

@@ -87,8 +87,7 @@ class TransferPlan:
     @functools.cached_property
     def overlap(self) -> phases.Phases | None:
         """How each layer's parts run at once (`phases.phases`; None: in plan order), found once."""
-        rows = {b.name: b.row_bytes for b in self.host_pool.spec.buffers}
-        return phases.phases(self.parts, self.kernel, self.direction, rows, self.device_pool.device)
+        return phases.phases(self)
 
     @property
     def sms_used(self) -> int:
