@@ -61,10 +61,11 @@ def test_indexer_rows_ride_with_the_latents_staging_where_the_copies_stay_long(d
     by = plan.mechanisms_by_buffer()
     assert by["kv"] == {"staged": 512, "kernel": 64}
     assert by["indexer"] == {"staged": 512, "staged_kernel": 64}
-    # Each buffer's staging by the copy engine copies the same host runs.
-    by_copy = [p for p in plan.parts if p.mechanism.value == "staged" and p.kernel is None]
-    staged = {p.buffers: p.runs.length.tolist() for p in by_copy}
-    assert staged == {frozenset({"kv"}): [128] * 4, frozenset({"indexer"}): [128] * 4}
+    # Both buffers stage the same host runs by the copy engine: one part of both, whose buffers lie
+    # apart in the staging buffer for a load.
+    (by_copy,) = [p for p in plan.parts if p.mechanism.value == "staged" and p.kernel is None]
+    assert by_copy.buffers == {"kv", "indexer"} and by_copy.runs.length.tolist() == [128] * 4
+    assert by_copy.apart == (direction is Direction.LOAD)
     run_and_check(plan, host, dev, hs, ds, None)
 
 
@@ -146,10 +147,10 @@ def test_a_mixed_plan_runs_its_direct_kernel_parts_beside_the_rest(direction) ->
     assert named == [
         [],
         [("KernelPart", "kv")],
-        [("StagedPart", "kv"), ("StagedPart", "indexer"), ("StagedPart", "indexer")],
+        [("StagedPart", "indexer", "kv"), ("StagedPart", "indexer")],  # the runs both stage, then units
     ]
     assert sorted(map(id, got.before + got.side + got.beside)) == sorted(map(id, plan.parts))
-    side, units = phases.programs(got.side[0]), phases.programs(got.beside[2])
+    side, units = phases.programs(got.side[0]), phases.programs(got.beside[1])
     assert plan.sms_used == side + units <= plan.kernel.sm_budget
     assert not execute.overlaps(plan)  # on the CPU every part runs in plan order, on no stream
     # A budget of 5: the units fill the staging before the fork, and the plan holds 4 SMs at most.
@@ -228,3 +229,38 @@ def test_cuda_loads_by_buffer_are_byte_identical(gen) -> None:
         poison_host(host, gen)
         poison_device(dev, gen)
         run_and_check(plan, host, dev, hs, ds, stream)
+
+
+def test_a_loads_staged_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
+    """`staging_layout`: each buffer of a part its own aligned place, disjoint and inside the staging
+    buffer, for as many rows as fit them all; one buffer, or too little room, from the start. A load's
+    part over both buffers lies apart and moves every row (window by window); a backup's does not."""
+    from kvtier.spec import preset
+    from kvtier.transfer import parts
+
+    spec = preset("glm-5").with_layers(2)
+    dev = DevicePool(spec, 4096, staging_tokens=1000)
+    latent, indexer = spec.buffers
+    assert parts.staging_layout(dev, [latent]) == (1000, {latent.name: 0})
+    rows, at = parts.staging_layout(dev, [latent, indexer])
+    assert rows == (1000 * 1152 - 128) // 1284 == 897
+    assert at[latent.name] == 0 and at[indexer.name] % parts.STAGE_ALIGN == 0
+    assert (
+        rows * 1152 <= at[indexer.name]
+        and at[indexer.name] + rows * 132 <= dev.staging(Direction.LOAD).numel()
+    )
+    small = DevicePool(mha_spec("kv", 2, 1, 64), 64, staging_tokens=1)
+    b = small.spec.buffers
+    assert parts.staging_layout(small, list(b)) == (1, {x.name: 0 for x in b})  # no room: one after the other
+    host = HostPool(spec, 4096)
+    hs, ds = torch.arange(100, 2100), torch.randperm(4096, generator=gen)[:2000]
+    for direction in ("load", "backup"):
+        plan = Planner(host, dev, PathCosts(staged_min_bytes=1, backup_staged_min_bytes=1)).plan(
+            direction, hs, ds
+        )
+        (part,) = plan.parts
+        assert part.apart == (direction == "load")
+        assert len(part.windows) == (3 if direction == "load" else 2)
+        poison_host(host, gen)
+        poison_device(dev, gen)
+        run_and_check(plan, host, dev, hs, ds, None)

@@ -460,9 +460,13 @@ def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(d
         assert plan.path is TransferPath.MIXED
         assert plan.rows_by_mechanism() == {"copy": 300, "staged": 380, "kernel": 60}
         (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
-        # 250 + 130 rows in windows of 100: runs cut at rows 100, 200 and 300 of the part
-        assert staged.windows == ((0, 100, 0, 1), (100, 200, 1, 2), (200, 300, 2, 4), (300, 380, 4, 5))
-        assert staged.runs.length.tolist() == [100, 100, 50, 50, 80]
+        # Each buffer its own place in the 13200-byte staging buffer (100 of the widest, 132-byte
+        # rows): windows of (13200 - 128) // (48 + 132) = 72 rows, the indexer's from byte 3456.
+        assert staged.window_rows == 72 and staged.stage_at == {"kv": 0, "indexer": 3456}
+        # 250 + 130 rows in windows of 72: runs cut at rows 72, 144, 216, 288 and 360 of the part
+        windows = ((0, 72, 0, 1), (72, 144, 1, 2), (144, 216, 2, 3), (216, 288, 3, 5), (288, 360, 5, 6))
+        assert staged.windows == (*windows, (360, 380, 6, 7))
+        assert staged.runs.length.tolist() == [72, 72, 72, 34, 38, 72, 20]
     else:  # one-slot pages: no host run is longer than a page
         assert plan.path is TransferPath.KERNEL
     _run_and_check(plan, host, dev, hs, ds, layout)
@@ -704,9 +708,35 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
         )
         if expected is TransferPath.STAGED:
             (part,) = plan.parts
-            assert part.batched and len(part.windows) == 4
+            # A load's two buffers lie apart: windows of (132000 - 128) // 180 = 732 rows.
+            assert part.batched and len(part.windows) == (5 if direction == "load" else 4)
+            assert part.apart == (direction == "load")
             assert (part.kernel is None) == (direction == "load")
         run_and_check(plan, host, dev, hs, ds, stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staged_loads_with_passes_beside_the_copies_are_byte_identical(gen) -> None:
+    """Loads whose staged buffers lie apart place each window's rows on the pass stream while the next
+    rows arrive: a GLM-5-shaped layer from contiguous host slots onto scattered ones (one part of
+    both buffers, window by window, its places reused), and after first-fit churn (whatever parts the
+    planner makes), twice each on one stream, against the host rows."""
+    from kvtier.bench.churn import after_churn
+
+    spec = preset("glm-5").with_layers(1)
+    host, dev = HostPool(spec, 16384), DevicePool(spec, 16384, "cuda", staging_tokens=1500)
+    stream = torch.cuda.Stream()
+    ds = torch.randperm(16384, generator=gen)[:6000]
+    for hs in (torch.arange(100, 6100), after_churn("first_fit", 6000, 16384, 1, 8, 0)):
+        plan = TransferPlan.build("load", host, dev, hs, ds, stream=stream)
+        if plan.host_runs == 1:
+            (part,) = plan.parts
+            assert isinstance(part, StagedPart) and part.apart and len(part.windows) == 5
+        for _ in range(2):
+            poison_host(host, gen)
+            poison_device(dev, gen)
+            run_and_check(plan, host, dev, hs, ds, stream)
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))

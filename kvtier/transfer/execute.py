@@ -7,9 +7,12 @@ with what the plan computed. A buffer whose device tensors are not packed rows o
 dtype (a wrapped engine tensor) takes the reference path, for that buffer alone.
 
 Overlap (`phases`, `KernelOptions.overlap`): a layer's direct kernel parts run on a second stream
-(one per caller's stream, `side_stream`), forked from the caller's after the parts that must come
-first and joined before the layer ends, beside its other parts; the parts move disjoint rows,
-and the host waits for nothing.
+(one per caller's stream, `streams.side_stream`), forked from the caller's after the parts that
+must come first and joined before the layer ends, beside its other parts; the parts move disjoint
+rows, and the host waits for nothing. A staged load whose buffers lie apart in the staging buffer
+(`StagedPart.apart`) moves them window by window, each window's device pass on the pass stream
+(`streams.pass_stream`) while the next buffer's rows arrive; the caller's stream waits for the
+passes that read a place before it writes there again, and for all of them when the layer ends.
 
 Concurrency contract: the caller orders a load after any backup that writes the same host
 slots, and keeps the plan alive until its stream has run. Plans with a staged part use the
@@ -20,7 +23,6 @@ different streams (the cache runs every load on one stream, every backup on anot
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -31,8 +33,8 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
-from kvtier.transfer import dma, groups, kernels, phases, stacks
-from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StackPart, StagedPart
+from kvtier.transfer import dma, groups, kernels, phases, stacks, streams
+from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StackPart, StagedPart, Window
 from kvtier.transfer.plan import TransferPlan
 from kvtier.transfer.runs import layer_spans
 
@@ -109,12 +111,15 @@ def _move_layers(
     stacked = [p for p in plan.parts if isinstance(p, StackPart)]
     with _on_stream(plan, device_pool, stream) as s:
         split = plan.overlap if s is not None else None
+        passes = streams.pass_stream(s) if s is not None and _passes_apart(plan) else None
         for layer, buffers in on:
             if split is None:
                 for b in buffers:
                     _move(plan, plan.parts, host_pool, device_pool, b, layer, s, grouped)
             else:
                 _overlapped(plan, split, host_pool, device_pool, buffers, layer, s, grouped)
+            if passes is not None:
+                streams.join(s, passes)
         if not (grouped or stacked):
             return
         for b in spec.buffers:
@@ -152,7 +157,7 @@ def _overlapped(
             _move(plan, plan.parts, host_pool, device_pool, b, layer, stream, grouped)
     for b in raw:
         _move(plan, split.before, host_pool, device_pool, b, layer, stream, grouped)
-    side = side_stream(stream)
+    side = streams.side_stream(stream)
     side.wait_stream(stream)
     with torch.cuda.stream(side):
         for b in raw:
@@ -160,23 +165,6 @@ def _overlapped(
     for b in raw:
         _move(plan, split.beside, host_pool, device_pool, b, layer, stream, grouped)
     stream.wait_stream(side)
-
-
-_sides: dict[tuple[int, int], torch.cuda.Stream] = {}
-_sides_lock = threading.Lock()
-
-
-def side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
-    """The second stream of `stream` (made on first use, of its device and priority, kept). Keys are
-    CUDA stream handles, which torch draws from a fixed pool per device and priority, so the table
-    stays small; a side stream that is also some caller's stream only costs that pair its overlap
-    (every wait is an event)."""
-    key = (stream.device.index, stream.cuda_stream)
-    with _sides_lock:
-        side = _sides.get(key)
-        if side is None:
-            side = _sides[key] = torch.cuda.Stream(stream.device, priority=stream.priority)
-        return side
 
 
 def _move(
@@ -206,8 +194,17 @@ def _move(
                 _copy_runs(host_pool, b, layer, runs, dev_w.data_ptr(), load, stream, part.streams)
             else:
                 _per_run(part, host_pool, dev_w, b, layer, load)
-        elif isinstance(part, StagedPart):
-            _staged(plan, part, host_pool, device_pool, dev_w, b, layer, stream)
+        elif isinstance(part, StagedPart) and not part.apart:
+            _staged(plan, part, host_pool, device_pool, [(b, dev_w)], layer, stream)
+        elif isinstance(part, StagedPart):  # its buffers window by window, at the first one's turn
+            on = [
+                x
+                for x in device_pool.spec.buffers_on(layer)
+                if x.name in part.buffers and device_pool.raw_rows(x.name)
+            ]
+            if b.name == on[0].name:
+                rows = [(x, as_words(device_pool.layer(x.name, layer))) for x in on]
+                _staged(plan, part, host_pool, device_pool, rows, layer, stream)
         elif isinstance(part, KernelPart):
             if not (grouped and b.name in part.tables):
                 _kernel(plan, part, host_pool, dev_w, b, layer)
@@ -256,40 +253,81 @@ def _staged(
     part: StagedPart,
     host_pool: HostPool,
     device_pool: DevicePool,
-    dev_w: torch.Tensor,
-    b: BufferSpec,
+    rows: Sequence[tuple[BufferSpec, torch.Tensor]],
     layer: int,
     stream: torch.cuda.Stream | None,
 ) -> None:
-    """Per window, a load copies its host runs into the staging buffer (the copy engine, or the kernel's
-    units) and places the rows with one `index_copy_`; a backup gathers them with one `index_select`
-    and copies them out."""
-    cap = device_pool.staging_tokens
-    raw = device_pool.staging(plan.direction)[: cap * b.row_bytes]
-    stage = raw.view(dev_w.dtype).view(cap, dev_w.shape[1])
-    index = part.device_index
+    """Buffers `rows` (each with its device rows as words, `[slots, W]`) of one layer, window by window:
+    a load copies its host runs into the staging buffer (the copy engine, or the kernel's units) and
+    places the rows with one `index_copy_`; a backup gathers them with one `index_select` and copies
+    them out. A load whose buffers lie apart in the staging buffer places them on the pass stream
+    (`streams.pass_stream`), so the next buffer's rows arrive meanwhile; the layer's stream waits for it once
+    the layer's buffers are queued (`execute`)."""
+    cap, index = part.window_rows, part.device_index
     load = plan.direction is Direction.LOAD
-    run_bytes = part.run_bytes[b.name]
+    passes = streams.pass_stream(stream) if load and stream is not None and _passes_apart(plan) else None
+    stages = []
+    for b, dev_w in rows:
+        at = part.stage_at[b.name]
+        raw = device_pool.staging(plan.direction)[at : at + cap * b.row_bytes]
+        stages.append(
+            (raw.view(dev_w.dtype).view(cap, dev_w.shape[1]), (raw.data_ptr(), raw.data_ptr() + raw.numel()))
+        )
     for w, (lo, hi, first, end) in enumerate(part.windows):
-        if not load:
-            torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
-        if part.kernel is not None:
-            _kernel_regions(plan, part.kernel[b.name][w], part.unit, host_pool, stage.view(-1), b, layer)
-        elif part.batched:
-            runs = (x[first:end] for x in run_bytes)
-            _copy_runs(host_pool, b, layer, runs, stage.data_ptr(), load, stream, part.streams)
-        else:  # one torch copy per run
-            flat = stage.view(-1)
-            w = flat.element_size()
-            for r, h, st, n in zip(*(x[first:end].tolist() for x in run_bytes), strict=True):
-                host_w = host_pool.region_words(b.name, layer, r)[h // w : (h + n) // w]
-                stage_w = flat[st // w : (st + n) // w]
-                if load:
-                    stage_w.copy_(host_w, non_blocking=True)
-                else:
-                    host_w.copy_(stage_w, non_blocking=True)
-        if load:
-            dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
+        for (b, dev_w), (stage, place) in zip(rows, stages, strict=True):
+            if passes is not None:
+                streams.reuse(stream, place)
+            if not load:
+                torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
+            _fill(plan, part, host_pool, stage, b, layer, w, Window(lo, hi, first, end), stream)
+            if passes is not None:
+                passes.wait_stream(stream)
+                with torch.cuda.stream(passes):
+                    dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
+                streams.reading(stream, place, passes)
+            elif load:
+                dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
+
+
+def _fill(
+    plan: TransferPlan,
+    part: StagedPart,
+    host_pool: HostPool,
+    stage: torch.Tensor,
+    b: BufferSpec,
+    layer: int,
+    w: int,
+    window: Window,
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Window `w`'s host runs of `b` between the host and `stage` (`[rows, W]` words)."""
+    load, run_bytes = plan.direction is Direction.LOAD, part.run_bytes[b.name]
+    if part.kernel is not None:
+        _kernel_regions(plan, part.kernel[b.name][w], part.unit, host_pool, stage.view(-1), b, layer)
+    elif part.batched:
+        runs = (x[window.first : window.end] for x in run_bytes)
+        _copy_runs(host_pool, b, layer, runs, stage.data_ptr(), load, stream, part.streams)
+    else:  # one torch copy per run
+        flat = stage.view(-1)
+        size = flat.element_size()
+        for r, h, st, n in zip(*(x[window.first : window.end].tolist() for x in run_bytes), strict=True):
+            host_w = host_pool.region_words(b.name, layer, r)[h // size : (h + n) // size]
+            stage_w = flat[st // size : (st + n) // size]
+            if load:
+                stage_w.copy_(host_w, non_blocking=True)
+            else:
+                host_w.copy_(stage_w, non_blocking=True)
+
+
+def _passes_apart(plan: TransferPlan) -> bool:
+    """Whether the plan's staged loads place their rows on the pass stream (`_staged`): on CUDA, with
+    `KernelOptions.overlap`, where some staged part's buffers lie apart."""
+    return (
+        plan.kernel.overlap
+        and plan.direction is Direction.LOAD
+        and plan.device_pool.device.type == "cuda"
+        and any(isinstance(p, StagedPart) and p.apart for p in plan.parts)
+    )
 
 
 def _kernel(

@@ -2,7 +2,9 @@
 
 - `CopyPart`: joint runs the copy engine moves straight between host and device slots;
 - `StagedPart`: host runs through a device staging buffer, placed on their scattered
-  device slots on the device (loads), or the reverse (backups);
+  device slots on the device (loads), or the reverse (backups); a load's part of several buffers
+  gives each its own place in the staging buffer where windows of half of it or more still fit
+  (`staging_layout`), so one buffer's device pass can run while the next one's rows arrive;
 - `StackPart`: `page_first` runs of pages, several layers of a page per copy, through the
   staging buffer (`stacks`);
 - `KernelPart`: units the Triton kernels gather or scatter, each launch's shape computed
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 import numpy as np
 import torch
 
-from kvtier.pool.device import DevicePool
+from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.spec import BufferSpec, KVSpec
 from kvtier.transfer.launch import KernelLaunch
@@ -101,10 +103,19 @@ class StagedPart:
     streams: int
     kernel: dict[str, tuple[tuple[KernelRegion, ...], ...]] | None = None
     unit: int = 1
+    # Rows of one window, and each buffer's byte offset in the staging buffer (`staging_layout`).
+    window_rows: int = 0
+    stage_at: dict[str, int] = field(default_factory=dict)
 
     @property
     def buffers(self) -> frozenset[str]:
         return frozenset(self.run_bytes)
+
+    @property
+    def apart(self) -> bool:
+        """Whether each buffer of a window has its own place in the staging buffer (several buffers
+        only): one buffer's device pass may then run while the next buffer's rows arrive."""
+        return len(set(self.stage_at.values())) > 1
 
 
 @dataclass(frozen=True)
@@ -282,6 +293,33 @@ def run_bytes(
     return out
 
 
+# A buffer's place in the staging buffer starts on this many bytes.
+STAGE_ALIGN = 128
+# Whether loads place a staged part's buffers apart (`staging_layout`); off: one after the other.
+STAGE_APART = True
+
+
+def staging_layout(
+    device_pool: DevicePool, buffers: list[BufferSpec], apart: bool = True
+) -> tuple[int, dict[str, int]]:
+    """Rows of one window of a staged part of `buffers`, and each one's byte offset in the staging
+    buffer: with `apart` (and `STAGE_APART`), every buffer its own place (`STAGE_ALIGN`-aligned, in
+    spec order) for as many rows as fit them all, where that is at least half of `staging_tokens`;
+    else `staging_tokens` rows, each buffer from the start (one after the other)."""
+    cap = device_pool.staging_tokens
+    if len(buffers) < 2 or not (apart and STAGE_APART):
+        return cap, {b.name: 0 for b in buffers}
+    room = device_pool.staging(Direction.LOAD).numel() - STAGE_ALIGN * (len(buffers) - 1)
+    rows = room // sum(b.row_bytes for b in buffers)
+    if 2 * rows < cap:
+        return cap, {b.name: 0 for b in buffers}
+    at, out = 0, {}
+    for b in buffers:
+        out[b.name] = at
+        at = -(-(at + rows * b.row_bytes) // STAGE_ALIGN) * STAGE_ALIGN
+    return rows, out
+
+
 def staged_part(
     host_pool: HostPool,
     hn: np.ndarray,
@@ -294,10 +332,12 @@ def staged_part(
     up: Uploader,
     buffers: Buffers = None,
     kernel: KernelStaging | None = None,
+    stage_at: dict[str, int] | None = None,
 ) -> StagedPart:
     """Host runs (`pos`, `lens`: `[runs]` int64) of the plan's slots `hn`, `dn` (`[n]` int64) through
-    the staging buffer of `cap` rows, cut where a window ends; its rows are the runs' in order.
-    With `kernel`, the row kernel moves them between the host and the staging buffer."""
+    windows of `cap` rows of the staging buffer, each buffer from its `stage_at` byte (None: 0), cut
+    where a window ends; its rows are the runs' in order. With `kernel`, the row kernel moves them
+    between the host and the staging buffer."""
     total = int(lens.sum())
     at = np.cumsum(lens) - lens  # each run's first row in the part
     run, off, cut_lens, stage_row, windows = cut_windows(lens, cap)
@@ -316,6 +356,8 @@ def staged_part(
         streams=streams if batched else 1,
         kernel=moved,
         unit=unit,
+        window_rows=cap,
+        stage_at={b.name: 0 for b in buffers_of(host_pool.spec, buffers)} | (stage_at or {}),
     )
 
 

@@ -15,8 +15,9 @@ or a measured `CostModel`): its long joint runs go to batched DMA, long host run
 slots are scattered to staging by the copy engine, shorter ones of small rows to staging by the
 kernel's units, and the remaining rows to the kernel; a buffer of small rows also stages by the copy
 engine the host runs the widest buffer stages, where the copies stay long on average (`splits`);
-buffers whose runs split alike share their parts. Without the kernel it takes the cheapest of
-per-run copies, staging and the reference path by `PathCosts`.
+buffers whose runs split alike share their parts, and those that stage the same host runs their
+staged part, whose buffers a load places apart in the staging buffer (`parts.staging_layout`).
+Without the kernel it takes the cheapest of per-run copies, staging and the reference path.
 """
 
 from __future__ import annotations
@@ -416,13 +417,16 @@ class Planner:
             streams = parts.copy_streams(host_pool.spec, int(n.sum()), len(n), batched, self.costs, buffers)
             table = RunTable.of(s, hn[s], dn[s], n)
             out.append(parts.copy_part(host_pool, table, batched, streams, buffers))
-        cap, streams = self.device_pool.staging_tokens, self.costs.copy_streams
+        apart = direction is Direction.LOAD and self.kernel.overlap  # device passes beside copies
+        cap, at = parts.staging_layout(self.device_pool, parts.buffers_of(host_pool.spec, buffers), apart)
+        streams = self.costs.copy_streams
         if staged is not None:
-            out.append(parts.staged_part(host_pool, hn, dn, *staged, cap, self.batched, streams, up, buffers))
+            args = (host_pool, hn, dn, *staged, cap, self.batched, streams, up, buffers)
+            out.append(parts.staged_part(*args, stage_at=at))
         if kernel_staged is not None:
             by = units.KernelStaging(direction, self.device_pool, self.kernel)
             args = (host_pool, hn, dn, *kernel_staged, cap, self.batched, streams, up, buffers, by)
-            out.append(parts.staged_part(*args))
+            out.append(parts.staged_part(*args, stage_at=at))
         if kernel is not None:
             args = (direction, host_pool, self.device_pool, hn, dn, *kernel, self.kernel, up, buffers)
             out.append(units.kernel_part(*args))

@@ -1,7 +1,7 @@
 """The planner's mixed path: one operation's runs split among the mechanisms, buffer by buffer.
 
 Each buffer's runs split by its `Choice` (`Choice.split`), and buffers whose runs split alike
-share their parts (`by_buffer`).
+share their parts, buffers that stage the same host runs their staged part (`by_buffer`).
 
 Riders: a buffer of small rows (under `costs.SMALL_ROW_BYTES`, a DSA indexer's 132 bytes beside
 an MLA latent's 1152) has its host runs staged by the copy engine wherever the widest buffer's
@@ -79,9 +79,20 @@ def split_all(groups: Iterable[Buffer], found: Scan, n: int, min_average: float)
 
 
 def by_buffer(splits: dict[str, Split]) -> list[tuple[frozenset[str], Split]]:
-    """The buffers of `splits` grouped by identical splits, in order: `(names, split)`."""
+    """The buffers of `splits` grouped by identical splits, in order: `(names, split)`. Staged host
+    runs are grouped on their own first: buffers that stage the same runs (a rider and the widest
+    buffer) share one staged part whatever else they split into, so that its buffers can lie apart
+    in the staging buffer (`parts.staging_layout`)."""
+    staged = _alike({n: {"staged": s["staged"]} for n, s in splits.items() if s.get("staged") is not None})
+    return staged + _alike({n: {**s, "staged": None} for n, s in splits.items()})
+
+
+def _alike(splits: dict[str, Split]) -> list[tuple[frozenset[str], Split]]:
+    """The buffers of `splits` grouped by identical splits, in order (none where a split is empty)."""
     alike: dict[tuple[bytes, ...], tuple[frozenset[str], Split]] = {}
     for name, split in splits.items():
+        if all(v is None for v in split.values()):
+            continue
         key = tuple(b"" if v is None else v[0].tobytes() + v[1].tobytes() for v in split.values())
         names = alike[key][0] if key in alike else frozenset()
         alike[key] = (names | {name}, split)
