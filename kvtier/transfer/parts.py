@@ -101,11 +101,11 @@ class StagedPart:
     device_index: torch.Tensor
     batched: bool
     streams: int
+    # Rows of one window, and each buffer's byte offset in the staging buffer (`staging_layout`).
+    window_rows: int
+    stage_at: dict[str, int]
     kernel: dict[str, tuple[tuple[KernelRegion, ...], ...]] | None = None
     unit: int = 1
-    # Rows of one window, and each buffer's byte offset in the staging buffer (`staging_layout`).
-    window_rows: int = 0
-    stage_at: dict[str, int] = field(default_factory=dict)
 
     @property
     def buffers(self) -> frozenset[str]:
