@@ -62,10 +62,10 @@ def test_indexer_rows_ride_with_the_latents_staging_where_the_copies_stay_long(d
     assert by["kv"] == {"staged": 512, "kernel": 64}
     assert by["indexer"] == {"staged": 512, "staged_kernel": 64}
     # Both buffers stage the same host runs by the copy engine: one part of both, whose buffers lie
-    # apart in the staging buffer for a load.
+    # apart in the staging buffer.
     (by_copy,) = [p for p in plan.parts if p.mechanism.value == "staged" and p.kernel is None]
     assert by_copy.buffers == {"kv", "indexer"} and by_copy.runs.length.tolist() == [128] * 4
-    assert by_copy.apart == (direction is Direction.LOAD)
+    assert by_copy.apart
     run_and_check(plan, host, dev, hs, ds, None)
 
 
@@ -231,10 +231,11 @@ def test_cuda_loads_by_buffer_are_byte_identical(gen) -> None:
         run_and_check(plan, host, dev, hs, ds, stream)
 
 
-def test_a_loads_staged_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
+def test_a_staged_parts_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
     """`staging_layout`: each buffer of a part its own aligned place, disjoint and inside the staging
-    buffer, for as many rows as fit them all; one buffer, or too little room, from the start. A load's
-    part over both buffers lies apart and moves every row (window by window); a backup's does not."""
+    buffer, for as many rows as fit them all; one buffer, or too little room, from the start. A part
+    over both buffers lies apart and moves every row, window by window, in both directions; without
+    the overlap, one after the other."""
     from kvtier.spec import preset
     from kvtier.transfer import parts
 
@@ -259,8 +260,10 @@ def test_a_loads_staged_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
             direction, hs, ds
         )
         (part,) = plan.parts
-        assert part.apart == (direction == "load")
-        assert len(part.windows) == (3 if direction == "load" else 2)
+        assert part.apart and len(part.windows) == 3  # 2000 rows in windows of 897
         poison_host(host, gen)
         poison_device(dev, gen)
         run_and_check(plan, host, dev, hs, ds, None)
+    costs = PathCosts(staged_min_bytes=1, backup_staged_min_bytes=1)
+    (part,) = Planner(host, dev, costs, kernel=KernelOptions(overlap=False)).plan("backup", hs, ds).parts
+    assert not part.apart and len(part.windows) == 2  # windows of the 1000 rows the staging holds

@@ -12,6 +12,7 @@ from conftest import host_row, host_rows, poison_device, poison_host, random_row
 
 from kvtier.errors import ConfigError, PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
+from kvtier.pool.device import Direction
 from kvtier.spec import preset
 from kvtier.transfer import (
     KernelOptions,
@@ -455,7 +456,9 @@ def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(d
         by_buffer = {"copy": 300, "staged_kernel": 380, "kernel": 60}
         assert plan.mechanisms_by_buffer() == {"kv": by_buffer, "indexer": by_buffer}
         (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
-        assert staged.kernel is not None and staged.unit == 10  # the gcd of 100, 100, 50, 50 and 80
+        # Apart in the staging buffer (below): windows of 72 rows cut the runs into 72, 72, 72, 34,
+        # 38, 72 and 20 rows, whose gcd is the unit.
+        assert staged.kernel is not None and staged.window_rows == 72 and staged.unit == 2
     elif layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
         assert plan.rows_by_mechanism() == {"copy": 300, "staged": 380, "kernel": 60}
@@ -717,19 +720,21 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_staged_loads_with_passes_beside_the_copies_are_byte_identical(gen) -> None:
-    """Loads whose staged buffers lie apart place each window's rows on the pass stream while the next
-    rows arrive: a GLM-5-shaped layer from contiguous host slots onto scattered ones (one part of
-    both buffers, window by window, its places reused), and after first-fit churn (whatever parts the
-    planner makes), twice each on one stream, against the host rows."""
+@pytest.mark.parametrize("direction", list(Direction))
+def test_cuda_staged_parts_with_passes_beside_the_copies_are_byte_identical(direction, gen) -> None:
+    """Staged parts whose buffers lie apart run each window's device passes on the pass stream beside
+    the other buffer's copies (a load's placing, a backup's gathering, the indexer's first): a
+    GLM-5-shaped spec of three layers from contiguous host slots onto scattered ones (one part of
+    both buffers, window by window, its places reused within and across layers), and after first-fit
+    churn (whatever parts the planner makes), twice each on one stream, against the host rows."""
     from kvtier.bench.churn import after_churn
 
-    spec = preset("glm-5").with_layers(1)
+    spec = preset("glm-5").with_layers(3)
     host, dev = HostPool(spec, 16384), DevicePool(spec, 16384, "cuda", staging_tokens=1500)
     stream = torch.cuda.Stream()
     ds = torch.randperm(16384, generator=gen)[:6000]
     for hs in (torch.arange(100, 6100), after_churn("first_fit", 6000, 16384, 1, 8, 0)):
-        plan = TransferPlan.build("load", host, dev, hs, ds, stream=stream)
+        plan = TransferPlan.build(direction, host, dev, hs, ds, stream=stream)
         if plan.host_runs == 1:
             (part,) = plan.parts
             assert isinstance(part, StagedPart) and part.apart and len(part.windows) == 5

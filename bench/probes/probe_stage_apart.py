@@ -1,21 +1,24 @@
-"""Staged loads with each buffer apart in the staging buffer (`parts.STAGE_APART`), window by window,
-the device passes on the pass stream beside the next buffer's copies, against the same loads with
+"""Staged parts with each buffer apart in the staging buffer (`parts.STAGE_APART`), window by window,
+the device passes on the pass stream beside another buffer's copies, against the same transfers with
 the buffers one after the other from the staging buffer's start, alternating on one lease.
 
 Why: the profile of `glm-5`'s staged layer (`probe_staged_profile.py`) shows its copies at the line
 rate and its two device passes (95 + 25 us of a ~3.2 ms layer) one after the other with them: the
-latent's pass could run while the indexer's rows arrive.
+latent's pass could run while the indexer's rows arrive (loads), the latent's gather while the
+indexer's rows are copied out (backups).
 
-Per spec (one layer of 131072 tokens, the planner's plans, device slots scattered), ROUNDS rounds of
-both settings over the host sets, each plan byte-checked and timed as `kvtier bench transfer` times
-it. Then one profiled layer of `glm-5` from contiguous host slots with the buffers apart: its GPU
-events in order. One JSON line per row appended to OUT.
+Per spec and direction (DIRECTIONS, default load,backup; one layer of 131072 tokens, the planner's
+plans, device slots scattered), ROUNDS rounds of both settings over the host sets, each plan
+byte-checked and timed as `kvtier bench transfer` times it. Then one profiled layer of `glm-5` per
+direction from contiguous host slots with the buffers apart: its GPU events in order. One JSON line
+per row appended to OUT.
 Usage: python3 bench/probes/probe_stage_apart.py OUT [SPEC ...]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -29,19 +32,19 @@ from kvtier.pool.host import HostLayout
 from kvtier.spec import preset
 from kvtier.transfer import TransferPlan, parts
 
-SPECS = ["glm-5", "llama-3.1-8b"]
+SPECS = ["glm-5"]
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "contiguous-churn", "first_fit-churn")
 ROUNDS = 2
 
 
-def plan_of(s: bench.Setup, host_label: str) -> TransferPlan:
+def plan_of(s: bench.Setup, direction: Direction, host_label: str) -> TransferPlan:
     hs, ds = s.host_sets[host_label], s.dev_sets["scattered"]
-    return TransferPlan.build(Direction.LOAD, s.host, s.dev, hs, ds, kernel=s.cfg.kernel, stream=s.stream)
+    return TransferPlan.build(direction, s.host, s.dev, hs, ds, kernel=s.cfg.kernel, stream=s.stream)
 
 
-def timeline(s: bench.Setup) -> list:
+def timeline(s: bench.Setup, direction: Direction) -> list:
     """The GPU events of one profiled layer of the contiguous set, in order: `[start_us, dur_us, name]`."""
-    op = bench.plan_op(plan_of(s, "contiguous"), s.host, s.dev, s.stream)
+    op = bench.plan_op(plan_of(s, direction, "contiguous"), s.host, s.dev, s.stream)
     op()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -61,6 +64,7 @@ def timeline(s: bench.Setup) -> list:
 
 def main() -> None:
     out_path, specs = sys.argv[1], sys.argv[2:] or SPECS
+    directions = [Direction(d) for d in os.environ.get("DIRECTIONS", "load,backup").split(",")]
     with open(out_path, "a") as out:
         for spec in specs:
             cfg = bench.BenchConfig(
@@ -74,28 +78,32 @@ def main() -> None:
                 host_sets=HOST_SETS,
                 device_sets=("scattered",),
                 variants=("planned",),
-                directions=(Direction.LOAD,),
+                directions=tuple(directions),
             )
             s = bench.setup(cfg, print)
-            for r in range(ROUNDS):
-                for apart in (True, False):
-                    parts.STAGE_APART = apart
-                    for label in HOST_SETS:
-                        plan = plan_of(s, label)
-                        row = bench._time(s, plan, "planned", plan, label, "scattered")
-                        line = {"spec": spec, "round": r, "apart": apart, "host": label, "path": row.path}
-                        line |= {"ratio": row.ceiling_ratio, "gbps": row.gbps, "ok": row.identical}
-                        line |= {
-                            "windows": [len(p.windows) for p in plan.parts if isinstance(p, parts.StagedPart)]
-                        }
-                        line["mechanisms"] = row.mechanisms
-                        out.write(json.dumps(line) + "\n")
-                        print(json.dumps(line), flush=True)
-            parts.STAGE_APART = True
-            if spec == "glm-5":
-                line = {"spec": spec, "profile": "contiguous, apart", "events": timeline(s)}
-                out.write(json.dumps(line) + "\n")
-                print(json.dumps(line)[:3000], flush=True)
+            for direction in directions:
+                for r in range(ROUNDS):
+                    for apart in (True, False):
+                        parts.STAGE_APART = apart
+                        for label in HOST_SETS:
+                            plan = plan_of(s, direction, label)
+                            row = bench._time(s, plan, "planned", plan, label, "scattered")
+                            line = {"spec": spec, "direction": direction.value, "round": r, "apart": apart}
+                            line |= {"host": label, "path": row.path}
+                            line |= {"ratio": row.ceiling_ratio, "gbps": row.gbps, "ok": row.identical}
+                            staged = [p for p in plan.parts if isinstance(p, parts.StagedPart)]
+                            line |= {
+                                "windows": [len(p.windows) for p in staged],
+                                "mechanisms": row.mechanisms,
+                            }
+                            out.write(json.dumps(line) + "\n")
+                            print(json.dumps(line), flush=True)
+                parts.STAGE_APART = True
+                if spec == "glm-5":
+                    line = {"spec": spec, "direction": direction.value, "profile": "contiguous, apart"}
+                    line["events"] = timeline(s, direction)
+                    out.write(json.dumps(line) + "\n")
+                    print(json.dumps(line)[:3000], flush=True)
             del s
             torch.cuda.empty_cache()
 

@@ -9,10 +9,12 @@ dtype (a wrapped engine tensor) takes the reference path, for that buffer alone.
 Overlap (`phases`, `KernelOptions.overlap`): a layer's direct kernel parts run on a second stream
 (one per caller's stream, `streams.side_stream`), forked from the caller's after the parts that
 must come first and joined before the layer ends, beside its other parts; the parts move disjoint
-rows, and the host waits for nothing. A staged load whose buffers lie apart in the staging buffer
-(`StagedPart.apart`) moves them window by window, each window's device pass on the pass stream
-(`streams.pass_stream`) while the next buffer's rows arrive; the caller's stream waits for the
-passes that read a place before it writes there again, and for all of them when the layer ends.
+rows, and the host waits for nothing. A staged part whose buffers lie apart in the staging buffer
+(`StagedPart.apart`) moves them window by window, each buffer's device pass on the pass stream
+(`streams.pass_stream`): a load's `index_copy_` while the next buffer's rows arrive, a backup's
+`index_select` (the smallest rows first) while the buffer before it is copied out. Each stream
+waits for the other's reads of a place before it writes there (`streams.reuse`), and the caller's
+stream for the passes when each layer ends.
 
 Concurrency contract: the caller orders a load after any backup that writes the same host
 slots, and keeps the plan alive until its stream has run. Plans with a staged part use the
@@ -112,6 +114,8 @@ def _move_layers(
     with _on_stream(plan, device_pool, stream) as s:
         split = plan.overlap if s is not None else None
         passes = streams.pass_stream(s) if s is not None and _passes_apart(plan) else None
+        if passes is not None:
+            streams.begin(s, passes)
         for layer, buffers in on:
             if split is None:
                 for b in buffers:
@@ -260,12 +264,15 @@ def _staged(
     """Buffers `rows` (each with its device rows as words, `[slots, W]`) of one layer, window by window:
     a load copies its host runs into the staging buffer (the copy engine, or the kernel's units) and
     places the rows with one `index_copy_`; a backup gathers them with one `index_select` and copies
-    them out. A load whose buffers lie apart in the staging buffer places them on the pass stream
-    (`streams.pass_stream`), so the next buffer's rows arrive meanwhile; the layer's stream waits for it once
-    the layer's buffers are queued (`execute`)."""
+    them out. Where the buffers lie apart in the staging buffer, the passes run on the pass stream
+    (`streams.pass_stream`): a load's while the next buffer's rows arrive, a backup's (smallest rows
+    first, so that little waits for the first) while the buffer before it is copied out; the layer's
+    stream waits for them once the layer's buffers are queued (`execute`)."""
     cap, index = part.window_rows, part.device_index
     load = plan.direction is Direction.LOAD
-    passes = streams.pass_stream(stream) if load and stream is not None and _passes_apart(plan) else None
+    passes = streams.pass_stream(stream) if stream is not None and _passes_apart(plan) else None
+    if passes is not None and not load:
+        rows = sorted(rows, key=lambda x: x[0].row_bytes)
     stages = []
     for b, dev_w in rows:
         at = part.stage_at[b.name]
@@ -275,18 +282,27 @@ def _staged(
         )
     for w, (lo, hi, first, end) in enumerate(part.windows):
         for (b, dev_w), (stage, place) in zip(rows, stages, strict=True):
-            if passes is not None:
+            window = Window(lo, hi, first, end)
+            if passes is None:
+                if not load:
+                    torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
+                _fill(plan, part, host_pool, stage, b, layer, w, window, stream)
+                if load:
+                    dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
+            elif load:
                 streams.reuse(stream, place)
-            if not load:
-                torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
-            _fill(plan, part, host_pool, stage, b, layer, w, Window(lo, hi, first, end), stream)
-            if passes is not None:
+                _fill(plan, part, host_pool, stage, b, layer, w, window, stream)
                 passes.wait_stream(stream)
                 with torch.cuda.stream(passes):
                     dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
                 streams.reading(stream, place, passes)
-            elif load:
-                dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
+            else:
+                streams.reuse(stream, place, passes)
+                with torch.cuda.stream(passes):
+                    torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
+                stream.wait_stream(passes)
+                _fill(plan, part, host_pool, stage, b, layer, w, window, stream)
+                streams.reading(stream, place, stream)
 
 
 def _fill(
@@ -320,11 +336,10 @@ def _fill(
 
 
 def _passes_apart(plan: TransferPlan) -> bool:
-    """Whether the plan's staged loads place their rows on the pass stream (`_staged`): on CUDA, with
-    `KernelOptions.overlap`, where some staged part's buffers lie apart."""
+    """Whether the plan's staged parts run their device passes on the pass stream (`_staged`): on
+    CUDA, with `KernelOptions.overlap`, where some staged part's buffers lie apart."""
     return (
         plan.kernel.overlap
-        and plan.direction is Direction.LOAD
         and plan.device_pool.device.type == "cuda"
         and any(isinstance(p, StagedPart) and p.apart for p in plan.parts)
     )

@@ -2,9 +2,9 @@
 
 - `CopyPart`: joint runs the copy engine moves straight between host and device slots;
 - `StagedPart`: host runs through a device staging buffer, placed on their scattered
-  device slots on the device (loads), or the reverse (backups); a load's part of several buffers
-  gives each its own place in the staging buffer where windows of half of it or more still fit
-  (`staging_layout`), so one buffer's device pass can run while the next one's rows arrive;
+  device slots on the device (loads), or the reverse (backups); a part of several buffers gives
+  each its own place in the staging buffer where windows of half of it or more still fit
+  (`staging_layout`), so one buffer's device pass can run while another's rows are copied;
 - `StackPart`: `page_first` runs of pages, several layers of a page per copy, through the
   staging buffer (`stacks`);
 - `KernelPart`: units the Triton kernels gather or scatter, each launch's shape computed
@@ -295,7 +295,7 @@ def run_bytes(
 
 # A buffer's place in the staging buffer starts on this many bytes.
 STAGE_ALIGN = 128
-# Whether loads place a staged part's buffers apart (`staging_layout`); off: one after the other.
+# Whether plans place a staged part's buffers apart (`staging_layout`); off: one after the other.
 STAGE_APART = True
 
 

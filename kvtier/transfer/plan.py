@@ -16,7 +16,7 @@ slots are scattered to staging by the copy engine, shorter ones of small rows to
 kernel's units, and the remaining rows to the kernel; a buffer of small rows also stages by the copy
 engine the host runs the widest buffer stages, where the copies stay long on average (`splits`);
 buffers whose runs split alike share their parts, and those that stage the same host runs their
-staged part, whose buffers a load places apart in the staging buffer (`parts.staging_layout`).
+staged part, whose buffers lie apart in the staging buffer (`parts.staging_layout`).
 Without the kernel it takes the cheapest of per-run copies, staging and the reference path.
 """
 
@@ -417,8 +417,10 @@ class Planner:
             streams = parts.copy_streams(host_pool.spec, int(n.sum()), len(n), batched, self.costs, buffers)
             table = RunTable.of(s, hn[s], dn[s], n)
             out.append(parts.copy_part(host_pool, table, batched, streams, buffers))
-        apart = direction is Direction.LOAD and self.kernel.overlap  # device passes beside copies
-        cap, at = parts.staging_layout(self.device_pool, parts.buffers_of(host_pool.spec, buffers), apart)
+        # Buffers apart in the staging buffer, each one's device pass beside another's copies.
+        cap, at = parts.staging_layout(
+            self.device_pool, parts.buffers_of(host_pool.spec, buffers), self.kernel.overlap
+        )
         streams = self.costs.copy_streams
         if staged is not None:
             args = (host_pool, hn, dn, *staged, cap, self.batched, streams, up, buffers)

@@ -1,18 +1,21 @@
-"""The streams a layer's transfer runs on beside the caller's, and what the staging buffer's device
-passes still read.
+"""The streams a layer's transfer runs on beside the caller's, and which staging bytes are still read.
 
 - `side_stream(stream)`: a layer's direct kernel parts (`phases`), forked from and joined into `stream`;
-- `pass_stream(stream)`: a load's staged device passes (`index_copy_`) where its buffers lie apart in
-  the staging buffer, so the next buffer's rows arrive on `stream` meanwhile.
+- `pass_stream(stream)`: a staged part's device passes where its buffers lie apart in the staging
+  buffer: a load's `index_copy_` while the next buffer's rows arrive on `stream`, a backup's
+  `index_select` while the buffer before it is copied out on `stream`.
 
 Both are made on first use, one per caller's stream, of its device and priority, and kept. Keys are
 CUDA stream handles, which torch draws from a fixed pool per device and priority, so the tables stay
 small; a side stream that is also some caller's stream only costs that pair its overlap (every wait
 is an event).
 
-Staging places: before `stream` writes staging bytes a queued pass still reads, it waits for that
-pass (`reuse`); `reading` notes a pass, `join` ends a layer (the caller's stream waits for the pass
-stream, and nothing is left pending). Contract: one caller's stream is used from one thread at a time.
+Staging places: a call starts with `begin` (the pass stream waits for everything queued on the
+caller's stream so far, and nothing is left pending). Before one stream writes staging bytes the
+other still reads, it waits for that read (`reuse`; `reading` notes a read: a load's pass, a
+backup's copies out); `join` ends a layer (the caller's stream waits for the pass stream). A
+backup's reads stay pending across its layers, since the next layer's passes write the same places.
+Contract: one caller's stream is used from one thread at a time.
 """
 
 from __future__ import annotations
@@ -48,27 +51,34 @@ def _stream_of(table: _Streams, stream: torch.cuda.Stream) -> torch.cuda.Stream:
         return other
 
 
-def reading(stream: torch.cuda.Stream, place: tuple[int, int], passes: torch.cuda.Stream) -> None:
-    """The pass just queued on `passes` for `stream`'s layer reads staging bytes `place` (`[start, end)`)."""
+def begin(stream: torch.cuda.Stream, passes: torch.cuda.Stream) -> None:
+    """The start of a call on `stream`: its passes come after what `stream` has queued, none pending."""
+    passes.wait_stream(stream)
+    _reading.pop(stream.cuda_stream, None)
+
+
+def reading(stream: torch.cuda.Stream, place: tuple[int, int], reader: torch.cuda.Stream) -> None:
+    """What was just queued on `reader` (the pass stream, or `stream` itself) for `stream`'s call reads
+    staging bytes `place` (`[start, end)`)."""
     read = torch.cuda.Event()
-    read.record(passes)
+    read.record(reader)
     _reading.setdefault(stream.cuda_stream, []).append((*place, read))
 
 
-def reuse(stream: torch.cuda.Stream, place: tuple[int, int]) -> None:
-    """`stream` waits for every queued pass that reads staging bytes overlapping `place` (before it
-    writes there)."""
+def reuse(stream: torch.cuda.Stream, place: tuple[int, int], writer: torch.cuda.Stream | None = None) -> None:
+    """`writer` (default `stream`) waits for every read noted for `stream`'s call of staging bytes
+    overlapping `place` (before it writes there)."""
+    writer = writer or stream
     pending = _reading.get(stream.cuda_stream, [])
     keep = []
     for start, end, read in pending:
         if start < place[1] and place[0] < end:
-            stream.wait_event(read)
+            writer.wait_event(read)
         else:
             keep.append((start, end, read))
     pending[:] = keep
 
 
 def join(stream: torch.cuda.Stream, passes: torch.cuda.Stream) -> None:
-    """The end of a layer: `stream` waits for its passes, none left pending."""
+    """The end of a layer: `stream` waits for its passes (reads noted stay pending: `begin`)."""
     stream.wait_stream(passes)
-    _reading.pop(stream.cuda_stream, None)
