@@ -9,18 +9,21 @@ indexer's rows are copied out (backups).
 
 Per spec and direction (DIRECTIONS, default load,backup; one layer of 131072 tokens, the planner's
 plans, device slots scattered), ROUNDS rounds of both settings over the host sets, each plan
-byte-checked and timed as `kvtier bench transfer` times it. Then one profiled layer of `glm-5` per
-direction from contiguous host slots with the buffers apart: its GPU events in order. One JSON line
-per row appended to OUT.
+byte-checked and timed as `kvtier bench transfer` times it (ROUNDS=0: none). Then per direction a
+profiled layer of each of PROFILE_SETS (default contiguous) in both settings: the host's issuing
+time against the GPU's, the kernels in order, each stream's copies. One JSON line per row appended
+to OUT.
 Usage: python3 bench/probes/probe_stage_apart.py OUT [SPEC ...]
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,7 +37,9 @@ from kvtier.transfer import TransferPlan, parts
 
 SPECS = ["glm-5"]
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "contiguous-churn", "first_fit-churn")
-ROUNDS = 2
+ROUNDS = int(os.environ.get("ROUNDS", "2"))
+# Host sets profiled per direction, both settings.
+PROFILE_SETS = os.environ.get("PROFILE_SETS", "contiguous").split(",")
 
 
 def plan_of(s: bench.Setup, direction: Direction, host_label: str) -> TransferPlan:
@@ -42,11 +47,23 @@ def plan_of(s: bench.Setup, direction: Direction, host_label: str) -> TransferPl
     return TransferPlan.build(direction, s.host, s.dev, hs, ds, kernel=s.cfg.kernel, stream=s.stream)
 
 
-def timeline(s: bench.Setup, direction: Direction) -> list:
-    """The GPU events of one profiled layer of the contiguous set, in order: `[start_us, dur_us, name]`."""
-    op = bench.plan_op(plan_of(s, direction, "contiguous"), s.host, s.dev, s.stream)
+def timeline(s: bench.Setup, direction: Direction, host_label: str) -> dict:
+    """One profiled layer of `host_label`: the host's time to issue it (median of 5, no wait) against
+    its GPU time, its kernels in order (`[start_us, dur_us, name, stream]`) and, per stream, its
+    copies (count, first start, last end, busy us)."""
+    op = bench.plan_op(plan_of(s, direction, host_label), s.host, s.dev, s.stream)
     op()
     torch.cuda.synchronize()
+    issue, gpu = [], []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(s.stream)
+        t0 = time.perf_counter()
+        op()
+        issue.append((time.perf_counter() - t0) * 1e6)
+        end.record(s.stream)
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) * 1e3)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         op()
         torch.cuda.synchronize()
@@ -59,7 +76,17 @@ def timeline(s: bench.Setup, direction: Direction) -> list:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")
     )
     t0 = events[0][0] if events else 0
-    return [[round(t - t0, 1), round(d, 1), n, r] for t, d, n, r in events]
+    kernels = [[round(t - t0, 1), round(d, 1), n, r] for t, d, n, r in events if not n.startswith("Memcpy")]
+    copies: dict[str, list[float]] = {}
+    for t, d, n, r in events:
+        if n.startswith("Memcpy"):
+            c = copies.setdefault(str(r), [0, t - t0, 0.0, 0.0])
+            c[0] += 1
+            c[2] = max(c[2], t - t0 + d)
+            c[3] += d
+    copies = {k: [v[0], round(v[1], 1), round(v[2], 1), round(v[3], 1)] for k, v in copies.items()}
+    median = lambda xs: round(sorted(xs)[len(xs) // 2], 1)  # noqa: E731
+    return {"issue_us": median(issue), "gpu_us": median(gpu), "kernels": kernels, "copies": copies}
 
 
 def main() -> None:
@@ -98,12 +125,13 @@ def main() -> None:
                             }
                             out.write(json.dumps(line) + "\n")
                             print(json.dumps(line), flush=True)
-                parts.STAGE_APART = True
-                if spec == "glm-5":
-                    line = {"spec": spec, "direction": direction.value, "profile": "contiguous, apart"}
-                    line["events"] = timeline(s, direction)
+                for label, apart in itertools.product(PROFILE_SETS, (True, False)):
+                    parts.STAGE_APART = apart
+                    line = {"spec": spec, "direction": direction.value, "profile": label, "apart": apart}
+                    line |= timeline(s, direction, label)
                     out.write(json.dumps(line) + "\n")
                     print(json.dumps(line)[:3000], flush=True)
+                parts.STAGE_APART = True
             del s
             torch.cuda.empty_cache()
 
