@@ -66,6 +66,9 @@ def test_indexer_rows_ride_with_the_latents_staging_where_the_copies_stay_long(d
     (by_copy,) = [p for p in plan.parts if p.mechanism.value == "staged" and p.kernel is None]
     assert by_copy.buffers == {"kv", "indexer"} and by_copy.runs.length.tolist() == [128] * 4
     assert by_copy.apart
+    # A backup's copies of the indexer's runs (17 KB) would keep the copy engine waiting on the host
+    # if they went first (`parts.pass_order`): the latent's go first in both directions.
+    assert by_copy.order == ("kv", "indexer")
     run_and_check(plan, host, dev, hs, ds, None)
 
 
@@ -261,9 +264,36 @@ def test_a_staged_parts_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
         )
         (part,) = plan.parts
         assert part.apart and len(part.windows) == 3  # 2000 rows in windows of 897
+        # A backup's indexer goes first, its gather short, its copy of the first window 118 KB long.
+        small_first = direction == "backup"
+        assert part.order == ((indexer.name, latent.name) if small_first else (latent.name, indexer.name))
         poison_host(host, gen)
         poison_device(dev, gen)
         run_and_check(plan, host, dev, hs, ds, None)
     costs = PathCosts(staged_min_bytes=1, backup_staged_min_bytes=1)
     (part,) = Planner(host, dev, costs, kernel=KernelOptions(overlap=False)).plan("backup", hs, ds).parts
     assert not part.apart and len(part.windows) == 2  # windows of the 1000 rows the staging holds
+
+
+def test_a_backups_buffers_go_smallest_first_where_its_copies_are_long_or_by_the_kernel() -> None:
+    """`pass_order`: spec order for loads (None) and one buffer; for backups the smallest rows first
+    where the kernel's units move them or their first window's copies average 64 KiB or more."""
+    from kvtier.spec import preset
+    from kvtier.transfer import parts
+    from kvtier.transfer.parts import RunBytes, Window
+
+    latent, indexer = preset("glm-5").with_layers(1).buffers
+    windows = (Window(0, 600, 0, 2), Window(600, 700, 2, 3))
+
+    def in_bytes(first_two: int) -> dict[str, RunBytes]:
+        sizes = np.array([first_two, first_two, 1 << 30], dtype=np.int64)
+        zero = np.zeros(3, dtype=np.int64)
+        return {b.name: RunBytes(zero, zero, zero, sizes) for b in (latent, indexer)}
+
+    both, spec_order = [latent, indexer], (latent.name, indexer.name)
+    assert parts.pass_order(both, in_bytes(1 << 20), windows, False, None) == spec_order
+    assert parts.pass_order([latent], in_bytes(1 << 20), windows, False, 65536) == (latent.name,)
+    assert parts.pass_order(both, in_bytes(65536), windows, False, 65536) == (indexer.name, latent.name)
+    # The third run's size lies in the second window: the first window's average decides.
+    assert parts.pass_order(both, in_bytes(65535), windows, False, 65536) == spec_order
+    assert parts.pass_order(both, in_bytes(100), windows, True, 65536) == (indexer.name, latent.name)

@@ -10,11 +10,7 @@ Overlap (`phases`, `KernelOptions.overlap`): a layer's direct kernel parts run o
 (one per caller's stream, `streams.side_stream`), forked from the caller's after the parts that
 must come first and joined before the layer ends, beside its other parts; the parts move disjoint
 rows, and the host waits for nothing. A staged part whose buffers lie apart in the staging buffer
-(`StagedPart.apart`) moves them window by window, each buffer's device pass on the pass stream
-(`streams.pass_stream`): a load's `index_copy_` while the next buffer's rows arrive, a backup's
-`index_select` (the smallest rows first) while the buffer before it is copied out. Each stream
-waits for the other's reads of a place before it writes there (`streams.reuse`), and the caller's
-stream for the passes when each layer ends.
+runs its device passes on a third stream beside its copies (`staged`).
 
 Concurrency contract: the caller orders a load after any backup that writes the same host
 slots, and keeps the plan alive until its stream has run. Plans with a staged part use the
@@ -27,7 +23,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from kvtier.errors import PlanError
@@ -35,8 +30,8 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
-from kvtier.transfer import dma, groups, kernels, phases, stacks, streams
-from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StackPart, StagedPart, Window
+from kvtier.transfer import groups, moves, phases, stacks, staged, streams
+from kvtier.transfer.parts import CopyPart, KernelPart, Part, StackPart, StagedPart
 from kvtier.transfer.plan import TransferPlan
 from kvtier.transfer.runs import layer_spans
 
@@ -113,7 +108,7 @@ def _move_layers(
     stacked = [p for p in plan.parts if isinstance(p, StackPart)]
     with _on_stream(plan, device_pool, stream) as s:
         split = plan.overlap if s is not None else None
-        passes = streams.pass_stream(s) if s is not None and _passes_apart(plan) else None
+        passes = streams.pass_stream(s) if s is not None and staged.passes_apart(plan) else None
         if passes is not None:
             streams.begin(s, passes)
         for layer, buffers in on:
@@ -195,11 +190,11 @@ def _move(
         if isinstance(part, CopyPart):
             if part.batched:
                 runs = part.run_bytes[b.name]
-                _copy_runs(host_pool, b, layer, runs, dev_w.data_ptr(), load, stream, part.streams)
+                moves.copy_runs(host_pool, b, layer, runs, dev_w.data_ptr(), load, stream, part.streams)
             else:
                 _per_run(part, host_pool, dev_w, b, layer, load)
         elif isinstance(part, StagedPart) and not part.apart:
-            _staged(plan, part, host_pool, device_pool, [(b, dev_w)], layer, stream)
+            staged.move(plan, part, host_pool, device_pool, [(b, dev_w)], layer, stream)
         elif isinstance(part, StagedPart):  # its buffers window by window, at the first one's turn
             on = [
                 x
@@ -208,7 +203,7 @@ def _move(
             ]
             if b.name == on[0].name:
                 rows = [(x, as_words(device_pool.layer(x.name, layer))) for x in on]
-                _staged(plan, part, host_pool, device_pool, rows, layer, stream)
+                staged.move(plan, part, host_pool, device_pool, rows, layer, stream)
         elif isinstance(part, KernelPart):
             if not (grouped and b.name in part.tables):
                 _kernel(plan, part, host_pool, dev_w, b, layer)
@@ -231,156 +226,11 @@ def _per_run(
             host_w.copy_(dev_rows, non_blocking=True)
 
 
-def _copy_runs(
-    host_pool: HostPool,
-    b: BufferSpec,
-    layer: int,
-    runs: Iterable[np.ndarray],
-    dev_ptr: int,
-    load: bool,
-    stream: torch.cuda.Stream | None,
-    streams: int,
-) -> None:
-    """Runs in bytes (`RunBytes`' `[k]` int64 columns) between host rows of `layer` and the device
-    memory at `dev_ptr`, in one batched call (`dma.copy_runs`)."""
-    region, host_off, dev_off, nbytes = runs
-    host_ptrs = host_pool.region_ptrs(b.name)[b.local_layer(layer), region] + host_off
-    dev_ptrs = dev_ptr + dev_off
-    if load:
-        dma.copy_runs(dev_ptrs, host_ptrs, nbytes, stream, streams=streams)
-    else:
-        dma.copy_runs(host_ptrs, dev_ptrs, nbytes, stream, streams=streams)
-
-
-def _staged(
-    plan: TransferPlan,
-    part: StagedPart,
-    host_pool: HostPool,
-    device_pool: DevicePool,
-    rows: Sequence[tuple[BufferSpec, torch.Tensor]],
-    layer: int,
-    stream: torch.cuda.Stream | None,
-) -> None:
-    """Buffers `rows` (each with its device rows as words, `[slots, W]`) of one layer, window by window:
-    a load copies its host runs into the staging buffer (the copy engine, or the kernel's units) and
-    places the rows with one `index_copy_`; a backup gathers them with one `index_select` and copies
-    them out. Where the buffers lie apart in the staging buffer, the passes run on the pass stream
-    (`streams.pass_stream`): a load's while the next buffer's rows arrive, a backup's (smallest rows
-    first, so that little waits for the first) while the buffer before it is copied out; the layer's
-    stream waits for them once the layer's buffers are queued (`execute`)."""
-    cap, index = part.window_rows, part.device_index
-    load = plan.direction is Direction.LOAD
-    passes = streams.pass_stream(stream) if stream is not None and _passes_apart(plan) else None
-    if passes is not None and not load:
-        rows = sorted(rows, key=lambda x: x[0].row_bytes)
-    stages = []
-    for b, dev_w in rows:
-        at = part.stage_at[b.name]
-        raw = device_pool.staging(plan.direction)[at : at + cap * b.row_bytes]
-        stages.append(
-            (raw.view(dev_w.dtype).view(cap, dev_w.shape[1]), (raw.data_ptr(), raw.data_ptr() + raw.numel()))
-        )
-    for w, (lo, hi, first, end) in enumerate(part.windows):
-        for (b, dev_w), (stage, place) in zip(rows, stages, strict=True):
-            window = Window(lo, hi, first, end)
-            if passes is None:
-                if not load:
-                    torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
-                _fill(plan, part, host_pool, stage, b, layer, w, window, stream)
-                if load:
-                    dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
-            elif load:
-                streams.reuse(stream, place)
-                _fill(plan, part, host_pool, stage, b, layer, w, window, stream)
-                passes.wait_stream(stream)
-                with torch.cuda.stream(passes):
-                    dev_w.index_copy_(0, index[lo:hi], stage[: hi - lo])
-                streams.reading(stream, place, passes)
-            else:
-                streams.reuse(stream, place, passes)
-                with torch.cuda.stream(passes):
-                    torch.index_select(dev_w, 0, index[lo:hi], out=stage[: hi - lo])
-                stream.wait_stream(passes)
-                _fill(plan, part, host_pool, stage, b, layer, w, window, stream)
-                streams.reading(stream, place, stream)
-
-
-def _fill(
-    plan: TransferPlan,
-    part: StagedPart,
-    host_pool: HostPool,
-    stage: torch.Tensor,
-    b: BufferSpec,
-    layer: int,
-    w: int,
-    window: Window,
-    stream: torch.cuda.Stream | None,
-) -> None:
-    """Window `w`'s host runs of `b` between the host and `stage` (`[rows, W]` words)."""
-    load, run_bytes = plan.direction is Direction.LOAD, part.run_bytes[b.name]
-    if part.kernel is not None:
-        _kernel_regions(plan, part.kernel[b.name][w], part.unit, host_pool, stage.view(-1), b, layer)
-    elif part.batched:
-        runs = (x[window.first : window.end] for x in run_bytes)
-        _copy_runs(host_pool, b, layer, runs, stage.data_ptr(), load, stream, part.streams)
-    else:  # one torch copy per run
-        flat = stage.view(-1)
-        size = flat.element_size()
-        for r, h, st, n in zip(*(x[window.first : window.end].tolist() for x in run_bytes), strict=True):
-            host_w = host_pool.region_words(b.name, layer, r)[h // size : (h + n) // size]
-            stage_w = flat[st // size : (st + n) // size]
-            if load:
-                stage_w.copy_(host_w, non_blocking=True)
-            else:
-                host_w.copy_(stage_w, non_blocking=True)
-
-
-def _passes_apart(plan: TransferPlan) -> bool:
-    """Whether the plan's staged parts run their device passes on the pass stream (`_staged`): on
-    CUDA, with `KernelOptions.overlap`, where some staged part's buffers lie apart."""
-    return (
-        plan.kernel.overlap
-        and plan.device_pool.device.type == "cuda"
-        and any(isinstance(p, StagedPart) and p.apart for p in plan.parts)
-    )
-
-
 def _kernel(
     plan: TransferPlan, part: KernelPart, host_pool: HostPool, dev_w: torch.Tensor, b: BufferSpec, layer: int
 ) -> None:
     """The row kernel over the part's units, one launch per host region in the shape the plan gave it."""
-    _kernel_regions(plan, part.regions[b.name], part.unit, host_pool, dev_w, b, layer)
-
-
-def _kernel_regions(
-    plan: TransferPlan,
-    regions: tuple[KernelRegion, ...],
-    unit: int,
-    host_pool: HostPool,
-    dev_w: torch.Tensor,
-    b: BufferSpec,
-    layer: int,
-) -> None:
-    """Units of `unit` rows between the host rows of `layer` and `dev_w` (words: a layer tensor or the
-    staging buffer), one launch per host region."""
-    for region in regions:
-        launch = region.launch
-        # Words of the width the plan's offsets are in (no rescaling on the device).
-        dev_flat = flat_words(dev_w.view(-1), region.word)
-        host_flat = flat_words(host_pool.region_words(b.name, layer, region.region), region.word)
-        src, dst = (host_flat, dev_flat) if plan.direction is Direction.LOAD else (dev_flat, host_flat)
-        kernels.copy_rows(
-            src,
-            region.src,
-            dst,
-            region.dst,
-            b.row_bytes * unit // region.word,
-            sm_budget=launch.programs,
-            rows_per_program=launch.rows,
-            validate=False,
-            offsets_align=region.align,
-            stages=launch.stages,
-        )
+    moves.kernel_regions(plan.direction, part.regions[b.name], part.unit, host_pool, dev_w, b, layer)
 
 
 def _kernel_groups(

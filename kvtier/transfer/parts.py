@@ -104,6 +104,8 @@ class StagedPart:
     # Rows of one window, and each buffer's byte offset in the staging buffer (`staging_layout`).
     window_rows: int
     stage_at: dict[str, int]
+    # The order a window's buffers move in (`pass_order`).
+    order: tuple[str, ...]
     kernel: dict[str, tuple[tuple[KernelRegion, ...], ...]] | None = None
     unit: int = 1
 
@@ -333,11 +335,13 @@ def staged_part(
     buffers: Buffers = None,
     kernel: KernelStaging | None = None,
     stage_at: dict[str, int] | None = None,
+    small_first: int | None = None,
 ) -> StagedPart:
     """Host runs (`pos`, `lens`: `[runs]` int64) of the plan's slots `hn`, `dn` (`[n]` int64) through
     windows of `cap` rows of the staging buffer, each buffer from its `stage_at` byte (None: 0), cut
     where a window ends; its rows are the runs' in order. With `kernel`, the row kernel moves them
-    between the host and the staging buffer."""
+    between the host and the staging buffer. `small_first`: a window's buffers in the order
+    `pass_order` gives them (None: in spec order)."""
     total = int(lens.sum())
     at = np.cumsum(lens) - lens  # each run's first row in the part
     run, off, cut_lens, stage_row, windows = cut_windows(lens, cap)
@@ -346,10 +350,14 @@ def staged_part(
     moved, unit = None, 1
     if kernel is not None:
         moved, unit = kernel.regions(host_pool, host_at, stage_row, cut_lens, windows, buffers, up)
+    in_bytes, named = (
+        run_bytes(host_pool, host_at, stage_row, cut_lens, buffers),
+        buffers_of(host_pool.spec, buffers),
+    )
     return StagedPart(
         rows=total,
         runs=RunTable.of(pos[run] + off, host_at, stage_row, cut_lens),
-        run_bytes=run_bytes(host_pool, host_at, stage_row, cut_lens, buffers),
+        run_bytes=in_bytes,
         windows=windows,
         device_index=up(torch.from_numpy(dn[rows])),
         batched=batched,
@@ -357,8 +365,32 @@ def staged_part(
         kernel=moved,
         unit=unit,
         window_rows=cap,
-        stage_at={b.name: 0 for b in buffers_of(host_pool.spec, buffers)} | (stage_at or {}),
+        stage_at={b.name: 0 for b in named} | (stage_at or {}),
+        order=pass_order(named, in_bytes, windows, moved is not None, small_first),
     )
+
+
+def pass_order(
+    buffers: list[BufferSpec],
+    run_bytes: dict[str, RunBytes],
+    windows: tuple[Window, ...],
+    by_kernel: bool,
+    small_first: int | None,
+) -> tuple[str, ...]:
+    """The order a staged part's buffers move in within a window: in spec order, or with
+    `small_first` (backups), the smallest rows first where the kernel's units move them or their
+    copies in the first window average at least `small_first` bytes. A backup's first buffer waits
+    for its gather while the others' gathers run beside its copies; a copy costs the host about a
+    microsecond to issue, so short copies of the small rows first would keep the copy engine
+    waiting on the host instead (bench/FINDINGS.md, "Staged parts apart")."""
+    names = tuple(b.name for b in buffers)
+    if small_first is None or len(buffers) < 2 or not windows:
+        return names
+    small = min(buffers, key=lambda b: b.row_bytes)
+    first = run_bytes[small.name].nbytes[windows[0].first : windows[0].end]
+    if by_kernel or (len(first) and first.mean() >= small_first):
+        return tuple(b.name for b in sorted(buffers, key=lambda b: b.row_bytes))
+    return names
 
 
 def cut_windows(

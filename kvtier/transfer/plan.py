@@ -418,17 +418,14 @@ class Planner:
             table = RunTable.of(s, hn[s], dn[s], n)
             out.append(parts.copy_part(host_pool, table, batched, streams, buffers))
         # Buffers apart in the staging buffer, each one's device pass beside another's copies.
-        cap, at = parts.staging_layout(
-            self.device_pool, parts.buffers_of(host_pool.spec, buffers), self.kernel.overlap
-        )
-        streams = self.costs.copy_streams
-        if staged is not None:
-            args = (host_pool, hn, dn, *staged, cap, self.batched, streams, up, buffers)
-            out.append(parts.staged_part(*args, stage_at=at))
-        if kernel_staged is not None:
-            by = units.KernelStaging(direction, self.device_pool, self.kernel)
-            args = (host_pool, hn, dn, *kernel_staged, cap, self.batched, streams, up, buffers, by)
-            out.append(parts.staged_part(*args, stage_at=at))
+        named = parts.buffers_of(host_pool.spec, buffers)
+        cap, at = parts.staging_layout(self.device_pool, named, self.kernel.overlap)
+        small = None if direction is Direction.LOAD else self.costs.copy_min_bytes  # `parts.pass_order`
+        by_kernel = units.KernelStaging(direction, self.device_pool, self.kernel)
+        for runs, by in ((staged, None), (kernel_staged, by_kernel)):
+            if runs is not None:
+                args = (host_pool, hn, dn, *runs, cap, self.batched, self.costs.copy_streams, up, buffers, by)
+                out.append(parts.staged_part(*args, stage_at=at, small_first=small))
         if kernel is not None:
             args = (direction, host_pool, self.device_pool, hn, dn, *kernel, self.kernel, up, buffers)
             out.append(units.kernel_part(*args))
