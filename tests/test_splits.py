@@ -13,7 +13,7 @@ from conftest import poison_device, poison_host, run_and_check
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import mha_spec, mla_spec
-from kvtier.transfer import Planner, execute, kernels, phases, splits
+from kvtier.transfer import Planner, execute, kernels, phases, splits, staging
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice
 from kvtier.transfer.options import KernelOptions, PathCosts
@@ -67,7 +67,7 @@ def test_indexer_rows_ride_with_the_latents_staging_where_the_copies_stay_long(d
     assert by_copy.buffers == {"kv", "indexer"} and by_copy.runs.length.tolist() == [128] * 4
     assert by_copy.apart
     # A backup's copies of the indexer's runs (17 KB) would keep the copy engine waiting on the host
-    # if they went first (`parts.pass_order`): the latent's go first in both directions.
+    # if they went first (`staging.pass_order`): the latent's go first in both directions.
     assert by_copy.order == ("kv", "indexer")
     run_and_check(plan, host, dev, hs, ds, None)
 
@@ -240,22 +240,24 @@ def test_a_staged_parts_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
     over both buffers lies apart and moves every row, window by window, in both directions; without
     the overlap, one after the other."""
     from kvtier.spec import preset
-    from kvtier.transfer import parts
 
     spec = preset("glm-5").with_layers(2)
     dev = DevicePool(spec, 4096, staging_tokens=1000)
     latent, indexer = spec.buffers
-    assert parts.staging_layout(dev, [latent]) == (1000, {latent.name: 0})
-    rows, at = parts.staging_layout(dev, [latent, indexer])
+    assert staging.staging_layout(dev, [latent]) == (1000, {latent.name: 0})
+    rows, at = staging.staging_layout(dev, [latent, indexer])
     assert rows == (1000 * 1152 - 128) // 1284 == 897
-    assert at[latent.name] == 0 and at[indexer.name] % parts.STAGE_ALIGN == 0
+    assert at[latent.name] == 0 and at[indexer.name] % staging.STAGE_ALIGN == 0
     assert (
         rows * 1152 <= at[indexer.name]
         and at[indexer.name] + rows * 132 <= dev.staging(Direction.LOAD).numel()
     )
     small = DevicePool(mha_spec("kv", 2, 1, 64), 64, staging_tokens=1)
     b = small.spec.buffers
-    assert parts.staging_layout(small, list(b)) == (1, {x.name: 0 for x in b})  # no room: one after the other
+    assert staging.staging_layout(small, list(b)) == (
+        1,
+        {x.name: 0 for x in b},
+    )  # no room: one after the other
     host = HostPool(spec, 4096)
     hs, ds = torch.arange(100, 2100), torch.randperm(4096, generator=gen)[:2000]
     for direction in ("load", "backup"):
@@ -273,13 +275,21 @@ def test_a_staged_parts_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
     costs = PathCosts(staged_min_bytes=1, backup_staged_min_bytes=1)
     (part,) = Planner(host, dev, costs, kernel=KernelOptions(overlap=False)).plan("backup", hs, ds).parts
     assert not part.apart and len(part.windows) == 2  # windows of the 1000 rows the staging holds
+    # Over 16 host runs (2 per copy stream) a backup's buffers lie one after the other, a load's apart.
+    many = (torch.arange(16)[:, None] * 200 + torch.arange(120)).flatten()
+    for direction in ("load", "backup"):
+        plan = Planner(host, dev, costs).plan(direction, many, ds[: len(many)])
+        (part,) = plan.parts
+        assert len(part.runs.length) >= 16 and part.apart == (direction == "load")
+        poison_host(host, gen)
+        poison_device(dev, gen)
+        run_and_check(plan, host, dev, many, ds[: len(many)], None)
 
 
 def test_a_backups_buffers_go_smallest_first_where_its_copies_are_long_or_by_the_kernel() -> None:
     """`pass_order`: spec order for loads (None) and one buffer; for backups the smallest rows first
     where the kernel's units move them or their first window's copies average 64 KiB or more."""
     from kvtier.spec import preset
-    from kvtier.transfer import parts
     from kvtier.transfer.parts import RunBytes, Window
 
     latent, indexer = preset("glm-5").with_layers(1).buffers
@@ -291,9 +301,9 @@ def test_a_backups_buffers_go_smallest_first_where_its_copies_are_long_or_by_the
         return {b.name: RunBytes(zero, zero, zero, sizes) for b in (latent, indexer)}
 
     both, spec_order = [latent, indexer], (latent.name, indexer.name)
-    assert parts.pass_order(both, in_bytes(1 << 20), windows, False, None) == spec_order
-    assert parts.pass_order([latent], in_bytes(1 << 20), windows, False, 65536) == (latent.name,)
-    assert parts.pass_order(both, in_bytes(65536), windows, False, 65536) == (indexer.name, latent.name)
+    assert staging.pass_order(both, in_bytes(1 << 20), windows, False, None) == spec_order
+    assert staging.pass_order([latent], in_bytes(1 << 20), windows, False, 65536) == (latent.name,)
+    assert staging.pass_order(both, in_bytes(65536), windows, False, 65536) == (indexer.name, latent.name)
     # The third run's size lies in the second window: the first window's average decides.
-    assert parts.pass_order(both, in_bytes(65535), windows, False, 65536) == spec_order
-    assert parts.pass_order(both, in_bytes(100), windows, True, 65536) == (indexer.name, latent.name)
+    assert staging.pass_order(both, in_bytes(65535), windows, False, 65536) == spec_order
+    assert staging.pass_order(both, in_bytes(100), windows, True, 65536) == (indexer.name, latent.name)

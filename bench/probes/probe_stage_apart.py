@@ -1,4 +1,4 @@
-"""Staged parts with each buffer apart in the staging buffer (`parts.STAGE_APART`), window by window,
+"""Staged parts with each buffer apart in the staging buffer (`staging.STAGE_APART`), window by window,
 the device passes on the pass stream beside another buffer's copies, against the same transfers with
 the buffers one after the other from the staging buffer's start, alternating on one lease.
 
@@ -33,7 +33,7 @@ from kvtier.bench import transfer as bench
 from kvtier.pool.device import Direction
 from kvtier.pool.host import HostLayout
 from kvtier.spec import preset
-from kvtier.transfer import TransferPlan, parts
+from kvtier.transfer import TransferPlan, parts, staging
 
 SPECS = ["glm-5"]
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "contiguous-churn", "first_fit-churn")
@@ -111,7 +111,7 @@ def main() -> None:
             for direction in directions:
                 for r in range(ROUNDS):
                     for apart in (True, False):
-                        parts.STAGE_APART = apart
+                        staging.STAGE_APART = apart
                         for label in HOST_SETS:
                             plan = plan_of(s, direction, label)
                             row = bench._time(s, plan, "planned", plan, label, "scattered")
@@ -126,12 +126,12 @@ def main() -> None:
                             out.write(json.dumps(line) + "\n")
                             print(json.dumps(line), flush=True)
                 for label, apart in itertools.product(PROFILE_SETS, (True, False)):
-                    parts.STAGE_APART = apart
+                    staging.STAGE_APART = apart
                     line = {"spec": spec, "direction": direction.value, "profile": label, "apart": apart}
                     line |= timeline(s, direction, label)
                     out.write(json.dumps(line) + "\n")
                     print(json.dumps(line)[:3000], flush=True)
-                parts.STAGE_APART = True
+                staging.STAGE_APART = True
             del s
             torch.cuda.empty_cache()
 

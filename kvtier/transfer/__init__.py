@@ -3,11 +3,12 @@
 A `Planner` (or `TransferPlan.build`) decides on CPU indices, once per operation, how every
 row moves; `load_layer`, `load_layers` and `backup` run the plan layer by layer on a stream.
 Modules: `runs`, `options`, `launch` (the kernel's launch-shape rules), `parts` (one type
-per mechanism) and `units` (the kernel's units), `costs` (what the planner assumes each
-mechanism costs) and `calibrate` (measuring it, `kvtier calibrate`), `plan`, `execute` (with
-`phases`, `staged`, `streams` and `moves`), `kernels` and `groups` (the Triton kernels, beside `kernel_args`), `stacks` (`page_first` pages of
-several layers through staging), `dma` (batched copy-engine calls), `strided` (2-D copies),
-`native` (the compiled submission loop), `cudart` (the process's CUDA runtime); `lanes` and
+per mechanism), `staging` (staged parts) and `units` (the kernel's units), `costs` (what the
+planner assumes each mechanism costs) and `calibrate` (measuring it, `kvtier calibrate`), `plan`,
+`execute` (with `phases`, `staged`, `streams` and `moves`), `kernels` and `groups` (the Triton
+kernels, beside `kernel_args`), `stacks` (`page_first` pages of several layers through staging),
+`dma` (batched copy-engine calls), `strided` (2-D copies), `native` (the compiled submission
+loop), `cudart` (the process's CUDA runtime); `lanes` and
 `submit` (the cache's submission).
 
 Glossary: one noun per concept, in every name and docstring of this package.

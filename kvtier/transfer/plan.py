@@ -16,8 +16,7 @@ slots are scattered to staging by the copy engine, shorter ones of small rows to
 kernel's units, and the remaining rows to the kernel; a buffer of small rows also stages by the copy
 engine the host runs the widest buffer stages, where the copies stay long on average (`splits`);
 buffers whose runs split alike share their parts, and those that stage the same host runs their
-staged part, whose buffers lie apart in the staging buffer (`parts.staging_layout`).
-Without the kernel it takes the cheapest of per-run copies, staging and the reference path.
+staged part (`staging`). Without the kernel: the cheapest of per-run copies, staging and reference.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from kvtier.errors import PlanError, SlotError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostLayout, HostPool
 from kvtier.slots import as_slot_tensor
-from kvtier.transfer import calibrate, dma, kernels, options, parts, phases, splits, stacks, units
+from kvtier.transfer import calibrate, dma, kernels, options, parts, phases, splits, stacks, staging, units
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice, CostModel
 from kvtier.transfer.options import KernelOptions, Mechanism, PathCosts, TransferPath
@@ -417,15 +416,10 @@ class Planner:
             streams = parts.copy_streams(host_pool.spec, int(n.sum()), len(n), batched, self.costs, buffers)
             table = RunTable.of(s, hn[s], dn[s], n)
             out.append(parts.copy_part(host_pool, table, batched, streams, buffers))
-        # Buffers apart in the staging buffer, each one's device pass beside another's copies.
-        named = parts.buffers_of(host_pool.spec, buffers)
-        cap, at = parts.staging_layout(self.device_pool, named, self.kernel.overlap)
-        small = None if direction is Direction.LOAD else self.costs.copy_min_bytes  # `parts.pass_order`
         by_kernel = units.KernelStaging(direction, self.device_pool, self.kernel)
-        for runs, by in ((staged, None), (kernel_staged, by_kernel)):
-            if runs is not None:
-                args = (host_pool, hn, dn, *runs, cap, self.batched, self.costs.copy_streams, up, buffers, by)
-                out.append(parts.staged_part(*args, stage_at=at, small_first=small))
+        runs = ((staged, None), (kernel_staged, by_kernel))
+        args = (host_pool, self.device_pool, direction, hn, dn, runs, self.batched, self.kernel.overlap)
+        out += staging.staged_parts(*args, self.costs, up, buffers)
         if kernel is not None:
             args = (direction, host_pool, self.device_pool, hn, dn, *kernel, self.kernel, up, buffers)
             out.append(units.kernel_part(*args))

@@ -82,7 +82,7 @@ def by_buffer(splits: dict[str, Split]) -> list[tuple[frozenset[str], Split]]:
     """The buffers of `splits` grouped by identical splits, in order: `(names, split)`. Staged host
     runs are grouped on their own first: buffers that stage the same runs (a rider and the widest
     buffer) share one staged part whatever else they split into, so that its buffers can lie apart
-    in the staging buffer (`parts.staging_layout`)."""
+    in the staging buffer (`staging.staging_layout`)."""
     staged = _alike({n: {"staged": s["staged"]} for n, s in splits.items() if s.get("staged") is not None})
     return staged + _alike({n: {**s, "staged": None} for n, s in splits.items()})
 

@@ -1,0 +1,170 @@
+"""Building staged parts (`StagedPart`): host runs through the device pool's staging buffer, cut
+into windows (`parts.cut_windows`), each buffer in its place (`staging_layout`), in an order
+(`pass_order`).
+
+A part of several buffers gives each its own place in the staging buffer where windows of half of
+it or more still fit, so one buffer's device pass can run while another's rows are copied (the
+executor: `staged`); a backup's only over few host runs (`APART_BACKUP_RUNS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvtier.pool.device import DevicePool, Direction
+from kvtier.pool.host import HostPool
+from kvtier.spec import BufferSpec
+from kvtier.transfer.options import PathCosts
+from kvtier.transfer.parts import (
+    Buffers,
+    RunBytes,
+    StagedPart,
+    Uploader,
+    Window,
+    buffers_of,
+    cut_windows,
+    run_bytes,
+)
+from kvtier.transfer.runs import RunTable
+
+if TYPE_CHECKING:
+    from kvtier.transfer.units import KernelStaging
+
+# A buffer's place in the staging buffer starts on this many bytes.
+STAGE_ALIGN = 128
+# Whether plans place a staged part's buffers apart (`staging_layout`); off: one after the other.
+STAGE_APART = True
+# A backup's staged buffers lie apart only over fewer host runs than this many per copy stream:
+# over more, its copies out of the staging buffer fan out and the host's issuing, not the gathers,
+# holds the copy engine back, and apart ran slower (`glm-5` after churn 0.90 against 0.93;
+# bench/FINDINGS.md, "Staged parts apart").
+APART_BACKUP_RUNS = 2
+
+
+def staging_layout(
+    device_pool: DevicePool, buffers: list[BufferSpec], apart: bool = True
+) -> tuple[int, dict[str, int]]:
+    """Rows of one window of a staged part of `buffers`, and each one's byte offset in the staging
+    buffer: with `apart` (and `STAGE_APART`), every buffer its own place (`STAGE_ALIGN`-aligned, in
+    spec order) for as many rows as fit them all, where that is at least half of `staging_tokens`;
+    else `staging_tokens` rows, each buffer from the start (one after the other)."""
+    cap = device_pool.staging_tokens
+    if len(buffers) < 2 or not (apart and STAGE_APART):
+        return cap, {b.name: 0 for b in buffers}
+    room = device_pool.staging(Direction.LOAD).numel() - STAGE_ALIGN * (len(buffers) - 1)
+    rows = room // sum(b.row_bytes for b in buffers)
+    if 2 * rows < cap:
+        return cap, {b.name: 0 for b in buffers}
+    at, out = 0, {}
+    for b in buffers:
+        out[b.name] = at
+        at = -(-(at + rows * b.row_bytes) // STAGE_ALIGN) * STAGE_ALIGN
+    return rows, out
+
+
+def staged_parts(
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    direction: Direction,
+    hn: np.ndarray,
+    dn: np.ndarray,
+    runs: Sequence[tuple[tuple[np.ndarray, np.ndarray] | None, KernelStaging | None]],
+    batched: bool,
+    overlap: bool,
+    costs: PathCosts,
+    up: Uploader,
+    buffers: Buffers = None,
+) -> list[StagedPart]:
+    """A staged part (`staged_part`) for each of `runs` given: host runs `(pos, lens)` and how the
+    kernel moves them (None: the copy engine). With `overlap`, each lays its buffers apart in the
+    staging buffer (`staging_layout`), a backup's only over fewer than `APART_BACKUP_RUNS` host
+    runs per copy stream; a backup orders them by `pass_order`."""
+    named, load, streams = (
+        buffers_of(host_pool.spec, buffers),
+        direction is Direction.LOAD,
+        costs.copy_streams,
+    )
+    out = []
+    for found, kernel in runs:
+        if found is None:
+            continue
+        apart = overlap and (load or len(found[1]) < APART_BACKUP_RUNS * streams)
+        cap, at = staging_layout(device_pool, named, apart)
+        args = (host_pool, hn, dn, *found, cap, batched, streams, up, buffers, kernel)
+        out.append(staged_part(*args, stage_at=at, small_first=None if load else costs.copy_min_bytes))
+    return out
+
+
+def staged_part(
+    host_pool: HostPool,
+    hn: np.ndarray,
+    dn: np.ndarray,
+    pos: np.ndarray,
+    lens: np.ndarray,
+    cap: int,
+    batched: bool,
+    streams: int,
+    up: Uploader,
+    buffers: Buffers = None,
+    kernel: KernelStaging | None = None,
+    stage_at: dict[str, int] | None = None,
+    small_first: int | None = None,
+) -> StagedPart:
+    """Host runs (`pos`, `lens`: `[runs]` int64) of the plan's slots `hn`, `dn` (`[n]` int64) through
+    windows of `cap` rows of the staging buffer, each buffer from its `stage_at` byte (None: 0), cut
+    where a window ends; its rows are the runs' in order. With `kernel`, the row kernel moves them
+    between the host and the staging buffer. `small_first`: a window's buffers in the order
+    `pass_order` gives them (None: in spec order)."""
+    total = int(lens.sum())
+    at = np.cumsum(lens) - lens  # each run's first row in the part
+    run, off, cut_lens, stage_row, windows = cut_windows(lens, cap)
+    host_at = hn[pos[run]] + off
+    rows = np.repeat(pos - at, lens) + np.arange(total)
+    moved, unit = None, 1
+    if kernel is not None:
+        moved, unit = kernel.regions(host_pool, host_at, stage_row, cut_lens, windows, buffers, up)
+    in_bytes, named = (
+        run_bytes(host_pool, host_at, stage_row, cut_lens, buffers),
+        buffers_of(host_pool.spec, buffers),
+    )
+    return StagedPart(
+        rows=total,
+        runs=RunTable.of(pos[run] + off, host_at, stage_row, cut_lens),
+        run_bytes=in_bytes,
+        windows=windows,
+        device_index=up(torch.from_numpy(dn[rows])),
+        batched=batched,
+        streams=streams if batched else 1,
+        kernel=moved,
+        unit=unit,
+        window_rows=cap,
+        stage_at={b.name: 0 for b in named} | (stage_at or {}),
+        order=pass_order(named, in_bytes, windows, moved is not None, small_first),
+    )
+
+
+def pass_order(
+    buffers: list[BufferSpec],
+    run_bytes: dict[str, RunBytes],
+    windows: tuple[Window, ...],
+    by_kernel: bool,
+    small_first: int | None,
+) -> tuple[str, ...]:
+    """The order a staged part's buffers move in within a window: in spec order, or with
+    `small_first` (backups), the smallest rows first where the kernel's units move them or their
+    copies in the first window average at least `small_first` bytes. A backup's first buffer waits
+    for its gather while the others' gathers run beside its copies; a copy costs the host about a
+    microsecond to issue, so short copies of the small rows first would keep the copy engine
+    waiting on the host instead (bench/FINDINGS.md, "Staged parts apart")."""
+    names = tuple(b.name for b in buffers)
+    if small_first is None or len(buffers) < 2 or not windows:
+        return names
+    small = min(buffers, key=lambda b: b.row_bytes)
+    first = run_bytes[small.name].nbytes[windows[0].first : windows[0].end]
+    if by_kernel or (len(first) and first.mean() >= small_first):
+        return tuple(b.name for b in sorted(buffers, key=lambda b: b.row_bytes))
+    return names
