@@ -14,7 +14,7 @@ Each stream waits for the other's reads of a place before it writes there (`stre
 executor joins the pass stream into the layer's stream when the layer ends.
 
 Why: one after the other on one stream, a layer's passes (`glm-5`: 95 + 25 us of a ~3.2 ms layer)
-leave the copy engine idle (bench/FINDINGS.md, "Staged parts apart").
+leave the copy engine idle (bench/FINDINGS.md, "Overlapped parts").
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ STAGE_APART = True
 # A backup's staged buffers lie apart only over fewer host runs than this many per copy stream:
 # over more, its copies out of the staging buffer fan out and the host's issuing, not the gathers,
 # holds the copy engine back, and apart ran slower (`glm-5` after churn 0.90 against 0.93;
-# bench/FINDINGS.md, "Staged parts apart").
+# bench/FINDINGS.md, "Overlapped parts").
 APART_BACKUP_RUNS = 2
 
 
@@ -159,7 +159,7 @@ def pass_order(
     copies in the first window average at least `small_first` bytes. A backup's first buffer waits
     for its gather while the others' gathers run beside its copies; a copy costs the host about a
     microsecond to issue, so short copies of the small rows first would keep the copy engine
-    waiting on the host instead (bench/FINDINGS.md, "Staged parts apart")."""
+    waiting on the host instead (bench/FINDINGS.md, "Overlapped parts")."""
     names = tuple(b.name for b in buffers)
     if small_first is None or len(buffers) < 2 or not windows:
         return names
