@@ -38,8 +38,11 @@ from kvtier.transfer import TransferPlan, parts, staging
 SPECS = ["glm-5"]
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "contiguous-churn", "first_fit-churn")
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
+# What the A/B switches: `staging.STAGE_APART` (default) or `staging.SMALL_FIRST` (TOGGLE=small_first).
+TOGGLE = "SMALL_FIRST" if os.environ.get("TOGGLE") == "small_first" else "STAGE_APART"
+HOST_SETS = tuple(os.environ.get("HOST_SETS", ",".join(HOST_SETS)).split(","))
 # Host sets profiled per direction, both settings.
-PROFILE_SETS = os.environ.get("PROFILE_SETS", "contiguous").split(",")
+PROFILE_SETS = [x for x in os.environ.get("PROFILE_SETS", "contiguous").split(",") if x]
 
 
 def plan_of(s: bench.Setup, direction: Direction, host_label: str) -> TransferPlan:
@@ -111,7 +114,7 @@ def main() -> None:
             for direction in directions:
                 for r in range(ROUNDS):
                     for apart in (True, False):
-                        staging.STAGE_APART = apart
+                        setattr(staging, TOGGLE, apart)
                         for label in HOST_SETS:
                             plan = plan_of(s, direction, label)
                             row = bench._time(s, plan, "planned", plan, label, "scattered")
@@ -126,12 +129,12 @@ def main() -> None:
                             out.write(json.dumps(line) + "\n")
                             print(json.dumps(line), flush=True)
                 for label, apart in itertools.product(PROFILE_SETS, (True, False)):
-                    staging.STAGE_APART = apart
+                    setattr(staging, TOGGLE, apart)
                     line = {"spec": spec, "direction": direction.value, "profile": label, "apart": apart}
                     line |= timeline(s, direction, label)
                     out.write(json.dumps(line) + "\n")
                     print(json.dumps(line)[:3000], flush=True)
-                staging.STAGE_APART = True
+                setattr(staging, TOGGLE, True)
             del s
             torch.cuda.empty_cache()
 

@@ -43,6 +43,8 @@ STAGE_APART = True
 # holds the copy engine back, and apart ran slower (`glm-5` after churn 0.90 against 0.93;
 # bench/FINDINGS.md, "Overlapped parts").
 APART_BACKUP_RUNS = 2
+# Whether a backup's smallest rows may go first (`pass_order`); off: spec order always.
+SMALL_FIRST = True
 
 
 def staging_layout(
@@ -161,7 +163,7 @@ def pass_order(
     microsecond to issue, so short copies of the small rows first would keep the copy engine
     waiting on the host instead (bench/FINDINGS.md, "Overlapped parts")."""
     names = tuple(b.name for b in buffers)
-    if small_first is None or len(buffers) < 2 or not windows:
+    if small_first is None or not SMALL_FIRST or len(buffers) < 2 or not windows:
         return names
     small = min(buffers, key=lambda b: b.row_bytes)
     first = run_bytes[small.name].nbytes[windows[0].first : windows[0].end]
