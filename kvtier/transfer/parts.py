@@ -17,7 +17,7 @@ first row of a layer (`HostPool.locate`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -28,9 +28,6 @@ from kvtier.spec import BufferSpec, KVSpec
 from kvtier.transfer.launch import KernelLaunch
 from kvtier.transfer.options import Mechanism, PathCosts, TransferPath
 from kvtier.transfer.runs import RunTable
-
-if TYPE_CHECKING:
-    pass
 
 
 class RunBytes(NamedTuple):

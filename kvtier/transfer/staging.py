@@ -39,9 +39,9 @@ STAGE_ALIGN = 128
 # Whether plans place a staged part's buffers apart (`staging_layout`); off: one after the other.
 STAGE_APART = True
 # A backup's staged buffers lie apart only over fewer host runs than this many per copy stream:
-# over more, its copies out of the staging buffer fan out and the host's issuing, not the gathers,
-# holds the copy engine back, and apart ran slower (`glm-5` after churn 0.90 against 0.93;
-# bench/FINDINGS.md, "Overlapped parts").
+# over more (its two windows' copies each fanned out), apart ran slower on every lease measured
+# (`glm-5` after contiguous churn 0.875-0.907 against 0.924-0.942; bench/FINDINGS.md, "Overlapped
+# parts"), for a reason not yet found.
 APART_BACKUP_RUNS = 2
 # Whether a backup's smallest rows may go first (`pass_order`); off: spec order always.
 SMALL_FIRST = True
@@ -159,9 +159,10 @@ def pass_order(
     """The order a staged part's buffers move in within a window: in spec order, or with
     `small_first` (backups), the smallest rows first where the kernel's units move them or their
     copies in the first window average at least `small_first` bytes. A backup's first buffer waits
-    for its gather while the others' gathers run beside its copies; a copy costs the host about a
-    microsecond to issue, so short copies of the small rows first would keep the copy engine
-    waiting on the host instead (bench/FINDINGS.md, "Overlapped parts")."""
+    for its gather while the others' gathers run beside its copies, so the shortest gather goes
+    first (`glm-5` from contiguous host slots 0.989 against 0.971); but a copy costs the host about
+    a microsecond to issue, and unheld, the small rows' short copies first kept the copy engine
+    waiting on the host (bench/FINDINGS.md, "Overlapped parts")."""
     names = tuple(b.name for b in buffers)
     if small_first is None or not SMALL_FIRST or len(buffers) < 2 or not windows:
         return names
