@@ -85,11 +85,8 @@ def staged_parts(
     kernel moves them (None: the copy engine). With `overlap`, each lays its buffers apart in the
     staging buffer (`staging_layout`), a backup's only over fewer than `APART_BACKUP_RUNS` host
     runs per copy stream; a backup orders them by `pass_order`."""
-    named, load, streams = (
-        buffers_of(host_pool.spec, buffers),
-        direction is Direction.LOAD,
-        costs.copy_streams,
-    )
+    named = buffers_of(host_pool.spec, buffers)
+    load, streams = direction is Direction.LOAD, costs.copy_streams
     out = []
     for found, kernel in runs:
         if found is None:
@@ -129,10 +126,8 @@ def staged_part(
     moved, unit = None, 1
     if kernel is not None:
         moved, unit = kernel.regions(host_pool, host_at, stage_row, cut_lens, windows, buffers, up)
-    in_bytes, named = (
-        run_bytes(host_pool, host_at, stage_row, cut_lens, buffers),
-        buffers_of(host_pool.spec, buffers),
-    )
+    in_bytes = run_bytes(host_pool, host_at, stage_row, cut_lens, buffers)
+    named = buffers_of(host_pool.spec, buffers)
     return StagedPart(
         rows=total,
         runs=RunTable.of(pos[run] + off, host_at, stage_row, cut_lens),
