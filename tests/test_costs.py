@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 
@@ -111,6 +112,37 @@ def test_the_planners_floor_keeps_short_runs_off_the_copy_engine_whatever_the_mo
     assert floored[132].kernel_staged_below == 64 << 10  # units still beat single rows below it
     assert floored[1152].staged_min_bytes == free[1152].staged_min_bytes > 64 << 10
     assert floored[1152].kernel_staged_below == free[1152].kernel_staged_below == 0
+
+
+def test_a_model_stages_a_backups_host_runs_by_the_copy_engine_only_from_the_backup_floor() -> None:
+    """Staging that reaches the kernel's rate from ~50 KiB: a load's host runs are staged from there, a
+    backup's only from `backup_staged_floor_bytes` of the widest rows, scaled to each buffer's rows
+    (never under the copy floor); the model's own threshold where it is higher."""
+    staged = {16 << 10: 20.0, 64 << 10: 52.0, 1 << 20: 55.0}
+    r = Rates(
+        COPY,
+        COPY,
+        device_pass={132: 1800.0, 1152: 1800.0},
+        kernel_rows={132: 28.0, 1152: 50.0},
+        kernel_units={132: 47.0, 1152: 50.3},
+        staged={132: staged, 1152: staged},
+    )
+    model = CostModel("m", {d: r for d in Direction})
+    costs = PathCosts()
+    load, back = (model.planned(costs, 1152, d, 1152) for d in (Direction.LOAD, Direction.BACKUP))
+    assert load.staged_min_bytes == costs.copy_min_bytes  # the curve alone says ~50 KiB
+    assert back.staged_min_bytes == costs.backup_staged_floor_bytes == 384 << 10
+    assert back.copy_min_bytes == load.copy_min_bytes  # joint runs are not floored by it
+    assert (
+        model.planned(costs, 132, Direction.BACKUP, 1152).staged_min_bytes == 64 << 10
+    )  # 44 KB < copy floor
+    wide = PathCosts(backup_staged_floor_bytes=1 << 20)
+    indexer = model.planned(wide, 132, Direction.BACKUP, 1152)
+    assert indexer.staged_min_bytes == indexer.kernel_staged_below == (1 << 20) * 132 / 1152
+    late = {16 << 10: 20.0, 1 << 20: 50.0}  # staging reaches the kernel at 1 MiB only
+    r_late = dataclasses.replace(r, staged={132: late, 1152: late})
+    own = CostModel("m", {Direction.BACKUP: r_late}).planned(costs, 1152, Direction.BACKUP, 1152)
+    assert own.staged_min_bytes > 900 << 10
 
 
 def test_the_defaults_stage_small_rows_by_the_kernel_and_only_long_host_runs_by_the_copy_engine() -> None:
@@ -223,10 +255,16 @@ def test_a_plan_on_a_model_moves_each_buffer_its_own_way_byte_for_byte(direction
     assert plan.cost_model == "calibrated test"
     assert plan.mechanisms_by_buffer() == {"kv": {"staged_kernel": 128}, "indexer": {"staged_kernel": 128}}
     # Under a floor of 1 KiB the model's own choice: staging at 60 GB/s, both buffers by the copy engine.
-    low = PathCosts(copy_min_bytes=1 << 10)
+    low = PathCosts(copy_min_bytes=1 << 10, backup_staged_floor_bytes=0)
     plan = Planner(host, dev, low, use_kernel=True, model=model).plan(direction, hs, ds)
     by = plan.mechanisms_by_buffer()
     assert by["kv"] == {"staged": 128} and by["indexer"] == {"staged": 128}
+    # A backup stages by the copy engine only from its own floor (`PathCosts.staged_floor`): the
+    # default's 384 KiB keep these backups on the kernel's units; a load has no such floor.
+    low_floored = dataclasses.replace(low, backup_staged_floor_bytes=PathCosts().backup_staged_floor_bytes)
+    plan = Planner(host, dev, low_floored, use_kernel=True, model=model).plan(direction, hs, ds)
+    want = {"staged": 128} if direction is Direction.LOAD else {"staged_kernel": 128}
+    assert plan.mechanisms_by_buffer() == {"kv": want, "indexer": want}
     # Now staging the indexer's rows by the copy engine is slow: they go through the kernel's units.
     slow_model = measured(slow)
     assert Choice.of(slow_model, 132, "m").kernel_staged_below > 32 * 132
@@ -290,10 +328,12 @@ def test_kvtier_calibrate_shows_the_rates_and_the_floored_choices_of_a_model() -
     from kvtier.transfer import calibrate_command
 
     model = CostModel("calibrated x", {d: rates(28.0, 47.0) for d in Direction})
-    choice = calibrate_command._choice(model, 132, Direction.LOAD)
+    choice = calibrate_command._choice(model, 132, Direction.LOAD, 132)
     assert choice["copy_min_bytes"] == 64 << 10  # the floor: the curve alone says ~56 KiB
     assert choice["staged_min_bytes"] == choice["kernel_staged_below"] > 64 << 10
-    assert calibrate_command._choice(model, 1152, Direction.LOAD) == {}  # a size it did not measure
+    backup = calibrate_command._choice(model, 132, Direction.BACKUP, 132)
+    assert backup["staged_min_bytes"] == PathCosts().backup_staged_floor_bytes  # the backups' floor
+    assert calibrate_command._choice(model, 1152, Direction.LOAD, 1152) == {}  # a size it did not measure
     console = Console(width=200, record=True)
     console.print(calibrate_command._rates_table(model, [132]))
     console.print(calibrate_command._choices_table({"tiny": {"indexer": {"load": choice}}}))

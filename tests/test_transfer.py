@@ -868,11 +868,14 @@ def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
     assert streams(8, batched=False) == 1
 
 
-def test_copy_streams_must_be_positive() -> None:
+@pytest.mark.parametrize(
+    ("costs", "field"),
+    [(PathCosts(copy_streams=0), "copy_streams"), (PathCosts(backup_staged_floor_bytes=-1), "floor")],
+)
+def test_copy_streams_must_be_positive_and_the_backup_floor_not_negative(costs, field) -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
-    costs = PathCosts(copy_streams=0)
-    with pytest.raises(ConfigError, match="copy_streams"):
+    with pytest.raises(ConfigError, match=field):
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), costs=costs)
 
 

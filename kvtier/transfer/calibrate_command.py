@@ -39,7 +39,10 @@ def command(args: Namespace) -> int:
     seconds = time.perf_counter() - t0
     path = calibrate.cache_file(dev)
     choices = {
-        s.name: {b.name: {d.value: _choice(model, b.row_bytes, d) for d in Direction} for b in s.buffers}
+        s.name: {
+            b.name: {d.value: _choice(model, b.row_bytes, d, s.widest_row_bytes) for d in Direction}
+            for b in s.buffers
+        }
         for s in specs
     }
     console.print(_rates_table(model, sizes))
@@ -52,8 +55,8 @@ def command(args: Namespace) -> int:
     return 0
 
 
-def _choice(model: CostModel, row_bytes: int, direction: Direction) -> dict:
-    c = model.choice(row_bytes, direction, PathCosts().copy_min_bytes)  # as the planner asks
+def _choice(model: CostModel, row_bytes: int, direction: Direction, widest: int) -> dict:
+    c = model.planned(PathCosts(), row_bytes, direction, widest)
     if c is None:
         return {}
     return {

@@ -138,9 +138,12 @@ class Choice:
     source: str
 
     @classmethod
-    def of(cls, rates: Rates | None, row_bytes: int, source: str, least: float = 0.0) -> Choice | None:
+    def of(
+        cls, rates: Rates | None, row_bytes: int, source: str, least: float = 0.0, staged_least: float = 0.0
+    ) -> Choice | None:
         """The choice `rates` imply for rows of `row_bytes` (None where they do not know the size), the
-        copy engine taking no run under `least` bytes (the planner's floor, in the module docstring)."""
+        copy engine taking no run under `least` bytes (the planner's floor, in the module docstring)
+        and staging no host run under `staged_least` (`PathCosts.staged_floor`)."""
         if rates is None or not rates.knows(row_bytes):
             return None
         rows, units = rates.kernel_rows[row_bytes], rates.kernel_units[row_bytes]
@@ -155,7 +158,7 @@ class Choice:
         # ... until staging by the copy engine, timed whole, reaches it. No margin: the device pass of
         # staging holds SMs too, and a plan's staged backups ran ~2% under the calibration's rate
         # (bench/FINDINGS.md, "The measured cost model").
-        staged_min = max(rates.staged_from(row_bytes, best), least)
+        staged_min = max(rates.staged_from(row_bytes, best), least, staged_least)
         return cls(max(copy_min, least), staged_min, staged_min if units_win else 0.0, source)
 
     @classmethod
@@ -214,9 +217,18 @@ class CostModel:
     source: str
     rates: dict[Direction, Rates]
 
-    def choice(self, row_bytes: int, direction: Direction, least: float = 0.0) -> Choice | None:
-        """`Choice.of` this model's rates in `direction` (`least`: its copy floor, bytes)."""
-        return Choice.of(self.rates.get(direction), row_bytes, self.source, least)
+    def choice(
+        self, row_bytes: int, direction: Direction, least: float = 0.0, staged_least: float = 0.0
+    ) -> Choice | None:
+        """`Choice.of` this model's rates in `direction` (`least`: its copy floor, `staged_least`: its
+        staging floor, bytes)."""
+        return Choice.of(self.rates.get(direction), row_bytes, self.source, least, staged_least)
+
+    def planned(self, costs: PathCosts, row_bytes: int, direction: Direction, widest: int) -> Choice | None:
+        """`choice` as the planner asks it: floored at `costs.copy_min_bytes` and `costs.staged_floor`
+        (for rows of `row_bytes` in a spec whose widest row is `widest`)."""
+        staged_least = costs.staged_floor(direction, row_bytes, widest)
+        return self.choice(row_bytes, direction, costs.copy_min_bytes, staged_least)
 
     def to_json(self) -> dict:
         def sizes(table: dict[int, float]) -> dict[str, float]:

@@ -61,7 +61,9 @@ class PathCosts:
     `reference_gbps`: the per-token path. With the kernel, a buffer's joint run of
     `copy_min_bytes` goes to the copy engine, and a host run with scattered device slots of
     `staged_min_bytes` (loads) or `backup_staged_min_bytes` (backups) goes through staging
-    (`kvtier.transfer.costs.Choice.fallback`). `copy_streams`: streams one layer's batched copies are
+    (`kvtier.transfer.costs.Choice.fallback`). A measured cost model stages a backup's host run by
+    the copy engine only from `backup_staged_floor_bytes` of the widest rows (`staged_floor`).
+    `copy_streams`: streams one layer's batched copies are
     spread over, unless its joint runs average `fan_out_below_bytes` or more (a copy's
     fixed cost is then small beside fanning out's event calls). In `page_first`, a call of
     several layers moves a buffer's runs of pages as stacks (`STACKED`) where its runs average
@@ -76,10 +78,25 @@ class PathCosts:
     copy_min_bytes: int = 64 << 10
     staged_min_bytes: int = 64 << 10
     backup_staged_min_bytes: int = 1 << 20
+    backup_staged_floor_bytes: int = 384 << 10
     copy_streams: int = 8
     fan_out_below_bytes: int = 1 << 20
     stack_min_bytes: int = 512 << 10
     stack_line_min_bytes: int = 24 << 10
+
+    def staged_floor(self, direction: Direction, row_bytes: int, widest: int) -> float:
+        """The fewest bytes of a host run of `row_bytes` rows (in a spec whose widest row is `widest`)
+        that a measured cost model may stage by the copy engine: for a backup,
+        `backup_staged_floor_bytes` of the widest rows, scaled to these (a token's buffers go
+        together); for a load, no floor but `copy_min_bytes` (`Choice.of`'s own).
+
+        Why: a backup's staging, timed whole, crosses the kernel's rate at ~210-450 KiB by lease, and
+        a calibration putting it under the 295 KB host runs of 1152-byte rows staged them at
+        0.900-0.916 of the ceiling where the kernel moves them at 0.929-0.95 (bench/FINDINGS.md, "The
+        measured cost model")."""
+        if direction is Direction.LOAD:
+            return 0.0
+        return self.backup_staged_floor_bytes * row_bytes / widest
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
         """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""
@@ -155,5 +172,9 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
     flags = {k: v for k, v in flags.items() if not isinstance(v, bool)}
     if flags:
         raise ConfigError(f"kernel options lean and overlap must be True or False, got {flags}")
+    if costs.backup_staged_floor_bytes < 0:
+        raise ConfigError(
+            f"backup_staged_floor_bytes must not be negative, got {costs.backup_staged_floor_bytes}"
+        )
     if costs.copy_streams < 1:
         raise ConfigError(f"copy_streams must be at least 1, got {costs.copy_streams}")

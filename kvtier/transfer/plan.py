@@ -185,8 +185,11 @@ class Planner:
     def _groups(self, direction: Direction) -> tuple[Group, ...]:
         """Each buffer's `Choice`: the model's where it knows every row size, else `PathCosts`'."""
         spec = self.host_pool.spec
-        least = self.costs.copy_min_bytes
-        found = [self.model.choice(b.row_bytes, direction, least) for b in spec.buffers] if self.model else []
+        found = (
+            [self.model.planned(self.costs, b.row_bytes, direction, self.widest) for b in spec.buffers]
+            if self.model
+            else []
+        )
         if not found or any(c is None for c in found):
             found = [Choice.fallback(self.costs, direction, b.row_bytes, self.widest) for b in spec.buffers]
         return tuple(
