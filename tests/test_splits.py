@@ -17,7 +17,7 @@ from kvtier.transfer import Planner, execute, kernels, phases, splits, staging
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.costs import Choice
 from kvtier.transfer.options import KernelOptions, PathCosts
-from kvtier.transfer.parts import KernelPart
+from kvtier.transfer.parts import KernelPart, StagedPart
 
 needs_triton = pytest.mark.skipif(
     not kernels.runs_on(torch.device("cpu")), reason="needs Triton's interpreter"
@@ -134,8 +134,10 @@ def test_buffers_that_split_alike_share_one_entry() -> None:
     assert [names for names, _ in got] == [frozenset({"k", "v"})]
 
 
-def split_of(direction: Direction, lengths: list[int], kernel: KernelOptions | None = None):
-    plan = planned(direction, lengths, torch.Generator().manual_seed(0), kernel=kernel)[0]
+def split_of(
+    direction: Direction, lengths: list[int], kernel: KernelOptions | None = None, staging: int | None = None
+):
+    plan = planned(direction, lengths, torch.Generator().manual_seed(0), kernel=kernel, staging=staging)[0]
     got = plan.overlap
     named = None if got is None else [[(type(p).__name__, *sorted(p.buffers)) for p in ps] for ps in got]
     return plan, got, named
@@ -143,9 +145,10 @@ def split_of(direction: Direction, lengths: list[int], kernel: KernelOptions | N
 
 @needs_triton
 @pytest.mark.parametrize("direction", list(Direction))
-def test_a_mixed_plan_runs_its_direct_kernel_parts_beside_the_rest(direction) -> None:
-    """Each part once, in plan order per stream; the kernel's units beside the direct kernel part only
-    where the two grids fit the budget together (2 + 4 programs of 8 here), else before the fork."""
+def test_a_mixed_plan_runs_its_direct_kernel_parts_beside_the_rest(direction, gen) -> None:
+    """Each part once, in plan order per stream; the kernel's units beside the direct kernel part
+    where the two grids fit the budget together (2 + 4 programs of 8 here), else on the second stream
+    before it where their staging place lies apart from the copy engine's, else before the fork."""
     plan, got, named = split_of(direction, [128] * 4 + [16] * 4)
     assert named == [
         [],
@@ -156,10 +159,27 @@ def test_a_mixed_plan_runs_its_direct_kernel_parts_beside_the_rest(direction) ->
     side, units = phases.programs(got.side[0]), phases.programs(got.beside[1])
     assert plan.sms_used == side + units <= plan.kernel.sm_budget
     assert not execute.overlaps(plan)  # on the CPU every part runs in plan order, on no stream
-    # A budget of 5: the units fill the staging before the fork, and the plan holds 4 SMs at most.
+    # A budget of 5: the units on the second stream before the direct kernel, their staging place
+    # after the copy engine's staged part's, and the plan holds 4 SMs at most.
     plan, got, named = split_of(direction, [128] * 4 + [16] * 4, KernelOptions(sm_budget=5))
-    assert named[0] == [("StagedPart", "indexer")] and named[1] == [("KernelPart", "kv")]
+    assert named == [[], [("StagedPart", "indexer"), ("KernelPart", "kv")], [("StagedPart", "indexer", "kv")]]
+    units, engine = got.side[0], got.beside[0]
+    rb = {b.name: b.row_bytes for b in SPEC.buffers}
+    assert staging.footprint(engine, rb)[1] <= staging.footprint(units, rb)[0]
+    assert staging.footprint(units, rb)[1] <= plan.device_pool.staging(direction).numel()
+    assert units.window_rows == 64 and units.stage_at["indexer"] % staging.STAGE_ALIGN == 0
     assert plan.sms_used == max(map(phases.programs, plan.parts)) <= 5
+    # A staging buffer the staged part fills (512 rows): no place apart, so the units go before the fork.
+    plan, got, named = split_of(direction, [128] * 4 + [16] * 4, KernelOptions(sm_budget=5), staging=512)
+    assert named[0] == [("StagedPart", "indexer")] and named[1] == [("KernelPart", "kv")]
+    assert got.before[0].stage_at == {"indexer": 0}
+    # Without the overlap the units' part stays at the start of the staging buffer.
+    plan = split_of(direction, [128] * 4 + [16] * 4, KernelOptions(sm_budget=5, overlap=False))[0]
+    assert [p.stage_at for p in plan.parts if isinstance(p, StagedPart) and p.kernel] == [{"indexer": 0}]
+    # The plan with the units' place moved, its parts in plan order (the CPU), byte for byte.
+    plan, host, dev, hs, ds = planned(direction, [128] * 4 + [16] * 4, gen, kernel=KernelOptions(sm_budget=5))
+    assert plan.overlap.side[0].stage_at["indexer"] > 0
+    run_and_check(plan, host, dev, hs, ds, None)
     # Runs of 16 alone: the latent's kernel beside the indexer's units, nothing on the copy engine.
     assert split_of(direction, [16] * 8)[2] == [[], [("KernelPart", "kv")], [("StagedPart", "indexer")]]
 
@@ -213,8 +233,26 @@ def test_cuda_overlapped_plans_are_byte_identical(direction, overlap, lengths, g
     kernel = KernelOptions(overlap=overlap)
     plan, host, dev, hs, ds = planned(direction, lengths, gen, "cuda", kernel, 300)
     assert execute.overlaps(plan) is overlap
+    _twice(plan, host, dev, hs, ds, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("direction", list(Direction))
+def test_cuda_units_on_the_second_stream_are_byte_identical(direction, gen) -> None:
+    """On the GPU, a mixed GLM-5-shaped plan at a budget of 5: the kernel's units on the second stream
+    before the direct kernel, in their own place of the staging buffer, beside the copies."""
+    plan, host, dev, hs, ds = planned(
+        direction, [128] * 4 + [16] * 4 + [1] * 40, gen, "cuda", KernelOptions(sm_budget=5)
+    )
+    assert execute.overlaps(plan) and isinstance(plan.overlap.side[0], StagedPart)
+    _twice(plan, host, dev, hs, ds, gen)
+
+
+def _twice(plan, host, dev, hs, ds, gen) -> None:
+    """`plan` twice on one stream (the second time on the streams the first made), poisoned first."""
     stream = torch.cuda.Stream()
-    for _ in range(2):  # the second time on the second stream that the first made
+    for _ in range(2):
         poison_host(host, gen)
         poison_device(dev, gen)
         run_and_check(plan, host, dev, hs, ds, stream)
@@ -227,11 +265,7 @@ def test_cuda_loads_by_buffer_are_byte_identical(gen) -> None:
     the caller's on the programs left."""
     plan, host, dev, hs, ds = planned(Direction.LOAD, [1] * 200, gen, "cuda")
     assert execute.overlaps(plan) and [p.buffers for p in plan.overlap.beside] == [{"indexer"}]
-    stream = torch.cuda.Stream()
-    for _ in range(2):
-        poison_host(host, gen)
-        poison_device(dev, gen)
-        run_and_check(plan, host, dev, hs, ds, stream)
+    _twice(plan, host, dev, hs, ds, gen)
 
 
 def test_a_staged_parts_buffers_lie_apart_in_the_staging_buffer(gen) -> None:

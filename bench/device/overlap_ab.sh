@@ -6,12 +6,14 @@
 # run alone (line_rate_<spec>_..._overlap.json, meta.spec set). Then the calibration's first-use time
 # per spec's row sizes on a fresh Triton cache (and again warm).
 # OVERLAP_SPECS (default: glm-5 deepseek-v3-fp8-packed deepseek-v3 llama-3.1-8b); TAG names the files
-# (default _overlap); CAL_TIME=0 skips the first-use times.
+# (default _overlap); CAL_TIME=0 skips the first-use times, TESTS=0 the GPU tests.
 # Usage: bash bench/device/overlap_ab.sh
 source bench/device/setup.sh
 TAG=${TAG:-_overlap}
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_splits.py tests/test_transfer.py \
-  > "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log" 2>&1; tail -2 "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_splits.py tests/test_transfer.py \
+    > "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log" 2>&1; tail -2 "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log"
+fi
 (time $KV calibrate --force --json "$SCRATCH/calibration.json") 2>&1 | grep -E "calibrated|real"
 for spec in ${OVERLAP_SPECS:-glm-5 deepseek-v3-fp8-packed deepseek-v3 llama-3.1-8b}; do
   timeout "${SPEC_TIMEOUT:-120}" $KV bench transfer --spec "$spec" --variants planned,serial \

@@ -10,7 +10,8 @@ Overlap (`phases`, `KernelOptions.overlap`): a layer's direct kernel parts run o
 (one per caller's stream, `streams.side_stream`), forked from the caller's after the parts that
 must come first and joined before the layer ends, beside its other parts; the parts move disjoint
 rows, and the host waits for nothing. A staged part whose buffers lie apart in the staging buffer
-runs its device passes on a third stream beside its copies (`staged`).
+runs its device passes on a third stream beside its copies (`staged`); one on the second stream
+(the kernel's units, `phases`) runs them on the second stream, after its copies.
 
 Concurrency contract: the caller orders a load after any backup that writes the same host
 slots, and keeps the plan alive until its stream has run. Plans with a staged part use the
@@ -160,7 +161,7 @@ def _overlapped(
     side.wait_stream(stream)
     with torch.cuda.stream(side):
         for b in raw:
-            _move(plan, split.side, host_pool, device_pool, b, layer, side, grouped)
+            _move(plan, split.side, host_pool, device_pool, b, layer, side, grouped, passes=False)
     for b in raw:
         _move(plan, split.beside, host_pool, device_pool, b, layer, stream, grouped)
     stream.wait_stream(side)
@@ -175,9 +176,11 @@ def _move(
     layer: int,
     stream: torch.cuda.Stream | None,
     grouped: bool,
+    passes: bool = True,
 ) -> None:
     """Buffer `b` of one layer, each of `parts` (the plan's); with `grouped`, not the kernel parts that
-    have a layer table for `b` (the caller moves those several layers at once)."""
+    have a layer table for `b` (the caller moves those several layers at once). Without `passes`
+    (the second stream), staged parts run their device passes on `stream` itself."""
     dev = device_pool.layer(b.name, layer)
     if not device_pool.raw_rows(b.name):
         _reference(plan, host_pool, dev, b, layer, plan.host_slots, plan.device_slots.to(dev.device))
@@ -194,7 +197,7 @@ def _move(
             else:
                 _per_run(part, host_pool, dev_w, b, layer, load)
         elif isinstance(part, StagedPart) and not part.apart:
-            staged.move(plan, part, host_pool, device_pool, [(b, dev_w)], layer, stream)
+            staged.move(plan, part, host_pool, device_pool, [(b, dev_w)], layer, stream, passes)
         elif isinstance(part, StagedPart):  # its buffers window by window, at the first one's turn
             on = [
                 x
@@ -203,7 +206,7 @@ def _move(
             ]
             if b.name == on[0].name:
                 rows = [(x, as_words(device_pool.layer(x.name, layer))) for x in on]
-                staged.move(plan, part, host_pool, device_pool, rows, layer, stream)
+                staged.move(plan, part, host_pool, device_pool, rows, layer, stream, passes)
         elif isinstance(part, KernelPart):
             if not (grouped and b.name in part.tables):
                 _kernel(plan, part, host_pool, dev_w, b, layer)

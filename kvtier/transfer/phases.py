@@ -5,8 +5,10 @@ parts (`KernelPart`) on a second stream, everything else on the caller's stream 
 (staged parts share the staging buffer, so they never run beside each other). Staging filled by
 the kernel's units (`StagedPart.kernel`) runs beside the direct kernel parts only where their grids
 together stay within `KernelOptions.sm_budget`, else before them: a plan never holds more SMs than
-its budget. A plan does not overlap (None) without `KernelOptions.overlap`, without a direct
-kernel part, or with nothing to run beside one.
+its budget; where they do not fit, but their staging place is apart from every other staged
+part's (`staging.units_apart`), they run on the second stream before the direct kernel parts, so
+beside the copies still. A plan does not overlap (None) without `KernelOptions.overlap`, without a
+direct kernel part, or with nothing to run beside one.
 
 A load of direct kernel parts alone over several buffers (`glm-5` fully scattered: the latent and
 the indexer of the same tokens) runs by buffer instead, where some buffer's launches take more
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvtier.pool.device import Direction
+from kvtier.transfer import staging
 from kvtier.transfer.options import KernelOptions
 from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StagedPart
 
@@ -73,7 +76,13 @@ def phases(plan: TransferPlan) -> Phases | None:
         return _by_buffer(side, kernel, row_bytes, plan.device_pool.device)
     if not side or not (engine or fits):
         return None
-    return Phases((), side, others) if fits else Phases(units, side, rest)
+    if fits:
+        return Phases((), side, others)
+    row_bytes = {b.name: b.row_bytes for b in plan.host_pool.spec.buffers}
+    staged = [p for p in rest if isinstance(p, StagedPart)]
+    if all(staging.disjoint(u, p, row_bytes) for u in units for p in staged):
+        return Phases((), units + side, rest)
+    return Phases(units, side, rest)
 
 
 def _by_buffer(

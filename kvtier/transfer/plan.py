@@ -42,7 +42,6 @@ from kvtier.transfer.runs import RunPair, RunTable
 
 log = logging.getLogger(__name__)
 
-
 _COPY_PATHS = (TransferPath.SINGLE_COPY, TransferPath.PER_RUN, TransferPath.BATCHED_DMA)
 # `(starts, lengths)` of runs, `[k]` int64 positions and lengths each.
 Runs = tuple[np.ndarray, np.ndarray]
@@ -184,10 +183,10 @@ class Planner:
 
     def _groups(self, direction: Direction) -> tuple[Group, ...]:
         """Each buffer's `Choice`: the model's where it knows every row size, else `PathCosts`'."""
-        spec = self.host_pool.spec
+        spec, model = self.host_pool.spec, self.model
         found = (
-            [self.model.planned(self.costs, b.row_bytes, direction, self.widest) for b in spec.buffers]
-            if self.model
+            [model.planned(self.costs, b.row_bytes, direction, self.widest) for b in spec.buffers]
+            if model
             else []
         )
         if not found or any(c is None for c in found):
@@ -305,10 +304,8 @@ class Planner:
             return TransferPath.STAGED
         if self.kernel_ok:
             # MIXED here means "split by run" (`_parts`); the plan's path follows its parts.
-            every = all(
-                bool((joint_lens * g.row_bytes >= g.choice.copy_min_bytes).all())
-                for g in self.groups[direction]
-            )
+            long = [joint_lens * g.row_bytes >= g.choice.copy_min_bytes for g in self.groups[direction]]
+            every = all(bool(x.all()) for x in long)
             return TransferPath.BATCHED_DMA if every else TransferPath.MIXED
         nbytes, windows = n * self.widest, -(-n // self.device_pool.staging_tokens)
         estimates = {
@@ -395,7 +392,7 @@ class Planner:
         each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes)
         for group, split in splits.by_buffer(each):
             out += build(**split, buffers=None if group == every else group)
-        return tuple(out)
+        return staging.units_apart(tuple(out), self.device_pool, direction, self.kernel.overlap)
 
     def _build(
         self,

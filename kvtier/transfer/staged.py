@@ -45,11 +45,12 @@ def move(
     rows: Sequence[tuple[BufferSpec, torch.Tensor]],
     layer: int,
     stream: torch.cuda.Stream | None,
+    apart: bool = True,
 ) -> None:
     """Buffers `rows` (each with its device rows as words, `[slots, W]`) of one layer through the
-    staging buffer, window by window (the module docstring)."""
+    staging buffer, window by window (the module docstring); without `apart`, every pass on `stream`."""
     load = plan.direction is Direction.LOAD
-    passes = streams.pass_stream(stream) if stream is not None and passes_apart(plan) else None
+    passes = streams.pass_stream(stream) if stream is not None and apart and passes_apart(plan) else None
     rows = sorted(rows, key=lambda x: part.order.index(x[0].name))
     stages = [_stage(part, device_pool, plan.direction, b, dev_w) for b, dev_w in rows]
     index = part.device_index

@@ -5,11 +5,16 @@ into windows (`parts.cut_windows`), each buffer in its place (`staging_layout`),
 A part of several buffers gives each its own place in the staging buffer where windows of half of
 it or more still fit, so one buffer's device pass can run while another's rows are copied (the
 executor: `staged`); a backup's only over few host runs (`APART_BACKUP_RUNS`).
+
+In a plan that overlaps, a part the kernel's units fill moves to a place after every copy-engine
+staged part's where it fits (`units_apart`), so that it may run on the second stream beside their
+copies (`phases`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,6 +26,7 @@ from kvtier.spec import BufferSpec
 from kvtier.transfer.options import PathCosts
 from kvtier.transfer.parts import (
     Buffers,
+    Part,
     RunBytes,
     StagedPart,
     Uploader,
@@ -64,7 +70,7 @@ def staging_layout(
     at, out = 0, {}
     for b in buffers:
         out[b.name] = at
-        at = -(-(at + rows * b.row_bytes) // STAGE_ALIGN) * STAGE_ALIGN
+        at = _aligned(at + rows * b.row_bytes)
     return rows, out
 
 
@@ -166,3 +172,48 @@ def pass_order(
     if by_kernel or (len(first) and first.mean() >= small_first):
         return tuple(b.name for b in sorted(buffers, key=lambda b: b.row_bytes))
     return names
+
+
+def footprint(part: StagedPart, row_bytes: Mapping[str, int]) -> tuple[int, int]:
+    """The staging bytes `[start, end)` that `part`'s windows use: each buffer's place, for its largest
+    window (`row_bytes`: each buffer's row bytes)."""
+    rows = max((w.hi - w.lo for w in part.windows), default=0)
+    start = min(part.stage_at[n] for n in part.buffers)
+    return start, max(part.stage_at[n] + rows * row_bytes[n] for n in part.buffers)
+
+
+def disjoint(a: StagedPart, b: StagedPart, row_bytes: Mapping[str, int]) -> bool:
+    """Whether staged parts `a` and `b` use no staging byte in common (`footprint`)."""
+    (a0, a1), (b0, b1) = footprint(a, row_bytes), footprint(b, row_bytes)
+    return a1 <= b0 or b1 <= a0
+
+
+def units_apart(
+    parts: tuple[Part, ...], device_pool: DevicePool, direction: Direction, overlap: bool = True
+) -> tuple[Part, ...]:
+    """`parts` with each staged part that the kernel's units fill moved after every copy-engine staged
+    part's `footprint` (`STAGE_ALIGN`-aligned), where it fits in the staging buffer; the rest as they
+    are (a part moves as a whole: its windows and offsets count from its places, and its window
+    rows become its largest window's). Without
+    `overlap` (the plan's `KernelOptions.overlap`), `parts` as they are."""
+    row_bytes = {b.name: b.row_bytes for b in device_pool.spec.buffers}
+    engine = [p for p in parts if isinstance(p, StagedPart) and p.kernel is None]
+    units = [p for p in parts if isinstance(p, StagedPart) and p.kernel is not None]
+    if not (overlap and engine and units):
+        return parts
+    room = device_pool.staging(direction).numel()
+    at = _aligned(max(footprint(p, row_bytes)[1] for p in engine))
+    moved: dict[int, StagedPart] = {}
+    for p in units:
+        lo, hi = footprint(p, row_bytes)
+        if at + hi - lo > room:
+            continue
+        rows = max(w.hi - w.lo for w in p.windows)
+        places = {n: at + v - lo for n, v in p.stage_at.items()}
+        moved[id(p)] = dataclasses.replace(p, stage_at=places, window_rows=rows)
+        at = _aligned(at + hi - lo)
+    return tuple(moved.get(id(p), p) for p in parts)
+
+
+def _aligned(at: int) -> int:
+    return -(-at // STAGE_ALIGN) * STAGE_ALIGN
