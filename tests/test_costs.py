@@ -13,7 +13,7 @@ from conftest import host_row, poison_device, poison_host, run_and_check, same_b
 from kvtier import cli
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
-from kvtier.spec import preset
+from kvtier.spec import mla_spec, preset
 from kvtier.transfer import Planner, backup, calibrate, kernels, load_layers
 from kvtier.transfer.costs import NEVER, Choice, CostModel, Rates
 from kvtier.transfer.options import PathCosts
@@ -117,7 +117,8 @@ def test_the_planners_floor_keeps_short_runs_off_the_copy_engine_whatever_the_mo
 def test_a_model_stages_a_backups_host_runs_by_the_copy_engine_only_from_the_backup_floor() -> None:
     """Staging that reaches the kernel's rate from ~50 KiB: a load's host runs are staged from there, a
     backup's only from `backup_staged_floor_bytes` of the widest rows, scaled to each buffer's rows
-    (never under the copy floor); the model's own threshold where it is higher."""
+    (never under the copy floor); the model's own threshold where it is higher, or where the kernel's
+    units beat its single rows (the floor would send longer runs through them)."""
     staged = {16 << 10: 20.0, 64 << 10: 52.0, 1 << 20: 55.0}
     r = Rates(
         COPY,
@@ -133,16 +134,49 @@ def test_a_model_stages_a_backups_host_runs_by_the_copy_engine_only_from_the_bac
     assert load.staged_min_bytes == costs.copy_min_bytes  # the curve alone says ~50 KiB
     assert back.staged_min_bytes == costs.backup_staged_floor_bytes == 384 << 10
     assert back.copy_min_bytes == load.copy_min_bytes  # joint runs are not floored by it
-    assert (
-        model.planned(costs, 132, Direction.BACKUP, 1152).staged_min_bytes == 64 << 10
-    )  # 44 KB < copy floor
+    # 656-byte rows whose units lose to single rows (50.0 against 49.5 x 1.02) are floored at their
+    # share of the widest rows; 132-byte rows whose units win (47 GB/s against 28) are not.
+    rb, speeds = (656, 132), {656: (49.5, 50.0), 132: (28.0, 47.0)}
+    r2 = Rates(
+        COPY,
+        COPY,
+        device_pass=dict.fromkeys(rb, 1800.0),
+        kernel_rows={k: v[0] for k, v in speeds.items()},
+        kernel_units={k: v[1] for k, v in speeds.items()},
+        staged=dict.fromkeys(rb, staged),
+    )
     wide = PathCosts(backup_staged_floor_bytes=1 << 20)
-    indexer = model.planned(wide, 132, Direction.BACKUP, 1152)
-    assert indexer.staged_min_bytes == indexer.kernel_staged_below == (1 << 20) * 132 / 1152
+    two = CostModel("m", {Direction.BACKUP: r2})
+    packed = two.planned(wide, 656, Direction.BACKUP, 1152)
+    assert packed.staged_min_bytes == (1 << 20) * 656 / 1152 and packed.kernel_staged_below == 0
+    indexer = two.planned(wide, 132, Direction.BACKUP, 1152)
+    assert indexer.staged_min_bytes == indexer.kernel_staged_below == 64 << 10
     late = {16 << 10: 20.0, 1 << 20: 50.0}  # staging reaches the kernel at 1 MiB only
     r_late = dataclasses.replace(r, staged={132: late, 1152: late})
     own = CostModel("m", {Direction.BACKUP: r_late}).planned(costs, 1152, Direction.BACKUP, 1152)
     assert own.staged_min_bytes > 900 << 10
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", list(Direction))
+def test_a_planner_on_a_model_keeps_a_backups_host_runs_under_the_floor_on_the_kernel(direction, gen) -> None:
+    """Host runs of 256 rows of 1152 bytes (295 KB) onto scattered device slots, on a model whose staging
+    reaches the kernel's rate from 64 KiB: a load stages them, a backup leaves them to the kernel
+    (under the 384 KiB floor), byte for byte either way."""
+    spec = mla_spec("one-layer", 1, 512, 64, torch.bfloat16)
+    host, dev = HostPool(spec, 4096, HostLayout.LAYER_FIRST), DevicePool(spec, 4096)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    hs = (torch.tensor([0, 3, 6, 9])[:, None] * 256 + torch.arange(256)).flatten()
+    ds = torch.randperm(4096, generator=gen)[: hs.numel()]
+    staged = {16 << 10: 20.0, 64 << 10: 52.0, 1 << 20: 55.0}
+    model = CostModel(
+        "calibrated z", {d: rates(50.0, 50.3, row_bytes=1152, staged=staged) for d in Direction}
+    )
+    plan = Planner(host, dev, use_kernel=True, model=model).plan(direction, hs, ds)
+    want = "staged" if direction is Direction.LOAD else "kernel"
+    assert plan.mechanisms_by_buffer() == {"kv": {want: 1024}}
+    run_and_check(plan, host, dev, hs, ds, None)
 
 
 def test_the_defaults_stage_small_rows_by_the_kernel_and_only_long_host_runs_by_the_copy_engine() -> None:
@@ -255,16 +289,10 @@ def test_a_plan_on_a_model_moves_each_buffer_its_own_way_byte_for_byte(direction
     assert plan.cost_model == "calibrated test"
     assert plan.mechanisms_by_buffer() == {"kv": {"staged_kernel": 128}, "indexer": {"staged_kernel": 128}}
     # Under a floor of 1 KiB the model's own choice: staging at 60 GB/s, both buffers by the copy engine.
-    low = PathCosts(copy_min_bytes=1 << 10, backup_staged_floor_bytes=0)
+    low = PathCosts(copy_min_bytes=1 << 10)
     plan = Planner(host, dev, low, use_kernel=True, model=model).plan(direction, hs, ds)
     by = plan.mechanisms_by_buffer()
     assert by["kv"] == {"staged": 128} and by["indexer"] == {"staged": 128}
-    # A backup stages by the copy engine only from its own floor (`PathCosts.staged_floor`): the
-    # default's 384 KiB keep these backups on the kernel's units; a load has no such floor.
-    low_floored = dataclasses.replace(low, backup_staged_floor_bytes=PathCosts().backup_staged_floor_bytes)
-    plan = Planner(host, dev, low_floored, use_kernel=True, model=model).plan(direction, hs, ds)
-    want = {"staged": 128} if direction is Direction.LOAD else {"staged_kernel": 128}
-    assert plan.mechanisms_by_buffer() == {"kv": want, "indexer": want}
     # Now staging the indexer's rows by the copy engine is slow: they go through the kernel's units.
     slow_model = measured(slow)
     assert Choice.of(slow_model, 132, "m").kernel_staged_below > 32 * 132
@@ -331,7 +359,8 @@ def test_kvtier_calibrate_shows_the_rates_and_the_floored_choices_of_a_model() -
     choice = calibrate_command._choice(model, 132, Direction.LOAD, 132)
     assert choice["copy_min_bytes"] == 64 << 10  # the floor: the curve alone says ~56 KiB
     assert choice["staged_min_bytes"] == choice["kernel_staged_below"] > 64 << 10
-    backup = calibrate_command._choice(model, 132, Direction.BACKUP, 132)
+    wide = CostModel("calibrated y", {d: rates(50.0, 50.3, row_bytes=1152) for d in Direction})
+    backup = calibrate_command._choice(wide, 1152, Direction.BACKUP, 1152)
     assert backup["staged_min_bytes"] == PathCosts().backup_staged_floor_bytes  # the backups' floor
     assert calibrate_command._choice(model, 1152, Direction.LOAD, 1152) == {}  # a size it did not measure
     console = Console(width=200, record=True)

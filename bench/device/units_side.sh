@@ -2,7 +2,7 @@
 # Issue 21: the kernel's units on the second stream before the direct kernel parts, in their own
 # place of the staging buffer (`staging.units_apart`), against the same plans with the units' part at
 # the start of the staging buffer (so before the fork where the two grids do not fit `sm_budget`).
-# `glm-5` and packed fp8, both directions, onto scattered device slots, ROUNDS rounds (default 2),
+# `glm-5` and packed fp8, DIRECTIONS (default both), onto scattered device slots, ROUNDS rounds (default 2),
 # alternating, each a process of `kvtier bench transfer` (planned, then serial). The GPU tests of the
 # planner, the executor and the cost model first (the machine's versions at the log's head). Then,
 # with TABLE=1, the per-spec table (`overlap_ab.sh`, this TAG, no tests or calibration-time runs). Usage: bash bench/device/units_side.sh
@@ -29,7 +29,7 @@ print('$key', ' '.join(f\"{r['host_runs']}:{r['variant']}={r['ceiling_ratio']}\"
 }
 for round in $(seq "${ROUNDS:-2}"); do
   for spec in glm-5 deepseek-v3-fp8-packed; do
-    for direction in backup load; do
+    for direction in ${DIRECTIONS:-backup load}; do
       bench "${spec}_${direction}_side_r$round" "$spec" "$direction"
       bench "${spec}_${direction}_start_r$round" "$spec" "$direction" "${AT_START[@]}"
     done

@@ -143,7 +143,10 @@ class Choice:
     ) -> Choice | None:
         """The choice `rates` imply for rows of `row_bytes` (None where they do not know the size), the
         copy engine taking no run under `least` bytes (the planner's floor, in the module docstring)
-        and staging no host run under `staged_least` (`PathCosts.staged_floor`)."""
+        and, where the kernel's units do not beat its single rows, staging no host run under
+        `staged_least` (`PathCosts.staged_floor`): there the floor would send the host runs under it
+        through the units instead, which ran `deepseek-v3-fp8-packed`'s backups after first-fit churn
+        at 0.75-0.81 of the ceiling against 0.89-0.93 (bench/FINDINGS.md, "The measured cost model")."""
         if rates is None or not rates.knows(row_bytes):
             return None
         rows, units = rates.kernel_rows[row_bytes], rates.kernel_units[row_bytes]
@@ -158,7 +161,9 @@ class Choice:
         # ... until staging by the copy engine, timed whole, reaches it. No margin: the device pass of
         # staging holds SMs too, and a plan's staged backups ran ~2% under the calibration's rate
         # (bench/FINDINGS.md, "The measured cost model").
-        staged_min = max(rates.staged_from(row_bytes, best), least, staged_least)
+        staged_min = max(rates.staged_from(row_bytes, best), least)
+        if not units_win:  # under the floor, the kernel; where units win it would send runs there
+            staged_min = max(staged_min, staged_least)
         return cls(max(copy_min, least), staged_min, staged_min if units_win else 0.0, source)
 
     @classmethod

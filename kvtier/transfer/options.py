@@ -86,7 +86,8 @@ class PathCosts:
 
     def staged_floor(self, direction: Direction, row_bytes: int, widest: int) -> float:
         """The fewest bytes of a host run of `row_bytes` rows (in a spec whose widest row is `widest`)
-        that a measured cost model may stage by the copy engine: for a backup,
+        that a measured cost model may stage by the copy engine, where it does not stage shorter
+        runs by the kernel's units (`Choice.of`): for a backup,
         `backup_staged_floor_bytes` of the widest rows, scaled to these (a token's buffers go
         together); for a load, no floor but `copy_min_bytes` (`Choice.of`'s own).
 

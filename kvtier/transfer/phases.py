@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from kvtier.pool.device import Direction
+from kvtier.pool.device import DevicePool, Direction
 from kvtier.transfer import staging
 from kvtier.transfer.options import KernelOptions
 from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StagedPart
@@ -83,6 +83,20 @@ def phases(plan: TransferPlan) -> Phases | None:
     if all(staging.disjoint(u, p, row_bytes) for u in units for p in staged):
         return Phases((), units + side, rest)
     return Phases(units, side, rest)
+
+
+def placed(
+    parts: tuple[Part, ...], kernel: KernelOptions, device_pool: DevicePool, direction: Direction
+) -> tuple[Part, ...]:
+    """`parts` with the staged parts the kernel's units fill in a place of their own
+    (`staging.units_apart`), where the plan overlaps and their grid and the direct kernel parts' do not
+    fit `sm_budget` together: so that they may run on the second stream, before the direct kernel
+    parts (`phases`). Elsewhere `parts` as they are."""
+    side = [p for p in parts if isinstance(p, KernelPart)]
+    units = [p for p in parts if isinstance(p, StagedPart) and p.kernel is not None]
+    if not (kernel.overlap and side and units) or _widest(side) + _widest(units) <= kernel.sm_budget:
+        return parts
+    return staging.units_apart(parts, device_pool, direction)
 
 
 def _by_buffer(

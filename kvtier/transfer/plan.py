@@ -392,7 +392,7 @@ class Planner:
         each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes)
         for group, split in splits.by_buffer(each):
             out += build(**split, buffers=None if group == every else group)
-        return staging.units_apart(tuple(out), self.device_pool, direction, self.kernel.overlap)
+        return phases.placed(tuple(out), self.kernel, self.device_pool, direction)
 
     def _build(
         self,

@@ -6,9 +6,8 @@ A part of several buffers gives each its own place in the staging buffer where w
 it or more still fit, so one buffer's device pass can run while another's rows are copied (the
 executor: `staged`); a backup's only over few host runs (`APART_BACKUP_RUNS`).
 
-In a plan that overlaps, a part the kernel's units fill moves to a place after every copy-engine
-staged part's where it fits (`units_apart`), so that it may run on the second stream beside their
-copies (`phases`).
+A part the kernel's units fill may move to a place after every copy-engine staged part's, where it
+fits (`units_apart`), so that it may run on the second stream beside their copies (`phases.placed`).
 """
 
 from __future__ import annotations
@@ -188,18 +187,15 @@ def disjoint(a: StagedPart, b: StagedPart, row_bytes: Mapping[str, int]) -> bool
     return a1 <= b0 or b1 <= a0
 
 
-def units_apart(
-    parts: tuple[Part, ...], device_pool: DevicePool, direction: Direction, overlap: bool = True
-) -> tuple[Part, ...]:
+def units_apart(parts: tuple[Part, ...], device_pool: DevicePool, direction: Direction) -> tuple[Part, ...]:
     """`parts` with each staged part that the kernel's units fill moved after every copy-engine staged
     part's `footprint` (`STAGE_ALIGN`-aligned), where it fits in the staging buffer; the rest as they
     are (a part moves as a whole: its windows and offsets count from its places, and its window
-    rows become its largest window's). Without
-    `overlap` (the plan's `KernelOptions.overlap`), `parts` as they are."""
+    rows become its largest window's)."""
     row_bytes = {b.name: b.row_bytes for b in device_pool.spec.buffers}
     engine = [p for p in parts if isinstance(p, StagedPart) and p.kernel is None]
     units = [p for p in parts if isinstance(p, StagedPart) and p.kernel is not None]
-    if not (overlap and engine and units):
+    if not (engine and units):
         return parts
     room = device_pool.staging(direction).numel()
     at = _aligned(max(footprint(p, row_bytes)[1] for p in engine))
