@@ -42,6 +42,19 @@ def rates(
     )
 
 
+def indexer_and_latent(copy: dict[int, float], staged: dict[int, dict[int, float]]) -> Rates:
+    """Rates of 132-byte rows (the kernel 28 GB/s, its units 47) and 1152-byte rows (50, 50.3), the
+    copy engine at `copy`, staging whole at `staged`."""
+    return Rates(
+        copy,
+        copy,
+        device_pass={132: 1800.0, 1152: 1800.0},
+        kernel_rows={132: 28.0, 1152: 50.0},
+        kernel_units={132: 47.0, 1152: 50.3},
+        staged=staged,
+    )
+
+
 def test_a_row_size_the_model_did_not_measure_has_no_choice() -> None:
     model = CostModel("calibrated test", {Direction.LOAD: rates(28.0, 47.0)})
     assert model.choice(1152, Direction.LOAD) is None
@@ -96,14 +109,7 @@ def test_the_planners_floor_keeps_short_runs_off_the_copy_engine_whatever_the_mo
     joint runs to the kernel and stages shorter host runs by the kernel's units; longer thresholds
     are the model's own."""
     quick = {16 << 10: 54.0, 1 << 20: 55.0}
-    r = Rates(
-        quick,
-        quick,
-        device_pass={132: 1800.0, 1152: 1800.0},
-        kernel_rows={132: 28.0, 1152: 50.0},
-        kernel_units={132: 47.0, 1152: 50.3},
-        staged={132: quick, 1152: {16 << 10: 20.0, 1 << 20: 53.0}},
-    )
+    r = indexer_and_latent(quick, {132: quick, 1152: {16 << 10: 20.0, 1 << 20: 53.0}})
     free = {rb: Choice.of(r, rb, "m") for rb in (132, 1152)}
     model = CostModel("m", {Direction.LOAD: r})
     floored = {rb: model.choice(rb, Direction.LOAD, 64 << 10) for rb in (132, 1152)}
@@ -120,14 +126,7 @@ def test_a_model_stages_a_backups_host_runs_by_the_copy_engine_only_from_the_bac
     (never under the copy floor); the model's own threshold where it is higher, or where the kernel's
     units beat its single rows (the floor would send longer runs through them)."""
     staged = {16 << 10: 20.0, 64 << 10: 52.0, 1 << 20: 55.0}
-    r = Rates(
-        COPY,
-        COPY,
-        device_pass={132: 1800.0, 1152: 1800.0},
-        kernel_rows={132: 28.0, 1152: 50.0},
-        kernel_units={132: 47.0, 1152: 50.3},
-        staged={132: staged, 1152: staged},
-    )
+    r = indexer_and_latent(COPY, {132: staged, 1152: staged})
     model = CostModel("m", {d: r for d in Direction})
     costs = PathCosts()
     load, back = (model.planned(costs, 1152, d, 1152) for d in (Direction.LOAD, Direction.BACKUP))
