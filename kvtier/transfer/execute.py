@@ -161,7 +161,7 @@ def _overlapped(
     side.wait_stream(stream)
     with torch.cuda.stream(side):
         for b in raw:
-            _move(plan, split.side, host_pool, device_pool, b, layer, side, grouped, passes=False)
+            _move(plan, split.side, host_pool, device_pool, b, layer, side, grouped, on_side=True)
     for b in raw:
         _move(plan, split.beside, host_pool, device_pool, b, layer, stream, grouped)
     stream.wait_stream(side)
@@ -176,11 +176,11 @@ def _move(
     layer: int,
     stream: torch.cuda.Stream | None,
     grouped: bool,
-    passes: bool = True,
+    on_side: bool = False,
 ) -> None:
     """Buffer `b` of one layer, each of `parts` (the plan's); with `grouped`, not the kernel parts that
-    have a layer table for `b` (the caller moves those several layers at once). Without `passes`
-    (the second stream), staged parts run their device passes on `stream` itself."""
+    have a layer table for `b` (the caller moves those several layers at once). `on_side`: `stream` is
+    the second stream, where staged parts run their device passes on `stream` itself."""
     dev = device_pool.layer(b.name, layer)
     if not device_pool.raw_rows(b.name):
         _reference(plan, host_pool, dev, b, layer, plan.host_slots, plan.device_slots.to(dev.device))
@@ -197,7 +197,7 @@ def _move(
             else:
                 _per_run(part, host_pool, dev_w, b, layer, load)
         elif isinstance(part, StagedPart) and not part.apart:
-            staged.move(plan, part, host_pool, device_pool, [(b, dev_w)], layer, stream, passes)
+            staged.move(plan, part, host_pool, device_pool, [(b, dev_w)], layer, stream, on_side)
         elif isinstance(part, StagedPart):  # its buffers window by window, at the first one's turn
             on = [
                 x
@@ -206,7 +206,7 @@ def _move(
             ]
             if b.name == on[0].name:
                 rows = [(x, as_words(device_pool.layer(x.name, layer))) for x in on]
-                staged.move(plan, part, host_pool, device_pool, rows, layer, stream, passes)
+                staged.move(plan, part, host_pool, device_pool, rows, layer, stream, on_side)
         elif isinstance(part, KernelPart):
             if not (grouped and b.name in part.tables):
                 _kernel(plan, part, host_pool, dev_w, b, layer)

@@ -2,12 +2,12 @@
 
 The executor runs a layer's parts on two streams where a plan overlaps them: its direct kernel
 parts (`KernelPart`) on a second stream, everything else on the caller's stream in plan order
-(staged parts share the staging buffer, so they never run beside each other). Staging filled by
-the kernel's units (`StagedPart.kernel`) runs beside the direct kernel parts only where their grids
-together stay within `KernelOptions.sm_budget`, else before them: a plan never holds more SMs than
-its budget; where they do not fit, but their staging place is apart from every other staged
-part's (`staging.units_apart`), they run on the second stream before the direct kernel parts, so
-beside the copies still. A plan does not overlap (None) without `KernelOptions.overlap`, without a
+(staged parts share the staging buffer, so two run beside each other only in places apart).
+Staging filled by the kernel's units (`StagedPart.kernel`) runs beside the direct kernel parts
+where their grids together stay within `KernelOptions.sm_budget`; where they do not, it runs on
+the second stream before the direct kernel parts, if its place in the staging buffer lies apart
+from every other staged part's (`placed` moves it there at planning, `staging.units_apart`), else
+before the fork: a plan never holds more SMs than its budget. A plan does not overlap (None) without `KernelOptions.overlap`, without a
 direct kernel part, or with nothing to run beside one.
 
 A load of direct kernel parts alone over several buffers (`glm-5` fully scattered: the latent and

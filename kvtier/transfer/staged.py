@@ -45,12 +45,14 @@ def move(
     rows: Sequence[tuple[BufferSpec, torch.Tensor]],
     layer: int,
     stream: torch.cuda.Stream | None,
-    apart: bool = True,
+    on_side: bool = False,
 ) -> None:
     """Buffers `rows` (each with its device rows as words, `[slots, W]`) of one layer through the
-    staging buffer, window by window (the module docstring); without `apart`, every pass on `stream`."""
+    staging buffer, window by window (the module docstring); `on_side`: `stream` is the layer's
+    second stream (`phases`), where every pass runs on `stream` itself."""
     load = plan.direction is Direction.LOAD
-    passes = streams.pass_stream(stream) if stream is not None and apart and passes_apart(plan) else None
+    apart = stream is not None and not on_side and passes_apart(plan)
+    passes = streams.pass_stream(stream) if apart else None
     rows = sorted(rows, key=lambda x: part.order.index(x[0].name))
     stages = [_stage(part, device_pool, plan.direction, b, dev_w) for b, dev_w in rows]
     index = part.device_index
