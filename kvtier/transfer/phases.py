@@ -7,8 +7,8 @@ Staging filled by the kernel's units (`StagedPart.kernel`) runs beside the direc
 where their grids together stay within `KernelOptions.sm_budget`; where they do not, it runs on
 the second stream before the direct kernel parts, if its place in the staging buffer lies apart
 from every other staged part's (`placed` moves it there at planning, `staging.units_apart`), else
-before the fork: a plan never holds more SMs than its budget. A plan does not overlap (None) without `KernelOptions.overlap`, without a
-direct kernel part, or with nothing to run beside one.
+before the fork: a plan never holds more SMs than its budget. A plan does not overlap (None)
+without `KernelOptions.overlap`, without a direct kernel part, or with nothing to run beside one.
 
 A load of direct kernel parts alone over several buffers (`glm-5` fully scattered: the latent and
 the indexer of the same tokens) runs by buffer instead, where some buffer's launches take more
