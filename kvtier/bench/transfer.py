@@ -24,7 +24,8 @@ from rich.table import Table
 
 from kvtier.alloc import AllocPolicy
 from kvtier.bench.churn import after_churn, runs_of
-from kvtier.bench.common import Timer, ceiling_gbps, environment
+from kvtier.bench.common import Timer, ceiling_gbps
+from kvtier.bench.transfer_meta import STOCK_KERNEL, metadata
 from kvtier.cli_args import HOST_SETS, VARIANTS  # the sets and variants a run may ask for
 from kvtier.errors import ConfigError
 from kvtier.pool import DevicePool, HostLayout, HostPool
@@ -38,7 +39,6 @@ from kvtier.transfer import (
     backup,
     execute,
     kernels,
-    launch,
     load_layers,
 )
 
@@ -46,8 +46,6 @@ from kvtier.transfer import (
 MAX_TIMED_COPIES = 4096
 # A variant slower than this per call is timed 3 times, one call each.
 SLOW_CALL_S = 0.02
-# The stock-style kernel: two blocks, a few rows in flight each (one per warp), not pipelined.
-STOCK_KERNEL = KernelOptions(sm_budget=2, rows_per_program=4, max_unit_bytes=1, stages=1)
 
 
 @dataclass
@@ -330,39 +328,6 @@ def check_plan(s: Setup, plan: TransferPlan) -> bool:
 
 def _rows(words: torch.Tensor, b) -> torch.Tensor:
     return words.view(torch.uint8).view(b.dtype).view(words.shape[0], *b.row_shape)
-
-
-def _kernel_text(opts: KernelOptions, device: torch.device) -> str:
-    """The kernel's shape in words: `8 programs x 56 rows`, or how it is chosen."""
-    if opts.rows_per_program is not None:
-        return f"{opts.sm_budget} programs x {opts.rows_per_program} rows"
-    lines = opts.launch(launch.LEAN_ROW_BYTES, launch.LINE_BYTES, device)
-    other = opts.launch(launch.LEAN_ROW_BYTES + 16, 16, device)
-    return (
-        f"{opts.sm_budget} programs x rows by size; rows of {launch.LEAN_ROW_BYTES} bytes or more: loads "
-        f"of whole 128-byte lines on {lines.programs} programs of {lines.stages} tiles in flight, others "
-        f"on {other.programs} of {other.stages}"
-    )
-
-
-def metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: int) -> dict:
-    return {
-        **environment(cfg.device),
-        "spec": cfg.spec.name,
-        "buffers": {b.name: b.row_bytes for b in cfg.spec.buffers_on(0)},
-        "page_size": cfg.spec.page_size,
-        "layout": cfg.layout.value,
-        "tokens": cfg.tokens,
-        "layers": cfg.layers,
-        "staging_tokens": cfg.staging_tokens or cfg.tokens,
-        "layer_bytes": layer_bytes,
-        "churn_cycles": cfg.cycles,
-        "kernel": _kernel_text(cfg.kernel, cfg.device),
-        "stock_kernel": f"{STOCK_KERNEL.sm_budget} programs x {STOCK_KERNEL.rows_per_program} rows",
-        "timing": f"median of {cfg.repeats} x {cfg.batch} back-to-back calls (slow variants: 3 x 1)"
-        + ("; the stream held by a GPU sleep while they are issued" if cfg.device.type == "cuda" else ""),
-        "ceiling_gbps": {d.value: round(g, 2) for d, g in ceilings.items()},
-    }
 
 
 def rows_as_dicts(rows: list[Row]) -> list[dict]:
