@@ -67,18 +67,17 @@ def phases(plan: TransferPlan) -> Phases | None:
         return None
     side = tuple(p for p in parts if isinstance(p, KernelPart))
     others = tuple(p for p in parts if not isinstance(p, KernelPart))
-    units = tuple(p for p in others if isinstance(p, StagedPart) and p.kernel is not None)
-    rest = tuple(p for p in others if not (isinstance(p, StagedPart) and p.kernel is not None))
+    units = tuple(p for p in others if _by_units(p))
+    rest = tuple(p for p in others if not _by_units(p))
     engine = any(isinstance(p, (CopyPart, StagedPart)) for p in rest)
-    fits = bool(units) and _widest(side) + _widest(units) <= kernel.sm_budget
+    fits = _fit(side, units, kernel)
+    row_bytes = {b.name: b.row_bytes for b in plan.host_pool.spec.buffers}
     if side and not others and plan.direction is Direction.LOAD:
-        row_bytes = {b.name: b.row_bytes for b in plan.host_pool.spec.buffers}
         return _by_buffer(side, kernel, row_bytes, plan.device_pool.device)
     if not side or not (engine or fits):
         return None
     if fits:
         return Phases((), side, others)
-    row_bytes = {b.name: b.row_bytes for b in plan.host_pool.spec.buffers}
     staged = [p for p in rest if isinstance(p, StagedPart)]
     if all(staging.disjoint(u, p, row_bytes) for u in units for p in staged):
         return Phases((), units + side, rest)
@@ -93,10 +92,21 @@ def placed(
     fit `sm_budget` together: so that they may run on the second stream, before the direct kernel
     parts (`phases`). Elsewhere `parts` as they are."""
     side = [p for p in parts if isinstance(p, KernelPart)]
-    units = [p for p in parts if isinstance(p, StagedPart) and p.kernel is not None]
-    if not (kernel.overlap and side and units) or _widest(side) + _widest(units) <= kernel.sm_budget:
+    units = [p for p in parts if _by_units(p)]
+    if not (kernel.overlap and side and units) or _fit(side, units, kernel):
         return parts
     return staging.units_apart(parts, device_pool, direction)
+
+
+def _by_units(part: Part) -> bool:
+    """Whether `part` is staging that the kernel's units fill (or drain)."""
+    return isinstance(part, StagedPart) and part.kernel is not None
+
+
+def _fit(side: Sequence[Part], units: Sequence[Part], kernel: KernelOptions) -> bool:
+    """Whether the kernel's units (`units`) run beside the direct kernel parts (`side`): there are
+    some, and the two widest grids together stay within `sm_budget`."""
+    return bool(units) and _widest(side) + _widest(units) <= kernel.sm_budget
 
 
 def _by_buffer(

@@ -176,7 +176,7 @@ def pass_order(
 def footprint(part: StagedPart, row_bytes: Mapping[str, int]) -> tuple[int, int]:
     """The staging bytes `[start, end)` that `part`'s windows use: each buffer's place, for its largest
     window (`row_bytes`: each buffer's row bytes)."""
-    rows = max((w.hi - w.lo for w in part.windows), default=0)
+    rows = _largest_window(part)
     start = min(part.stage_at[n] for n in part.buffers)
     return start, max(part.stage_at[n] + rows * row_bytes[n] for n in part.buffers)
 
@@ -204,11 +204,15 @@ def units_apart(parts: tuple[Part, ...], device_pool: DevicePool, direction: Dir
         lo, hi = footprint(p, row_bytes)
         if at + hi - lo > room:
             continue
-        rows = max(w.hi - w.lo for w in p.windows)
         places = {n: at + v - lo for n, v in p.stage_at.items()}
-        moved[id(p)] = dataclasses.replace(p, stage_at=places, window_rows=rows)
+        moved[id(p)] = dataclasses.replace(p, stage_at=places, window_rows=_largest_window(p))
         at = _aligned(at + hi - lo)
     return tuple(moved.get(id(p), p) for p in parts)
+
+
+def _largest_window(part: StagedPart) -> int:
+    """Rows of `part`'s largest window (0: none)."""
+    return max((w.hi - w.lo for w in part.windows), default=0)
 
 
 def _aligned(at: int) -> int:
