@@ -209,12 +209,20 @@ def chat_template_file(text: str) -> str:
     return template
 
 
-def csv_of(choices: tuple[str, ...]):
-    """A comma list whose every item is one of `choices`, as a tuple."""
+def is_runs(name: str) -> bool:
+    """Whether `name` is a host slot set of runs of a given length: `runs-N`, N >= 1."""
+    return re.fullmatch(r"runs-[1-9][0-9]*", name) is not None
+
+
+def csv_of(choices: tuple[str, ...], runs: bool = False):
+    """A comma list whose every item is one of `choices` (with `runs`, or `runs-N`, N >= 1), as a tuple."""
+
+    def ok(x: str) -> bool:
+        return x in choices or (runs and is_runs(x))
 
     def parse(text: str) -> tuple[str, ...]:
         items = tuple(x for x in text.split(",") if x)
-        bad = [x for x in items if x not in choices]
+        bad = [x for x in items if not ok(x)]
         if bad or not items:
             raise ArgumentTypeError(
                 f"invalid choice(s) {', '.join(bad) or repr(text)} (choose from {', '.join(choices)})"
@@ -246,9 +254,12 @@ def write_policy_flag(p: argparse.ArgumentParser, choices: tuple[str, ...], defa
     p.add_argument("--write-policy", choices=choices, default=default, help="when device pages are backed up")
 
 
-def csv_flag(p: argparse.ArgumentParser, flag: str, choices: tuple[str, ...]) -> None:
-    """A comma list of `choices`, all of them by default."""
-    p.add_argument(flag, type=csv_of(choices), default=choices, help=f"comma list of {','.join(choices)}")
+def csv_flag(p: argparse.ArgumentParser, flag: str, choices: tuple[str, ...], runs: bool = False) -> None:
+    """A comma list of `choices`, all of them by default; with `runs`, also `runs-N` for any N >= 1."""
+    extra = ",runs-N" if runs else ""
+    p.add_argument(
+        flag, type=csv_of(choices, runs), default=choices, help=f"comma list of {','.join(choices)}{extra}"
+    )
 
 
 def json_flag(p: argparse.ArgumentParser) -> None:

@@ -89,7 +89,7 @@ def _bench_transfer(bench) -> None:
     _timing_flags(t)
     t.add_argument("--direction", choices=DIRECTIONS, default="both", help="the direction timed")
     t.add_argument("--cycles", type=non_negative, default=8, help="fill/evict cycles before the churn rows")
-    csv_flag(t, "--host-sets", HOST_SETS)
+    csv_flag(t, "--host-sets", HOST_SETS, runs=True)
     csv_flag(t, "--device-sets", DEVICE_SETS)
     csv_flag(t, "--variants", VARIANTS)
     t.add_argument(

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtier.bench import transfer
+from kvtier.errors import ConfigError
 from kvtier.pool import HostLayout
 from kvtier.spec import preset
 from kvtier.transfer import kernels
@@ -19,10 +20,10 @@ needs_triton = pytest.mark.skipif(
 
 def _config(layers: int, **kw) -> transfer.BenchConfig:
     kw = {"host_sets": ("runs-1",), "variants": ("planned", "kernel")} | kw
+    kw = {"layout": HostLayout.PAGE_FIRST} | kw
     return transfer.BenchConfig(
         spec=preset("tiny-dsa", 1),
         tokens=64,
-        layout=HostLayout.PAGE_FIRST,
         device=torch.device("cpu"),
         repeats=1,
         warmup=0,
@@ -69,3 +70,15 @@ def test_forced_stacks_are_timed_and_checked_in_page_first_only() -> None:
     assert rows and all(r.path == "stacked" and r.identical for r in rows)
     rows, _ = transfer.run(dataclasses.replace(cfg, layout=HostLayout.LAYER_FIRST))
     assert rows == []
+
+
+def test_runs_of_any_length_are_a_host_set_and_unknown_sets_are_refused() -> None:
+    cfg = _config(1, host_sets=("runs-5", "runs-1"), variants=("planned",), layout=HostLayout.LAYER_FIRST)
+    rows, _ = transfer.run(cfg)
+    runs = {r.host_runs: r.host_run_count for r in rows}
+    assert all(r.identical for r in rows)
+    # 13 runs of 5 slots at random places of the pool (neighbours may join), against ~64 lone slots.
+    assert runs["runs-5"] <= 13 < 50 <= runs["runs-1"]
+    for bad in ("runs-0", "runs-x", "striped"):
+        with pytest.raises(ConfigError, match="unknown host slot set"):
+            _config(1, host_sets=("runs-1", bad))

@@ -182,6 +182,8 @@ def test_lists_and_shapes_parse() -> None:
     p = cli.build_parser()
     t = p.parse_args(["bench", "transfer", "--host-sets", "runs-1,first_fit-churn", "--kernel", "8x32s2"])
     assert t.host_sets == ("runs-1", "first_fit-churn")
+    lengths = p.parse_args(["bench", "transfer", "--host-sets", "runs-300,runs-1"])
+    assert lengths.host_sets == ("runs-300", "runs-1")
     assert (t.kernel.sm_budget, t.kernel.rows_per_program, t.kernel.stages) == (8, 32, 2)
     s = p.parse_args(
         ["bench", "served", "--setups", "deepseek-v3", "--prefix", "8192,131072", "--device", "cuda:1"]
@@ -338,7 +340,8 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
         (["serve", "--max-body-mb", "-1"], "expected a positive number, got '-1'"),
         (["bench", "transfer", "--layout", "page_last"], "invalid choice"),
         (["bench", "transfer", "--spec", "gpt-5"], "invalid choice: 'gpt-5'"),
-        (["bench", "transfer", "--host-sets", "runs-1,runs-2"], "invalid choice(s) runs-2"),
+        (["bench", "transfer", "--host-sets", "runs-1,runs-0"], "invalid choice(s) runs-0"),
+        (["bench", "transfer", "--host-sets", "runs-1,runs-x"], "invalid choice(s) runs-x"),
         (["bench", "transfer", "--device-sets", "striped"], "invalid choice(s) striped"),
         (["bench", "transfer", "--variants", "planned,fast"], "invalid choice(s) fast"),
         (["bench", "transfer", "--direction", "sideways"], "invalid choice"),

@@ -26,7 +26,7 @@ from kvtier.alloc import AllocPolicy
 from kvtier.bench.churn import after_churn, runs_of
 from kvtier.bench.common import Timer, ceiling_gbps
 from kvtier.bench.transfer_meta import STOCK_KERNEL, metadata
-from kvtier.cli_args import HOST_SETS, VARIANTS  # the sets and variants a run may ask for
+from kvtier.cli_args import HOST_SETS, VARIANTS, is_runs  # the sets and variants a run may ask for
 from kvtier.errors import ConfigError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
@@ -71,6 +71,11 @@ class BenchConfig:
     layers: int = 1
     # Rows of the widest buffer the device pool's staging holds per direction (None: `tokens`).
     staging_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        bad = [name for name in self.host_sets if name not in HOST_SETS and not is_runs(name)]
+        if bad:
+            raise ConfigError(f"unknown host slot set(s) {bad}; known: {HOST_SETS} and runs-N for N >= 1")
 
 
 @dataclass
@@ -135,7 +140,7 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     for name in cfg.host_sets:
         if name == "contiguous":
             host_sets[name] = torch.arange(cfg.tokens // 2, cfg.tokens // 2 + cfg.tokens)
-        elif name.startswith("runs-"):
+        elif is_runs(name):
             length = max(int(name.removeprefix("runs-")), spec.page_size)
             host_sets[name] = runs_of(length, cfg.tokens, host_slots, gen)
         elif name.endswith("-churn"):
