@@ -169,8 +169,9 @@ def test_a_mixed_plan_runs_its_direct_kernel_parts_beside_the_rest(direction, ge
     assert staging.footprint(units, rb)[1] <= plan.device_pool.staging(direction).numel()
     assert units.window_rows == 64 and units.stage_at["indexer"] % staging.STAGE_ALIGN == 0
     assert plan.sms_used == max(map(phases.programs, plan.parts)) <= 5
-    # A staging buffer the staged part fills (512 rows): no place apart, so the units go before the fork.
-    plan, got, named = split_of(direction, [128] * 4 + [16] * 4, KernelOptions(sm_budget=5), staging=512)
+    # A staging buffer the staged part fills (500 rows: windows of 448 apart, 575232 of its 576000 bytes),
+    # no place apart, so the units go before the fork.
+    plan, got, named = split_of(direction, [128] * 4 + [16] * 4, KernelOptions(sm_budget=5), staging=500)
     assert named[0] == [("StagedPart", "indexer")] and named[1] == [("KernelPart", "kv")]
     assert got.before[0].stage_at == {"indexer": 0}
     # Without the overlap the units' part stays at the start of the staging buffer.
@@ -280,7 +281,7 @@ def test_a_staged_parts_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
     latent, indexer = spec.buffers
     assert staging.staging_layout(dev, [latent]) == (1000, {latent.name: 0})
     rows, at = staging.staging_layout(dev, [latent, indexer])
-    assert rows == (1000 * 1152 - 128) // 1284 == 897
+    assert (1000 * 1152 - 128) // 1284 == 897 and rows == 896  # a multiple of `staging.WINDOW_ROWS`
     assert at[latent.name] == 0 and at[indexer.name] % staging.STAGE_ALIGN == 0
     assert (
         rows * 1152 <= at[indexer.name]
@@ -299,7 +300,7 @@ def test_a_staged_parts_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
             direction, hs, ds
         )
         (part,) = plan.parts
-        assert part.apart and len(part.windows) == 3  # 2000 rows in windows of 897
+        assert part.apart and len(part.windows) == 3  # 2000 rows in windows of 896
         # A backup's indexer goes first, its gather short, its copy of the first window 118 KB long.
         small_first = direction == "backup"
         assert part.order == ((indexer.name, latent.name) if small_first else (latent.name, indexer.name))
@@ -318,6 +319,27 @@ def test_a_staged_parts_buffers_lie_apart_in_the_staging_buffer(gen) -> None:
         poison_host(host, gen)
         poison_device(dev, gen)
         run_and_check(plan, host, dev, many, ds[: len(many)], None)
+
+
+@needs_triton
+def test_windows_apart_keep_runs_of_64_whole_units_of_the_kernel(gen) -> None:
+    """Windows of buffers apart hold a multiple of `staging.WINDOW_ROWS` rows, so runs of 64 cut at
+    windows stay units of 64 rows (windows of the 72 rows that fit would cut them into units of 8):
+    a backup's host runs through staging by the kernel's units, byte for byte."""
+    from kvtier.spec import preset
+
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 2048, HostLayout.LAYER_FIRST), DevicePool(spec, 2048, staging_tokens=100)
+    hs = (torch.tensor([1, 4, 9, 13])[:, None] * 64 + torch.arange(64)).flatten()
+    ds = torch.randperm(2048, generator=gen)[: hs.numel()]
+    costs = PathCosts(copy_min_bytes=100 * 48, staged_min_bytes=100 * 132)
+    plan = Planner(host, dev, costs, use_kernel=True).plan("backup", hs, ds)
+    (part,) = plan.parts
+    assert isinstance(part, StagedPart) and part.kernel is not None and part.apart
+    assert part.window_rows == 64 and part.unit == 64 and len(part.windows) == 4
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    run_and_check(plan, host, dev, hs, ds, None)
 
 
 def test_a_backups_buffers_go_smallest_first_where_its_copies_are_long_or_by_the_kernel() -> None:

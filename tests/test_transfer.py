@@ -456,20 +456,21 @@ def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(d
         by_buffer = {"copy": 300, "staged_kernel": 380, "kernel": 60}
         assert plan.mechanisms_by_buffer() == {"kv": by_buffer, "indexer": by_buffer}
         (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
-        # Apart in the staging buffer (below): windows of 72 rows cut the runs into 72, 72, 72, 34,
-        # 38, 72 and 20 rows, whose gcd is the unit.
-        assert staged.kernel is not None and staged.window_rows == 72 and staged.unit == 2
+        # Apart in the staging buffer (below): windows of 64 rows cut the runs into 64, 64, 64, 58,
+        # 6, 64 and 60 rows, whose gcd is the unit.
+        assert staged.kernel is not None and staged.window_rows == 64 and staged.unit == 2
     elif layout is HostLayout.LAYER_FIRST:
         assert plan.path is TransferPath.MIXED
         assert plan.rows_by_mechanism() == {"copy": 300, "staged": 380, "kernel": 60}
         (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
         # Each buffer its own place in the 13200-byte staging buffer (100 of the widest, 132-byte
-        # rows): windows of (13200 - 128) // (48 + 132) = 72 rows, the indexer's from byte 3456.
-        assert staged.window_rows == 72 and staged.stage_at == {"kv": 0, "indexer": 3456}
-        # 250 + 130 rows in windows of 72: runs cut at rows 72, 144, 216, 288 and 360 of the part
-        windows = ((0, 72, 0, 1), (72, 144, 1, 2), (144, 216, 2, 3), (216, 288, 3, 5), (288, 360, 5, 6))
-        assert staged.windows == (*windows, (360, 380, 6, 7))
-        assert staged.runs.length.tolist() == [72, 72, 72, 34, 38, 72, 20]
+        # rows): windows of (13200 - 128) // (48 + 132) = 72 rows, rounded down to 64
+        # (`staging.WINDOW_ROWS`), the indexer's from byte 64 * 48 = 3072.
+        assert staged.window_rows == 64 and staged.stage_at == {"kv": 0, "indexer": 3072}
+        # 250 + 130 rows in windows of 64: runs cut at rows 64, 128, 192, 256 and 320 of the part
+        windows = ((0, 64, 0, 1), (64, 128, 1, 2), (128, 192, 2, 3), (192, 256, 3, 5), (256, 320, 5, 6))
+        assert staged.windows == (*windows, (320, 380, 6, 7))
+        assert staged.runs.length.tolist() == [64, 64, 64, 58, 6, 64, 60]
     else:  # one-slot pages: no host run is longer than a page
         assert plan.path is TransferPath.KERNEL
     _run_and_check(plan, host, dev, hs, ds, layout)

@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 STAGE_ALIGN = 128
 # Whether plans place a staged part's buffers apart (`staging_layout`); off: one after the other.
 STAGE_APART = True
+# Windows of buffers apart hold a multiple of this many rows (where they hold as many): runs cut
+# where a window ends keep units of up to this many rows (`units.unit_of`: the runs' common divisor),
+# and pages of up to this many slots stay whole.
+WINDOW_ROWS = 64
 # A backup's staged buffers lie apart only over fewer host runs than this many per copy stream:
 # over more (its two windows' copies each fanned out), apart ran slower on every lease measured
 # (`glm-5` after contiguous churn 0.875-0.907 against 0.924-0.942; bench/FINDINGS.md, "Overlapped
@@ -57,13 +61,16 @@ def staging_layout(
 ) -> tuple[int, dict[str, int]]:
     """Rows of one window of a staged part of `buffers`, and each one's byte offset in the staging
     buffer: with `apart` (and `STAGE_APART`), every buffer its own place (`STAGE_ALIGN`-aligned, in
-    spec order) for as many rows as fit them all, where that is at least half of `staging_tokens`;
-    else `staging_tokens` rows, each buffer from the start (one after the other)."""
+    spec order) for as many rows as fit them all, rounded down to a multiple of `WINDOW_ROWS` where
+    that many fit, where that is at least half of `staging_tokens`; else `staging_tokens` rows, each
+    buffer from the start (one after the other)."""
     cap = device_pool.staging_tokens
     if len(buffers) < 2 or not (apart and STAGE_APART):
         return cap, {b.name: 0 for b in buffers}
     room = device_pool.staging(Direction.LOAD).numel() - STAGE_ALIGN * (len(buffers) - 1)
     rows = room // sum(b.row_bytes for b in buffers)
+    if rows >= WINDOW_ROWS:
+        rows -= rows % WINDOW_ROWS
     if 2 * rows < cap:
         return cap, {b.name: 0 for b in buffers}
     at, out = 0, {}
