@@ -181,8 +181,61 @@ def test_a_mixed_plan_runs_its_direct_kernel_parts_beside_the_rest(direction, ge
     plan, host, dev, hs, ds = planned(direction, [128] * 4 + [16] * 4, gen, kernel=KernelOptions(sm_budget=5))
     assert plan.overlap.side[0].stage_at["indexer"] > 0
     run_and_check(plan, host, dev, hs, ds, None)
-    # Runs of 16 alone: the latent's kernel beside the indexer's units, nothing on the copy engine.
-    assert split_of(direction, [16] * 8)[2] == [[], [("KernelPart", "kv")], [("StagedPart", "indexer")]]
+    # Runs of 16 alone: the latent's kernel beside the indexer's units; a backup stages a share of the
+    # latent's runs by the copy engine beside them too (`splits.shared`).
+    share = [("StagedPart", "kv")] if direction is Direction.BACKUP else []
+    assert split_of(direction, [16] * 8)[2] == [
+        [],
+        [("KernelPart", "kv")],
+        [*share, ("StagedPart", "indexer")],
+    ]
+
+
+def test_a_share_of_the_kernels_pieces_goes_to_the_copy_engine() -> None:
+    """`splits.shared`: every `1/share`-th host run of `min_bytes` or more, evenly spread, to the copy
+    engine (a joint run copied, single rows over scattered slots staged), every row once; nothing moves
+    where the split has copy-engine runs already, or no piece is long enough."""
+    # 10 host runs of 16 rows onto contiguous device slots (joint runs), then 10 onto scattered ones.
+    hs = host_runs([16] * 20).numpy()
+    ds = np.concatenate([np.arange(160), 1000 + 7 * np.arange(160)])
+    found = slot_runs.scan(HostPool(SPEC, 1 << 15, HostLayout.LAYER_FIRST), hs, ds, 1)
+    kernel = {"copy": None, "staged": None, "kernel_staged": None, "kernel": found.joint}
+    got = splits.shared(kernel, found, 1152, 0.3, 16 << 10)
+    assert got["copy"][0].tolist() == [48, 96, 144] and got["copy"][1].tolist() == [16] * 3
+    assert got["staged"][0].tolist() == [208, 256, 304] and got["staged"][1].tolist() == [16] * 3
+    seen = np.zeros(320, dtype=int)
+    for starts, lens in (got["copy"], got["staged"], got["kernel"]):
+        for a, n in zip(starts.tolist(), lens.tolist(), strict=True):
+            seen[a : a + n] += 1
+    assert (seen == 1).all()
+    assert splits.shared(kernel, found, 132, 0.3, 16 << 10) is kernel  # 2 KB pieces: none long enough
+    mixed = kernel | {"copy": found.joint}
+    assert splits.shared(mixed, found, 1152, 0.3, 16 << 10) is mixed
+
+
+@needs_triton
+@pytest.mark.parametrize("device_slots", ["contiguous", "scattered"])
+def test_an_overlapped_backup_moves_a_share_of_its_kernel_runs_on_the_copy_engine(device_slots, gen) -> None:
+    """`PathCosts.copy_share`: runs of 16 latent rows (18 KB) that the kernel moves alone; a backup
+    hands 0.3 of them to the copy engine (copied onto contiguous device slots, staged from scattered
+    ones), byte for byte; a load, a backup without overlap or with a share of 0, none."""
+    host = HostPool(SPEC, 1 << 15, HostLayout.LAYER_FIRST)
+    dev = DevicePool(SPEC, 8192)
+    hs = host_runs([16] * 20)
+    ds = torch.arange(100, 420) if device_slots == "contiguous" else torch.randperm(8192, generator=gen)[:320]
+    by = "copy" if device_slots == "contiguous" else "staged"
+    plan = Planner(host, dev, COSTS, use_kernel=True).plan(Direction.BACKUP, hs, ds)
+    assert plan.mechanisms_by_buffer()["kv"] == {by: 6 * 16, "kernel": 14 * 16}
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    run_and_check(plan, host, dev, hs, ds, None)
+    for direction, costs, kernel in (
+        (Direction.LOAD, COSTS, None),
+        (Direction.BACKUP, COSTS, KernelOptions(overlap=False)),
+        (Direction.BACKUP, dataclasses.replace(COSTS, backup_copy_share=0.0), None),
+    ):
+        plan = Planner(host, dev, costs, kernel, use_kernel=True).plan(direction, hs, ds)
+        assert plan.mechanisms_by_buffer()["kv"] == {"kernel": 320}
 
 
 @needs_triton
@@ -247,6 +300,21 @@ def test_cuda_units_on_the_second_stream_are_byte_identical(direction, gen) -> N
         direction, [128] * 4 + [16] * 4 + [1] * 40, gen, "cuda", KernelOptions(sm_budget=5)
     )
     assert execute.overlaps(plan) and isinstance(plan.overlap.side[0], StagedPart)
+    _twice(plan, host, dev, hs, ds, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device_slots", ["contiguous", "scattered"])
+def test_cuda_a_backups_copy_share_beside_the_kernel_is_byte_identical(device_slots, gen) -> None:
+    """On the GPU, a GLM-5-shaped backup of runs of 16 rows: a share of the latent's runs on the copy
+    engine (copied, or staged from scattered device slots) beside its kernel and the indexer's units."""
+    host = HostPool(SPEC, 1 << 15, HostLayout.LAYER_FIRST)
+    dev = DevicePool(SPEC, 8192, "cuda")
+    hs = host_runs([16] * 20)
+    ds = torch.arange(100, 420) if device_slots == "contiguous" else torch.randperm(8192, generator=gen)[:320]
+    plan = Planner(host, dev, COSTS, use_kernel=True).plan(Direction.BACKUP, hs, ds)
+    assert execute.overlaps(plan) and plan.mechanisms_by_buffer()["kv"]["kernel"] == 14 * 16
     _twice(plan, host, dev, hs, ds, gen)
 
 

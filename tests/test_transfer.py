@@ -871,9 +871,16 @@ def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
 
 @pytest.mark.parametrize(
     ("costs", "field"),
-    [(PathCosts(copy_streams=0), "copy_streams"), (PathCosts(backup_staged_floor_bytes=-1), "floor")],
+    [
+        (PathCosts(copy_streams=0), "copy_streams"),
+        (PathCosts(backup_staged_floor_bytes=-1), "floor"),
+        (PathCosts(backup_copy_share=1.0), "backup_copy_share"),
+        (PathCosts(backup_copy_share=-0.1), "backup_copy_share"),
+        (PathCosts(backup_copy_share=float("nan")), "backup_copy_share"),
+        (PathCosts(copy_share_min_bytes=-1), "copy_share_min_bytes"),
+    ],
 )
-def test_copy_streams_must_be_positive_and_the_backup_floor_not_negative(costs, field) -> None:
+def test_path_costs_out_of_range_are_refused(costs, field) -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
     with pytest.raises(ConfigError, match=field):

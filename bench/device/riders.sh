@@ -21,7 +21,7 @@ env_info > "$OUT/env_${GPU}_$DATE$TAG.txt" 2>&1
 NO_RIDE=(python3 -c "import sys
 from kvtier.transfer import splits
 alone = splits.split_all
-splits.split_all = lambda groups, found, n, min_average: alone(groups, found, n, float('inf'))
+splits.split_all = lambda groups, found, n, min_average, *share: alone(groups, found, n, float('inf'), *share)
 from kvtier.cli import main
 sys.exit(main(sys.argv[1:]))")
 bench() {  # KEY SPEC DIRECTION HOST_SETS DEVICE_SETS VARIANTS [command...]: one process, its JSON kept under KEY

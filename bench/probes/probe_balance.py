@@ -44,9 +44,9 @@ costs.CostModel.choice = scaled_choice
 _split_all = splits.split_all
 
 
-def split_all(groups, found, n, min_average):
+def split_all(groups, found, n, min_average, *share):
     """`splits.split_all`, riding only where `factor` is 1 (0: no buffer rides)."""
-    return _split_all(groups, found, n, min_average if factor else float("inf"))
+    return _split_all(groups, found, n, min_average if factor else float("inf"), *share)
 
 
 def main() -> None:

@@ -63,6 +63,9 @@ class PathCosts:
     `staged_min_bytes` (loads) or `backup_staged_min_bytes` (backups) goes through staging
     (`kvtier.transfer.costs.Choice.fallback`). A measured cost model stages a backup's host run by
     the copy engine only from `backup_staged_floor_bytes` of the widest rows (`staged_floor`).
+    `backup_copy_share`: where a backup overlaps, that share of a buffer's pieces for the kernel of
+    `copy_share_min_bytes` or more go to the copy engine beside it, where its split gives the copy
+    engine nothing (`copy_share`, `kvtier.transfer.splits.shared`).
     `copy_streams`: streams one layer's batched copies are
     spread over, unless its joint runs average `fan_out_below_bytes` or more (a copy's
     fixed cost is then small beside fanning out's event calls). In `page_first`, a call of
@@ -79,6 +82,8 @@ class PathCosts:
     staged_min_bytes: int = 64 << 10
     backup_staged_min_bytes: int = 1 << 20
     backup_staged_floor_bytes: int = 384 << 10
+    backup_copy_share: float = 0.3
+    copy_share_min_bytes: int = 16 << 10
     copy_streams: int = 8
     fan_out_below_bytes: int = 1 << 20
     stack_min_bytes: int = 512 << 10
@@ -98,6 +103,17 @@ class PathCosts:
         if direction is Direction.LOAD:
             return 0.0
         return self.backup_staged_floor_bytes * row_bytes / widest
+
+    def copy_share(self, direction: Direction, overlap: bool) -> float:
+        """The share of a buffer's kernel pieces that go to the copy engine beside the kernel: for an
+        overlapped backup, `backup_copy_share`; else none.
+
+        Why: the kernel writes host memory at ~0.94 of the ceiling, the copy engine's thousands of 18 KB
+        pieces alone at 0.60-0.78; side by side, a third of the pieces on the copy engine moved runs of
+        16 rows at 0.955-0.963 against 0.934-0.941 (`glm-5`, `deepseek-v3`, both device sets), half at
+        0.77-0.92. A load's reads lost at every share (0.89-0.90 at 0.15, 0.25-0.56 at 0.3; bench/FINDINGS.md,
+        "Overlapped parts")."""
+        return self.backup_copy_share if direction is Direction.BACKUP and overlap else 0.0
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
         """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""
@@ -177,5 +193,8 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
         raise ConfigError(
             f"backup_staged_floor_bytes must not be negative, got {costs.backup_staged_floor_bytes}"
         )
+    if not 0 <= costs.backup_copy_share < 1 or costs.copy_share_min_bytes < 0:
+        share = (costs.backup_copy_share, costs.copy_share_min_bytes)
+        raise ConfigError(f"backup_copy_share must be in [0, 1) and copy_share_min_bytes >= 0, got {share}")
     if costs.copy_streams < 1:
         raise ConfigError(f"copy_streams must be at least 1, got {costs.copy_streams}")

@@ -14,7 +14,8 @@ and Triton), each buffer is planned by its `costs.Choice` (the fixed thresholds 
 or a measured `CostModel`): its long joint runs go to batched DMA, long host runs whose device
 slots are scattered to staging by the copy engine, shorter ones of small rows to staging by the
 kernel's units, and the remaining rows to the kernel; a buffer of small rows also stages by the copy
-engine the host runs the widest buffer stages, where the copies stay long on average (`splits`);
+engine the host runs the widest buffer stages, where the copies stay long on average, and an
+overlapped backup hands the copy engine a share of what the kernel moves alone (`splits`);
 buffers whose runs split alike share their parts, and those that stage the same host runs their
 staged part (`staging`). Without the kernel: the cheapest of per-run copies, staging and reference.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -95,10 +97,7 @@ class TransferPlan:
 
     def rows_by_mechanism(self) -> dict[str, int]:
         """Rows each mechanism moves, summed over parts (a part of some buffers counts its rows once)."""
-        out: dict[str, int] = {}
-        for p in self.parts:
-            out[p.mechanism.value] = out.get(p.mechanism.value, 0) + p.rows
-        return out
+        return dict(sum((Counter({p.mechanism.value: p.rows}) for p in self.parts), Counter()))
 
     def mechanisms_by_buffer(self) -> dict[str, dict[str, int]]:
         """Per buffer name, the rows each mechanism moves (`staged_kernel`: staging filled by the kernel)."""
@@ -389,7 +388,8 @@ class Planner:
         # Mixed, per buffer (`splits`): buffers that split alike share their parts.
         mine = [g for g in self.groups[direction] if g.name in names]
         out: list[Part] = []
-        each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes)
+        share = self.costs.copy_share(direction, self.kernel.overlap), self.costs.copy_share_min_bytes
+        each = splits.split_all(mine, found, len(hn), self.costs.copy_min_bytes, *share)
         for group, split in splits.by_buffer(each):
             out += build(**split, buffers=None if group == every else group)
         return phases.placed(tuple(out), self.kernel, self.device_pool, direction)

@@ -17,6 +17,12 @@ and runs of 64 rows (8.4 KB indexer pieces, 4096 copies a layer) at 0.559 when i
 Otherwise, or where it has layers the widest buffer lacks (their copies would be its short pieces
 alone), a rider keeps its own choice.
 
+A share for the copy engine (`shared`, an overlapped backup's `PathCosts.copy_share`): a buffer of
+rows of `SMALL_ROW_BYTES` or more whose split gives everything to the kernel hands that share of its
+pieces of `PathCosts.copy_share_min_bytes` or more (host runs: a joint run, copied directly, or
+single rows over scattered device slots, staged), evenly spread, to the copy engine, which moves
+them beside the kernel on the layer's other stream.
+
 Contract: pure functions of CPU index arrays; every row of every named buffer lands in exactly
 one of a split's run sets, as `Choice.split` gives them.
 """
@@ -57,10 +63,53 @@ def rider(own: Choice, rb: int, wide: Choice, wide_rb: int) -> Choice:
     return dataclasses.replace(own, staged_min_bytes=least)
 
 
-def split_all(groups: Iterable[Buffer], found: Scan, n: int, min_average: float) -> dict[str, Split]:
+def split_all(
+    groups: Iterable[Buffer],
+    found: Scan,
+    n: int,
+    min_average: float,
+    share: float = 0.0,
+    share_min_bytes: int = 0,
+) -> dict[str, Split]:
     """Each buffer's split of `found` (`n` rows), riders riding where the copies still average
-    `min_average` bytes and the widest buffer is on all their layers (the module docstring)."""
+    `min_average` bytes and the widest buffer is on all their layers, then `share` of the kernel's
+    pieces of `share_min_bytes` or more on the copy engine where `shared` applies (the module docstring)."""
     groups = list(groups)
+    splits = _riding(groups, found, n, min_average)
+    if share > 0:
+        for g in groups:
+            if g.row_bytes >= SMALL_ROW_BYTES:
+                splits[g.name] = shared(splits[g.name], found, g.row_bytes, share, share_min_bytes)
+    return splits
+
+
+def shared(split: Split, found: Scan, rb: int, share: float, min_bytes: int) -> Split:
+    """`split` (rows of `rb` bytes) with `share` of its kernel pieces of `min_bytes` or more, evenly
+    spread, on the copy engine, where it gives the copy engine nothing: a piece of one joint run is
+    copied, one of several (single rows over scattered device slots) staged."""
+    if split["kernel"] is None or any(split[k] is not None for k in ("copy", "staged", "kernel_staged")):
+        return split
+    s, n = split["kernel"]
+    cont = np.zeros(len(s), dtype=bool)  # a joint run continuing the previous one on the host side
+    cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~found.host_break[s[1:] // found.step]
+    heads = np.flatnonzero(~cont)
+    rows, per_run = np.add.reduceat(n, heads), np.diff(np.append(heads, len(s)))
+    i = np.arange(len(heads))
+    pick = (np.floor((i + 1) * share) > np.floor(i * share)) & (rows * rb >= min_bytes)
+    if not pick.any():
+        return split
+    copied, staged = pick & (per_run == 1), pick & (per_run > 1)
+    keep = ~np.repeat(pick, per_run)
+    return {
+        "copy": (s[heads][copied], rows[copied]) if copied.any() else None,
+        "staged": (s[heads][staged], rows[staged]) if staged.any() else None,
+        "kernel_staged": None,
+        "kernel": (s[keep], n[keep]) if keep.any() else None,
+    }
+
+
+def _riding(groups: list[Buffer], found: Scan, n: int, min_average: float) -> dict[str, Split]:
+    """Each buffer's split of `found`, riders riding where the module docstring says."""
     splits = {g.name: g.choice.split(found, g.row_bytes) for g in groups}
     wide = max(groups, key=lambda g: g.row_bytes)
     small = [
