@@ -15,15 +15,13 @@ One JSON line per row appended to OUT. Usage: python3 bench/probes/probe_balance
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 import torch
+from probe_common import emit, one_layer, timed
 
-from kvtier.bench.transfer import BenchConfig, check_plan, plan_op, setup
-from kvtier.pool import HostLayout
+from kvtier.bench.transfer import setup
 from kvtier.pool.device import Direction
-from kvtier.spec import preset
 from kvtier.transfer import Planner, calibrate, costs, splits
 from kvtier.transfer.options import KernelOptions
 
@@ -60,17 +58,7 @@ def main() -> None:
         splits.split_all = split_all
         costs.CostModel.choice = _choice
     for name in names or ["glm-5", "deepseek-v3"]:
-        cfg = BenchConfig(
-            spec=preset(name, 1).with_layers(1),
-            tokens=131072,
-            layout=HostLayout.LAYER_FIRST,
-            device=torch.device("cuda"),
-            repeats=10,
-            warmup=2,
-            cycles=8,
-            host_sets=SETS,
-            device_sets=("scattered",),
-        )
+        cfg = one_layer(name, SETS, ("scattered",))
         s = setup(cfg, lambda _m: None)
         model = calibrate.model_for(s.dev.device, [b.row_bytes for b in cfg.spec.buffers])
         for direction in Direction:
@@ -79,9 +67,7 @@ def main() -> None:
                     for overlap in (True, False):
                         planner = Planner(s.host, s.dev, kernel=KernelOptions(overlap=overlap), model=model)
                         plan = planner.plan(direction, s.host_sets[host_label], s.dev_sets["scattered"])
-                        ok = check_plan(s, plan)
-                        ms = s.timer.median_ms(plan_op(plan, s.host, s.dev, s.stream), 10, 2, 4)
-                        ratio = s.layer_bytes / ms / 1e6 / s.ceilings[direction]
+                        ratio, ok = timed(s, plan, direction)
                         row = {
                             "spec": name,
                             "direction": direction.value,
@@ -90,12 +76,10 @@ def main() -> None:
                             "overlap": overlap,
                             "mechanisms": plan.mechanisms_by_buffer(),
                             "sms": plan.sms_used,
-                            "ceiling_ratio": round(ratio, 3),
+                            "ceiling_ratio": ratio,
                             "identical": ok,
                         }
-                        print(json.dumps(row), flush=True)
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
+                        emit(out, row)
         del s
         torch.cuda.empty_cache()
 

@@ -17,16 +17,15 @@ python3 bench/probes/probe_copy_share.py OUT [SPEC ...] (default glm-5 deepseek-
 
 from __future__ import annotations
 
-import json
+import itertools
 import sys
 
 import numpy as np
 import torch
+from probe_common import emit, one_layer, timed
 
-from kvtier.bench.transfer import BenchConfig, check_plan, plan_op, setup
-from kvtier.pool import HostLayout
+from kvtier.bench.transfer import setup
 from kvtier.pool.device import Direction
-from kvtier.spec import preset
 from kvtier.transfer import Planner, calibrate, costs
 
 SHARES = (0.0, 0.15, 0.3, 0.45)
@@ -82,42 +81,19 @@ def main() -> None:
     global share
     out = open(sys.argv[1], "a")  # noqa: SIM115
     for name in sys.argv[2:] or ["glm-5", "deepseek-v3"]:
-        cfg = BenchConfig(
-            spec=preset(name, 1).with_layers(1),
-            tokens=131072,
-            layout=HostLayout.LAYER_FIRST,
-            device=torch.device("cuda"),
-            repeats=10,
-            warmup=2,
-            cycles=8,
-            host_sets=SETS,
-            device_sets=("contiguous", "scattered"),
-        )
+        cfg = one_layer(name, SETS, ("contiguous", "scattered"))
         s = setup(cfg, lambda _m: None)
         model = calibrate.model_for(s.dev.device, [b.row_bytes for b in cfg.spec.buffers])
-        for direction in Direction:
-            for host_label in SETS:
-                for dev_label in cfg.device_sets:
-                    for share in SHARES:
-                        planner = Planner(s.host, s.dev, model=model)
-                        plan = planner.plan(direction, s.host_sets[host_label], s.dev_sets[dev_label])
-                        ok = check_plan(s, plan)
-                        ms = s.timer.median_ms(plan_op(plan, s.host, s.dev, s.stream), 10, 2, 4)
-                        ratio = s.layer_bytes / ms / 1e6 / s.ceilings[direction]
-                        row = {
-                            "spec": name,
-                            "direction": direction.value,
-                            "host_runs": host_label,
-                            "device": dev_label,
-                            "share": share,
-                            "mechanisms": plan.mechanisms_by_buffer(),
-                            "sms": plan.sms_used,
-                            "ceiling_ratio": round(ratio, 3),
-                            "identical": ok,
-                        }
-                        print(json.dumps(row), flush=True)
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
+        for direction, host_label, dev_label, share in itertools.product(
+            Direction, SETS, cfg.device_sets, SHARES
+        ):
+            planner = Planner(s.host, s.dev, model=model)
+            plan = planner.plan(direction, s.host_sets[host_label], s.dev_sets[dev_label])
+            ratio, ok = timed(s, plan, direction)
+            row = {"spec": name, "direction": direction.value, "host_runs": host_label, "device": dev_label}
+            row |= {"share": share, "mechanisms": plan.mechanisms_by_buffer(), "sms": plan.sms_used}
+            row |= {"ceiling_ratio": ratio, "identical": ok}
+            emit(out, row)
         del s
         torch.cuda.empty_cache()
 

@@ -27,12 +27,11 @@ import time
 from pathlib import Path
 
 import torch
+from probe_common import one_layer
 from torch.profiler import ProfilerActivity, profile
 
 from kvtier.bench import transfer as bench
 from kvtier.pool.device import Direction
-from kvtier.pool.host import HostLayout
-from kvtier.spec import preset
 from kvtier.transfer import TransferPlan, parts, staging
 
 SPECS = ["glm-5"]
@@ -97,18 +96,8 @@ def main() -> None:
     directions = [Direction(d) for d in os.environ.get("DIRECTIONS", "load,backup").split(",")]
     with open(out_path, "a") as out:
         for spec in specs:
-            cfg = bench.BenchConfig(
-                spec=preset(spec).with_layers(1),
-                tokens=131072,
-                layout=HostLayout.LAYER_FIRST,
-                device=torch.device("cuda"),
-                repeats=10,
-                warmup=2,
-                cycles=8,
-                host_sets=HOST_SETS,
-                device_sets=("scattered",),
-                variants=("planned",),
-                directions=tuple(directions),
+            cfg = one_layer(
+                spec, HOST_SETS, ("scattered",), variants=("planned",), directions=tuple(directions)
             )
             s = bench.setup(cfg, print)
             for direction in directions:

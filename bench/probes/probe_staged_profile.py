@@ -22,12 +22,11 @@ import sys
 from pathlib import Path
 
 import torch
+from probe_common import one_layer
 from torch.profiler import ProfilerActivity, profile
 
 from kvtier.bench import transfer as bench
 from kvtier.pool.device import Direction
-from kvtier.pool.host import HostLayout
-from kvtier.spec import preset
 from kvtier.transfer import TransferPlan
 
 CALLS = 4
@@ -57,18 +56,7 @@ def summary(trace: dict) -> dict:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = bench.BenchConfig(
-        spec=preset("glm-5").with_layers(1),
-        tokens=131072,
-        layout=HostLayout.LAYER_FIRST,
-        device=torch.device("cuda"),
-        repeats=10,
-        warmup=2,
-        cycles=8,
-        host_sets=("contiguous", "first_fit-churn"),
-        device_sets=("scattered",),
-        variants=("planned",),
-    )
+    cfg = one_layer("glm-5", ("contiguous", "first_fit-churn"), ("scattered",), variants=("planned",))
     s = bench.setup(cfg, print)
     with open(out_dir / "staged_profile.jsonl", "a") as log:
         for direction in (Direction.LOAD, Direction.BACKUP):
