@@ -3,12 +3,14 @@
 # (`PathCosts.backup_copy_share`, `splits.shared`). On one lease: the GPU tests of the planner, the
 # executor and the cost model; the per-spec table with the share (`overlap_ab.sh`, TESTS=0, this TAG);
 # then, per spec, backups without the share (`backup_copy_share=0`), onto both device sets, in one
-# process each, against the table's backups. TAG names the files (default _copy_share).
+# process each, against the table's backups. TAG names the files (default _copy_share); TESTS=0 skips
+# the tests, DIRECTION=backup times the table's backups only.
 # Usage: bash bench/device/copy_share.sh
 source bench/device/setup.sh
 TAG=${TAG:-_copy_share}
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_splits.py tests/test_transfer.py tests/test_costs.py \
-  > "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log" 2>&1; tail -2 "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log"
+[ "${TESTS:-1}" = 1 ] && { timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_splits.py \
+  tests/test_transfer.py tests/test_costs.py > "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log" 2>&1
+  tail -2 "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log"; }
 TAG=$TAG TESTS=0 CAL_TIME=0 SPEC_TIMEOUT=115 bash bench/device/overlap_ab.sh
 
 # `kvtier` with the planner's default costs but no share for the copy engine.
