@@ -111,8 +111,8 @@ class PathCosts:
         Why: the kernel writes host memory at ~0.94 of the ceiling, the copy engine's thousands of 18 KB
         pieces alone at 0.60-0.78; side by side, a third of the pieces on the copy engine moved runs of
         16 rows at 0.955-0.963 against 0.934-0.941 (`glm-5`, `deepseek-v3`, both device sets), half at
-        0.77-0.92. A load's reads lost at every share (0.89-0.90 at 0.15, 0.25-0.56 at 0.3; bench/FINDINGS.md,
-        "Overlapped parts")."""
+        0.77-0.94. A load's reads lost at every share (0.56-0.905 at 0.15, 0.25-0.56 at 0.3;
+        bench/FINDINGS.md, "Overlapped parts")."""
         return self.backup_copy_share if direction is Direction.BACKUP and overlap else 0.0
 
     def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
