@@ -48,7 +48,7 @@ import numpy as np
 from kvtier.pool.device import Direction
 from kvtier.transfer.launch import LINE_BYTES
 from kvtier.transfer.options import PathCosts
-from kvtier.transfer.runs import Scan
+from kvtier.transfer.runs import Scan, host_groups
 
 # The copy engine is preferred while within this share of the kernel's time.
 COPY_MARGIN = 0.02
@@ -189,13 +189,7 @@ class Choice:
         js, jl = found.joint
         long = jl * rb >= self.copy_min_bytes
         s, n = js[~long], jl[~long]
-        # A short joint run continues the previous one on the host side: same host run.
-        cont = np.zeros(len(s), dtype=bool)
-        if len(s) > 1:
-            cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~found.host_break[s[1:] // found.step]
-        heads = np.flatnonzero(~cont)
-        rows = np.add.reduceat(n, heads) if len(heads) else n
-        per_run = np.diff(np.append(heads, len(s)))  # joint runs per host run
+        heads, rows, per_run = host_groups(found, s, n)  # the short joint runs' host runs
         # Staging pays only where a host run's device slots are scattered (more than one joint run).
         by_copy = (rows * rb >= self.staged_min_bytes) & (per_run > 1)
         by_kernel = ~by_copy & (rows * rb < self.kernel_staged_below) & (per_run > 1)

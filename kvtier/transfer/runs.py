@@ -71,6 +71,20 @@ def scan(host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, step: int) -> Scan
     return Scan(step, host_break, dev_break, starts(host_break, step), starts(host_break | dev_break, step))
 
 
+def host_groups(
+    found: Scan, starts: np.ndarray, lens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Joint runs of `found` (`starts`, `lens`: `[k]` int64, some of its joint runs in order) grouped
+    into host runs: a joint run continuing the previous one on the host side is in its host run. Each
+    group's first joint run (an index into `starts`), rows and joint runs, `[g]` int64 each."""
+    cont = np.zeros(len(starts), dtype=bool)
+    if len(starts) > 1:
+        cont[1:] = (starts[1:] == starts[:-1] + lens[:-1]) & ~found.host_break[starts[1:] // found.step]
+    heads = np.flatnonzero(~cont)
+    rows = np.add.reduceat(lens, heads) if len(heads) else lens
+    return heads, rows, np.diff(np.append(heads, len(starts)))
+
+
 def breaks(slots: np.ndarray, step: int, segment: int | None = None, num_slots: int = 0) -> np.ndarray:
     """Where a run of `slots` (`[n]` int64) starts, per `step` slots: `[n // step]` bool; also at a
     segment edge (`segment` slots, host side) when the pool has more than one segment."""

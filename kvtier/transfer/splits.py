@@ -36,7 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from kvtier.transfer.costs import SMALL_ROW_BYTES, Choice
-from kvtier.transfer.runs import Scan
+from kvtier.transfer.runs import Scan, host_groups
 
 # `(starts, lengths)` of runs, `[k]` int64 each, or None: a split's runs per mechanism keyword.
 Split = dict[str, tuple[np.ndarray, np.ndarray] | None]
@@ -90,10 +90,7 @@ def shared(split: Split, found: Scan, rb: int, share: float, min_bytes: int) -> 
     if split["kernel"] is None or any(split[k] is not None for k in ("copy", "staged", "kernel_staged")):
         return split
     s, n = split["kernel"]
-    cont = np.zeros(len(s), dtype=bool)  # a joint run continuing the previous one on the host side
-    cont[1:] = (s[1:] == s[:-1] + n[:-1]) & ~found.host_break[s[1:] // found.step]
-    heads = np.flatnonzero(~cont)
-    rows, per_run = np.add.reduceat(n, heads), np.diff(np.append(heads, len(s)))
+    heads, rows, per_run = host_groups(found, s, n)
     i = np.arange(len(heads))
     pick = (np.floor((i + 1) * share) > np.floor(i * share)) & (rows * rb >= min_bytes)
     if not pick.any():
