@@ -17,7 +17,7 @@ first row of a layer (`HostPool.locate`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, TypeGuard
 
 import numpy as np
 import torch
@@ -196,6 +196,13 @@ class ReferencePart:
 
 
 Part = CopyPart | StagedPart | StackPart | KernelPart | ReferencePart
+
+
+def by_units(part: Part) -> TypeGuard[StagedPart]:
+    """Whether `part` is staging that the kernel's units fill (or drain)."""
+    return isinstance(part, StagedPart) and part.kernel is not None
+
+
 # The buffer names a part moves; None: every buffer of the spec.
 Buffers = frozenset[str] | None
 

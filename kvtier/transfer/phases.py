@@ -35,7 +35,7 @@ import torch
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.transfer import staging
 from kvtier.transfer.options import KernelOptions
-from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StagedPart
+from kvtier.transfer.parts import CopyPart, KernelPart, KernelRegion, Part, StagedPart, by_units
 
 if TYPE_CHECKING:
     from kvtier.transfer.plan import TransferPlan
@@ -54,7 +54,7 @@ def programs(part: Part) -> int:
     """The largest grid of the part's kernel launches (0: no kernel)."""
     if isinstance(part, KernelPart):
         return part.programs
-    if isinstance(part, StagedPart) and part.kernel is not None:
+    if by_units(part):
         grids = [r.launch.programs for windows in part.kernel.values() for rs in windows for r in rs]
         return max(grids, default=0)
     return 0
@@ -67,8 +67,8 @@ def phases(plan: TransferPlan) -> Phases | None:
         return None
     side = tuple(p for p in parts if isinstance(p, KernelPart))
     others = tuple(p for p in parts if not isinstance(p, KernelPart))
-    units = tuple(p for p in others if _by_units(p))
-    rest = tuple(p for p in others if not _by_units(p))
+    units = tuple(p for p in others if by_units(p))
+    rest = tuple(p for p in others if not by_units(p))
     engine = any(isinstance(p, (CopyPart, StagedPart)) for p in rest)
     fits = _fit(side, units, kernel)
     row_bytes = {b.name: b.row_bytes for b in plan.host_pool.spec.buffers}
@@ -92,15 +92,10 @@ def placed(
     fit `sm_budget` together: so that they may run on the second stream, before the direct kernel
     parts (`phases`). Elsewhere `parts` as they are."""
     side = [p for p in parts if isinstance(p, KernelPart)]
-    units = [p for p in parts if _by_units(p)]
+    units = [p for p in parts if by_units(p)]
     if not (kernel.overlap and side and units) or _fit(side, units, kernel):
         return parts
     return staging.units_apart(parts, device_pool, direction)
-
-
-def _by_units(part: Part) -> bool:
-    """Whether `part` is staging that the kernel's units fill (or drain)."""
-    return isinstance(part, StagedPart) and part.kernel is not None
 
 
 def _fit(side: Sequence[Part], units: Sequence[Part], kernel: KernelOptions) -> bool:

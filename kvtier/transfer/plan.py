@@ -104,7 +104,7 @@ class TransferPlan:
         out: dict[str, dict[str, int]] = {b.name: {} for b in self.host_pool.spec.buffers}
         for p in self.parts:
             m = p.mechanism.value
-            if isinstance(p, StagedPart) and p.kernel is not None:
+            if parts.by_units(p):
                 m = "staged_kernel"
             for name in p.buffers:
                 out[name][m] = out[name].get(m, 0) + p.rows

@@ -31,6 +31,7 @@ from kvtier.transfer.parts import (
     Uploader,
     Window,
     buffers_of,
+    by_units,
     cut_windows,
     run_bytes,
 )
@@ -201,7 +202,7 @@ def units_apart(parts: tuple[Part, ...], device_pool: DevicePool, direction: Dir
     rows become its largest window's)."""
     row_bytes = {b.name: b.row_bytes for b in device_pool.spec.buffers}
     engine = [p for p in parts if isinstance(p, StagedPart) and p.kernel is None]
-    units = [p for p in parts if isinstance(p, StagedPart) and p.kernel is not None]
+    units = [p for p in parts if by_units(p)]
     if not (engine and units):
         return parts
     room = device_pool.staging(direction).numel()
