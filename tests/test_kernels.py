@@ -437,6 +437,10 @@ def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
     assert [programs_for(1152, 8, stages) for stages in (4, 3, 2, 1)] == [2, 3, 4, 4]
     assert programs_for(1024, 8) == 4 and programs_for(1023, 8) == 8
     assert programs_for(1152, 1, 4) == 1 and programs_for(656, 16, 4) == 16
+    # Over a wide host span, twice the lean programs within the budget; short rows keep the budget.
+    assert [programs_for(1152, 8, stages, wide=True) for stages in (4, 3, 1)] == [4, 6, 8]
+    assert programs_for(1152, 3, 4, wide=True) == 3 and programs_for(656, 8, 1, wide=True) == 8
+    assert not launch.is_wide(launch.WIDE_SPAN_BYTES) and launch.is_wide(launch.WIDE_SPAN_BYTES + 1)
     # Pipelined tiles are 64 KiB whatever the grid; unpipelined, 512 KiB / programs in [64, 128] KiB.
     assert [tile_bytes(p, 4) for p in (1, 2, 8)] == [65536] * 3
     assert [tile_bytes(p) for p in (1, 2, 4, 5, 8, 16)] == [131072, 131072, 131072, 104857, 65536, 65536]
@@ -502,6 +506,10 @@ def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
     assert KernelOptions(rows_per_program=7).launch(1152) == KernelLaunch(8, 7, 4)
     # Backups are not pipelined: their reads are of device memory.
     assert lean.launch(1152, 1152, None, Direction.BACKUP) == KernelLaunch(4, 113, 1)
+    # Host rows over a wide span: twice the programs, tiles as the grid's size gives them.
+    assert lean.launch(1152, 1152, None, Direction.LOAD, wide=True) == KernelLaunch(4, 56, 4)
+    assert lean.launch(1152, 1152, None, Direction.BACKUP, wide=True) == KernelLaunch(8, 56, 1)
+    assert full.launch(1152, 1152, None, Direction.LOAD, wide=True) == KernelLaunch(8, 56, 4)
 
 
 def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:

@@ -635,6 +635,38 @@ def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypat
 
 
 @needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_long_rows_over_a_wide_host_span_take_twice_the_lean_programs(direction, gen, monkeypatch) -> None:
+    """glm-5's 1152-byte rows: a region's rows spread over more than `WIDE_SPAN_BYTES` (here 2 MiB)
+    take 4 programs (loads) or 8 (backups), byte for byte; the same rows within 1 MiB stay lean."""
+    monkeypatch.setattr(launch, "WIDE_SPAN_BYTES", 2 << 20)
+    spec = preset("glm-5", 1).with_layers(1)
+    host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    launches = []
+    real = kernels.copy_rows
+
+    def spy(src, src_off, dst, dst_off, row_words, **kw):
+        launches.append((row_words * src.element_size(), kw["sm_budget"], kw["rows_per_program"]))
+        real(src, src_off, dst, dst_off, row_words, **kw)
+
+    monkeypatch.setattr(kernels, "copy_rows", spy)
+    ds = torch.randperm(4096, generator=gen)[:800]
+    # 4.7 MB of host rows (all 4096 slots) against 0.9 MB (the first 800), in random order.
+    spread, near = torch.randperm(4096, generator=gen)[:800], torch.randperm(800, generator=gen)
+    for hs, wide in ((spread, True), (near, False)):
+        launches.clear()
+        plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
+        assert {r.wide for r in plan.parts[0].regions["kv"]} == {wide}
+        _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
+        lean = (2, 56) if direction == "load" else (4, 113)
+        shape = ((4, 56) if direction == "load" else (8, 56)) if wide else lean
+        assert [k for k in launches if k[0] == 1152] == [(1152, *shape)]
+        assert plan.sms_used <= 8
+
+
+@needs_triton
 @pytest.mark.parametrize(("ps", "word"), [(1, 4), (16, 8)])
 def test_kernel_offsets_come_in_the_widest_words_the_rows_allow(ps, word, gen) -> None:
     """132-byte indexer rows: 4-byte words one by one (scattered slots), 8-byte words as 16-row pages."""

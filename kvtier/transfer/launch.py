@@ -15,6 +15,9 @@ Rules (the measurements behind each constant are in bench/FINDINGS.md):
 - Rows of `LEAN_ROW_BYTES` or more fill the link from the fewest programs that keep
   `GRID_BYTES` in flight, and each SM the kernel holds is taken from the model beside;
   shorter rows are bound by the reads each SM issues and take the whole budget.
+- A launch whose host rows lie over more than `WIDE_SPAN_BYTES` (a large host pool's
+  region) waits longer for each host access: its long rows take twice the lean programs,
+  within the budget (`wide`).
 - One warp per `WARP_BYTES` of tile, at most `MAX_WARPS`.
 
 `shared` arguments are the shared memory one program may use, in bytes; None where there
@@ -39,6 +42,7 @@ MAX_STAGES = 4
 SHARED_SLACK = 16 * 1024
 LINE_BYTES = 128
 LEAN_ROW_BYTES = 1024
+WIDE_SPAN_BYTES = 512 << 20
 WARP_BYTES = 4096
 MAX_WARPS = 32
 # Vectors of one tile at most (one per thread position, up to 16 bytes each); 32 warps hold 16 each.
@@ -68,12 +72,18 @@ def tile_bytes(programs: int, stages: int = 1) -> int:
     return max(TILE_BYTES, min(MAX_TILE_BYTES, GRID_BYTES // max(1, programs)))
 
 
-def programs_for(row_bytes: int, sm_budget: int, stages: int = 1) -> int:
-    """Programs for rows of `row_bytes` within `sm_budget` when each keeps `stages` tiles in flight."""
+def programs_for(row_bytes: int, sm_budget: int, stages: int = 1, wide: bool = False) -> int:
+    """Programs for rows of `row_bytes` within `sm_budget` when each keeps `stages` tiles in flight,
+    twice the lean count where the host rows are `wide` (span more than `WIDE_SPAN_BYTES`)."""
     if row_bytes < LEAN_ROW_BYTES:
         return sm_budget
     per_program = TILE_BYTES * stages if stages > 1 else MAX_TILE_BYTES
-    return min(sm_budget, -(-GRID_BYTES // per_program))
+    return min(sm_budget, -(-GRID_BYTES // per_program) * (2 if wide else 1))
+
+
+def is_wide(span_bytes: int) -> bool:
+    """Whether host rows over `span_bytes` (first byte to last) take the wide grid (`programs_for`)."""
+    return span_bytes > WIDE_SPAN_BYTES
 
 
 def rows_in_flight(row_bytes: int, programs: int = 8, stages: int = 1) -> int:

@@ -133,7 +133,8 @@ class KernelOptions:
     size) and up to `stages` tiles in flight each (None: as many as shared memory holds,
     where rows are pipelined; 1: none). Runs move in units of up to `max_unit_bytes`. With
     `lean` (and rows by size), long rows take only the programs that keep the grid's bytes
-    in flight (`launch.programs_for`). With `overlap`, a layer's direct kernel parts run on a
+    in flight (`launch.programs_for`), twice that over a wide host span. With `overlap`, a layer's
+    direct kernel parts run on a
     second stream beside its copy-engine parts (`kvtier.transfer.execute`). `launch` gives one
     launch's shape.
     """
@@ -151,22 +152,25 @@ class KernelOptions:
         align_bytes: int = LINE_BYTES,
         device: torch.device | None = None,
         direction: Direction = Direction.LOAD,
+        wide: bool = False,
     ) -> KernelLaunch:
         """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes`, moved in
-        `direction` on `device` (None or the CPU: as for a GPU whose shared memory holds every stage)."""
-        return _launch(self, row_bytes, align_bytes, rules.shared_bytes(device), direction is Direction.LOAD)
+        `direction` on `device` (None or the CPU: as for a GPU whose shared memory holds every stage),
+        the host rows over a `wide` span (`launch.is_wide`) or not."""
+        shared = rules.shared_bytes(device)
+        return _launch(self, row_bytes, align_bytes, shared, direction is Direction.LOAD, wide)
 
 
 @functools.lru_cache(maxsize=256)
 def _launch(
-    opts: KernelOptions, row_bytes: int, align_bytes: int, shared: int | None, gather: bool
+    opts: KernelOptions, row_bytes: int, align_bytes: int, shared: int | None, gather: bool, wide: bool
 ) -> KernelLaunch:
     """`KernelOptions.launch` on a device with `shared` bytes per program, kept per argument set."""
     stages = rules.stages_for(row_bytes, align_bytes, shared, opts.stages, gather)
     if opts.rows_per_program is not None or not opts.lean:
         programs = opts.sm_budget
     else:
-        programs = rules.programs_for(row_bytes, opts.sm_budget, stages)
+        programs = rules.programs_for(row_bytes, opts.sm_budget, stages, wide)
     rows = opts.rows_per_program or rules.rows_in_flight(row_bytes, programs, stages)
     return KernelLaunch(programs, rows, stages)
 

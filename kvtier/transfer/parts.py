@@ -70,7 +70,8 @@ class Window(NamedTuple):
 class KernelRegion:
     """The kernel's units of one buffer in one host region, and their `launch`: `src`/`dst` `[m]`
     int64 word offsets on the device (swapped for backups), in words of `word` bytes (the widest
-    the unit and every offset allow), all multiples of `align` words (a power of two)."""
+    the unit and every offset allow), all multiples of `align` words (a power of two); `wide`: the
+    units' host rows span more than `launch.WIDE_SPAN_BYTES`."""
 
     region: int
     src: torch.Tensor
@@ -78,6 +79,7 @@ class KernelRegion:
     align: int
     word: int
     launch: KernelLaunch
+    wide: bool = False
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def _narrowed(
     region: KernelRegion, opts: KernelOptions, unit_bytes: int, device: torch.device | None
 ) -> KernelRegion:
     """`region` launched as `opts` launches its units of `unit_bytes`, where that takes fewer programs."""
-    launch = opts.launch(unit_bytes, region.align * region.word, device, Direction.LOAD)
+    launch = opts.launch(unit_bytes, region.align * region.word, device, Direction.LOAD, region.wide)
     return region if region.launch.programs <= launch.programs else dataclasses.replace(region, launch=launch)
 
 

@@ -20,6 +20,7 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostLayout, HostPool
 from kvtier.spec import BufferSpec
 from kvtier.transfer import kernel_args
+from kvtier.transfer import launch as rules
 from kvtier.transfer.options import KernelOptions
 from kvtier.transfer.parts import (
     Buffers,
@@ -123,9 +124,10 @@ def unit_regions(
         align = kernel_args.common_alignment(src, dst)  # bytes
         word = kernel_args.word_size(b.row_bytes * unit, [align])
         align_words = max(1, align // word)
-        launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction)
+        wide = rules.is_wide(int(host_off.max() - host_off.min()) + b.row_bytes * unit)
+        launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction, wide)
         src, dst = up(torch.from_numpy(src // word)), up(torch.from_numpy(dst // word))
-        out.append(KernelRegion(int(r), src, dst, align_words, word, launch))
+        out.append(KernelRegion(int(r), src, dst, align_words, word, launch, wide))
     return tuple(out)
 
 
