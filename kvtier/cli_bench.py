@@ -110,6 +110,11 @@ def _bench_transfer(bench) -> None:
         help="rows of the widest buffer the device staging holds per direction (default: --tokens)",
     )
     t.add_argument(
+        "--host-slots",
+        type=positive,
+        help="slots of the host pool the sets are drawn from (default: 2 x --tokens)",
+    )
+    t.add_argument(
         "--gpus",
         type=int,
         default=1,

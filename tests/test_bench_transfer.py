@@ -82,3 +82,22 @@ def test_runs_of_any_length_are_a_host_set_and_unknown_sets_are_refused() -> Non
     for bad in ("runs-0", "runs-x", "striped"):
         with pytest.raises(ConfigError, match="unknown host slot set"):
             _config(1, host_sets=("runs-1", bad))
+
+
+@needs_triton
+def test_the_host_pool_s_slots_are_a_setting_and_fewer_than_the_tokens_are_refused(monkeypatch) -> None:
+    """`host_slots` sizes the pool the sets are drawn from (default 2 x tokens), in the metadata."""
+    seen = []
+    real = transfer.HostPool
+
+    def pool(spec, slots, layout):
+        seen.append(slots)
+        return real(spec, slots, layout)
+
+    monkeypatch.setattr(transfer, "HostPool", pool)
+    rows, meta = transfer.run(_config(1, host_slots=1024, variants=("planned",)))
+    assert seen == [1024] and meta["host_slots"] == 1024 and all(r.identical for r in rows)
+    _, meta = transfer.run(_config(1, variants=("planned",)))
+    assert seen == [1024, 128] and meta["host_slots"] == 128
+    with pytest.raises(ConfigError, match="host_slots 63 must be at least tokens 64"):
+        _config(1, host_slots=63)

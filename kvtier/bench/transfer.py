@@ -71,11 +71,21 @@ class BenchConfig:
     layers: int = 1
     # Rows of the widest buffer the device pool's staging holds per direction (None: `tokens`).
     staging_tokens: int | None = None
+    # Slots of the host pool the sets are drawn from (None: 2 x `tokens`): a production pool's
+    # span per layer, for the kernel's wide grids (`launch.WIDE_SPAN_BYTES`).
+    host_slots: int | None = None
 
     def __post_init__(self) -> None:
         bad = [name for name in self.host_sets if name not in HOST_SETS and not is_runs(name)]
         if bad:
             raise ConfigError(f"unknown host slot set(s) {bad}; known: {HOST_SETS} and runs-N for N >= 1")
+        if self.host_slots is not None and self.host_slots < self.tokens:
+            raise ConfigError(f"host_slots {self.host_slots} must be at least tokens {self.tokens}")
+
+    @property
+    def pool_slots(self) -> int:
+        """The host pool's slots."""
+        return self.host_slots or 2 * self.tokens
 
 
 @dataclass
@@ -120,7 +130,7 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     if not 1 <= cfg.layers <= spec.num_layers:  # before any pool is pinned
         raise ConfigError(f"layers {cfg.layers} must be in [1, {spec.num_layers}] for spec {spec.name!r}")
     gen = torch.Generator().manual_seed(cfg.seed)
-    host_slots = 2 * cfg.tokens
+    host_slots = cfg.pool_slots
     dev_slots = 2 * cfg.tokens
     progress(f"pinning a host pool of {host_slots} slots")
     host = HostPool(spec, host_slots, cfg.layout)
@@ -410,6 +420,7 @@ def command_config(args: Namespace) -> BenchConfig:
         kernel_sweep=args.kernel_sweep,
         layers=args.layers,
         staging_tokens=args.staging_tokens,
+        host_slots=args.host_slots,
     )
 
 

@@ -43,6 +43,7 @@ def metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: in
         "tokens": cfg.tokens,
         "layers": cfg.layers,
         "staging_tokens": cfg.staging_tokens or cfg.tokens,
+        "host_slots": cfg.pool_slots,
         "layer_bytes": layer_bytes,
         "churn_cycles": cfg.cycles,
         "kernel": kernel_text(cfg.kernel, cfg.device),
