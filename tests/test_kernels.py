@@ -440,7 +440,9 @@ def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
     # Over a wide host span, twice the lean programs within the budget; short rows keep the budget.
     assert [programs_for(1152, 8, stages, wide=True) for stages in (4, 3, 1)] == [4, 6, 8]
     assert programs_for(1152, 3, 4, wide=True) == 3 and programs_for(656, 8, 1, wide=True) == 8
-    assert not launch.is_wide(launch.WIDE_SPAN_BYTES) and launch.is_wide(launch.WIDE_SPAN_BYTES + 1)
+    span, piece = launch.WIDE_SPAN_BYTES, launch.WIDE_PIECE_BYTES
+    assert not launch.is_wide(span, 1152) and launch.is_wide(span + 1, 1152)
+    assert launch.is_wide(span + 1, piece - 1) and not launch.is_wide(span + 1, piece)
     # Pipelined tiles are 64 KiB whatever the grid; unpipelined, 512 KiB / programs in [64, 128] KiB.
     assert [tile_bytes(p, 4) for p in (1, 2, 8)] == [65536] * 3
     assert [tile_bytes(p) for p in (1, 2, 4, 5, 8, 16)] == [131072, 131072, 131072, 104857, 65536, 65536]

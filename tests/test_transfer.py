@@ -637,8 +637,9 @@ def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypat
 @needs_triton
 @pytest.mark.parametrize("direction", ["load", "backup"])
 def test_long_rows_over_a_wide_host_span_take_twice_the_lean_programs(direction, gen, monkeypatch) -> None:
-    """glm-5's 1152-byte rows: a region's rows spread over more than `WIDE_SPAN_BYTES` (here 2 MiB)
-    take 4 programs (loads) or 8 (backups), byte for byte; the same rows within 1 MiB stay lean."""
+    """glm-5's 1152-byte rows: a region's single rows spread over more than `WIDE_SPAN_BYTES` (here
+    2 MiB) take 4 programs (loads) or 8 (backups), byte for byte; the same rows within 1 MiB, or host
+    runs of 16 rows over the whole span, stay lean."""
     monkeypatch.setattr(launch, "WIDE_SPAN_BYTES", 2 << 20)
     spec = preset("glm-5", 1).with_layers(1)
     host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
@@ -655,7 +656,8 @@ def test_long_rows_over_a_wide_host_span_take_twice_the_lean_programs(direction,
     ds = torch.randperm(4096, generator=gen)[:800]
     # 4.7 MB of host rows (all 4096 slots) against 0.9 MB (the first 800), in random order.
     spread, near = torch.randperm(4096, generator=gen)[:800], torch.randperm(800, generator=gen)
-    for hs, wide in ((spread, True), (near, False)):
+    runs = (torch.randperm(256, generator=gen)[:50, None] * 16 + torch.arange(16)).flatten()
+    for hs, wide in ((spread, True), (near, False), (runs, False)):
         launches.clear()
         plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
         assert {r.wide for r in plan.parts[0].regions["kv"]} == {wide}

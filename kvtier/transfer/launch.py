@@ -16,8 +16,9 @@ Rules (the measurements behind each constant are in bench/FINDINGS.md):
   `GRID_BYTES` in flight, and each SM the kernel holds is taken from the model beside;
   shorter rows are bound by the reads each SM issues and take the whole budget.
 - A launch whose host rows lie over more than `WIDE_SPAN_BYTES` (a large host pool's
-  region) waits longer for each host access: its long rows take twice the lean programs,
-  within the budget (`wide`).
+  region) in pieces averaging under `WIDE_PIECE_BYTES` (scattered rows) waits longer for
+  each host access: its long rows take twice the lean programs, within the budget (`wide`).
+  Longer pieces (host runs of 16 rows) keep the lean grid, where the wide one was slower.
 - One warp per `WARP_BYTES` of tile, at most `MAX_WARPS`.
 
 `shared` arguments are the shared memory one program may use, in bytes; None where there
@@ -43,6 +44,7 @@ SHARED_SLACK = 16 * 1024
 LINE_BYTES = 128
 LEAN_ROW_BYTES = 1024
 WIDE_SPAN_BYTES = 512 << 20
+WIDE_PIECE_BYTES = 4096
 WARP_BYTES = 4096
 MAX_WARPS = 32
 # Vectors of one tile at most (one per thread position, up to 16 bytes each); 32 warps hold 16 each.
@@ -81,9 +83,10 @@ def programs_for(row_bytes: int, sm_budget: int, stages: int = 1, wide: bool = F
     return min(sm_budget, -(-GRID_BYTES // per_program) * (2 if wide else 1))
 
 
-def is_wide(span_bytes: int) -> bool:
-    """Whether host rows over `span_bytes` (first byte to last) take the wide grid (`programs_for`)."""
-    return span_bytes > WIDE_SPAN_BYTES
+def is_wide(span_bytes: int, piece_bytes: float) -> bool:
+    """Whether host rows over `span_bytes` (first byte to last), in contiguous pieces of
+    `piece_bytes` on average, take the wide grid (`programs_for`)."""
+    return span_bytes > WIDE_SPAN_BYTES and piece_bytes < WIDE_PIECE_BYTES
 
 
 def rows_in_flight(row_bytes: int, programs: int = 8, stages: int = 1) -> int:

@@ -71,7 +71,7 @@ class KernelRegion:
     """The kernel's units of one buffer in one host region, and their `launch`: `src`/`dst` `[m]`
     int64 word offsets on the device (swapped for backups), in words of `word` bytes (the widest
     the unit and every offset allow), all multiples of `align` words (a power of two); `wide`: the
-    units' host rows span more than `launch.WIDE_SPAN_BYTES`."""
+    units' host rows take the wide grid (`launch.is_wide`: a wide span, short pieces)."""
 
     region: int
     src: torch.Tensor

@@ -124,11 +124,19 @@ def unit_regions(
         align = kernel_args.common_alignment(src, dst)  # bytes
         word = kernel_args.word_size(b.row_bytes * unit, [align])
         align_words = max(1, align // word)
-        wide = rules.is_wide(int(host_off.max() - host_off.min()) + b.row_bytes * unit)
+        wide = _wide(host_off, b.row_bytes * unit)
         launch = opts.launch(b.row_bytes * unit, align_words * word, device, direction, wide)
         src, dst = up(torch.from_numpy(src // word)), up(torch.from_numpy(dst // word))
         out.append(KernelRegion(int(r), src, dst, align_words, word, launch, wide))
     return tuple(out)
+
+
+def _wide(host_off: np.ndarray, unit_bytes: int) -> bool:
+    """Whether units of `unit_bytes` at host byte offsets `host_off` (`[m]` int64, m > 0, in launch
+    order) take the wide grid: their span, and the pieces they join into where one follows another."""
+    pieces = 1 + int(np.count_nonzero(np.diff(host_off) != unit_bytes))
+    span = int(host_off.max() - host_off.min()) + unit_bytes
+    return rules.is_wide(span, len(host_off) * unit_bytes / pieces)
 
 
 def unit_heads(lens: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
