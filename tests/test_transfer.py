@@ -604,15 +604,13 @@ def test_kernel_on_a_small_budget_loops_over_many_tiles_byte_identically(
     assert seen == {1152: (stages or launch.MAX_STAGES) if direction == "load" else 1, 132: 1}
 
 
-@needs_triton
-@pytest.mark.parametrize("direction", ["load", "backup"])
-def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypatch) -> None:
-    """glm-5: 1152-byte rows on 2 programs (loads) or 4 (backups), 132-byte rows on all 8."""
+def _glm5_pools_and_launches(gen, monkeypatch) -> tuple[HostPool, DevicePool, list]:
+    """One layer of glm-5 in poisoned pools of 4096 slots, and the list every `copy_rows` call appends
+    its `(row bytes, programs, rows per tile)` to."""
     spec = preset("glm-5", 1).with_layers(1)
     host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
     poison_host(host, gen)
     poison_device(dev, gen)
-    hs, ds = torch.randperm(4096, generator=gen)[:3000], torch.randperm(4096, generator=gen)[:3000]
     launches = []
     real = kernels.copy_rows
 
@@ -621,6 +619,15 @@ def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypat
         real(src, src_off, dst, dst_off, row_words, **kw)
 
     monkeypatch.setattr(kernels, "copy_rows", spy)
+    return host, dev, launches
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypatch) -> None:
+    """glm-5: 1152-byte rows on 2 programs (loads) or 4 (backups), 132-byte rows on all 8."""
+    host, dev, launches = _glm5_pools_and_launches(gen, monkeypatch)
+    hs, ds = torch.randperm(4096, generator=gen)[:3000], torch.randperm(4096, generator=gen)[:3000]
     plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
     assert plan.sms_used == 8 and plan.parts[0].programs == 8
     _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
@@ -641,18 +648,7 @@ def test_long_rows_over_a_wide_host_span_take_twice_the_lean_programs(direction,
     2 MiB) take 4 programs (loads) or 8 (backups), byte for byte; the same rows within 1 MiB, or host
     runs of 16 rows over the whole span, stay lean."""
     monkeypatch.setattr(launch, "WIDE_SPAN_BYTES", 2 << 20)
-    spec = preset("glm-5", 1).with_layers(1)
-    host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
-    poison_host(host, gen)
-    poison_device(dev, gen)
-    launches = []
-    real = kernels.copy_rows
-
-    def spy(src, src_off, dst, dst_off, row_words, **kw):
-        launches.append((row_words * src.element_size(), kw["sm_budget"], kw["rows_per_program"]))
-        real(src, src_off, dst, dst_off, row_words, **kw)
-
-    monkeypatch.setattr(kernels, "copy_rows", spy)
+    host, dev, launches = _glm5_pools_and_launches(gen, monkeypatch)
     ds = torch.randperm(4096, generator=gen)[:800]
     # 4.7 MB of host rows (all 4096 slots) against 0.9 MB (the first 800), in random order.
     spread, near = torch.randperm(4096, generator=gen)[:800], torch.randperm(800, generator=gen)
