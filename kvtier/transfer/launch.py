@@ -76,7 +76,7 @@ def tile_bytes(programs: int, stages: int = 1) -> int:
 
 def programs_for(row_bytes: int, sm_budget: int, stages: int = 1, wide: bool = False) -> int:
     """Programs for rows of `row_bytes` within `sm_budget` when each keeps `stages` tiles in flight,
-    twice the lean count where the host rows are `wide` (span more than `WIDE_SPAN_BYTES`)."""
+    twice the lean count where the host rows are `wide` (`is_wide`: a wide span, short pieces)."""
     if row_bytes < LEAN_ROW_BYTES:
         return sm_budget
     per_program = TILE_BYTES * stages if stages > 1 else MAX_TILE_BYTES

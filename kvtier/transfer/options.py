@@ -133,10 +133,9 @@ class KernelOptions:
     size) and up to `stages` tiles in flight each (None: as many as shared memory holds,
     where rows are pipelined; 1: none). Runs move in units of up to `max_unit_bytes`. With
     `lean` (and rows by size), long rows take only the programs that keep the grid's bytes
-    in flight (`launch.programs_for`), twice that over a wide host span. With `overlap`, a layer's
-    direct kernel parts run on a
-    second stream beside its copy-engine parts (`kvtier.transfer.execute`). `launch` gives one
-    launch's shape.
+    in flight (`launch.programs_for`), twice that for scattered rows over a wide host span. With
+    `overlap`, a layer's direct kernel parts run on a second stream beside its copy-engine parts
+    (`kvtier.transfer.execute`). `launch` gives one launch's shape.
     """
 
     sm_budget: int = 8
