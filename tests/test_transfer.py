@@ -631,8 +631,8 @@ def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypat
     plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
     assert plan.sms_used == 8 and plan.parts[0].programs == 8
     _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
-    # Loads of whole lines are pipelined (2 programs of 4 tiles of 56 rows), backups not (4 of 56).
-    lean = (2, 56) if direction == "load" else (4, 56)
+    # Loads of whole lines are pipelined (2 programs of 4 tiles of 56 rows), backups not (4 of 113).
+    lean = (2, 56) if direction == "load" else (4, 113)
     assert sorted(launches) == [(132, 8, 256), (1152, *lean)]
     v3 = preset("deepseek-v3", 1).with_layers(1)
     pools = HostPool(v3, 4096), DevicePool(v3, 4096)
@@ -658,7 +658,7 @@ def test_long_rows_over_a_wide_host_span_take_twice_the_lean_programs(direction,
         plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
         assert {r.wide for r in plan.parts[0].regions["kv"]} == {wide}
         _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
-        lean = (2, 56) if direction == "load" else (4, 56)
+        lean = (2, 56) if direction == "load" else (4, 113)
         shape = ((4, 56) if direction == "load" else (8, 56)) if wide else lean
         assert [k for k in launches if k[0] == 1152] == [(1152, *shape)]
         assert plan.sms_used <= 8

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 21: backups keep 256 KiB in flight (`launch.SCATTER_GRID_BYTES`: 4 programs of 64 KiB tiles
-# for rows of 1 KiB or more, where they took 128 KiB). `kvtier calibrate --force`, then per spec the
+# for rows of 1 KiB or more, where they took 128 KiB). That rule is commit c8fb37d, reverted in the
+# next one (bench/FINDINGS.md, dead ends): run this at c8fb37d to repeat the A/B; on later code the
+# planned rows use the 128 KiB tiles and the sweep still times both. `kvtier calibrate --force`, then per spec the
 # per-spec table's run (`--variants planned,serial`, as overlap_ab.sh), with the kernel forced onto
 # fully scattered rows at the old and the new backup tile in the same process (`--kernel-sweep`),
 # then the GPU tests of the kernel, the planner and the executor.

@@ -216,7 +216,7 @@ def _row_shape(
     )
     stages = (stages or rules.MAX_STAGES) if line else 1
     if rows_per_program is None:
-        rows_per_program = rules.rows_in_flight(row_bytes, sm_budget, stages, gather)
+        rows_per_program = rules.rows_in_flight(row_bytes, sm_budget, stages)
     vec = 1
     while (
         vec * 2 * width <= rules.VECTOR_BYTES

@@ -6,10 +6,9 @@ Rules (the measurements behind each constant are in bench/FINDINGS.md):
   `GRID_BYTES` of reads in flight across the grid. Many outstanding loads per program get
   there, not many programs: each program loads a whole tile of rows before storing any.
 - Unpipelined, a program holds one tile of `GRID_BYTES / programs`, between `TILE_BYTES`
-  and `MAX_TILE_BYTES` (the most its registers hold). A scatter (backup: posted writes to the
-  host, no latency to hide) keeps `SCATTER_GRID_BYTES` in flight: the same bounds, half the grid.
-  Pipelined, tiles are `TILE_BYTES` and up to `MAX_STAGES` of them are in flight, all but
-  one in shared memory, as many as the device's shared memory holds beside `SHARED_SLACK`.
+  and `MAX_TILE_BYTES` (the most its registers hold). Pipelined, tiles are `TILE_BYTES`
+  and up to `MAX_STAGES` of them are in flight, all but one in shared memory, as many as
+  the device's shared memory holds beside `SHARED_SLACK`.
 - Only gathers (host reads, whose latency the pipeline hides) of rows that are whole
   `LINE_BYTES` lines at line-aligned offsets are pipelined: asynchronous copies of rows
   that straddle lines run slower than plain loads.
@@ -37,7 +36,6 @@ import torch
 from kvtier.transfer import kernel_args
 
 GRID_BYTES = 512 * 1024
-SCATTER_GRID_BYTES = 256 * 1024
 TILE_BYTES = 64 * 1024
 MAX_TILE_BYTES = 128 * 1024
 MAX_DEFAULT_ROWS = 256  # per TILE_BYTES of tile
@@ -69,13 +67,11 @@ def pipelines(row_bytes: int, align_bytes: int, gather: bool = True) -> bool:
     return gather and row_bytes % LINE_BYTES == 0 and align_bytes % LINE_BYTES == 0
 
 
-def tile_bytes(programs: int, stages: int = 1, gather: bool = True) -> int:
-    """Bytes of rows per tile: `TILE_BYTES` pipelined, else `GRID_BYTES / programs` (a scatter's:
-    `SCATTER_GRID_BYTES / programs`) within bounds."""
+def tile_bytes(programs: int, stages: int = 1) -> int:
+    """Bytes of rows per tile: `TILE_BYTES` pipelined, else `GRID_BYTES / programs` within bounds."""
     if stages > 1:
         return TILE_BYTES
-    grid = GRID_BYTES if gather else SCATTER_GRID_BYTES
-    return max(TILE_BYTES, min(MAX_TILE_BYTES, grid // max(1, programs)))
+    return max(TILE_BYTES, min(MAX_TILE_BYTES, GRID_BYTES // max(1, programs)))
 
 
 def programs_for(row_bytes: int, sm_budget: int, stages: int = 1, wide: bool = False) -> int:
@@ -93,10 +89,10 @@ def is_wide(span_bytes: int, piece_bytes: float) -> bool:
     return span_bytes > WIDE_SPAN_BYTES and piece_bytes < WIDE_PIECE_BYTES
 
 
-def rows_in_flight(row_bytes: int, programs: int = 8, stages: int = 1, gather: bool = True) -> int:
-    """Rows per tile: as many whole rows as `tile_bytes(programs, stages, gather)` holds, at most
+def rows_in_flight(row_bytes: int, programs: int = 8, stages: int = 1) -> int:
+    """Rows per tile: as many whole rows as `tile_bytes(programs, stages)` holds, at most
     `MAX_DEFAULT_ROWS` per `TILE_BYTES` of it."""
-    tile = tile_bytes(programs, stages, gather)
+    tile = tile_bytes(programs, stages)
     return max(1, min(MAX_DEFAULT_ROWS * tile // TILE_BYTES, tile // row_bytes))
 
 

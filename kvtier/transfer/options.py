@@ -170,7 +170,7 @@ def _launch(
         programs = opts.sm_budget
     else:
         programs = rules.programs_for(row_bytes, opts.sm_budget, stages, wide)
-    rows = opts.rows_per_program or rules.rows_in_flight(row_bytes, programs, stages, gather)
+    rows = opts.rows_per_program or rules.rows_in_flight(row_bytes, programs, stages)
     return KernelLaunch(programs, rows, stages)
 
 
