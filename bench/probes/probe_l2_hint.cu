@@ -122,35 +122,9 @@ static void launch(int flavor, int ctas, int threads, const T* host, T* dev, con
     }
 }
 
-template <class F>
-static double time_ms(cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1, F issue, int repeats = 7) {
-    std::vector<float> ms;
-    for (int r = 0; r < repeats + 2; ++r) {
-        CK(cudaEventRecord(e0, s));
-        issue();
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        if (r >= 2) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
-
-static std::vector<int> parse(const char* s) {
-    std::vector<int> out;
-    while (*s) {
-        out.push_back(atoi(s));
-        while (*s && *s != ',') ++s;
-        if (*s) ++s;
-    }
-    return out;
-}
-
 int main(int argc, char** argv) {
-    std::vector<int> rows_list = parse(argc > 1 ? argv[1] : "1152,656,132");
-    std::vector<int> runs_list = parse(argc > 2 ? argv[2] : "1,16,1024");
+    std::vector<int> rows_list = parse_ints(argc > 1 ? argv[1] : "1152,656,132");
+    std::vector<int> runs_list = parse_ints(argc > 2 ? argv[2] : "1,16,1024");
     int max_row = *std::max_element(rows_list.begin(), rows_list.end());
     size_t host_bytes = (size_t)2 * N * max_row, dev_bytes = (size_t)N * max_row;
     char *host, *dev;
@@ -169,7 +143,8 @@ int main(int argc, char** argv) {
     printf("{\"cudart\": %d}\n", CUDART_VERSION);
     for (int row_bytes : rows_list) {
         size_t bytes = (size_t)N * row_bytes;
-        double ceiling = time_ms(s, e0, e1, [&] { CK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s)); });
+        auto copy = [&] { CK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s)); };
+        double ceiling = median_ms(s, e0, e1, copy, 7);
         printf("{\"variant\": \"ceiling\", \"row_bytes\": %d, \"ms\": %.4f, \"gbps\": %.2f}\n", row_bytes, ceiling,
                bytes / 1e6 / ceiling);
         bool wide = row_bytes % 16 == 0;
@@ -201,7 +176,7 @@ int main(int argc, char** argv) {
                         for (int i = 0; i < N && ok; ++i)
                             ok = !memcmp(check.data() + (size_t)i * row_bytes, host + (size_t)src_row[i] * row_bytes,
                                          row_bytes);
-                        double ms = time_ms(s, e0, e1, issue);
+                        double ms = median_ms(s, e0, e1, issue, 7);
                         printf(
                             "{\"variant\": \"%s\", \"row_bytes\": %d, \"host_run\": %d, \"ctas\": %d, \"threads\": %d, "
                             "\"ms\": %.4f, \"gbps\": %.2f, \"of_ceiling\": %.3f, \"identical\": %s}\n",

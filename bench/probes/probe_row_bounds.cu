@@ -78,29 +78,8 @@ __global__ void __launch_bounds__(1024) move(uint4* ha, uint4* da, uint32_t* hb,
     }
 }
 
-template <class F>
-static double time_ms(cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1, F issue, int repeats = 9) {
-    std::vector<float> ms;
-    for (int r = 0; r < repeats + 2; ++r) {
-        CK(cudaEventRecord(e0, s));
-        issue();
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        if (r >= 2) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
-
 int main(int argc, char** argv) {
-    std::vector<int> runs_list;
-    for (const char* r = argc > 1 ? argv[1] : "1,16"; *r;) {
-        runs_list.push_back(atoi(r));
-        while (*r && *r != ',') ++r;
-        if (*r) ++r;
-    }
+    std::vector<int> runs_list = parse_ints(argc > 1 ? argv[1] : "1,16");
     const Case cases[] = {{"a1152", 1152, 0}, {"a656", 656, 0}, {"a2048", 2048, 0}, {"b132", 0, 132},
                           {"a1152b132", 1152, 132}};
     const int max_a = 2048, max_b = 132;
@@ -127,9 +106,9 @@ int main(int argc, char** argv) {
         if (only && strcmp(only, k.name)) continue;
         size_t token = k.a_bytes + k.b_bytes, bytes = (size_t)N * token;
         // The same-run ceiling: one contiguous copy of the layer's bytes, each direction.
-        double ceil_load = time_ms(s, e0, e1, [&] { CK(cudaMemcpyAsync(da, ha, bytes, cudaMemcpyHostToDevice, s)); });
-        double ceil_backup =
-            time_ms(s, e0, e1, [&] { CK(cudaMemcpyAsync(ha, da, bytes, cudaMemcpyDeviceToHost, s)); });
+        auto load = [&] { CK(cudaMemcpyAsync(da, ha, bytes, cudaMemcpyHostToDevice, s)); };
+        auto backup = [&] { CK(cudaMemcpyAsync(ha, da, bytes, cudaMemcpyDeviceToHost, s)); };
+        double ceil_load = median_ms(s, e0, e1, load, 9), ceil_backup = median_ms(s, e0, e1, backup, 9);
         printf("{\"case\": \"%s\", \"ceiling_load_gbps\": %.2f, \"ceiling_backup_gbps\": %.2f}\n", k.name,
                bytes / 1e6 / ceil_load, bytes / 1e6 / ceil_backup);
         int wa = k.a_bytes / 16, wb = k.b_bytes / 4;
@@ -186,7 +165,7 @@ int main(int argc, char** argv) {
                                      !memcmp(got_b.data() + (size_t)i * k.b_bytes,
                                              ref_b.data() + (size_t)src[i] * k.b_bytes, k.b_bytes);
                         }
-                        double ms = time_ms(s, e0, e1, issue);
+                        double ms = median_ms(s, e0, e1, issue, 9);
                         double ceiling = scatter ? ceil_backup : ceil_load;
                         printf(
                             "{\"case\": \"%s\", \"direction\": \"%s\", \"host_run\": %d, \"ctas\": %d, "
