@@ -29,10 +29,10 @@ PY
 (time $KV calibrate --force --json "$OUT/calibration_${GPU}_${DATE}${TAG}.json") 2>&1 | grep -E "calibrated|real"
 for spec in ${BOUND_SPECS:-glm-5 deepseek-v3-fp8-packed deepseek-v3 llama-3.1-8b}; do
   timeout "${SPEC_TIMEOUT:-120}" $KV bench transfer --spec "$spec" --host-sets runs-1,runs-16 \
-    --variants planned,kernel --repeats 10 --kernel-sweep "${SWEEP:-4,8x50,8x25}" --json "$SCRATCH/bounds_${spec}.json" > "$SCRATCH/bounds.log" 2>&1 \
+    --variants planned,kernel --repeats 10 --kernel-sweep "${SWEEP:-4,8x50,8x25}" \
+    --json "$SCRATCH/bounds_${spec}.json" > "$SCRATCH/bounds.log" 2>&1 \
     || tail -3 "$SCRATCH/bounds.log"
-  python3 -c "import json; d = json.load(open('$SCRATCH/bounds_${spec}.json'))
-print('$spec', ' '.join(f\"{r['direction'][0]}:{r['host_runs']}/{r['device'][0]}:{r['variant']}={r['ceiling_ratio']}\" for r in d['rows']))"
+  rows_line "$spec" "$SCRATCH/bounds_${spec}.json"
 done
 python3 bench/device/results.py combine "$OUT/line_rate_bounds_${GPU}_$DATE${TAG}.json" \
   $(for f in "$SCRATCH"/bounds_*.json; do echo "$(basename "$f" .json)=$f"; done)

@@ -20,8 +20,7 @@ for spec in ${OVERLAP_SPECS:-glm-5 deepseek-v3-fp8-packed deepseek-v3 llama-3.1-
     --direction "${DIRECTION:-both}" --repeats 10 --json "$SCRATCH/overlap_${spec}.json" "${SMOKE_TRANSFER[@]}" \
     > "$SCRATCH/overlap.log" 2>&1 || tail -3 "$SCRATCH/overlap.log"
   cp "$SCRATCH/overlap_${spec}.json" "$OUT/line_rate_${spec}_${GPU}_${DATE}${TAG}.json"
-  python3 -c "import json; d = json.load(open('$SCRATCH/overlap_${spec}.json'))
-print('$spec', ' '.join(f\"{r['direction'][0]}:{r['host_runs']}/{r['device'][0]}:{r['variant']}={r['ceiling_ratio']}\" for r in d['rows']))"
+  rows_line "$spec" "$SCRATCH/overlap_${spec}.json"
 done
 python3 bench/device/results.py combine "$OUT/overlap_ab_${GPU}_$DATE${TAG}.json" \
   $(for f in "$SCRATCH"/overlap_*.json; do echo "$(basename "$f" .json)=$f"; done)

@@ -2,8 +2,8 @@
 # Issue 21: backups keep 256 KiB in flight (`launch.SCATTER_GRID_BYTES`: 4 programs of 64 KiB tiles
 # for rows of 1 KiB or more, where they took 128 KiB). That rule is commit c8fb37d, reverted in the
 # next one (bench/FINDINGS.md, dead ends): run this at c8fb37d to repeat the A/B; on later code the
-# planned rows use the 128 KiB tiles and the sweep still times both. `kvtier calibrate --force`, then per spec the
-# per-spec table's run (`--variants planned,serial`, as overlap_ab.sh), with the kernel forced onto
+# planned rows use the 128 KiB tiles and the sweep still times both. `kvtier calibrate --force`,
+# then per spec the per-spec table's run (`--variants planned,serial`, as overlap_ab.sh), with the kernel forced onto
 # fully scattered rows at the old and the new backup tile in the same process (`--kernel-sweep`),
 # then the GPU tests of the kernel, the planner and the executor.
 # TAG names the files (default _scatter_tiles); TESTS=0 skips the tests.
@@ -18,10 +18,9 @@ for spec in ${SPECS:-glm-5 deepseek-v3 llama-3.1-8b deepseek-v3-fp8-packed}; do
     --kernel-sweep "${SWEEP[$spec]}" --repeats 10 --json "$SCRATCH/tiles_${spec}.json" > "$SCRATCH/tiles.log" 2>&1 \
     || tail -3 "$SCRATCH/tiles.log"
   cp "$SCRATCH/tiles_${spec}.json" "$OUT/line_rate_${spec}_${GPU}_${DATE}${TAG}.json"
-  python3 -c "import json; d = json.load(open('$SCRATCH/tiles_${spec}.json'))
-print('$spec', ' '.join(f\"{r['direction'][0]}:{r['host_runs']}/{r['device'][0]}:{r['variant']}={r['ceiling_ratio']}\" for r in d['rows']))"
+  rows_line "$spec" "$SCRATCH/tiles_${spec}.json"
 done
-cp "$SCRATCH/calibration.json" "$OUT/calibration_${GPU}_${DATE}${TAG}.json"
+[ -f "$SCRATCH/calibration.json" ] && cp "$SCRATCH/calibration.json" "$OUT/calibration_${GPU}_${DATE}${TAG}.json"
 [ "${TESTS:-1}" = 1 ] && { timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
   tests/test_transfer.py > "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log" 2>&1; tail -2 "$OUT/gpu_tests_${GPU}_${DATE}${TAG}.log"; }
 exit 0

@@ -38,6 +38,13 @@ PY
   echo "cpus $(nproc)"; grep -E 'MemTotal|MemAvailable' /proc/meminfo
 }
 
+# One line per `kvtier bench transfer` JSON: LABEL, then direction:host set/device set:variant=ratio
+# for every row. Usage: rows_line LABEL FILE
+rows_line() {
+  python3 -c "import json, sys; d = json.load(open(sys.argv[2]))
+print(sys.argv[1], ' '.join(f\"{r['direction'][0]}:{r['host_runs']}/{r['device'][0]}:{r['variant']}={r['ceiling_ratio']}\" for r in d['rows']))" "$1" "$2"
+}
+
 # The line-rate table (README "Line rate at every fragmentation"), as committed in
 # line_rate_transfer_h200_2026-11-30_s7.json: deepseek-v3 bf16, one layer of 131072 tokens, every
 # host and device set, the planned path, the kernel forced and the stock kernel, 10 repeats.
