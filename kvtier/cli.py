@@ -33,7 +33,6 @@ from kvtier.cli_args import (
     byte_size,
     chat_template_file,
     device_flag,
-    json_flag,
     model_flag,
     non_negative,
     non_negative_float,
@@ -50,7 +49,6 @@ from kvtier.errors import ConfigError, KVTierError
 COMMANDS = {
     "demo": "kvtier.engine.demo",
     "serve": "kvtier.engine.server",
-    "calibrate": "kvtier.transfer.calibrate_command",
 } | {f"bench {b}": f"kvtier.bench.{b}" for b in BENCHES}
 
 
@@ -180,19 +178,6 @@ def _demo(sub) -> None:
     _storage_flags(d, "the turns use none; the restart part a temporary file:// store")
 
 
-def _calibrate(sub) -> None:
-    c = sub.add_parser("calibrate", help="measure this GPU's transfer costs for the planner, and cache them")
-    device_flag(c)
-    c.add_argument(
-        "--spec",
-        type=lambda v: tuple(x for x in v.split(",") if x),
-        metavar="NAMES",
-        help="comma list of spec presets whose row sizes to measure (default: every real model's preset)",
-    )
-    c.add_argument("--force", action="store_true", help="measure again even where the cache holds the sizes")
-    json_flag(c)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; building it imports nothing heavy."""
     p = Parser(prog="kvtier", description="Hierarchical KV cache for LLM serving.")
@@ -201,7 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     _serve(sub)
     _demo(sub)
-    _calibrate(sub)
     add_bench(sub)
     return p
 

@@ -27,18 +27,8 @@ ALLOC_POLICIES = ("contiguous", "first_fit")  # kvtier.alloc.AllocPolicy
 DIRECTIONS = ("load", "backup", "both")  # kvtier.pool.device.Direction, or both
 # `kvtier bench transfer`'s host slot sets and variants (kvtier.bench.transfer reads these)
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
-VARIANTS = (
-    "planned",
-    "serial",
-    "single_copy",
-    "batched_dma",
-    "per_run",
-    "staged",
-    "stacked",
-    "kernel",
-    "stock",
-    "reference",
-)
+VARIANTS = ("planned", "kernel", "copy", "stock", "reference")
+DEFAULT_VARIANTS = ("planned", "kernel", "copy")
 DEVICE_SETS = ("contiguous", "scattered")
 STORAGE_PARTS = ("throughput", "compression", "ttft")  # kvtier.bench.storage.Part
 STORAGE_BACKENDS = ("file", "redis")  # kvtier.bench.storage.BACKENDS
@@ -254,11 +244,21 @@ def write_policy_flag(p: argparse.ArgumentParser, choices: tuple[str, ...], defa
     p.add_argument("--write-policy", choices=choices, default=default, help="when device pages are backed up")
 
 
-def csv_flag(p: argparse.ArgumentParser, flag: str, choices: tuple[str, ...], runs: bool = False) -> None:
-    """A comma list of `choices`, all of them by default; with `runs`, also `runs-N` for any N >= 1."""
+def csv_flag(
+    p: argparse.ArgumentParser,
+    flag: str,
+    choices: tuple[str, ...],
+    runs: bool = False,
+    default: tuple[str, ...] | None = None,
+) -> None:
+    """A comma list of `choices`, all of them by default (or `default`); with `runs`, also `runs-N` for
+    any N >= 1."""
     extra = ",runs-N" if runs else ""
     p.add_argument(
-        flag, type=csv_of(choices, runs), default=choices, help=f"comma list of {','.join(choices)}{extra}"
+        flag,
+        type=csv_of(choices, runs),
+        default=choices if default is None else default,
+        help=f"comma list of {','.join(choices)}{extra} (default: {','.join(default or choices)})",
     )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from kvtier.cli_args import (
     BATCHING_PARTS,
     CACHE_PARTS,
+    DEFAULT_VARIANTS,
     DEVICE_SETS,
     DIRECTIONS,
     DTYPES,
@@ -65,10 +66,26 @@ def kernel_shapes(text: str) -> tuple:
     return tuple(kernel_shape(x) for x in text.split(",") if x)
 
 
-def _timing_flags(p: argparse.ArgumentParser) -> None:
-    """The flags `bench transfer` and `bench overlap` share."""
+def token_counts(text: str) -> tuple[int, ...]:
+    """A comma list of positive token counts."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise ArgumentTypeError(f"{text!r} must be a comma list of positive token counts")
+    return out
+
+
+def _timing_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """The flags `bench transfer` and `bench overlap` share (`sweep`: several `--tokens` at once)."""
     p.add_argument("--spec", choices=SPECS, help="KV spec preset (default: deepseek-v3)")
-    p.add_argument("--tokens", type=positive, help="prefix length (default: 131072 on CUDA, 16384 on CPU)")
+    what = "prefix lengths, a comma list swept in one process" if sweep else "prefix length"
+    p.add_argument(
+        "--tokens",
+        type=token_counts if sweep else positive,
+        help=f"{what} (default: 131072 on CUDA, 16384 on CPU)",
+    )
     p.add_argument("--page-size", type=positive, default=1, help="tokens per page")
     p.add_argument("--layout", choices=LAYOUTS, default="layer_first", help="host pool layout")
     device_flag(p)
@@ -85,29 +102,18 @@ def _timing_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_transfer(bench) -> None:
-    t = bench.add_parser("transfer", help="host <-> device transfer paths at every fragmentation")
-    _timing_flags(t)
+    t = bench.add_parser("transfer", help="host <-> device transfer paths at every fragmentation and size")
+    _timing_flags(t, sweep=True)
     t.add_argument("--direction", choices=DIRECTIONS, default="both", help="the direction timed")
     t.add_argument("--cycles", type=non_negative, default=8, help="fill/evict cycles before the churn rows")
     csv_flag(t, "--host-sets", HOST_SETS, runs=True)
     csv_flag(t, "--device-sets", DEVICE_SETS)
-    csv_flag(t, "--variants", VARIANTS)
+    csv_flag(t, "--variants", VARIANTS, default=DEFAULT_VARIANTS)
     t.add_argument(
         "--kernel-sweep",
         type=kernel_shapes,
         default=(),
         help="extra kernel shapes timed on the fully scattered set, e.g. 4x32,8x64,8s1",
-    )
-    t.add_argument(
-        "--layers",
-        type=positive,
-        default=1,
-        help="layers each timed call moves (page_first kernel rows then move in layer groups)",
-    )
-    t.add_argument(
-        "--staging-tokens",
-        type=positive,
-        help="rows of the widest buffer the device staging holds per direction (default: --tokens)",
     )
     t.add_argument(
         "--host-slots",
@@ -186,12 +192,6 @@ def _bench_cache(bench) -> None:
     c.add_argument("--reload-ids", choices=ID_DTYPES, default="int32", help="dtype of the ids given to match")
     c.add_argument(
         "--reload-layout", choices=LAYOUTS, default="layer_first", help="host layout of the reload's pool"
-    )
-    c.add_argument(
-        "--reload-layers-per-load",
-        type=positive,
-        default=1,
-        help="layers a kernel reload moves per launch (page_first: layer groups)",
     )
     c.add_argument("--evict-nodes", type=positive, default=100_000, help="nodes in the eviction part's tree")
     c.add_argument("--evict-k", type=positive, default=1000, help="nodes each eviction part's call evicts")

@@ -129,7 +129,7 @@ class KVSpec:
 
     @property
     def widest_row_bytes(self) -> int:
-        """Bytes of the widest buffer's row (what a staging row or a kernel unit is sized by)."""
+        """Bytes of the widest buffer's row (what a kernel unit is sized by)."""
         return max(b.row_bytes for b in self.buffers)
 
     def bytes_per_token(self, buffer: str | None = None) -> int:

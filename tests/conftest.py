@@ -10,9 +10,6 @@ import torch
 # before anything imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Planners on a GPU plan on `PathCosts`' thresholds, which the tests' expected mechanisms follow;
-# the calibration's tests turn it on where they need it (tests/test_costs.py).
-os.environ["KVTIER_CALIBRATION"] = "off"
 
 import pytest
 

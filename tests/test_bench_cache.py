@@ -113,28 +113,18 @@ def test_prefix_reload_on_cpu(policy: WritePolicy, host_runs: int) -> None:
     assert row.reload_ms is None and row.ratio is None and row.ceiling_gbps is None
 
 
-def test_prefix_reload_from_a_page_first_pool_in_layer_groups() -> None:
-    """The reload bench takes the host layout and the layers a kernel reload moves per launch."""
+def test_prefix_reload_from_a_page_first_pool() -> None:
+    """The reload bench takes the host layout."""
     spec = preset("tiny-dsa", 1)
     row = run_prefix_reload(
-        spec, tokens=2048, device="cpu", repeats=1, host_runs=64, host_layout="page_first", layers_per_load=2
+        spec, tokens=2048, device="cpu", repeats=1, host_runs=64, host_layout="page_first"
     )
     assert row.loaded_bytes == 2048 * spec.bytes_per_token()
 
 
-@pytest.mark.parametrize(
-    ("layout", "layers_per_load"), [("page_last", 1), ("page_first", 0), ("layer_first", True)]
-)
-def test_prefix_reload_refuses_a_bad_layout_or_group(layout: str, layers_per_load) -> None:
-    with pytest.raises(ValueError, match=r"page_last|layers_per_load"):
-        run_prefix_reload(
-            preset("tiny-mla", 1),
-            tokens=64,
-            device="cpu",
-            repeats=1,
-            host_layout=layout,
-            layers_per_load=layers_per_load,
-        )
+def test_prefix_reload_refuses_a_bad_layout() -> None:
+    with pytest.raises(ValueError, match="page_last"):
+        run_prefix_reload(preset("tiny-mla", 1), tokens=64, device="cpu", repeats=1, host_layout="page_last")
 
 
 @pytest.mark.parametrize(("tokens", "host_runs"), [(4096, 0), (4096, 3), (4098, 1)])

@@ -22,8 +22,8 @@ def runs(slots: torch.Tensor) -> int:
 def test_the_transfer_benchs_churn_rows_keep_their_committed_run_counts(policy: str, want: int) -> None:
     """`kvtier bench transfer`'s churn rows: 131072 tokens after 8 cycles in a 262144-slot pool, seed 0.
 
-    The committed H200 tables (bench/results/line_rate_transfer_h200_*.json) list 112 and
-    797 host runs for them; a change to the generator's draws shows here first.
+    The H200 transfer tables measured so far list 112 and 797 host runs for them; a change to
+    the generator's draws shows here first.
     """
     slots = after_churn(policy, 131072, 262144, 1, 8, seed=0)
     assert len(slots) == 131072 and len(torch.unique(slots)) == 131072

@@ -1,8 +1,6 @@
-"""`kvtier bench transfer` on the CPU: its byte check, and calls that move several layers."""
+"""`kvtier bench transfer` on the CPU: its byte check, calls that move several layers, and its cells."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -61,17 +59,6 @@ def test_more_layers_than_the_spec_has_are_refused() -> None:
         transfer.run(_config(4))
 
 
-def test_forced_stacks_are_timed_and_checked_in_page_first_only() -> None:
-    """The `stacked` variant on every layer of `page_first` calls, through a small staging buffer
-    (windows of a few pages), byte-checked; `layer_first` leaves it out."""
-    cfg = _config(3, variants=("stacked",), host_sets=("contiguous", "runs-1"), staging_tokens=8)
-    rows, meta = transfer.run(cfg)
-    assert meta["staging_tokens"] == 8
-    assert rows and all(r.path == "stacked" and r.identical for r in rows)
-    rows, _ = transfer.run(dataclasses.replace(cfg, layout=HostLayout.LAYER_FIRST))
-    assert rows == []
-
-
 def test_runs_of_any_length_are_a_host_set_and_unknown_sets_are_refused() -> None:
     cfg = _config(1, host_sets=("runs-5", "runs-1"), variants=("planned",), layout=HostLayout.LAYER_FIRST)
     rows, _ = transfer.run(cfg)
@@ -101,3 +88,67 @@ def test_the_host_pool_s_slots_are_a_setting_and_fewer_than_the_tokens_are_refus
     assert seen == [1024, 128] and meta["host_slots"] == 128
     with pytest.raises(ConfigError, match="host_slots 63 must be at least tokens 64"):
         _config(1, host_slots=63)
+
+
+def _row(variant: str, ratio: float, tokens: int = 1024, host: str = "runs-1", **kw) -> transfer.Row:
+    fields = dict(
+        direction="load",
+        path="kernel" if variant != "copy" else "copy",
+        variant=variant,
+        planned=variant == "planned",
+        host_runs=host,
+        host_run_count=7,
+        device="scattered",
+        tokens=tokens,
+        nbytes=1,
+        sms=0,
+        kernel="",
+        ms=1.0,
+        gbps=1.0,
+        ceiling_ratio=ratio,
+        identical=True,
+    )
+    return transfer.Row(**(fields | kw))
+
+
+def test_cells_name_the_best_forced_variant_and_the_planned_ones_gap_to_it() -> None:
+    rows = [
+        _row("planned", 0.80, path="mixed"),
+        _row("kernel", 0.70),
+        _row("copy", 0.85),
+        _row("planned", 0.60, tokens=4096),
+        _row("kernel", 0.50, tokens=4096, identical=False),
+        _row("planned", 0.9, host="contiguous"),  # no forced variant timed here
+        _row("copy", 0.9, host="runs-16"),  # no planned one
+    ]
+    cells = {(c["tokens"], c["host"]): c for c in transfer.cells(rows)}
+    assert len(cells) == 4
+    first = cells[1024, "runs-1"]
+    assert first["ratios"] == {"planned": 0.80, "kernel": 0.70, "copy": 0.85}
+    assert (first["best_forced"], first["gap"], first["path"], first["identical"]) == (
+        "copy",
+        -0.05,
+        "mixed",
+        True,
+    )
+    assert first["runs"] == 7 and first["direction"] == "load" and first["device"] == "scattered"
+    second = cells[4096, "runs-1"]
+    assert (second["best_forced"], second["gap"], second["identical"]) == ("kernel", 0.1, False)
+    assert (cells[1024, "contiguous"]["best_forced"], cells[1024, "contiguous"]["gap"]) == (None, None)
+    assert (cells[1024, "runs-16"]["best_forced"], cells[1024, "runs-16"]["gap"]) == ("copy", None)
+    assert "path" not in cells[1024, "runs-16"]
+
+
+@needs_triton
+def test_the_default_variants_are_timed_and_checked_on_every_host_set() -> None:
+    """planned, kernel and copy on a run, runs of 16 and single rows: every one byte-checked; the forced
+    ones took their paths; one cell per host set and direction."""
+    cfg = _config(1, host_sets=("contiguous", "runs-16", "runs-1"), variants=transfer.DEFAULT_VARIANTS)
+    rows, meta = transfer.run(cfg)
+    assert meta["tokens"] == 64
+    assert {(r.host_runs, r.variant) for r in rows} == {
+        (h, v) for h in ("contiguous", "runs-16", "runs-1") for v in ("planned", "kernel", "copy")
+    }
+    assert all(r.identical for r in rows)
+    assert all(r.path == r.variant for r in rows if not r.planned)
+    assert [c["best_forced"] in ("kernel", "copy") for c in transfer.cells(rows)] == [True] * 6

@@ -24,7 +24,7 @@ from kvtier.transfer import TransferPath, kernels
 
 def make(policy=WritePolicy.WRITE_THROUGH, device=32, host=64, ps=2, mover=None, **kw) -> CacheController:
     spec = preset("tiny-dsa", ps)
-    dev, host_pool = DevicePool(spec, device, staging_tokens=8), HostPool(spec, host)
+    dev, host_pool = DevicePool(spec, device), HostPool(spec, host)
     return CacheController(
         dev, host_pool, CacheConfig(write_policy=policy, **kw), mover=mover(dev, host_pool) if mover else None
     )
@@ -368,7 +368,7 @@ def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch
 
     monkeypatch.setattr(runs_module, "scan", no_scan)
     h = c.load_back(m)
-    assert h.plan is not None and h.plan.path is TransferPath.SINGLE_COPY
+    assert h.plan is not None and h.plan.path is TransferPath.COPY and h.plan.joint_runs == 1
     c.flush()
     c.check_invariants()
 
@@ -396,15 +396,14 @@ def test_event_signals_are_made_once_and_every_event_goes_back_to_the_pool() -> 
 
 
 @pytest.mark.skipif(not kernels.runs_on(torch.device("cpu")), reason="needs Triton's CPU interpreter")
-@pytest.mark.parametrize("per_load", [1, 2, 5])
-def test_loads_in_layer_groups_land_every_layer_and_signal_per_group(per_load) -> None:
-    """`layers_per_load`: page_first kernel rows of a group of layers in one call; every layer's
-    rows byte-identical, each layer's signal its group's."""
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_kernel_reloads_land_every_layer_and_signal_per_layer(layout) -> None:
+    """A reload forced onto the kernel: every layer's rows byte-identical, one signal per layer."""
     spec = preset("tiny-dsa", 1)
     c = CacheController(
         DevicePool(spec, 32),
-        HostPool(spec, 64, "page_first"),
-        CacheConfig(force_path=TransferPath.KERNEL, layers_per_load=per_load),
+        HostPool(spec, 64, layout),
+        CacheConfig(force_path=TransferPath.KERNEL),
     )
     tokens = tuple(range(9))
     slots = fill(c, tokens)
@@ -416,9 +415,8 @@ def test_loads_in_layer_groups_land_every_layer_and_signal_per_group(per_load) -
         w = as_words(c.device_pool.layer(*key))
         w.copy_(~w)
     h = c.load_back(c.match(tokens))
-    groups = [range(lo, min(lo + per_load, spec.num_layers)) for lo in range(0, spec.num_layers, per_load)]
-    assert [len({id(h.layer_signals[i]) for i in g}) for g in groups] == [1] * len(groups)
-    assert len({id(s) for s in h.layer_signals}) == len(groups)
+    assert h.plan is not None and h.plan.path is TransferPath.KERNEL
+    assert len({id(s) for s in h.layer_signals}) == len(h.layer_signals) == spec.num_layers
     for layer in range(spec.num_layers):
         h.wait_layer(layer)
     for (name, layer), rows_before in want.items():
@@ -426,7 +424,14 @@ def test_loads_in_layer_groups_land_every_layer_and_signal_per_group(per_load) -
 
 
 @pytest.mark.parametrize(
-    "bad", [{"layers_per_load": 0}, {"selective_hits": 0}, {"recompute_below": -1}, {"eviction": "mru"}]
+    "bad",
+    [
+        {"selective_hits": 0},
+        {"recompute_below": -1},
+        {"eviction": "mru"},
+        {"force_path": "per_run"},
+        {"force_path": "staged"},
+    ],
 )
 def test_a_bad_config_is_refused_when_made(bad) -> None:
     """Before any pool or cache is built: the config itself refuses out-of-range options."""

@@ -47,7 +47,7 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize()
     def build(self) -> None:
         self.spec = preset(self.spec_name, PS)
-        self.dev = DevicePool(self.spec, 24, staging_tokens=8)
+        self.dev = DevicePool(self.spec, 24)
         self.host = HostPool(self.spec, 32, self.layout)
         self.cache = CacheController(
             self.dev,

@@ -617,3 +617,55 @@ def test_kernels_are_wrapped_once_per_mode_and_again_when_it_changes(monkeypatch
     other = wrapped()
     assert other is not first and wrapped() is other
     assert type(other) is not type(first)  # a compiled function against an interpreted one
+
+
+@pytest.mark.skipif(CUDA, reason="under the interpreter both tiers are CPU tensors of one process")
+@pytest.mark.parametrize("row_bytes", [48, 132, 1152])
+@pytest.mark.parametrize("gather", [True, False])
+def test_a_prepared_launch_reaches_rows_below_and_above_its_base(row_bytes, gather, gen) -> None:
+    """`prepare_rows` then `RowLaunch.run`: rows at negative and positive byte offsets from one base (the
+    middle of an allocation) move bit for bit, in either direction; no other row is written; a launch
+    of no rows writes nothing."""
+    from kvtier.pool.rows import flat_words
+
+    slots = 96
+    far = random_words(slots * row_bytes, torch.uint8, gen)  # the host side: base at slot 32
+    near = random_words(slots * row_bytes, torch.uint8, gen)  # the device side: base at slot 0
+    base = 32 * row_bytes
+    far_slots = torch.randperm(slots, generator=gen)[:50]
+    near_slots = torch.randperm(slots, generator=gen)[:50]
+    assert (far_slots < 32).any() and (far_slots >= 32).any()
+    far_off = far_slots.numpy().astype(np.int64) * row_bytes - base
+    near_off = near_slots.numpy().astype(np.int64) * row_bytes
+    src_off, dst_off = (far_off, near_off) if gather else (near_off, far_off)
+    bases = [far.data_ptr() + base, near.data_ptr()]
+    prepared = kernels.prepare_rows(
+        row_bytes, src_off, dst_off, bases, gather, torch.device("cpu"), 4, None, None, lambda t: t
+    )
+    word = prepared.shape.word
+    assert prepared.n == 50 and prepared.src_off.dtype == torch.int64
+    assert prepared.shape.row_vecs * prepared.shape.kwargs["VEC"] * word == row_bytes
+
+    def views():
+        ends = flat_words(far[base:], word), flat_words(near, word)
+        return ends if gather else ends[::-1]
+
+    far_rows, near_rows = far.view(slots, row_bytes).clone(), near.view(slots, row_bytes).clone()
+    src, dst = (bases[0], bases[1]) if gather else (bases[1], bases[0])
+    empty = kernels.prepare_rows(
+        row_bytes, src_off[:0], dst_off[:0], bases, gather, torch.device("cpu"), 4, None, None, lambda t: t
+    )
+    empty.run(src, dst, views)
+    assert torch.equal(far.view(slots, row_bytes), far_rows) and torch.equal(
+        near.view(slots, row_bytes), near_rows
+    )
+    prepared.run(src, dst, views)
+    if gather:
+        want, got, keep = near_rows.clone(), near.view(slots, row_bytes), far.view(slots, row_bytes)
+        want[near_slots] = far_rows[far_slots]
+        assert torch.equal(keep, far_rows)
+    else:
+        want, got, keep = far_rows.clone(), far.view(slots, row_bytes), near.view(slots, row_bytes)
+        want[far_slots] = near_rows[near_slots]
+        assert torch.equal(keep, near_rows)
+    assert torch.equal(got, want)

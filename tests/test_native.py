@@ -18,7 +18,7 @@ from kvtier.errors import CudaRuntimeError, PlanError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
-from kvtier.transfer import TransferPath, dma, native
+from kvtier.transfer import PathCosts, TransferPath, dma, native
 from kvtier.transfer.cudart import MEMCPY_DEFAULT
 from kvtier.transfer.lanes import DeferredLane, Signal
 from kvtier.transfer.native import loop_takes, run_buffers, run_layers
@@ -138,6 +138,14 @@ def expected_calls(runs, host, dev, direction, events, small, order=0xF0, curren
     return calls
 
 
+def raw_planner(host: HostPool, dev: DevicePool, **kw) -> Planner:
+    """A planner that plans raw copies, as on CUDA with a runtime: the stand-in runtime makes them
+    (on CPU pools a `Planner` leaves its copies to torch, `batched` False, and plans none for the loop)."""
+    planner = Planner(host, dev, **kw)
+    planner.batched = True
+    return planner
+
+
 def joint_of(copies) -> list[tuple[int, int, int]]:
     return list(zip(*(copies.joint[i].tolist() for i in (1, 2, 3)), strict=True))
 
@@ -160,7 +168,7 @@ def test_run_layers_makes_the_calls_of_its_runs(lib, small, layout, direction, p
     dev = DevicePool(spec, 512)
     runs = ([(40, 80), (300, 80), (1000, 8)], [(0, 80), (200, 80), (400, 8)])
     n = sum(k for _, k in runs[0])
-    copies = Planner(host, dev, force="per_run").copies(n, runs)
+    copies = raw_planner(host, dev, force="copy").copies(n, runs)
     assert copies is not None and copies.joint.shape[1] > 3  # cut at segment edges
     events = [0xE0 + i for i in range(spec.num_layers)] if per_layer else [0xEE]
     got = FakeRuntime()
@@ -177,7 +185,7 @@ def test_run_layers_refuses_copies_and_buffers_of_other_pools(lib, pin) -> None:
     pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
-    copies = Planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
+    copies = raw_planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
     events = list(range(1, spec.num_layers + 1))
     for other in (run_buffers(HostPool(spec, 256), dev), run_buffers(host, DevicePool(spec, 256))):
         rt = FakeRuntime()
@@ -191,7 +199,7 @@ def test_run_layers_names_the_failing_layer_and_stops(lib, pin) -> None:
     pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
-    copies = Planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
+    copies = raw_planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
     buffers = run_buffers(host, dev)
     events = list(range(1, spec.num_layers + 1))
     assert len(events) == 3
@@ -212,7 +220,7 @@ def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, pin) -> None:
     pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
-    copies = Planner(host, dev, force="per_run").copies(64, ([(0, 32), (128, 32)], [(0, 64)]))
+    copies = raw_planner(host, dev, force="copy").copies(64, ([(0, 32), (128, 32)], [(0, 64)]))
     rt = FakeRuntime(batch=False)
     loop = rt.native(lib)
     loop.has_batch = True  # past the Python check, into the C one
@@ -228,12 +236,17 @@ def test_the_loop_does_not_take_runs_that_fan_out_or_need_a_missing_batch_call(l
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
     runs = ([(i * 64, 32) for i in range(20)], [(0, 640)])
-    copies = Planner(host, dev, force="per_run").copies(640, runs)
+    copies = raw_planner(host, dev, force="copy").copies(640, runs)
+    # Runs of 1.5 KB, short: the planner fans them out over its copy streams, which the loop does not.
+    assert copies.streams == PathCosts().copy_streams
     with_batch, without = FakeRuntime().native(lib), FakeRuntime(batch=False).native(lib)
-    assert loop_takes(with_batch, copies) and not loop_takes(without, copies)
-    fanned = dataclasses.replace(copies, streams=4)
+    assert not loop_takes(with_batch, copies)
+    one = raw_planner(host, dev, force="copy", costs=PathCosts(copy_streams=1)).copies(640, runs)
+    assert one.streams == 1
+    assert loop_takes(with_batch, one) and not loop_takes(without, one)
+    fanned = dataclasses.replace(one, streams=4)
     assert not loop_takes(with_batch, fanned)
-    few = Planner(host, dev, force="per_run").copies(64, ([(0, 32), (64, 32)], [(0, 64)]))
+    few = raw_planner(host, dev, force="copy").copies(64, ([(0, 32), (64, 32)], [(0, 64)]))
     assert loop_takes(without, dataclasses.replace(few, streams=4))  # plain copies: one stream
 
 
@@ -266,6 +279,7 @@ def loop_cache(dev: DevicePool, host: HostPool, config: CacheConfig, loop: nativ
     mover = DeviceHostMover(
         dev, host, costs=config.costs, force=config.force_path, lanes=(_LoopLane(), _LoopLane()), loop=loop
     )
+    mover.transfers.planner.batched = True  # raw copies, as `raw_planner`'s
     return CacheController(dev, host, config, mover=mover)
 
 
@@ -292,10 +306,12 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
     assert len(m.host_nodes) == 2  # split after 8 tokens: two nodes, host runs from both
     h = c.load_back(m)
     assert built == []  # submitted from the runs alone
-    assert h.plan is not None and h.plan.path in (TransferPath.SINGLE_COPY, TransferPath.PER_RUN) and built
+    assert h.plan is not None and h.plan.path is TransferPath.COPY and built
     events = [0xE0 + i for i in range(spec.num_layers)]
     (part,) = h.plan.parts
-    runs = part.runs.triples
+    runs = list(
+        zip(part.runs.host.tolist(), part.runs.device.tolist(), part.runs.length.tolist(), strict=True)
+    )
     assert rt.calls == expected_calls(
         runs, c.host_pool, c.device_pool, Direction.LOAD, events, dma.small_batch()
     )
@@ -331,9 +347,11 @@ def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, pin
     # Room for the prefix in exactly those runs, the gaps between them, and 4 slots more.
     host = HostPool(spec, run_len * host_runs + 4 * host_runs, layout, chunk_bytes=8 << 10)
     assert host.num_segments() > 1
-    # Copy-engine plans forced: without a GPU the planner would stage runs this short.
+    # Copy-engine plans forced: without a GPU the planner may pick the reference path for runs this short.
     rt = FakeRuntime(move=True)
-    c = loop_cache(DevicePool(spec, 512), host, CacheConfig(force_path="per_run"), rt.native(lib))
+    # One copy stream: short runs fanned out over several would not go out from the loop.
+    config = CacheConfig(force_path="copy", costs=PathCosts(copy_streams=1))
+    c = loop_cache(DevicePool(spec, 512), host, config, rt.native(lib))
     held, runs_held = [], []
     for i in range(host_runs):  # the prefix's future runs, each but the last followed by 4 held slots
         runs_held.append(c.host_alloc.alloc(run_len))
@@ -368,3 +386,18 @@ def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, pin
     for slots in held:  # the test's own: every other slot is free or a node's
         c.host_alloc.free(slots)
     c.check_invariants()
+
+
+def test_a_planner_without_raw_copies_plans_none_for_the_loop() -> None:
+    """Torch copies (a CPU pool, or no raw runtime) never go out from the loop: `copies` is None, while
+    the same runs with raw copies are one copy each; a plan whose rows some other mechanism moves is
+    None either way."""
+    spec = preset("tiny-mla", 4)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    runs = ([(0, 32), (128, 32)], [(0, 64)])
+    assert Planner(host, dev, force="copy").copies(64, runs) is None
+    copies = raw_planner(host, dev, force="copy").copies(64, runs)
+    assert copies is not None and joint_of(copies) == [(0, 0, 32), (128, 32, 32)]
+    assert raw_planner(host, dev, force="reference").copies(64, runs) is None
+    with pytest.raises(PlanError, match="the plan has"):
+        raw_planner(host, dev).copies(60, runs)

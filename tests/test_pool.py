@@ -1,4 +1,4 @@
-"""Host and device pools: layouts, chunking, memory budget, pinning rules, staging footprint, close."""
+"""Host and device pools: layouts, chunking, memory budget, pinning rules, footprint, close."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from conftest import random_rows, same_bytes
 
 from kvtier.errors import ClosedError, HostMemoryError, LayoutError, PinError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
-from kvtier.pool.device import Direction
 from kvtier.pool.memory import host_memory_bytes
 from kvtier.spec import preset
 
@@ -99,12 +98,11 @@ def test_progress_is_reported_per_chunk() -> None:
     assert seen[-1] == (pool.footprint_bytes, pool.footprint_bytes)
 
 
-def test_device_pool_counts_its_staging() -> None:
+def test_device_pool_counts_its_rows_and_nothing_else() -> None:
     spec = preset("tiny-dsa")
-    pool = DevicePool(spec, 100, staging_tokens=10)
-    # tiny-dsa: a 24-value bf16 latent on 3 layers and a 132-byte indexer row on 2; staging holds
-    # 10 rows of the widest row (the indexer's) per direction.
-    assert pool.footprint_bytes == 100 * (3 * 48 + 2 * 132) + 2 * 10 * 132
+    pool = DevicePool(spec, 100)
+    # tiny-dsa: a 24-value bf16 latent on 3 layers and a 132-byte indexer row on 2.
+    assert pool.footprint_bytes == 100 * (3 * 48 + 2 * 132)
     assert pool.layer("indexer", 2).shape == (100, 132)
     with pytest.raises(SpecError, match="no layer 1"):
         pool.layer("indexer", 1)
@@ -138,6 +136,7 @@ def test_a_closed_host_pool_holds_no_memory_and_refuses_every_access(layout: Hos
         lambda: pool.locate("kv", np.array([0], dtype=np.int64)),
         lambda: pool.row_map("kv"),
         lambda: pool.region_ptrs("kv"),
+        lambda: pool.region_classes("kv"),
         lambda: pool.region_words("kv", 0, 0),
         lambda: pool.gather("kv", 0, slots),
         lambda: pool.scatter("kv", 0, slots, rows),
@@ -156,6 +155,25 @@ def test_a_host_pool_closes_when_its_block_ends_even_on_an_error() -> None:
     assert pool.closed
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 4096, 1000])
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_region_classes_give_every_layer_its_regions_distances_from_the_first(layout, chunk_bytes) -> None:
+    """`region_classes`: each layer's row of `region_ptrs` less its first region equals its class's
+    row; the classes are distinct; a pool of one chunk per buffer has one class."""
+    spec = preset("tiny-dsa", 2)
+    pool = HostPool(spec, 256, layout, chunk_bytes=chunk_bytes)
+    for b in spec.buffers:
+        ptrs = pool.region_ptrs(b.name)
+        classes, layer_class = pool.region_classes(b.name)
+        assert layer_class.shape == (len(b.layers),) and classes.shape[1] == ptrs.shape[1]
+        for j in range(len(b.layers)):
+            assert (ptrs[j] - ptrs[j, 0] == classes[layer_class[j]]).all()
+        assert len({tuple(c) for c in classes.tolist()}) == len(classes)
+        assert set(layer_class.tolist()) == set(range(len(classes)))
+        if len(pool.chunks(b.name)) == 1:
+            assert len(classes) == 1 and (classes == 0).all()
+
+
 def test_region_pointers_are_read_only() -> None:
     pool = HostPool(preset("tiny-mla"), 64)
     with pytest.raises(ValueError, match="read-only"):
@@ -164,8 +182,8 @@ def test_region_pointers_are_read_only() -> None:
 
 def test_a_closed_device_pool_drops_its_tensors_and_refuses_access() -> None:
     spec = preset("tiny-dsa")
-    with DevicePool(spec, 32, staging_tokens=8) as pool:
-        refs = [weakref.ref(pool.layer("kv", 0)), weakref.ref(pool.staging(Direction.LOAD))]
+    with DevicePool(spec, 32) as pool:
+        refs = [weakref.ref(pool.layer("kv", 0)), weakref.ref(pool.layer("indexer", 2))]
         assert pool.layer_ptrs("indexer").shape == (2,)
     gc.collect()
     assert pool.closed and all(r() is None for r in refs)
@@ -173,7 +191,6 @@ def test_a_closed_device_pool_drops_its_tensors_and_refuses_access() -> None:
         lambda: pool.layer("kv", 0),
         lambda: pool.raw_rows("kv"),
         lambda: pool.layer_ptrs("kv"),
-        lambda: pool.staging(Direction.BACKUP),
     ):
         with pytest.raises(ClosedError, match="device pool"):
             access()

@@ -1,14 +1,18 @@
-"""Every transfer path against a per-token reference, byte for byte, with poisoned destinations."""
+"""Every transfer path against a per-token reference, byte for byte, with poisoned destinations; what
+each plan's parts move and what plans refuse; `Transfers.submit` on a deferred CPU lane."""
 
 from __future__ import annotations
 
 import collections
 import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import host_row, host_rows, poison_device, poison_host, random_rows, run_and_check, same_bytes
+from conftest import host_row, poison_device, poison_host, random_rows, run_and_check, same_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError, PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
@@ -22,21 +26,26 @@ from kvtier.transfer import (
     TransferPlan,
     backup,
     dma,
-    groups,
+    kernel_args,
     kernels,
     launch,
     load_layer,
     load_layers,
 )
-from kvtier.transfer.options import Mechanism
-from kvtier.transfer.parts import CopyPart, StagedPart, copy_streams
+from kvtier.transfer import runs as slot_runs
+from kvtier.transfer.lanes import DeferredLane
+from kvtier.transfer.parts import CopyPart, KernelPart, ReferencePart
+from kvtier.transfer.submit import Operation, Transfers
 
 SPECS = ["tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8", "tiny-dsa"]
 PAGE_SIZES = [1, 16, 64]
 HOST_SLOTS = 256
 DEVICE_SLOTS = 192
 TOKENS = 128
-FREE_COPIES = PathCosts(copy_issue_s=0.0)
+
+needs_triton = pytest.mark.skipif(
+    not kernels.runs_on(torch.device("cpu")), reason="needs Triton's CPU interpreter"
+)
 
 
 def slot_case(case: str, ps: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,21 +67,37 @@ def slot_case(case: str, ps: int, gen: torch.Generator) -> tuple[torch.Tensor, t
     }[case]
 
 
+def _runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal ascending runs of `slots`, cut arbitrarily more (callers may hand over split runs)."""
+    out: list[tuple[int, int]] = []
+    for s in slots.tolist():
+        if out and out[-1][0] + out[-1][1] == s and len(out) % 3:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
+# How a case plans: the planner on its own (on CPU: copies or the reference path), the planner allowed
+# the kernel (its rule between copies and kernel), or one path forced.
+PATHS = ["planned", "planned-kernel", "copy", "kernel", "reference"]
+
+
+def planner_for(path: str, host: HostPool, dev: DevicePool, **kw) -> Planner:
+    if path == "planned":
+        return Planner(host, dev, **kw)
+    if path == "planned-kernel":
+        return Planner(host, dev, use_kernel=True, **kw)
+    return Planner(host, dev, force=path, **kw)
+
+
 # Every value of each factor of the byte-identity test; each pair of values of two factors
-# appears in at least one case (`pairwise`), instead of the full product. `None`: the planner's
-# own path.
+# appears in at least one case (`pairwise`), instead of the full product.
 FACTORS: dict[str, list] = {
     "spec": SPECS,
     "ps": PAGE_SIZES,
     "layout": list(HostLayout),
-    "path": [
-        None,
-        TransferPath.SINGLE_COPY,
-        TransferPath.PER_RUN,
-        TransferPath.STAGED,
-        TransferPath.KERNEL,
-        TransferPath.REFERENCE,
-    ],
+    "path": PATHS,
     "direction": ["load", "backup"],
     "case": [
         "one-run",
@@ -81,17 +106,9 @@ FACTORS: dict[str, list] = {
         "runs-of-16-device-scattered",
         "scattered",
     ],
+    "planned_from": ["slots", "run lists"],
+    "calls": ["per layer", "all layers"],
 }
-
-
-def applies(values: dict) -> bool:
-    """Whether a (partial) case can run: a single copy needs one joint run, which only the one-run
-    slots have, and only in `layer_first` (`page_first` cuts runs at every page)."""
-    if values.get("path") is not TransferPath.SINGLE_COPY:
-        return True
-    return values.get("case", "one-run") == "one-run" and values.get("layout", HostLayout.LAYER_FIRST) is (
-        HostLayout.LAYER_FIRST
-    )
 
 
 def required_pairs(factors: dict[str, list]) -> set[tuple]:
@@ -102,7 +119,6 @@ def required_pairs(factors: dict[str, list]) -> set[tuple]:
         for b in names[i + 1 :]
         for va in factors[a]
         for vb in factors[b]
-        if applies({a: va, b: vb})
     }
 
 
@@ -112,7 +128,7 @@ def pairs_of(row: dict) -> set[tuple]:
 
 
 def pairwise(factors: dict[str, list]) -> list[dict]:
-    """Cases covering every applicable pair of values of two factors (greedy, deterministic).
+    """Cases covering every pair of values of two factors (greedy, deterministic).
 
     Each case starts from an uncovered pair of the two factors with the most uncovered pairs
     left (every such pair is tried) and takes, factor by factor, the value that covers the
@@ -126,9 +142,9 @@ def pairwise(factors: dict[str, list]) -> list[dict]:
         row = dict(seed)
         for name in factors:
             if name not in row:
-                options = [v for v in factors[name] if applies({**row, name: v})]
                 row[name] = max(
-                    options, key=lambda v: (len(pairs_of({**row, name: v}) & uncovered), -used[name, repr(v)])
+                    factors[name],
+                    key=lambda v: (len(pairs_of({**row, name: v}) & uncovered), -used[name, repr(v)]),
                 )
         return {name: row[name] for name in factors}
 
@@ -154,57 +170,199 @@ CASES = pairwise(FACTORS)
 def test_the_cases_cover_every_pair_of_values() -> None:
     covered = set().union(*(pairs_of(c) for c in CASES))
     assert required_pairs(FACTORS) <= covered
-    assert all(applies(c) for c in CASES)
     assert len(CASES) < 60  # far fewer than the product of the factors
 
 
 def _case_id(c: dict) -> str:
-    path = c["path"].value if c["path"] is not None else "planned"
-    return f"{c['spec']}-{c['ps']}-{c['layout'].value}-{path}-{c['direction']}-{c['case']}"
+    extra = ("-runs" if c["planned_from"] == "run lists" else "") + (
+        "-grouped" if c["calls"] != "per layer" else ""
+    )
+    return f"{c['spec']}-{c['ps']}-{c['layout'].value}-{c['path']}-{c['direction']}-{c['case']}{extra}"
+
+
+def snapshot(host: HostPool, dev: DevicePool) -> dict:
+    """Every row of both tiers, copied: `(tier, buffer, layer)` -> `[slots, *row]`."""
+    every = torch.arange(host.num_slots)
+    out = {}
+    for b in host.spec.buffers:
+        for layer in b.layers:
+            out["host", b.name, layer] = host.gather(b.name, layer, every).clone()
+            out["dev", b.name, layer] = dev.layer(b.name, layer).cpu().clone()
+    return out
+
+
+def run_plan(plan: TransferPlan, host: HostPool, dev: DevicePool, grouped: bool = False, stream=None) -> None:
+    """Every layer of `plan`: loads layer by layer (or all in one `load_layers` call), backups in one call."""
+    layers = range(host.spec.num_layers)
+    if plan.direction is Direction.BACKUP:
+        backup(plan, dev, host, stream=stream)
+    elif grouped:
+        load_layers(plan, host, dev, layers, stream)
+    else:
+        for layer in layers:
+            load_layer(plan, host, dev, layer, stream)
+    if stream is not None:
+        stream.synchronize()
+
+
+def check_moved(plan: TransferPlan, host: HostPool, dev: DevicePool, before: dict) -> None:
+    """After `plan` ran: the destination tier holds `before` with exactly the pairs' rows replaced by
+    the source's, byte for byte; the source tier is unchanged."""
+    hs, ds = plan.host_slots, plan.device_slots
+    after = snapshot(host, dev)
+    src, dst = ("host", "dev") if plan.direction is Direction.LOAD else ("dev", "host")
+    src_at, dst_at = (hs, ds) if plan.direction is Direction.LOAD else (ds, hs)
+    for b in host.spec.buffers:
+        for layer in b.layers:
+            want = before[dst, b.name, layer].clone()
+            want[dst_at] = before[src, b.name, layer][src_at]
+            assert same_bytes(after[dst, b.name, layer], want), (plan.path, b.name, layer)
+            assert same_bytes(after[src, b.name, layer], before[src, b.name, layer]), (
+                plan.path,
+                b.name,
+                layer,
+            )
+
+
+def moved_device_slots(plan: TransferPlan, name: str) -> dict[str, list[int]]:
+    """Per mechanism, the device slots (with repeats) that the plan's parts move for buffer `name`, read
+    from the parts: copy runs, kernel units (each launch's device word offsets), reference positions."""
+    b = plan.host_pool.spec.buffer(name)
+    out: dict[str, list[int]] = collections.defaultdict(list)
+    for p in plan.parts:
+        if name not in p.buffers:
+            continue
+        if isinstance(p, CopyPart):
+            for d, n in zip(p.runs.device.tolist(), p.runs.length.tolist(), strict=True):
+                out["copy"] += range(d, d + n)
+        elif isinstance(p, KernelPart):
+            launches = p.by_buffer[name].launches
+            firsts = set()
+            for launch_ in launches:
+                shape = launch_.shape
+                unit_bytes = shape.row_vecs * shape.kwargs["VEC"] * shape.word
+                assert unit_bytes % b.row_bytes == 0
+                dev_off = launch_.dst_off if plan.direction is Direction.LOAD else launch_.src_off
+                slots = (dev_off.cpu().numpy() * shape.word // b.row_bytes).tolist()
+                firsts.add((unit_bytes // b.row_bytes, tuple(slots)))
+            assert len(firsts) == 1  # every layer class moves the same device rows
+            ((unit, slots),) = firsts
+            out["kernel"] += [s + i for s in slots for i in range(unit)]
+        else:
+            assert isinstance(p, ReferencePart)
+            out["reference"] += plan.device_slots[p.positions].tolist()
+    return out
+
+
+def check_parts(plan: TransferPlan) -> None:
+    """Every row of every buffer is moved by exactly one part; the copy runs are whole joint runs of the
+    plan and the kernel moves exactly the rest of them."""
+    host, n = plan.host_pool, plan.num_tokens
+    joint = slot_runs.scan(host, plan.host_slots.numpy(), plan.device_slots.numpy(), 1).runs
+    assert plan.joint_runs == len(joint)
+    columns = {tuple(c) for c in joint.table.T.tolist()}
+    for b in host.spec.buffers:
+        assert sum(plan.mechanisms_by_buffer()[b.name].values()) == n
+        by = moved_device_slots(plan, b.name)
+        assert sorted(s for slots in by.values() for s in slots) == sorted(plan.device_slots.tolist())
+        copied = [p for p in plan.parts if isinstance(p, CopyPart) and b.name in p.buffers]
+        copy_cols = {tuple(c) for p in copied for c in p.runs.table.T.tolist()}
+        assert copy_cols <= columns
+        if "kernel" in by:
+            rest = [c for c in joint.table.T.tolist() if tuple(c) not in copy_cols]
+            assert sorted(by["kernel"]) == sorted(s for _, _, d, k in rest for s in range(d, d + k))
 
 
 @pytest.mark.parametrize("c", CASES, ids=[_case_id(c) for c in CASES])
 def test_every_path_matches_the_reference(c: dict, gen) -> None:
     """A load or backup on every path is byte-identical to the layout's own rows; no other row of
-    the poisoned destination changes."""
-    if c["path"] is TransferPath.KERNEL and not kernels.runs_on(torch.device("cpu")):
+    the poisoned destination changes, nor any row of the source."""
+    if "kernel" in c["path"] and not kernels.runs_on(torch.device("cpu")):
         pytest.skip("needs Triton's CPU interpreter")
     spec = preset(c["spec"], c["ps"])
     host = HostPool(spec, HOST_SLOTS, c["layout"])
-    dev = DevicePool(spec, DEVICE_SLOTS, staging_tokens=48)  # staging smaller than the load: windows
+    dev = DevicePool(spec, DEVICE_SLOTS)
     poison_host(host, gen)
     poison_device(dev, gen)
     hs, ds = slot_case(c["case"], c["ps"], gen)
-    plan = TransferPlan.build(c["direction"], host, dev, hs, ds, force=c["path"])
-    if c["path"] is not None:
-        assert plan.path is c["path"]
-    before_dev = {(b.name, lay): dev.layer(b.name, lay).clone() for b in spec.buffers for lay in b.layers}
-    before_host = {
-        (b.name, lay): host_rows(host, b, lay, torch.arange(HOST_SLOTS))
-        for b in spec.buffers
-        for lay in b.layers
-    }
-    if c["direction"] == "load":
-        for layer in range(spec.num_layers):
-            load_layer(plan, host, dev, layer)
+    planner = planner_for(c["path"], host, dev)
+    if c["planned_from"] == "run lists":
+        plan = planner.plan_allocated(c["direction"], hs, ds, runs=(_runs_of(hs), _runs_of(ds)))
     else:
-        backup(plan, dev, host)
-    for b in spec.buffers:
-        for layer in b.layers:
-            got_dev, got_host = dev.layer(b.name, layer), host_rows(host, b, layer, torch.arange(HOST_SLOTS))
-            if c["direction"] == "load":
-                want = before_dev[(b.name, layer)].clone()
-                want[ds] = before_host[(b.name, layer)][hs]
-                assert same_bytes(got_dev, want), (b.name, layer)
-            else:
-                want = before_host[(b.name, layer)].clone()
-                want[hs] = before_dev[(b.name, layer)][ds]
-                assert same_bytes(got_host, want), (b.name, layer)
+        plan = planner.plan(c["direction"], hs, ds)
+    if c["path"] in ("copy", "kernel", "reference"):
+        assert plan.path is TransferPath(c["path"])
+    elif c["path"] == "planned":
+        assert plan.sms_used == 0  # no kernel unless allowed
+    check_parts(plan)
+    before = snapshot(host, dev)
+    run_plan(plan, host, dev, grouped=c["calls"] == "all layers")
+    check_moved(plan, host, dev, before)
+
+
+class Arena:
+    """`HostPool._allocate` handing out views of one arena in a random order, with random gaps: a pool's
+    regions then lie below as well as above its first region, so the kernel reads some of them at
+    negative offsets from its base, and layers' regions lie apart by different distances."""
+
+    def __init__(self, slot_bytes: int, slots: int, seed: int) -> None:
+        self.raw = torch.zeros(slot_bytes * slots, dtype=torch.uint8)
+        self.slot_bytes = slot_bytes
+        rng = np.random.default_rng(seed)
+        self.order = iter(rng.permutation(slots).tolist())
+        self.gaps = rng.integers(0, 8, size=slots) * 16
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        slot = next(self.order)
+        start = slot * self.slot_bytes + int(self.gaps[slot])
+        assert nbytes + int(self.gaps[slot]) <= self.slot_bytes
+        return self.raw[start : start + nbytes].view(dtype).view(shape)
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+@pytest.mark.parametrize(
+    ("layout", "ps"), [("layer_first", 1), ("layer_first", 4), ("page_first", 1), ("page_first", 4)]
+)
+@pytest.mark.parametrize("arena", [False, True])
+def test_the_kernel_reads_every_region_of_a_chunked_host_pool_from_one_base(
+    layout, ps, direction, arena, gen, monkeypatch
+) -> None:
+    """Chunks of 2 KB: layer_first has several segments (and layer groups), page_first several chunks;
+    the kernel, forced, moves scattered and run-wise slots byte for byte in both directions. With the
+    arena, regions lie below the first one (negative offsets) and in several classes per buffer."""
+    spec = preset("tiny-dsa", ps)
+    if arena:
+        monkeypatch.setattr(HostPool, "_allocate", Arena(4096, 256, seed=ps).allocate)
+    host = HostPool(spec, 256, layout, chunk_bytes=2048)
+    assert all(len(host.chunks(b.name)) > 4 for b in spec.buffers)
+    dev = DevicePool(spec, 256)
+    if arena:
+        classes = {b.name: host.region_classes(b.name)[0] for b in spec.buffers}
+        assert any((c < 0).any() for c in classes.values())  # regions below the base
+        if layout == "layer_first":
+            assert any(len(c) > 1 for c in classes.values())  # layers whose regions lie apart differently
+    pages = torch.randperm(256 // ps, generator=gen)[: 120 // ps]
+    cases = [
+        ((pages[:, None] * ps + torch.arange(ps)).flatten(), torch.randperm(256, generator=gen)[:120]),
+        (torch.arange(10, 130), torch.arange(100, 220)),  # one host run over several segments
+    ]
+    for hs, ds in cases:
+        poison_host(host, gen)
+        poison_device(dev, gen)
+        plan = Planner(host, dev, force="kernel").plan(direction, hs, ds)
+        assert plan.path is TransferPath.KERNEL
+        check_parts(plan)
+        before = snapshot(host, dev)
+        run_plan(plan, host, dev)
+        check_moved(plan, host, dev, before)
 
 
 def test_multi_chunk_host_pool_round_trip(gen) -> None:
-    """Chunks of a few KiB force runs to split at segment boundaries; data survives both ways."""
+    """Chunks of a few KiB force runs to split at segment boundaries; copies keep the data both ways."""
     spec = preset("tiny-dsa", 4)
+    free_copies = PathCosts(python_copy_s=0.0)
     for layout in HostLayout:
         host = HostPool(spec, 512, layout, chunk_bytes=4096)
         assert len(host.chunks("kv")) > 1
@@ -214,43 +372,113 @@ def test_multi_chunk_host_pool_round_trip(gen) -> None:
         for (name, lay), rows in truth.items():
             dev.layer(name, lay).copy_(rows)
         hs = torch.arange(512)
-        plan = TransferPlan.build("backup", host, dev, hs, torch.arange(512), costs=FREE_COPIES)
-        assert plan.path is not TransferPath.REFERENCE
+        plan = TransferPlan.build("backup", host, dev, hs, torch.arange(512), costs=free_copies)
+        assert plan.path is TransferPath.COPY and plan.joint_runs == host.num_segments()
         backup(plan, dev, host)
         poison_device(dev, gen)
         perm = torch.randperm(512, generator=gen)
-        plan = TransferPlan.build("load", host, dev, hs, perm, costs=FREE_COPIES)
+        plan = TransferPlan.build("load", host, dev, hs, perm, costs=free_copies)
+        assert plan.path is TransferPath.COPY
         for layer in range(spec.num_layers):
             load_layer(plan, host, dev, layer)
         for (name, lay), rows in truth.items():
             assert same_bytes(dev.layer(name, lay)[perm], rows), (layout, name, lay)
 
 
-def test_planner_picks_the_cheapest_path(gen) -> None:
-    spec = preset("tiny-mla", 1)
-    host = HostPool(spec, 4096)
-    dev = DevicePool(spec, 4096)
-    # Rows of 48 B: a copy costs 10 us to issue, the reference path moves 0.1 GB/s.
-    costs = PathCosts(copy_issue_s=10e-6, copy_gbps=50.0, device_gbps=1000.0, reference_gbps=0.1)
+def _runs(starts, length) -> torch.Tensor:
+    return (torch.tensor(starts)[:, None] * length + torch.arange(length)).flatten()
+
+
+def test_without_the_kernel_few_long_runs_are_copied_and_single_rows_go_token_by_token() -> None:
+    spec = preset("tiny-mla", 1)  # 48-byte rows
+    host, dev = HostPool(spec, 16384), DevicePool(spec, 16384)
+    planner = Planner(host, dev)
+    assert not planner.kernel_ok  # a CPU pool: no kernel unless asked for
 
     def path(hs, ds) -> TransferPath:
-        return TransferPlan.build("load", host, dev, hs, ds, costs=costs).path
+        return planner.plan("load", hs, ds).path
 
-    def runs(starts, length):
-        return (torch.tensor(starts)[:, None] * length + torch.arange(length)).flatten()
+    long_runs = _runs([7, 2, 4], 2048)  # 98 KB runs
+    assert path(long_runs, torch.arange(len(long_runs))) is TransferPath.COPY
+    single_rows = _runs(list(range(0, 8192, 2)), 1)
+    assert path(single_rows, torch.arange(len(single_rows))) is TransferPath.REFERENCE
+    assert path(torch.arange(100, 400), torch.arange(300)) is TransferPath.COPY  # one run: one copy
+    # The choice follows the costs: a Python copy costing nothing makes copies pay even per row.
+    free = Planner(host, dev, PathCosts(python_copy_s=0.0))
+    assert free.plan("load", single_rows, torch.arange(len(single_rows))).path is TransferPath.COPY
 
-    scattered = torch.randperm(4096, generator=gen)
-    assert path(torch.arange(100, 400), torch.arange(0, 300)) is TransferPath.SINGLE_COPY
-    assert path(torch.arange(100, 400), scattered[:300]) is TransferPath.STAGED
-    long_runs = runs([7, 2, 11, 4], 256)
-    assert path(long_runs, torch.arange(1024)) is TransferPath.PER_RUN
-    assert path(long_runs, scattered[:1024]) is TransferPath.STAGED
-    single_rows = runs(list(range(0, 4096, 2)), 1)
-    assert path(single_rows, torch.arange(2048)) is TransferPath.REFERENCE
-    # Many short runs on both sides: per-run issue cost exceeds the reference path's.
-    assert path(runs(list(range(0, 256, 2)), 16), torch.arange(2048)) is TransferPath.REFERENCE
+
+@needs_triton
+def test_with_the_kernel_long_runs_are_copied_and_short_ones_go_to_the_kernel() -> None:
+    spec = preset("deepseek-v3", 1).with_layers(1)  # 1152-byte rows
+    host, dev = HostPool(spec, 16384), DevicePool(spec, 16384)
+    planner = Planner(host, dev, use_kernel=True)
+
+    def plan(hs, ds) -> TransferPlan:
+        return planner.plan("load", hs, ds)
+
+    long_runs = _runs([3, 1, 7, 5, 0], 2048)  # 2.4 MB each
+    assert plan(long_runs, torch.arange(len(long_runs))).path is TransferPath.COPY
+    assert plan(long_runs[::2], torch.arange(len(long_runs) // 2)).path is TransferPath.KERNEL
+    assert plan(torch.arange(10, 20), torch.arange(10)).path is TransferPath.COPY  # one run
+    short = 8192 + torch.randperm(8192, generator=torch.Generator().manual_seed(0))[:3000]
+    mixed = plan(torch.cat([long_runs, short]), torch.arange(len(long_runs) + 3000))
+    assert mixed.path is TransferPath.MIXED
+    assert mixed.rows_by_mechanism() == {"copy": len(long_runs), "kernel": 3000}
+    check_parts(mixed)
+    with pytest.raises(PlanError, match="cannot be forced"):
+        Planner(host, dev, force="mixed")
+
+
+@needs_triton
+@pytest.mark.parametrize("direction", ["load", "backup"])
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_a_mixed_plan_moves_its_copies_and_its_kernel_rows_byte_for_byte(direction, layout, gen) -> None:
+    """A long joint run among single rows: with copies cheap but not free, the run is copied and the
+    single rows go to the kernel (layer_first); page_first cuts host runs at every page: all kernel."""
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 1024, layout), DevicePool(spec, 1024)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    short_host = torch.randperm(512, generator=gen)[:100]
+    short_dev = torch.randperm(512, generator=gen)[:100] + 512
+    hs = torch.cat([short_host[:50], torch.arange(512, 812), short_host[50:]])
+    ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
+    # Per run: a copy costs 0.1 us more, the kernel 1/share - 1 of the bytes more: runs of over ~7 KB copy.
+    costs = PathCosts(
+        copy_fixed_s=1e-7, copy_call_s=0.0, copy_host_s=0.0, launch_fixed_s=0.0, copy_min_bytes=0
+    )
+    plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
+    if layout is HostLayout.LAYER_FIRST:
+        assert plan.path is TransferPath.MIXED
+        assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 100}
+        assert plan.mechanisms_by_buffer() == {
+            name: {"copy": 300, "kernel": 100} for name in ("kv", "indexer")
+        }
+    else:
+        assert plan.path is TransferPath.KERNEL
+        assert plan.rows_by_mechanism() == {"kernel": 400}
+    assert 0 < plan.sms_used <= plan.kernel.sm_budget
+    check_parts(plan)
+    before = snapshot(host, dev)
+    run_plan(plan, host, dev)
+    check_moved(plan, host, dev, before)
+
+
+@pytest.mark.parametrize("force", [None, "copy", "kernel", "reference"])
+def test_an_empty_plan_moves_nothing(force) -> None:
+    if force == "kernel" and not kernels.runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton's CPU interpreter")
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
     empty = torch.tensor([], dtype=torch.int64)
-    assert path(empty, empty) is TransferPath.SINGLE_COPY
+    for direction in ("load", "backup"):
+        plan = Planner(host, dev, force=force).plan(direction, empty, empty)
+        assert plan.path is (TransferPath(force) if force else TransferPath.COPY)
+        assert plan.num_tokens == 0 and plan.sms_used == 0
+        before = snapshot(host, dev)
+        run_plan(plan, host, dev)
+        check_moved(plan, host, dev, before)
 
 
 def test_plan_counts_runs() -> None:
@@ -260,45 +488,74 @@ def test_plan_counts_runs() -> None:
     assert (plan.host_runs, plan.device_runs, plan.joint_runs) == (3, 2, 4)
 
 
+@pytest.mark.parametrize("force", [None, "copy", "kernel", "reference"])
 @pytest.mark.parametrize(
-    ("hs", "ds", "message"),
+    ("direction", "hs", "ds", "message"),
     [
-        ([0, 1, 64], [0, 1, 2], "outside"),
-        ([0, 1, 2], [0, 1, -1], "outside"),
-        ([0, 1, 2], [0, 1], "entries"),
-        ([0, 1, 2], [3, 3, 4], "repeats"),
+        ("load", [0, 1, 64], [0, 1, 2], "outside"),
+        ("load", [0, 1, 2], [0, 1, -1], "outside"),
+        ("load", [0, 1, 2], [0, 1], "entries"),
+        ("load", [0, 1, 2], [3, 3, 4], "repeats"),
+        ("backup", [5, 6, 5], [0, 1, 2], "repeats"),
+        ("backup", [0, 1, 2], [0, 1, 64], "outside"),
     ],
 )
-def test_bad_slots_raise_before_anything_is_written(hs, ds, message, gen) -> None:
+def test_bad_slots_raise_before_anything_is_written(direction, hs, ds, message, force, gen) -> None:
+    if force == "kernel" and not kernels.runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton's CPU interpreter")
     spec = preset("tiny-dsa", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    poison_host(host, gen)
     poison_device(dev, gen)
-    before = dev.layer("kv", 0).clone()
+    before = snapshot(host, dev)
     with pytest.raises(SlotError, match=message):
-        TransferPlan.build("load", host, dev, hs, ds)
-    assert same_bytes(dev.layer("kv", 0), before)
+        Planner(host, dev, force=force, use_kernel=True).plan(direction, hs, ds)
+    after = snapshot(host, dev)
+    assert all(same_bytes(after[k], v) for k, v in before.items())
 
 
-def test_backup_rejects_repeated_host_slots_but_load_allows_repeated_sources() -> None:
+def test_backup_rejects_repeated_host_slots_but_load_allows_repeated_sources(gen) -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
     with pytest.raises(SlotError, match="host_slots"):
         TransferPlan.build("backup", host, dev, [1, 1], [2, 3])
-    TransferPlan.build("load", host, dev, [1, 1], [2, 3])  # one host row to two device slots is fine
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    plan = TransferPlan.build("load", host, dev, [1, 1], [2, 3])  # one host row to two device slots is fine
+    before = snapshot(host, dev)
+    run_plan(plan, host, dev)
+    check_moved(plan, host, dev, before)
 
 
-def test_bad_index_tensors_raise() -> None:
+def test_bad_index_tensors_and_plans_of_the_other_direction_raise() -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
     with pytest.raises(SlotError, match="integer"):
         TransferPlan.build("load", host, dev, torch.tensor([1.0]), torch.tensor([1]))
     with pytest.raises(SlotError, match="1-D"):
         TransferPlan.build("load", host, dev, torch.tensor([[1]]), torch.tensor([1]))
-    with pytest.raises(PlanError, match="single copy"):
-        TransferPlan.build("load", host, dev, [1, 5], [1, 2], force="single_copy")
+    with pytest.raises(PlanError, match="cannot be forced"):
+        TransferPlan.build("load", host, dev, [1, 5], [1, 2], force="mixed")
+    with pytest.raises(ValueError):
+        TransferPlan.build("load", host, dev, [1], [1], force="single_copy")
     plan = TransferPlan.build("load", host, dev, [1], [1])
-    with pytest.raises(ValueError, match="plan is for load"):
+    with pytest.raises(PlanError, match="plan is for load"):
         backup(plan, dev, host)
+
+
+def test_the_kernel_cannot_be_forced_where_it_cannot_run(monkeypatch) -> None:
+    """A CPU pool without Triton's interpreter: forcing the kernel is refused, and a planner allowed it
+    makes no kernel part."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not kernel_args.interpreting() and not kernels.runs_on(torch.device("cpu"))
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    with pytest.raises(PlanError, match="kernel path needs Triton"):
+        Planner(host, dev, force="kernel")
+    planner = Planner(host, dev, use_kernel=True)
+    assert not planner.kernel_ok
+    plan = planner.plan("load", torch.randperm(256)[:100], torch.arange(100))
+    assert plan.sms_used == 0 and "kernel" not in plan.rows_by_mechanism()
 
 
 def test_mismatched_specs_are_refused() -> None:
@@ -306,18 +563,24 @@ def test_mismatched_specs_are_refused() -> None:
     dev = DevicePool(preset("tiny-mha"), 64)
     with pytest.raises(PlanError, match="different buffers"):
         TransferPlan.build("load", host, dev, [1], [1])
+    with pytest.raises(PlanError, match="different buffers"):
+        Transfers(host, dev)
+    # Another spec object of the same shapes is fine.
+    TransferPlan.build("load", HostPool(preset("tiny-mla"), 64), DevicePool(preset("tiny-mla"), 64), [1], [1])
 
 
 def test_wrapped_engine_tensors_fall_back_to_reference(gen) -> None:
-    """Rows not packed (a `[slots, 2, heads, dim]` KV tensor) or another dtype: still exact."""
+    """Rows not packed (a `[slots, 2, heads, dim]` KV tensor) or another dtype: the reference path, exact."""
     spec = preset("tiny-mha", 1)
     host = HostPool(spec, 64)
     poison_host(host, gen)
     kv = [torch.zeros(48, 2, 2, 8, dtype=torch.bfloat16) for _ in range(2)]
     dev = DevicePool.wrap(spec, {"k": [t[:, 0] for t in kv], "v": [t[:, 1] for t in kv]})
     hs, ds = torch.arange(8, 24), torch.arange(0, 16)
-    plan = TransferPlan.build("load", host, dev, hs, ds)
-    assert plan.path is TransferPath.SINGLE_COPY
+    for force in (None, "copy"):
+        plan = TransferPlan.build("load", host, dev, hs, ds, force=force)
+        assert plan.path is TransferPath.REFERENCE
+        assert plan.mechanisms_by_buffer() == {"k": {"reference": 16}, "v": {"reference": 16}}
     for layer in range(2):
         load_layer(plan, host, dev, layer)
     for layer in range(2):
@@ -334,18 +597,18 @@ def test_wrapped_engine_tensors_fall_back_to_reference(gen) -> None:
 
 
 def test_no_device_value_is_read_back_during_fast_paths(monkeypatch, gen) -> None:
-    """The per-layer loop of a fast path never calls `.item()`, `.tolist()`, `torch.equal` or `bool()`."""
+    """The per-layer loop of a copy or kernel plan never calls `.item()`, `.tolist()`, `torch.equal` or
+    `bool()` on a tensor."""
     spec = preset("tiny-dsa", 1)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
-    cases = {
-        TransferPath.SINGLE_COPY: (torch.arange(0, 64), torch.arange(64, 128)),
-        TransferPath.STAGED: (torch.arange(0, 64), torch.randperm(256, generator=gen)[:64]),
-        TransferPath.PER_RUN: (
-            torch.cat([torch.arange(0, 32), torch.arange(96, 128)]),
-            torch.arange(64),
-        ),
-    }
-    plans = [TransferPlan.build("load", host, dev, hs, ds, force=p) for p, (hs, ds) in cases.items()]
+    cases = [
+        ("copy", torch.arange(0, 64), torch.arange(64, 128)),
+        ("copy", torch.cat([torch.arange(0, 32), torch.arange(96, 128)]), torch.arange(64)),
+    ]
+    if kernels.runs_on(torch.device("cpu")):
+        cases.append(("kernel", torch.arange(0, 64), torch.randperm(256, generator=gen)[:64]))
+    plans = [TransferPlan.build("load", host, dev, hs, ds, force=p) for p, hs, ds in cases]
+    plans += [TransferPlan.build("backup", host, dev, hs, ds, force=p) for p, hs, ds in cases]
 
     def boom(*_a, **_k):
         raise AssertionError("a device value was read back inside the layer loop")
@@ -355,211 +618,37 @@ def test_no_device_value_is_read_back_during_fast_paths(monkeypatch, gen) -> Non
     monkeypatch.setattr(torch.Tensor, "__bool__", boom)
     monkeypatch.setattr(torch, "equal", boom)
     for plan in plans:
-        for layer in range(spec.num_layers):
-            load_layer(plan, host, dev, layer)
-
-
-needs_triton = pytest.mark.skipif(
-    not kernels.runs_on(torch.device("cpu")), reason="needs Triton's CPU interpreter"
-)
-
-
-def _pf_rows(slots: torch.Tensor, n_layers: int) -> torch.Tensor:
-    """Rows of every layer of `slots` in a page-first chunk (page size 1) flattened to `[slots * L, *row]`."""
-    return (slots[:, None] * n_layers + torch.arange(n_layers)).flatten()
+        if plan.direction is Direction.LOAD:
+            for layer in range(spec.num_layers):
+                load_layer(plan, host, dev, layer)
+        else:
+            backup(plan, dev, host)
 
 
 @needs_triton
-@pytest.mark.parametrize("direction", ["load", "backup"])
-@pytest.mark.parametrize("layout", list(HostLayout))
-def test_mixed_plan_sends_long_runs_to_the_copy_engine_and_the_rest_to_the_kernel(direction, layout, gen):
-    spec = preset("tiny-dsa", 1)
-    host, dev = HostPool(spec, 1024, layout), DevicePool(spec, 1024)
-    poison_host(host, gen)
-    poison_device(dev, gen)
-    short_host = torch.randperm(512, generator=gen)[:100]
-    short_dev = torch.randperm(512, generator=gen)[:100] + 512
-    hs = torch.cat([short_host[:50], torch.arange(512, 812), short_host[50:]])
-    ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
-    # runs of 200 rows of the narrowest buffer (each buffer's runs are measured in its own rows): copy engine
-    costs = PathCosts(copy_min_bytes=200 * 48)
-    plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
-    if layout is HostLayout.LAYER_FIRST:
-        assert plan.path is TransferPath.MIXED
-        assert plan.rows_by_mechanism() == {"copy": 300, "kernel": 100}
-    else:  # page_first with one-slot pages: no host run is longer than a page
-        assert plan.path is TransferPath.KERNEL
-        assert plan.rows_by_mechanism() == {"kernel": 400}
-    assert plan.sms_used == plan.kernel.sm_budget
-    _run_and_check(plan, host, dev, hs, ds, layout)
-
-
-def _run_and_check(plan, host: HostPool, dev: DevicePool, hs, ds, layout: HostLayout, grouped=False) -> None:
-    """Run `plan` on CPU pools; every pair moved, no other row of the destination touched.
-
-    Loads run layer by layer, or with `grouped` all layers in one `load_layers` call."""
-    spec, direction = host.spec, plan.direction.value
-    n_dev = dev.num_slots
-    before_dev = {(b.name, lay): dev.layer(b.name, lay).clone() for b in spec.buffers for lay in b.layers}
-    before_host = {b.name: [c.clone() for c in host.chunks(b.name)] for b in spec.buffers}
-    if direction == "load" and grouped:
-        load_layers(plan, host, dev, range(spec.num_layers))
-    elif direction == "load":
-        for layer in range(spec.num_layers):
-            load_layer(plan, host, dev, layer)
-    else:
-        backup(plan, dev, host)
-    for b in spec.buffers:
-        for layer in b.layers:
-            for i in range(len(hs)):
-                h, d = int(hs[i]), int(ds[i])
-                if direction == "load":
-                    assert same_bytes(dev.layer(b.name, layer)[d], host_row(host, b, layer, h))
-                else:
-                    assert same_bytes(host_row(host, b, layer, h), before_dev[(b.name, layer)][d])
-        if direction == "load":  # no other device row changed
-            keep = torch.ones(n_dev, dtype=torch.bool)
-            keep[ds] = False
-            for layer in b.layers:
-                assert same_bytes(dev.layer(b.name, layer)[keep], before_dev[(b.name, layer)][keep])
-        else:  # no other host row changed
-            keep = torch.ones(host.num_slots, dtype=torch.bool)
-            keep[hs] = False
-            idx = keep.nonzero().flatten()
-            (chunk,) = host.chunks(b.name)
-            (old,) = before_host[b.name]
-            if layout is HostLayout.LAYER_FIRST:
-                assert same_bytes(chunk[:, idx], old[:, idx])
-            else:
-                rows = _pf_rows(idx, len(b.layers))
-                assert same_bytes(chunk.flatten(0, 2)[rows], old.flatten(0, 2)[rows])
-
-
-@needs_triton
-@pytest.mark.parametrize("direction", ["load", "backup"])
-@pytest.mark.parametrize("layout", list(HostLayout))
-def test_long_host_runs_onto_scattered_device_slots_are_loaded_through_staging(direction, layout, gen):
-    """A split plan: a long joint run copied, long host runs staged (cut at windows), short rows by kernel."""
-    spec = preset("tiny-dsa", 1)
-    host, dev = HostPool(spec, 2048, layout), DevicePool(spec, 2048, staging_tokens=100)
-    poison_host(host, gen)
-    poison_device(dev, gen)
-    scattered = torch.randperm(1400, generator=gen)
-    short_host = 1000 + torch.randperm(400, generator=gen)[:60]
-    hs = torch.cat([torch.arange(0, 300), torch.arange(400, 650), short_host, torch.arange(700, 830)])
-    ds = torch.cat([torch.arange(1500, 1800), scattered[:440]])
-    costs = PathCosts(copy_min_bytes=100 * 48, staged_min_bytes=100 * 132)
-    plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
-    if layout is HostLayout.LAYER_FIRST and direction == "backup":
-        # Backups never stage through the copy engine; these small rows' host runs go through
-        # staging by the kernel's units, the single rows to the kernel.
-        by_buffer = {"copy": 300, "staged_kernel": 380, "kernel": 60}
-        assert plan.mechanisms_by_buffer() == {"kv": by_buffer, "indexer": by_buffer}
-        (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
-        # Apart in the staging buffer (below): windows of 64 rows cut the runs into 64, 64, 64, 58,
-        # 6, 64 and 60 rows, whose gcd is the unit.
-        assert staged.kernel is not None and staged.window_rows == 64 and staged.unit == 2
-    elif layout is HostLayout.LAYER_FIRST:
-        assert plan.path is TransferPath.MIXED
-        assert plan.rows_by_mechanism() == {"copy": 300, "staged": 380, "kernel": 60}
-        (staged,) = (p for p in plan.parts if p.mechanism is Mechanism.STAGED)
-        # Each buffer its own place in the 13200-byte staging buffer (100 of the widest, 132-byte
-        # rows): windows of (13200 - 128) // (48 + 132) = 72 rows, rounded down to 64
-        # (`staging.WINDOW_ROWS`), the indexer's from byte 64 * 48 = 3072.
-        assert staged.window_rows == 64 and staged.stage_at == {"kv": 0, "indexer": 3072}
-        # 250 + 130 rows in windows of 64: runs cut at rows 64, 128, 192, 256 and 320 of the part
-        windows = ((0, 64, 0, 1), (64, 128, 1, 2), (128, 192, 2, 3), (192, 256, 3, 5), (256, 320, 5, 6))
-        assert staged.windows == (*windows, (320, 380, 6, 7))
-        assert staged.runs.length.tolist() == [64, 64, 64, 58, 6, 64, 60]
-    else:  # one-slot pages: no host run is longer than a page
-        assert plan.path is TransferPath.KERNEL
-    _run_and_check(plan, host, dev, hs, ds, layout)
-
-
-@needs_triton
-def test_staging_needs_host_runs_long_enough() -> None:
-    spec = preset("tiny-mla", 1)
-    host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
-    scattered = torch.randperm(4096, generator=torch.Generator().manual_seed(3))
-    runs = (torch.tensor([3, 1, 7])[:, None] * 512 + torch.arange(512)).flatten()
-
-    def mechanisms(staged_rows: int) -> dict[str, dict[str, int]]:
-        costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=staged_rows * 48)
-        plan = Planner(host, dev, costs, use_kernel=True).plan("load", runs, scattered[:1536])
-        return plan.mechanisms_by_buffer()
-
-    assert mechanisms(512) == {"kv": {"staged": 1536}}
-    # Shorter runs of these small rows go through staging by the kernel's units, not row by row.
-    assert mechanisms(513) == {"kv": {"staged_kernel": 1536}}
-    # A plan that would stage still refuses a repeated destination before anything is written.
-    poison_device(dev, torch.Generator().manual_seed(4))
-    before = dev.layer("kv", 0).clone()
-    bad = scattered[:1536].clone()
-    bad[700] = bad[3]
-    costs = PathCosts(copy_min_bytes=256 * 48, staged_min_bytes=512 * 48)
-    with pytest.raises(SlotError, match="repeats"):
-        Planner(host, dev, costs, use_kernel=True).plan("load", runs, bad)
-    assert same_bytes(dev.layer("kv", 0), before)
-
-
-@needs_triton
-@pytest.mark.parametrize("ps", [1, 16])
-def test_kernel_moves_page_granular_runs_as_whole_pages(ps, gen):
+@pytest.mark.parametrize(("layout", "ps"), [("page_first", 1), ("page_first", 16), ("layer_first", 16)])
+def test_the_kernel_moves_page_granular_runs_as_whole_pages(layout, ps, gen) -> None:
+    """Runs of whole 16-slot pages: each kernel launch moves whole pages as units, never crossing a
+    page in page_first (whose host runs break at every page)."""
     spec = preset("tiny-dsa", ps)
-    host, dev = HostPool(spec, 512, "page_first"), DevicePool(spec, 512)
+    host, dev = HostPool(spec, 512, layout), DevicePool(spec, 512)
     poison_host(host, gen)
     poison_device(dev, gen)
     hs = (torch.randperm(512 // 16, generator=gen)[:8, None] * 16 + torch.arange(16)).flatten()
     ds = (torch.randperm(512 // 16, generator=gen)[:8, None] * 16 + torch.arange(16)).flatten()
     plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel", kernel=KernelOptions(2, 4))
     (part,) = plan.parts
-    assert part.mechanism is Mechanism.KERNEL
-    assert part.unit == ps  # page_first breaks host runs at pages, so a unit never crosses one
-    for layer in range(spec.num_layers):
-        load_layer(plan, host, dev, layer)
+    assert isinstance(part, KernelPart)
+    unit = ps if layout == "page_first" else 16
     for b in spec.buffers:
-        for layer in b.layers:
-            for i in range(len(hs)):
-                assert same_bytes(dev.layer(b.name, layer)[int(ds[i])], host_row(host, b, layer, int(hs[i])))
-
-
-@needs_triton
-@pytest.mark.parametrize("direction", ["load", "backup"])
-@pytest.mark.parametrize("ps", [1, 4])
-@pytest.mark.parametrize("spec_name", ["tiny-dsa", "tiny-mla-fp8", "tiny-mha"])
-def test_page_first_kernel_rows_move_several_layers_per_launch(spec_name, ps, direction, gen, monkeypatch):
-    """page_first keeps a page's layers together: one launch per buffer moves them all, byte for byte."""
-    spec = preset(spec_name, ps)
-    host, dev = HostPool(spec, 512, "page_first"), DevicePool(spec, 512)
-    poison_host(host, gen)
-    poison_device(dev, gen)
-    pages = 100 // ps
-    hs = (torch.randperm(512 // ps, generator=gen)[:pages, None] * ps + torch.arange(ps)).flatten()
-    ds = (torch.randperm(512 // ps, generator=gen)[:pages, None] * ps + torch.arange(ps)).flatten()
-    plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel", kernel=KernelOptions(2, 3))
-    (part,) = plan.parts
-    assert part.unit == ps and set(part.tables) == {b.name for b in spec.buffers}
-    assert plan.sms_used == 2
-    launches = []
-    copy_groups = groups.copy_groups
-
-    def spy(*args, **kwargs) -> None:
-        launches.append(len(args[2]))  # the layers moved by this launch
-        copy_groups(*args, **kwargs)
-
-    monkeypatch.setattr(groups, "copy_groups", spy)
-    _run_and_check(plan, host, dev, hs, ds, HostLayout.PAGE_FIRST, grouped=True)
-    assert sorted(launches) == sorted(len(b.layers) for b in spec.buffers)
-
-
-@needs_triton
-def test_layer_first_kernel_rows_move_layer_by_layer(gen) -> None:
-    spec = preset("tiny-dsa", 1)
-    host, dev = HostPool(spec, 256, "layer_first"), DevicePool(spec, 256)
-    hs, ds = torch.randperm(256, generator=gen)[:50], torch.randperm(256, generator=gen)[:50]
-    plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel")
-    assert plan.parts[0].tables == {}
-    _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST, grouped=True)
+        for launch_ in part.by_buffer[b.name].launches:
+            assert launch_.n == len(hs) // unit
+            shape = launch_.shape
+            assert shape.row_vecs * shape.kwargs["VEC"] * shape.word == unit * b.row_bytes
+    check_parts(plan)
+    before = snapshot(host, dev)
+    run_plan(plan, host, dev, grouped=True)
+    check_moved(plan, host, dev, before)
 
 
 @needs_triton
@@ -574,94 +663,88 @@ def test_load_layers_refuses_a_layer_outside_the_model_before_moving_any(gen) ->
     assert same_bytes(dev.layer("kv", 0), before)
 
 
+def _glm5_pools(gen) -> tuple[HostPool, DevicePool]:
+    """One layer of glm-5 (1152- and 132-byte rows) in poisoned pools of 4096 slots."""
+    spec = preset("glm-5", 1).with_layers(1)
+    host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    return host, dev
+
+
+def _launches(plan: TransferPlan) -> dict[int, list]:
+    """Per row bytes of a buffer, the kernel launches the plan prepared for it."""
+    (part,) = plan.parts
+    assert isinstance(part, KernelPart)
+    spec = plan.host_pool.spec
+    return {spec.buffer(name).row_bytes: list(k.launches) for name, k in part.by_buffer.items()}
+
+
 @needs_triton
 @pytest.mark.parametrize("stages", [None, 1])
 @pytest.mark.parametrize("direction", ["load", "backup"])
-def test_kernel_on_a_small_budget_loops_over_many_tiles_byte_identically(
-    direction, stages, gen, monkeypatch
-) -> None:
-    """sm_budget 2: each program loops over many tiles; loads of 1152-byte rows pipelined."""
-    spec = preset("glm-5", 1).with_layers(1)
-    host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
-    poison_host(host, gen)
-    poison_device(dev, gen)
-    hs, ds = torch.randperm(4096, generator=gen)[:3000], torch.randperm(4096, generator=gen)[:3000]
+def test_the_kernel_on_a_small_budget_loops_over_many_tiles_byte_identically(direction, stages, gen) -> None:
+    """sm_budget 2: each program loops over many tiles; only loads of whole 128-byte lines (1152-byte
+    rows) are pipelined, over the stages asked for."""
+    host, dev = _glm5_pools(gen)
+    hs, ds = torch.randperm(4096, generator=gen)[:1000], torch.randperm(4096, generator=gen)[:1000]
     opts = KernelOptions(sm_budget=2, stages=stages)
     plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel", kernel=opts)
-    (part,) = plan.parts
-    assert part.mechanism is Mechanism.KERNEL and plan.sms_used == 2
-    for b in spec.buffers:
-        assert len(hs) > 2 * opts.launch(b.row_bytes, b.row_bytes).rows  # more than one tile each
-    seen = {}
-    real = kernels.copy_rows
-
-    def spy(src, src_off, dst, dst_off, row_words, **kw):
-        seen[row_words * src.element_size()] = kw["stages"]
-        real(src, src_off, dst, dst_off, row_words, **kw)
-
-    monkeypatch.setattr(kernels, "copy_rows", spy)
-    _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
-    assert seen == {1152: (stages or launch.MAX_STAGES) if direction == "load" else 1, 132: 1}
-
-
-def _glm5_pools_and_launches(gen, monkeypatch) -> tuple[HostPool, DevicePool, list]:
-    """One layer of glm-5 in poisoned pools of 4096 slots, and the list every `copy_rows` call appends
-    its `(row bytes, programs, rows per tile)` to."""
-    spec = preset("glm-5", 1).with_layers(1)
-    host, dev = HostPool(spec, 4096, "layer_first"), DevicePool(spec, 4096)
-    poison_host(host, gen)
-    poison_device(dev, gen)
-    launches = []
-    real = kernels.copy_rows
-
-    def spy(src, src_off, dst, dst_off, row_words, **kw):
-        launches.append((row_words * src.element_size(), kw["sm_budget"], kw["rows_per_program"]))
-        real(src, src_off, dst, dst_off, row_words, **kw)
-
-    monkeypatch.setattr(kernels, "copy_rows", spy)
-    return host, dev, launches
+    assert plan.sms_used <= 2
+    stages_of = {}
+    for row_bytes, launches in _launches(plan).items():
+        (only,) = launches
+        assert only.n > 2 * only.shape.rows  # more than one tile per program
+        assert only.shape.grid(only.n) <= 2
+        stages_of[row_bytes] = only.shape.kwargs["STAGES"]
+    # Whole lines only where every base of the launch is line-aligned (CPU allocations may not be).
+    ptrs = [*host.region_ptrs("kv").ravel().tolist(), *dev.layer_ptrs("kv").tolist()]
+    lines = all(a % launch.LINE_BYTES == 0 for a in ptrs)
+    pipelined = (stages or launch.MAX_STAGES) if direction == "load" and lines else 1
+    assert stages_of == {1152: pipelined, 132: 1}
+    before = snapshot(host, dev)
+    run_plan(plan, host, dev)
+    check_moved(plan, host, dev, before)
 
 
 @needs_triton
 @pytest.mark.parametrize("direction", ["load", "backup"])
-def test_long_rows_take_fewer_programs_than_the_budget(direction, gen, monkeypatch) -> None:
-    """glm-5: 1152-byte rows on 2 programs (loads) or 4 (backups), 132-byte rows on all 8."""
-    host, dev, launches = _glm5_pools_and_launches(gen, monkeypatch)
+def test_long_rows_take_fewer_programs_than_the_budget_unless_lean_is_off(direction, gen) -> None:
+    """Lean launches: 1152-byte rows take fewer programs than the budget of 8, 132-byte rows all 8; with
+    `lean=False` every launch takes the budget."""
+    host, dev = _glm5_pools(gen)
     hs, ds = torch.randperm(4096, generator=gen)[:3000], torch.randperm(4096, generator=gen)[:3000]
     plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
-    assert plan.sms_used == 8 and plan.parts[0].programs == 8
-    _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
-    # Loads of whole lines are pipelined (2 programs of 4 tiles of 56 rows), backups not (4 of 113).
-    lean = (2, 56) if direction == "load" else (4, 113)
-    assert sorted(launches) == [(132, 8, 256), (1152, *lean)]
-    v3 = preset("deepseek-v3", 1).with_layers(1)
-    pools = HostPool(v3, 4096), DevicePool(v3, 4096)
-    assert TransferPlan.build(direction, *pools, hs, ds, force="kernel").sms_used == lean[0]
-    full = KernelOptions(lean=False)
-    assert TransferPlan.build(direction, *pools, hs, ds, force="kernel", kernel=full).sms_used == 8
+    grids = {r: [x.shape.grid(x.n) for x in ls] for r, ls in _launches(plan).items()}
+    assert grids[132] == [8] and 1 <= grids[1152][0] < 8
+    assert plan.sms_used == 8
+    full = TransferPlan.build(direction, host, dev, hs, ds, force="kernel", kernel=KernelOptions(lean=False))
+    assert {r: [x.shape.grid(x.n) for x in ls] for r, ls in _launches(full).items()} == {1152: [8], 132: [8]}
+    before = snapshot(host, dev)
+    run_plan(plan, host, dev)
+    check_moved(plan, host, dev, before)
 
 
 @needs_triton
 @pytest.mark.parametrize("direction", ["load", "backup"])
-def test_long_rows_over_a_wide_host_span_take_twice_the_lean_programs(direction, gen, monkeypatch) -> None:
-    """glm-5's 1152-byte rows: a region's single rows spread over more than `WIDE_SPAN_BYTES` (here
-    2 MiB) take 4 programs (loads) or 8 (backups), byte for byte; the same rows within 1 MiB, or host
-    runs of 16 rows over the whole span, stay lean."""
+def test_long_rows_over_a_wide_host_span_take_more_programs(direction, gen, monkeypatch) -> None:
+    """1152-byte single rows spread over more than `WIDE_SPAN_BYTES` (here 2 MiB) take more programs
+    than the same rows within 1 MiB, or runs of 16 rows over the whole span; all byte for byte."""
     monkeypatch.setattr(launch, "WIDE_SPAN_BYTES", 2 << 20)
-    host, dev, launches = _glm5_pools_and_launches(gen, monkeypatch)
+    host, dev = _glm5_pools(gen)
     ds = torch.randperm(4096, generator=gen)[:800]
-    # 4.7 MB of host rows (all 4096 slots) against 0.9 MB (the first 800), in random order.
     spread, near = torch.randperm(4096, generator=gen)[:800], torch.randperm(800, generator=gen)
     runs = (torch.randperm(256, generator=gen)[:50, None] * 16 + torch.arange(16)).flatten()
-    for hs, wide in ((spread, True), (near, False), (runs, False)):
-        launches.clear()
+    programs = {}
+    for name, hs in (("spread", spread), ("near", near), ("runs", runs)):
         plan = TransferPlan.build(direction, host, dev, hs, ds, force="kernel")
-        assert {r.wide for r in plan.parts[0].regions["kv"]} == {wide}
-        _run_and_check(plan, host, dev, hs, ds, HostLayout.LAYER_FIRST)
-        lean = (2, 56) if direction == "load" else (4, 113)
-        shape = ((4, 56) if direction == "load" else (8, 56)) if wide else lean
-        assert [k for k in launches if k[0] == 1152] == [(1152, *shape)]
+        (only,) = _launches(plan)[1152]
+        programs[name] = only.shape.grid(only.n)
         assert plan.sms_used <= 8
+        before = snapshot(host, dev)
+        run_plan(plan, host, dev)
+        check_moved(plan, host, dev, before)
+    assert programs["spread"] > programs["near"] and programs["spread"] > programs["runs"]
 
 
 @needs_triton
@@ -676,104 +759,12 @@ def test_kernel_offsets_come_in_the_widest_words_the_rows_allow(ps, word, gen) -
         hs = (torch.randperm(512 // 16, generator=gen)[:8, None] * 16 + torch.arange(16)).flatten()
         ds = (torch.randperm(512 // 16, generator=gen)[:8, None] * 16 + torch.arange(16)).flatten()
     plan = TransferPlan.build("load", host, dev, hs, ds, force="kernel")
-    (part,) = plan.parts
     b = spec.buffer("indexer")
-    for rows in part.regions["indexer"]:
-        assert rows.word == word
-        assert (rows.src * word % (b.row_bytes * part.unit) == 0).all()
-        assert (rows.src % rows.align == 0).all() and (rows.dst % rows.align == 0).all()
-
-
-@needs_triton
-def test_planner_uses_the_kernel_for_short_runs_and_dma_for_long_ones() -> None:
-    spec = preset("tiny-mla", 1)
-    host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
-    costs = PathCosts(copy_min_bytes=256 * 48)
-
-    def path(hs, ds) -> TransferPath:
-        return Planner(host, dev, costs, use_kernel=True).plan("load", hs, ds).path
-
-    runs = (torch.tensor([3, 1, 7])[:, None] * 512 + torch.arange(512)).flatten()
-    assert path(runs, torch.arange(1536)) is TransferPath.BATCHED_DMA
-    assert path(runs[::2], torch.arange(768)) is TransferPath.KERNEL
-    assert path(torch.arange(10, 20), torch.arange(10)) is TransferPath.SINGLE_COPY
-    with pytest.raises(PlanError, match="cannot be forced"):
-        TransferPlan.build("load", host, dev, runs, torch.arange(1536), force="mixed")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("direction", ["load", "backup"])
-def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
-    """On the GPU: batched DMA, staged, kernel and mixed plans against the host rows, on a side stream."""
-    spec = preset("tiny-dsa", 1)
-    host, dev = HostPool(spec, 8192), DevicePool(spec, 8192, "cuda", staging_tokens=1000)
-    stream = torch.cuda.Stream()
-    long_runs = (torch.tensor([1, 5, 3])[:, None] * 1024 + torch.arange(1024)).flatten()
-    short = 6144 + torch.randperm(2048, generator=gen)[:500]
-    cases = {
-        TransferPath.BATCHED_DMA: (long_runs, torch.arange(3072)),
-        TransferPath.KERNEL: (short, torch.randperm(8192, generator=gen)[:500]),
-        TransferPath.MIXED: (
-            torch.cat([long_runs, short]),
-            torch.cat([torch.arange(3072), 4000 + torch.arange(500)]),
-        ),
-    }
-    # Many long runs: spread over 4 streams (fan-out), every other run skipped on the host.
-    fanned = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
-    start = int(torch.randint(0, 20, (1,), generator=gen))
-    cases[TransferPath.BATCHED_DMA, 4] = (fanned, start + torch.arange(3072))
-    # The same host runs onto scattered device slots, staged in 4 windows: a load's runs by the copy
-    # engine, each window's fanned out; a backup's by the kernel's units (rows under 256 bytes).
-    cases[TransferPath.STAGED, 4] = (fanned, torch.randperm(8192, generator=gen)[:3072])
-    # Thresholds count each buffer's own rows: the narrowest here are the kv's 48 bytes.
-    costs = PathCosts(copy_min_bytes=512 * 48)
-    for expected, (hs, ds) in cases.items():
-        streams = 8
-        if isinstance(expected, tuple):
-            expected, streams = expected
-            costs = PathCosts(copy_min_bytes=96 * 48, staged_min_bytes=96 * 48, copy_streams=streams)
-        poison_host(host, gen)
-        poison_device(dev, gen)
-        plan = TransferPlan.build(direction, host, dev, hs, ds, costs=costs, stream=stream)
-        assert plan.path is expected
-        assert all(
-            p.streams == streams for p in plan.parts if isinstance(p, (CopyPart, StagedPart)) and p.batched
-        )
-        if expected is TransferPath.STAGED:
-            (part,) = plan.parts
-            # A load's two buffers lie apart: windows of (132000 - 128) // 180 = 732 rows; a backup's
-            # over these 32 host runs one after the other (`staging.APART_BACKUP_RUNS`).
-            assert part.batched and len(part.windows) == (5 if direction == "load" else 4)
-            assert part.apart == (direction == "load")
-            assert (part.kernel is None) == (direction == "load")
-        run_and_check(plan, host, dev, hs, ds, stream)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("direction", list(Direction))
-def test_cuda_staged_parts_with_passes_beside_the_copies_are_byte_identical(direction, gen) -> None:
-    """Staged parts whose buffers lie apart run each window's device passes on the pass stream beside
-    the other buffer's copies (a load's placing, a backup's gathering, the indexer's first): a
-    GLM-5-shaped spec of three layers from contiguous host slots onto scattered ones (one part of
-    both buffers, window by window, its places reused within and across layers), and after first-fit
-    churn (whatever parts the planner makes), twice each on one stream, against the host rows."""
-    from kvtier.bench.churn import after_churn
-
-    spec = preset("glm-5").with_layers(3)
-    host, dev = HostPool(spec, 16384), DevicePool(spec, 16384, "cuda", staging_tokens=1500)
-    stream = torch.cuda.Stream()
-    ds = torch.randperm(16384, generator=gen)[:6000]
-    for hs in (torch.arange(100, 6100), after_churn("first_fit", 6000, 16384, 1, 8, 0)):
-        plan = TransferPlan.build(direction, host, dev, hs, ds, stream=stream)
-        if plan.host_runs == 1:
-            (part,) = plan.parts
-            assert isinstance(part, StagedPart) and part.apart and len(part.windows) == 5
-        for _ in range(2):
-            poison_host(host, gen)
-            poison_device(dev, gen)
-            run_and_check(plan, host, dev, hs, ds, stream)
+    for rows in _launches(plan)[b.row_bytes]:
+        assert rows.shape.word == word
+        unit_bytes = b.row_bytes * ps
+        assert (rows.src_off.numpy() * word % unit_bytes == 0).all()  # whole units of the host region
+        assert (rows.dst_off.numpy() * word % unit_bytes == 0).all()
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))
@@ -785,15 +776,19 @@ def test_copy_addresses_are_those_of_the_rows_the_tensor_path_copies(layout) -> 
     dev = DevicePool(spec, 512)
     hs = torch.cat([torch.arange(40, 120), torch.arange(300, 380)])
     ds = torch.cat([torch.arange(0, 80), torch.arange(200, 280)])
-    plan = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
+    plan = TransferPlan.build("load", host, dev, hs, ds, force="copy")
     (part,) = plan.parts
     seg = host.segment_slots
+    triples = list(
+        zip(part.runs.host.tolist(), part.runs.device.tolist(), part.runs.length.tolist(), strict=True)
+    )
+    assert sum(n for *_, n in triples) == len(hs)
     for b in spec.buffers:
         region, host_off, dev_off, nbytes = part.run_bytes[b.name]
         for j, layer in enumerate(b.layers):
             host_ptrs = host.region_ptrs(b.name)[j, region] + host_off
             dev_ptrs = dev.layer_ptrs(b.name)[j] + dev_off
-            for r, (h, d, n) in enumerate(part.runs.triples):
+            for r, (h, d, n) in enumerate(triples):
                 assert host_ptrs[r] == host.segment(b.name, layer, h // seg)[h % seg].data_ptr()
                 assert dev_ptrs[r] == dev.layer(b.name, layer)[d].data_ptr()
                 assert nbytes[r] == n * b.row_bytes
@@ -808,36 +803,26 @@ def test_whole_page_planning_finds_the_same_runs_as_per_slot(ps, layout) -> None
     dev = DevicePool(spec, 1024)
     rng = torch.Generator().manual_seed(ps)
     pages = 1024 // ps
+    planner = Planner(host, dev, force="copy")
     for _ in range(5):
         hp = torch.randperm(pages, generator=rng)[: pages // 2].sort().values
         hp[: len(hp) // 3] = torch.arange(len(hp) // 3)  # some long runs across segment edges
         dp = torch.randperm(pages, generator=rng)[: len(hp)]
         hs = (hp[:, None] * ps + torch.arange(ps)).flatten()
         ds = (dp[:, None] * ps + torch.arange(ps)).flatten()
-        a = TransferPlan.build("load", host, dev, hs, ds, force="per_run")
-        b = Planner(host, dev, force="per_run").plan_allocated("load", hs, ds)
+        a = planner.plan("load", hs, ds)
+        b = planner.plan_allocated("load", hs, ds)
         assert (a.host_runs, a.device_runs, a.joint_runs) == (b.host_runs, b.device_runs, b.joint_runs)
         assert a.parts[0].runs.table.tolist() == b.parts[0].runs.table.tolist()
 
 
-def _runs_of(slots: torch.Tensor) -> list[tuple[int, int]]:
-    """Maximal ascending runs of `slots`, cut arbitrarily more (callers may hand over split runs)."""
-    out: list[tuple[int, int]] = []
-    for s in slots.tolist():
-        if out and out[-1][0] + out[-1][1] == s and len(out) % 3:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((s, 1))
-    return out
-
-
 def _runs_table(part) -> list | None:
-    return part.runs.table.tolist() if isinstance(part, (CopyPart, StagedPart)) else None
+    return part.runs.table.tolist() if isinstance(part, CopyPart) else None
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))
 def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
-    """A plan built from run lists is the slot-scan plan: same path, runs and addresses."""
+    """A plan built from run lists is the slot-scan plan: same path, runs, rows and addresses."""
     spec = preset("tiny-mla", 2)
     host = HostPool(spec, 1024, layout, chunk_bytes=16384)
     dev = DevicePool(spec, 1024)
@@ -850,9 +835,11 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
         cases.append(
             ((hp[:, None] * 2 + torch.arange(2)).flatten(), (dp[:, None] * 2 + torch.arange(2)).flatten())
         )
+    planners = [Planner(host, dev), Planner(host, dev, force="copy")]
+    if kernels.runs_on(torch.device("cpu")):
+        planners.append(Planner(host, dev, use_kernel=True))
     for hs, ds in cases:
-        for force in (None, "per_run"):
-            planner = Planner(host, dev, force=force, use_kernel=False)
+        for planner in planners:
             a = planner.plan("load", hs, ds)
             b = planner.plan_allocated("load", hs, ds, runs=(_runs_of(hs), _runs_of(ds)))
             assert (a.path, a.host_runs, a.device_runs, a.joint_runs) == (
@@ -861,11 +848,13 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
                 b.device_runs,
                 b.joint_runs,
             )
+            assert a.mechanisms_by_buffer() == b.mechanisms_by_buffer()
             assert [_runs_table(p) for p in a.parts] == [_runs_table(p) for p in b.parts]
-            if a.path in (TransferPath.PER_RUN, TransferPath.SINGLE_COPY):
-                for name in a.parts[0].run_bytes:
-                    for x, y in zip(a.parts[0].run_bytes[name], b.parts[0].run_bytes[name], strict=True):
-                        assert np.array_equal(x, y)
+            for p, q in zip(a.parts, b.parts, strict=True):
+                if isinstance(p, CopyPart):
+                    for name in p.run_bytes:
+                        for x, y in zip(p.run_bytes[name], q.run_bytes[name], strict=True):
+                            assert np.array_equal(x, y)
     with pytest.raises(PlanError, match="cover"):
         Planner(host, dev).plan_allocated("load", hs, ds, runs=([(0, 4)], [(0, 5)]))
     with pytest.raises(PlanError, match="the plan has"):
@@ -886,12 +875,18 @@ def test_copies_fan_out_in_contiguous_shares_of_about_equal_bytes() -> None:
 
 
 def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
-    """Runs averaging `fan_out_below_bytes` or more stay on one stream (no fork and join per layer)."""
+    """Runs averaging `fan_out_below_bytes` or more stay on one stream (no fork and join per layer);
+    copies that are not batched (torch copies, on a CPU pool) never fan out."""
     spec = preset("tiny-mla", 1)  # 48-byte rows
-    runs = 16
+    host, dev = HostPool(spec, 8192), DevicePool(spec, 8192)
 
     def streams(run: int, batched: bool = True, **kw) -> int:
-        return copy_streams(spec, run * runs, runs, batched, PathCosts(copy_streams=4, **kw))
+        planner = Planner(host, dev, PathCosts(copy_streams=4, **kw), force="copy")
+        planner.batched = batched  # as on CUDA with raw copies; the plan is only read, never run
+        hs = _runs(list(range(0, 32, 2)), run)
+        (part,) = planner.plan("load", hs, torch.arange(len(hs))).parts
+        assert isinstance(part, CopyPart) and part.batched is batched and len(part.runs) == 16
+        return part.streams
 
     assert streams(200) == 4  # 9.6 KB runs
     assert streams(200, fan_out_below_bytes=200 * 48) == 1
@@ -903,11 +898,14 @@ def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
     ("costs", "field"),
     [
         (PathCosts(copy_streams=0), "copy_streams"),
-        (PathCosts(backup_staged_floor_bytes=-1), "floor"),
-        (PathCosts(backup_copy_share=1.0), "backup_copy_share"),
-        (PathCosts(backup_copy_share=-0.1), "backup_copy_share"),
-        (PathCosts(backup_copy_share=float("nan")), "backup_copy_share"),
-        (PathCosts(copy_share_min_bytes=-1), "copy_share_min_bytes"),
+        (PathCosts(copy_fixed_s=-1e-6), "fixed costs"),
+        (PathCosts(launch_fixed_s=-1e-6), "fixed costs"),
+        (PathCosts(python_copy_s=-1e-6), "fixed costs"),
+        (PathCosts(reference_gbps=0.0), "reference_gbps"),
+        (PathCosts(kernel_share=()), "kernel_share"),
+        (PathCosts(kernel_share=((256, 0.5), (128, 0.6))), "kernel_share"),
+        (PathCosts(kernel_share=((128, 0.0),)), "kernel_share"),
+        (PathCosts(kernel_share=((128, 1.5),)), "kernel_share"),
     ],
 )
 def test_path_costs_out_of_range_are_refused(costs, field) -> None:
@@ -917,17 +915,27 @@ def test_path_costs_out_of_range_are_refused(costs, field) -> None:
         TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), costs=costs)
 
 
-@pytest.mark.parametrize("flag", ["lean", "overlap"])
-def test_kernel_option_flags_must_be_booleans(flag: str) -> None:
+def test_kernel_option_flags_must_be_booleans() -> None:
     """A flag given as a string ("no" would read as on) is refused before anything is planned."""
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
-    with pytest.raises(ConfigError, match=f"must be True or False, got {{'{flag}': 'no'}}"):
-        opts = KernelOptions(**{flag: "no"})
-        TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), kernel=opts)
+    with pytest.raises(ConfigError, match="lean must be True or False, got 'no'"):
+        TransferPlan.build(
+            "load", host, dev, torch.arange(8), torch.arange(8), kernel=KernelOptions(lean="no")
+        )
 
 
-@pytest.mark.parametrize("bad", [{"sm_budget": 0}, {"rows_per_program": 0}, {"stages": 0}, {"stages": -1}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"sm_budget": 0},
+        {"rows_per_program": 0},
+        {"stages": 0},
+        {"stages": -1},
+        {"max_unit_bytes": 0},
+        {"sm_budget": True},
+    ],
+)
 def test_kernel_options_must_be_positive(bad: dict) -> None:
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
@@ -964,7 +972,7 @@ def test_plans_refuse_pools_they_were_not_built_for(gen) -> None:
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     other_host, other_dev = HostPool(spec, 256), DevicePool(spec, 256)
     hs, ds = torch.arange(0, 64), torch.arange(64, 128)
-    planner = Planner(host, dev, force="per_run")
+    planner = Planner(host, dev, force="copy")
     load, back = planner.plan("load", hs, ds), planner.plan("backup", hs, ds)
     assert (load.host_pool, load.device_pool) == (host, dev)
     poison_host(other_host, gen)
@@ -980,3 +988,192 @@ def test_plans_refuse_pools_they_were_not_built_for(gen) -> None:
         backup(back, dev, other_host)
     assert same_bytes(other_dev.layer("kv", 0), before_dev)
     assert same_bytes(other_host.chunks("kv")[0], before_host)
+
+
+# -- every row moved by one part, for any slots and costs --------------------------------------------
+
+_PROPERTY_POOLS: dict[tuple, tuple[HostPool, DevicePool]] = {}
+
+
+def _property_pools(layout: str, ps: int) -> tuple[HostPool, DevicePool]:
+    key = (layout, ps)
+    if key not in _PROPERTY_POOLS:
+        spec = preset("tiny-dsa", ps)
+        _PROPERTY_POOLS[key] = HostPool(spec, 512, layout, chunk_bytes=4096), DevicePool(spec, 512)
+    return _PROPERTY_POOLS[key]
+
+
+@needs_triton
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(["layer_first", "page_first"]),
+    ps=st.sampled_from([1, 4]),
+    data=st.data(),
+    force=st.sampled_from([None, "copy", "kernel", "reference"]),
+    use_kernel=st.booleans(),
+    copy_fixed=st.sampled_from([0.0, 1e-8, 1e-7, 1.5e-6]),
+    copy_call=st.sampled_from([0.0, 1e-6, 10e-6]),
+    launch_fixed=st.sampled_from([0.0, 6e-6, 1e-3]),
+    min_bytes=st.sampled_from([0, 1024, 64 << 10]),
+    direction=st.sampled_from(["load", "backup"]),
+)
+def test_every_row_of_every_buffer_is_moved_by_exactly_one_part(
+    layout, ps, data, force, use_kernel, copy_fixed, copy_call, launch_fixed, min_bytes, direction
+) -> None:
+    """Whatever the slots and costs: each buffer's rows per mechanism sum to the plan's tokens, the
+    parts' device rows are the plan's device slots exactly once each, the copy runs are whole joint
+    runs and the kernel moves the rest of them (the plan is built, not run)."""
+    host, dev = _property_pools(layout, ps)
+    pages = data.draw(st.integers(1, 512 // ps // 2))
+    order = data.draw(st.permutations(range(512 // ps)))
+    k = data.draw(st.integers(0, pages))
+    start = data.draw(st.integers(0, 512 // ps - k))
+    stretch = list(range(start, start + k))  # ascending pages, as a contiguous allocator hands out
+    host_pages = np.array(
+        stretch + [q for q in order if not start <= q < start + k][: pages - k], dtype=np.int64
+    )
+    dev_pages = np.array(data.draw(st.permutations(range(512 // ps)))[: len(host_pages)], dtype=np.int64)
+    hs = torch.from_numpy((host_pages[:, None] * ps + np.arange(ps)).reshape(-1))
+    ds = torch.from_numpy((dev_pages[:, None] * ps + np.arange(ps)).reshape(-1))
+    costs = PathCosts(
+        copy_fixed_s=copy_fixed, copy_call_s=copy_call, launch_fixed_s=launch_fixed, copy_min_bytes=min_bytes
+    )
+    plan = Planner(host, dev, costs, force=force, use_kernel=use_kernel).plan(direction, hs, ds)
+    if force is not None:
+        assert plan.path is TransferPath(force)
+    if not use_kernel and force != "kernel":
+        assert plan.sms_used == 0
+    check_parts(plan)
+
+
+# -- Transfers.submit on a deferred CPU lane -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("force", [None, "copy", "kernel"])
+@pytest.mark.parametrize("with_runs", [False, True])
+def test_a_load_submitted_per_layer_lands_each_layer_only_once_its_signal_is_waited_for(
+    force, with_runs, gen
+) -> None:
+    """One signal per model layer; nothing moves until a signal is waited for; waiting for layer i
+    lands layers 0..i and no later one; every row then byte for byte."""
+    if force == "kernel" and not kernels.runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton's CPU interpreter")
+    spec = preset("tiny-dsa", 2)
+    host, dev = HostPool(spec, 128, chunk_bytes=2048), DevicePool(spec, 128)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    hs = (torch.randperm(64, generator=gen)[:20, None] * 2 + torch.arange(2)).flatten()
+    ds = (torch.randperm(64, generator=gen)[:20, None] * 2 + torch.arange(2)).flatten()
+    parts = (hs[:16], hs[16:])
+    op = Operation(
+        Direction.LOAD,
+        parts,
+        ds,
+        runs=(_runs_of(parts[0]) + _runs_of(parts[1]), _runs_of(ds)) if with_runs else None,
+        whole_pages=True,
+    )
+    lane = DeferredLane()
+    transfers = Transfers(host, dev, force=None if force is None else TransferPath(force))
+    before = snapshot(host, dev)
+    done = transfers.submit(op, lane, per_layer=True)
+    assert len(done.signals) == spec.num_layers
+    assert done.plan is not None and done.plan.num_tokens == 40
+    if force is not None:
+        assert done.plan.path is TransferPath(force)
+    assert not done.done()
+    assert all(same_bytes(v, snapshot(host, dev)[k]) for k, v in before.items())  # nothing moved yet
+
+    def landed(layer: int) -> bool:
+        return all(
+            same_bytes(dev.layer(b.name, layer)[ds], before["host", b.name, layer][hs])
+            for b in spec.buffers_on(layer)
+        )
+
+    for i, signal in enumerate(done.signals):
+        signal.wait_host()
+        assert all(landed(layer) for layer in range(i + 1))
+        assert not any(landed(layer) for layer in range(i + 1, spec.num_layers))
+    assert done.done()
+    check_moved(done.plan, host, dev, before)
+
+
+def test_a_backup_submitted_whole_has_one_signal_and_writes_the_host_only_when_waited_for(gen) -> None:
+    spec = preset("tiny-mla", 1)
+    host, dev = HostPool(spec, 64), DevicePool(spec, 64)
+    poison_host(host, gen)
+    poison_device(dev, gen)
+    hs, ds = torch.arange(10, 30), torch.randperm(64, generator=gen)[:20]
+    lane = DeferredLane()
+    before = snapshot(host, dev)
+    done = Transfers(host, dev).submit(Operation(Direction.BACKUP, (hs,), ds), lane, per_layer=False)
+    assert len(done.signals) == 1 and not done.done()
+    assert all(same_bytes(v, snapshot(host, dev)[k]) for k, v in before.items())
+    done.wait()
+    assert done.done()
+    check_moved(done.plan, host, dev, before)
+
+
+# -- CUDA --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
+    """On the GPU: copy, kernel and mixed plans (the planner's and forced) against the host rows, on a
+    side stream; copies of short runs fanned out over streams. The planner's costs here leave out the
+    fan-out's call cost, so long runs are copied and single rows (under `copy_min_bytes`) are not."""
+    spec = preset("tiny-dsa", 1)
+    host, dev = HostPool(spec, 16384), DevicePool(spec, 16384, "cuda")
+    stream = torch.cuda.Stream()
+    costs = PathCosts(copy_call_s=0.0)
+    long_runs = (torch.tensor([1, 5, 3])[:, None] * 2048 + torch.arange(2048)).flatten()
+    short = 12288 + torch.randperm(4096, generator=gen)[:500]
+    fanned = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()
+    both = torch.cat([long_runs, short]), torch.cat([torch.arange(6144), 8000 + torch.arange(500)])
+    cases = [
+        (None, TransferPath.COPY, long_runs, torch.arange(6144)),
+        (None, TransferPath.KERNEL, short, torch.randperm(16384, generator=gen)[:500]),
+        (None, TransferPath.MIXED, *both),
+        ("copy", TransferPath.COPY, fanned, torch.arange(3072)),
+        ("kernel", TransferPath.KERNEL, long_runs, torch.arange(6144)),
+        ("reference", TransferPath.REFERENCE, short, torch.randperm(16384, generator=gen)[:500]),
+    ]
+    for force, expected, hs, ds in cases:
+        poison_host(host, gen)
+        poison_device(dev, gen)
+        plan = Planner(host, dev, costs, force=force).plan(direction, hs, ds, stream=stream)
+        assert plan.path is expected, (force, plan.describe())
+        if expected is TransferPath.MIXED:
+            assert plan.rows_by_mechanism() == {"copy": 6144, "kernel": 500}
+        check_parts(plan)
+        for p in plan.parts:
+            if isinstance(p, CopyPart):
+                assert p.batched == (dma.dma_mode() is not dma.DmaMode.TORCH)
+                if p.batched and hs is fanned:  # 32 runs of 4.6 KB: fanned out
+                    assert p.streams == costs.copy_streams
+        run_and_check(plan, host, dev, hs, ds, stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("direction", ["load", "backup"])
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_cuda_kernel_reads_every_region_of_a_chunked_host_pool(direction, layout, gen) -> None:
+    """Pinned chunks of 64 KB: the kernel's one base per layer reaches every region (wherever the
+    allocator put it), after first-fit churn and fully scattered, twice each on one stream."""
+    from kvtier.bench.churn import after_churn
+
+    spec = preset("glm-5").with_layers(3)
+    host, dev = HostPool(spec, 8192, layout, chunk_bytes=64 << 10), DevicePool(spec, 8192, "cuda")
+    assert len(host.chunks("kv")) > 8
+    stream = torch.cuda.Stream()
+    ds = torch.randperm(8192, generator=gen)[:3000]
+    for hs in (torch.randperm(8192, generator=gen)[:3000], after_churn("first_fit", 3000, 8192, 1, 8, 0)):
+        for force in ("kernel", None):
+            plan = Planner(host, dev, force=force).plan(direction, hs, ds, stream=stream)
+            check_parts(plan)
+            for _ in range(2):
+                poison_host(host, gen)
+                poison_device(dev, gen)
+                run_and_check(plan, host, dev, hs, ds, stream)

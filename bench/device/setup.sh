@@ -15,12 +15,11 @@ KV="python3 -m kvtier"
 mkdir -p "$OUT"
 
 # Extra arguments per benchmark in SMOKE mode (argparse takes the last of a repeated flag).
-SMOKE_TRANSFER=() SMOKE_CACHE=() SMOKE_SERVED=() SMOKE_OVERLAP=()
+SMOKE_TRANSFER=() SMOKE_CACHE=() SMOKE_SERVED=()
 if [ "${SMOKE:-0}" = 1 ]; then
   SMOKE_TRANSFER=(--device cpu --tokens 1024 --repeats 1 --warmup 0)
   SMOKE_CACHE=(--device cpu --reload-tokens 1024 --reload-repeats 2)
   SMOKE_SERVED=(--device cpu --layers 2 --prefix 256 --repeats 1 --cycles 1)
-  SMOKE_OVERLAP=(--device cpu)
 fi
 
 env_info() {  # the GPU, its link and driver, the versions, the host's cores and memory
@@ -38,15 +37,7 @@ PY
   echo "cpus $(nproc)"; grep -E 'MemTotal|MemAvailable' /proc/meminfo
 }
 
-# One line per `kvtier bench transfer` JSON: LABEL, then direction:host set/device set:variant=ratio
-# for every row. Usage: rows_line LABEL FILE
-rows_line() {
-  python3 -c "import json, sys; d = json.load(open(sys.argv[2]))
-print(sys.argv[1], ' '.join(f\"{r['direction'][0]}:{r['host_runs']}/{r['device'][0]}:{r['variant']}={r['ceiling_ratio']}\" for r in d['rows']))" "$1" "$2"
-}
-
-# The line-rate table (README "Line rate at every fragmentation"), as committed in
-# line_rate_transfer_h200_2026-11-30_s7.json: deepseek-v3 bf16, one layer of 131072 tokens, every
+# The transfer table (README "Transfer"): deepseek-v3 bf16, one layer of 131072 tokens, every
 # host and device set, the planned path, the kernel forced and the stock kernel, 10 repeats.
 # Usage: table_transfer NAME [timeout seconds] -> $OUT/NAME.json, $OUT/NAME.log
 table_transfer() {
@@ -54,8 +45,8 @@ table_transfer() {
     --json "$OUT/$1.json" "${SMOKE_TRANSFER[@]}" 2>&1 | tee "$OUT/$1.log" | grep -E "│|ceiling|wrote"
 }
 
-# The cache reload (README "Cache reload and CPU cost"), as committed in
-# cache_reload_h200_2026-11-30_s4.json: `kvtier bench cache --parts reload`, a 131072-token
+# The cache reload (README "Cache reload and CPU cost"), as in
+# cache_reload_h200_2026-12-01.json: `kvtier bench cache --parts reload`, a 131072-token
 # deepseek-v3 prefix, 15 repeats per process, pages 1 and 16 in two processes each (the host's
 # speed differs by process), then the host copy in 8 and 64 runs. One JSON keyed by process.
 # Usage: table_cache_reload NAME [timeout seconds per process]
@@ -74,7 +65,7 @@ table_cache_reload() {
   python3 bench/device/results.py combine "$OUT/$name.json" "${runs[@]}"
 }
 
-# The served benchmark (README "Served TTFT"), as committed in served_h200_2026-11-29.json: the
+# The served benchmark (README "Served TTFT"), as committed in served_h200_2026-12-01.json: the
 # setups in one process (default smollm2,deepseek-v3; glm-5 goes in its own call, see served.sh),
 # prefixes 8k-128k, kvtier and stock, 4 fill/evict cycles, median of 3.
 # Usage: table_served NAME [timeout seconds] [setups]

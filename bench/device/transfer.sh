@@ -1,6 +1,32 @@
 #!/usr/bin/env bash
-# README "Line rate at every fragmentation": `kvtier bench transfer`, deepseek-v3 bf16 (~1 minute).
-# Usage, from the repository root on the GPU machine: bash bench/device/transfer.sh
-source bench/device/setup.sh
-env_info > "$OUT/env_${GPU}_$DATE.txt" 2>&1
-table_transfer "line_rate_transfer_${GPU}_$DATE"
+# bench/RESULTS.md "Transfer": `kvtier bench transfer` for four specs at 4096, 8192, 32768 and 131072
+# tokens, every host and device set, planned against the kernel and the copy engine forced, in one
+# process per spec (~5 minutes on an H100). Writes $OUT/transfer_<spec>.json and .log, env.txt.
+# Usage, from the repository root on the GPU machine: bash bench/device/transfer.sh [specs...]
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+TOKENS=${TOKENS:-4096,8192,32768,131072}
+EXTRA=()
+[ "${SMOKE:-0}" = 1 ] && EXTRA=(--device cpu --repeats 1 --warmup 0) && TOKENS=256,512
+{ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv 2>&1
+  python3 -c "import platform, torch, triton; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} > "$OUT/env.txt"
+for spec in "${@:-deepseek-v3 llama-3.1-8b glm-5 deepseek-v3-fp8-packed}"; do
+  for s in $spec; do
+    timeout "${TIMEOUT:-240}" python3 -m kvtier bench transfer --spec "$s" --tokens "$TOKENS" --cycles 6 \
+      --repeats 5 --batch 2 --warmup 1 --json "$OUT/transfer_$s.json" "${EXTRA[@]}" > "$OUT/transfer_$s.log" 2>&1
+    echo "$s rc=$?"
+    python3 - "$OUT/transfer_$s.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for t in sorted({c["tokens"] for c in d["cells"]}):
+    cs = [c for c in d["cells"] if c["tokens"] == t]
+    gaps = [c["gap"] for c in cs if c["gap"] is not None]
+    bad = [f"{c['direction'][0]}:{c['host']}/{c['device'][0]} {c['gap']:+.3f}" for c in cs if (c["gap"] or 0) < -0.02]
+    pl = sorted(c["ratios"]["planned"] for c in cs)
+    print(t, "planned min/med", pl[0], pl[len(pl) // 2], "worst gap", min(gaps), "ok", all(c["identical"] for c in cs), "below -0.02:", bad)
+PY
+  done
+done

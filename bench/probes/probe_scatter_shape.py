@@ -16,7 +16,7 @@ The variants run in `ROUNDS` round-robin rounds, the order reversed every other 
 drift shows as spread, not as a difference. Then the SASS of every compiled kernel is read: its
 global load and store instructions, by width.
 
-Two earlier versions of this file ran on other leases the same day:
+Two earlier versions of this file ran on other leases the same day (their files are in git history):
 - `scatter_shape_probe_h200_2026-12-04_words.jsonl`: every shape once, 4- and 8-byte words, and the
   flat kernel with 8-byte vectors too;
 - `..._rounds.jsonl`: 656-byte rows only, four rounds.
@@ -39,8 +39,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from probe_common import emit
-from probe_tlb import ceilings, median_ms
+from probe_tlb import ceilings, emit, median_ms
 
 from kvtier.transfer.kernels import copy_rows
 

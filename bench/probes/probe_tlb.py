@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import mmap
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
-from probe_common import emit
 
 from kvtier.transfer.kernels import copy_rows
 
@@ -47,6 +48,13 @@ HUGE = 2 << 20
 ROW_BYTES = (1152, 656, 132)
 MADV_NOHUGEPAGE = 15
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def emit(out: TextIO, row: dict) -> None:
+    """`row` as one JSON line, printed and appended to `out` (flushed: a run cut short keeps its rows)."""
+    print(json.dumps(row), flush=True)
+    out.write(json.dumps(row) + "\n")
+    out.flush()
 
 
 def system() -> dict:

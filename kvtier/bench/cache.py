@@ -124,7 +124,6 @@ def _reload(args: Namespace, spec, dev, report: Progress):
         query_ids=args.reload_ids,
         host_runs=args.reload_host_runs,
         host_layout=args.reload_layout,
-        layers_per_load=args.reload_layers_per_load,
     )
     collect()  # the reload's pools, gone with its frame
     return row

@@ -16,7 +16,7 @@ the target:
 
 Every random choice comes from one `random.Random(seed)` in a fixed order, so a seed
 gives the same runs on every machine; the committed tables were measured with these
-seeds and draws (bench/FINDINGS.md), so changing either changes their churn rows.
+seeds and draws, so changing either changes their churn rows.
 
 `runs_of` and `leave_free_runs` build fixed shapes instead of churn: runs of one
 length at random places, and the free space left as exactly k runs.

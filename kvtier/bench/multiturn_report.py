@@ -82,7 +82,7 @@ def tier_tokens(records: list[RequestRecord]) -> dict[str, int]:
 def summarize(
     config: str, records: list[RequestRecord], duration_s: float, rounds: int, preemptions: int, cache: dict
 ) -> dict:
-    """A configuration's JSON summary (the fields are listed in the README's multi-turn section)."""
+    """A configuration's JSON summary (bench/RESULTS.md's multi-turn tables show its main fields)."""
     inputs = sum(r.prompt_tokens for r in records)
     outputs = sum(r.output_tokens for r in records)
     per_round = []

@@ -78,7 +78,7 @@ def run(
         "copy engine": (torch.arange(t), torch.arange(t), torch.arange(t, 2 * t), torch.arange(t, 2 * t)),
         "kernel": (host_perm[:t], dev_perm[:t], host_perm[t : 2 * t], dev_perm[t : 2 * t]),
     }
-    paths = {"copy engine": TransferPath.SINGLE_COPY, "kernel": TransferPath.KERNEL}
+    paths = {"copy engine": TransferPath.COPY, "kernel": TransferPath.KERNEL}
     ceiling = s.ceilings[Direction.LOAD]
     loads = {}
     for name, (lh, ld, bh, bd) in slot_sets.items():

@@ -41,7 +41,6 @@ class ReloadRow:
     query_ids: str  # dtype of the ids passed to match (engines commonly hold int32)
     host_runs: int  # runs the prefix's host copy lies in
     host_layout: str  # the host pool's layout
-    layers_per_load: int  # layers a kernel reload moves per launch (CacheConfig.layers_per_load)
     cpu_us: float  # median process time (all threads) of match + load_back submission
     thread_us: float  # median CPU time of the calling thread alone, same calls
     wall_us: float  # median wall time of the same
@@ -74,20 +73,18 @@ def run_prefix_reload(
     query_ids: str = "int32",
     host_runs: int = 1,
     host_layout: HostLayout | str = HostLayout.LAYER_FIRST,
-    layers_per_load: int = 1,
 ) -> ReloadRow:
     """Insert a `tokens`-long sequence, evict it to the host, then time match + load_back `repeats` times.
 
     `query_ids`: the dtype of the ids given to `match` (`int32` or `int64`). `host_runs`:
     the host copy of the prefix lies in this many runs (the host pool is fragmented
     before the write-through backup, as after churn), so every layer loads in as many
-    copies. `host_layout`: the host pool's layout; `layers_per_load`: layers a reload
-    through the kernel moves per launch (in `page_first`, as layer groups).
+    copies. `host_layout`: the host pool's layout.
     """
     device = torch.device(device)
-    layout = _checked(spec, tokens, host_runs, host_layout, layers_per_load)
+    layout = _checked(spec, tokens, host_runs, host_layout)
     progress(f"reload: pools of {tokens} slots ({tokens * spec.bytes_per_token() / 1e9:.2f} GB per tier)")
-    config = CacheConfig(write_policy=WritePolicy(policy), layers_per_load=layers_per_load)
+    config = CacheConfig(write_policy=WritePolicy(policy))
     cache, backups = _cache_for(spec, tokens, device, config, host_runs, layout, seed, query_ids)
     try:
         node, ids = _prefix_in_cache(cache, tokens, seed, query_ids, host_runs)
@@ -116,7 +113,6 @@ def run_prefix_reload(
         query_ids=query_ids,
         host_runs=host_runs,
         host_layout=layout.value,
-        layers_per_load=layers_per_load,
         cpu_us=_median(samples, "cpu_us"),
         thread_us=_median(samples, "thread_us"),
         wall_us=_median(samples, "wall_us"),
@@ -130,17 +126,13 @@ def run_prefix_reload(
     return row
 
 
-def _checked(
-    spec: KVSpec, tokens: int, host_runs: int, host_layout: HostLayout | str, layers_per_load: int
-) -> HostLayout:
+def _checked(spec: KVSpec, tokens: int, host_runs: int, host_layout: HostLayout | str) -> HostLayout:
     """`run_prefix_reload`'s arguments checked before any pool is built; the host layout."""
     ps = spec.page_size
     if tokens <= 0 or host_runs < 1 or tokens % (ps * host_runs):
         raise ConfigError(
             f"tokens {tokens} must be a positive multiple of the page size {ps} times host_runs {host_runs}"
         )
-    if isinstance(layers_per_load, bool) or not isinstance(layers_per_load, int) or layers_per_load < 1:
-        raise ConfigError(f"layers_per_load must be a positive int, got {layers_per_load!r}")
     return HostLayout.parse(host_layout)
 
 
@@ -271,8 +263,8 @@ def render(row: ReloadRow, meta: dict) -> Group:
     r = row
     table = Table(
         title=f"match + load_back of a {r.tokens}-token prefix from the host: {r.spec} x {r.layers} "
-        f"layers, {r.loaded_bytes / 1e9:.3f} GB in {r.host_runs} host runs ({r.host_layout}, "
-        f"{r.layers_per_load} layers per kernel load), {r.query_ids} ids, median of {r.repeats}, "
+        f"layers, {r.loaded_bytes / 1e9:.3f} GB in {r.host_runs} host runs ({r.host_layout}), "
+        f"{r.query_ids} ids, median of {r.repeats}, "
         f"on {meta.get('gpu') or meta.get('cpu')}"
     )
     cols = ("CPU us", "thread us", "wall us", "of which match", "CPU <= 1 ms", "reload ms", "first layer ms")

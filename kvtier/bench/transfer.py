@@ -1,22 +1,22 @@
-"""`kvtier bench transfer`: every path at every fragmentation, against the ceiling of the same run.
+"""`kvtier bench transfer`: the planner against each mechanism forced, at every fragmentation and size.
 
-For one layer of a prefix of `tokens` tokens it builds host slot sets from one run to
-fully scattered (and after fill/evict churn of each allocator policy), device slots
-contiguous or scattered, and times each applicable variant in each direction: the
-planner's choice, each path forced, a stock-style kernel (2 programs, a few rows
-in flight each) and, where the planner's plan overlaps its kernel and copy-engine parts,
-the same plan with them one after another (`serial`). The ceiling is one contiguous
-pinned copy of the same bytes, measured in the same run. Every timed variant is first
-checked byte for byte: its target rows are poisoned with the complement of the right
-bytes, and afterwards the whole destination layer must equal what it held before with
-exactly the targets replaced by their sources.
+For one layer of a prefix of each `tokens` value it builds host slot sets from one run to fully
+scattered (and after fill/evict churn of each allocator policy), device slots contiguous or
+scattered, and times, in each direction, the planner's choice and each mechanism forced (the
+kernel, the copy engine; optionally a stock-style kernel and the reference path). The ceiling is
+one contiguous pinned copy of the same bytes, measured in the same run. Every timed variant is first
+checked byte for byte: its target rows are poisoned with the complement of the right bytes, and
+afterwards the whole destination layer must equal what it held before with exactly the targets
+replaced by their sources. `cells` says per cell which variant was best and by how much.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from argparse import Namespace
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 from rich.console import Group
@@ -26,7 +26,7 @@ from kvtier.alloc import AllocPolicy
 from kvtier.bench.churn import after_churn, runs_of
 from kvtier.bench.common import Timer, ceiling_gbps
 from kvtier.bench.transfer_meta import STOCK_KERNEL, metadata
-from kvtier.cli_args import HOST_SETS, VARIANTS, is_runs  # the sets and variants a run may ask for
+from kvtier.cli_args import DEFAULT_VARIANTS, HOST_SETS, is_runs  # the sets and variants a run may ask for
 from kvtier.errors import ConfigError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
@@ -37,15 +37,17 @@ from kvtier.transfer import (
     TransferPath,
     TransferPlan,
     backup,
-    execute,
     kernels,
     load_layers,
 )
 
-# Issuing more copies than this from Python takes seconds; such a row says nothing new.
-MAX_TIMED_COPIES = 4096
+# Copies issued one by one from Python (no batched call: the CPU) take seconds past this many.
+MAX_PYTHON_COPIES = 4096
 # A variant slower than this per call is timed 3 times, one call each.
 SLOW_CALL_S = 0.02
+# Calls per timed sample at least fill this long on the device, up to `MAX_BATCH` calls.
+MIN_SAMPLE_S = 1e-3
+MAX_BATCH = 16
 
 
 @dataclass
@@ -60,20 +62,18 @@ class BenchConfig:
     batch: int = 4
     host_sets: tuple[str, ...] = HOST_SETS
     device_sets: tuple[str, ...] = ("contiguous", "scattered")
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     directions: tuple[Direction, ...] = (Direction.LOAD, Direction.BACKUP)
     kernel: KernelOptions = field(default_factory=KernelOptions)
     # Extra kernel shapes (budget, rows, stages) timed on the fully scattered set.
     kernel_sweep: tuple[KernelOptions, ...] = ()
     seed: int = 0
-    # Layers each timed call moves (`load_layers` / `backup` of layers 0..layers-1); the spec
-    # must have that many. With more than one, page_first kernel rows move in layer groups.
-    layers: int = 1
-    # Rows of the widest buffer the device pool's staging holds per direction (None: `tokens`).
-    staging_tokens: int | None = None
     # Slots of the host pool the sets are drawn from (None: 2 x `tokens`): a production pool's
     # span per layer, for the kernel's wide grids (`launch.WIDE_SPAN_BYTES`).
     host_slots: int | None = None
+
+    # Layers each timed call moves (`load_layers` / `backup` of layers 0..layers-1).
+    layers: int = 1
 
     def __post_init__(self) -> None:
         bad = [name for name in self.host_sets if name not in HOST_SETS and not is_runs(name)]
@@ -105,9 +105,8 @@ class Row:
     gbps: float
     ceiling_ratio: float
     identical: bool
-    # Per buffer, the rows each mechanism moves; and the cost model whose choices made the plan.
+    # Per buffer, the rows each mechanism moves.
     mechanisms: dict = field(default_factory=dict)
-    cost_model: str = ""
 
 
 @dataclass
@@ -134,7 +133,7 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
     dev_slots = 2 * cfg.tokens
     progress(f"pinning a host pool of {host_slots} slots")
     host = HostPool(spec, host_slots, cfg.layout)
-    dev = DevicePool(spec, dev_slots, cfg.device, staging_tokens=cfg.staging_tokens or cfg.tokens)
+    dev = DevicePool(spec, dev_slots, cfg.device)
     _fill_random(host, dev, gen)
     stream = torch.cuda.Stream(cfg.device) if cfg.device.type == "cuda" else None
     timer = Timer(cfg.device, stream)
@@ -181,32 +180,19 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
         for host_label, hs in s.host_sets.items():
             for dev_label, ds in s.dev_sets.items():
                 planned = TransferPlan.build(
-                    direction,
-                    s.host,
-                    s.dev,
-                    hs,
-                    ds,
-                    kernel=cfg.kernel,
-                    stream=s.stream,
-                    layers_per_call=cfg.layers,
+                    direction, s.host, s.dev, hs, ds, kernel=cfg.kernel, stream=s.stream
                 )
+                plans = []
                 for variant, path, opts in _variants(cfg, planned, host_label):
                     if variant == "planned":  # the planner's own plan, already built
                         plan = planned
                     else:
                         plan = TransferPlan.build(
-                            direction,
-                            s.host,
-                            s.dev,
-                            hs,
-                            ds,
-                            force=path,
-                            kernel=opts,
-                            stream=s.stream,
-                            layers_per_call=cfg.layers,
+                            direction, s.host, s.dev, hs, ds, force=path, kernel=opts, stream=s.stream
                         )
-                    progress(f"{direction.value} {host_label} / device {dev_label}: {variant}")
-                    rows.append(_time(s, plan, variant, planned, host_label, dev_label))
+                    plans.append((variant, plan))
+                progress(f"{direction.value} {host_label} / device {dev_label}: {len(plans)} variants")
+                rows += _time_cell(s, plans, host_label, dev_label)
     return rows, metadata(cfg, s.ceilings, s.layer_bytes)
 
 
@@ -221,24 +207,10 @@ def _variants(
         if v == "planned":
             out.append((v, None, cfg.kernel))
             continue
-        if v == "serial":  # the planner's plan with its parts one after another on one stream
-            if execute.overlaps(planned):
-                out.append((v, None, replace(cfg.kernel, overlap=False)))
-            continue
         path = TransferPath.KERNEL if v == "stock" else TransferPath(v)
-        if path is planned.path and v != "stock":
-            continue
-        if path is TransferPath.SINGLE_COPY and planned.joint_runs != 1:
-            continue
-        if path in (TransferPath.PER_RUN, TransferPath.BATCHED_DMA) and planned.joint_runs > MAX_TIMED_COPIES:
-            continue
-        if path is TransferPath.BATCHED_DMA and not cuda:
-            continue
-        if path is TransferPath.STAGED and planned.host_runs > MAX_TIMED_COPIES:
+        if path is TransferPath.COPY and not cuda and planned.joint_runs > MAX_PYTHON_COPIES:
             continue
         if path is TransferPath.KERNEL and not kernel_ok:
-            continue
-        if path is TransferPath.STACKED and cfg.layout is not HostLayout.PAGE_FIRST:
             continue
         if path is TransferPath.REFERENCE and host_label not in ("runs-1", "contiguous"):
             continue
@@ -251,16 +223,31 @@ def _variants(
     return out
 
 
-def _time(
-    s: Setup, plan: TransferPlan, variant: str, planned: TransferPlan, host_label: str, dev_label: str
+def _time_cell(s: Setup, plans: list[tuple[str, TransferPlan]], host_label: str, dev_label: str) -> list[Row]:
+    """Check every variant of one cell, then time them round-robin, a sample of each in turn, so a slow
+    spell of the machine weighs on all of them alike; a row per variant."""
+    checked = [check_plan(s, plan) for _, plan in plans]
+    ops = [plan_op(plan, s.host, s.dev, s.stream, s.cfg.layers) for _, plan in plans]
+    for op in ops:
+        s.timer.median_ms(op, 1, 0)  # warm: the first launch of a plan compiles or binds its kernel
+    once = [s.timer.median_ms(op, 1, 0) / 1e3 for op in ops]
+    # Short calls are timed in longer batches, so a launch's ramp and tail weigh as in a reload.
+    batch = [max(s.cfg.batch, min(MAX_BATCH, math.ceil(MIN_SAMPLE_S / max(t, 1e-6)))) for t in once]
+    samples: list[list[float]] = [[] for _ in ops]
+    for _ in range(s.cfg.repeats):
+        for i, op in enumerate(ops):
+            if once[i] > SLOW_CALL_S and len(samples[i]) >= 3:
+                continue
+            samples[i].append(s.timer.median_ms(op, 1, 0, 1 if once[i] > SLOW_CALL_S else batch[i]))
+    return [
+        _row(s, plan, variant, statistics.median(times), ok, host_label, dev_label)
+        for (variant, plan), times, ok in zip(plans, samples, checked, strict=True)
+    ]
+
+
+def _row(
+    s: Setup, plan: TransferPlan, variant: str, ms: float, identical: bool, host_label: str, dev_label: str
 ) -> Row:
-    identical = check_plan(s, plan)
-    op = plan_op(plan, s.host, s.dev, s.stream, s.cfg.layers)
-    once = s.timer.median_ms(op, 1, 0) / 1e3
-    if once > SLOW_CALL_S:
-        ms = s.timer.median_ms(op, 3, 0)
-    else:
-        ms = s.timer.median_ms(op, s.cfg.repeats, s.cfg.warmup, s.cfg.batch)
     gbps = s.layer_bytes / ms / 1e6
     uses_kernel = plan.sms_used > 0
     return Row(
@@ -280,7 +267,6 @@ def _time(
         ceiling_ratio=round(gbps / s.ceilings[plan.direction], 3),
         identical=identical,
         mechanisms=plan.mechanisms_by_buffer(),
-        cost_model=plan.cost_model,
     )
 
 
@@ -347,36 +333,85 @@ def rows_as_dicts(rows: list[Row]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-def render(rows: list[Row], meta: dict) -> Group:
-    """The table `kvtier bench transfer` prints: a row per timed variant, planned ones in bold."""
-    where = meta.get("gpu") or meta.get("cpu")
-    buffers = ", ".join(f"{n} {b} B" for n, b in meta["buffers"].items())
-    layers = "one layer" if meta["layers"] == 1 else f"{meta['layers']} layers per call"
-    title = (
-        f"{meta['spec']} ({buffers}), {layers} of {meta['tokens']} tokens "
-        f"({meta['layer_bytes'] / 1e6:.0f} MB per call), "
-        f"{meta['layout']}, page {meta['page_size']}, on {where}; ceiling "
-        + ", ".join(f"{d} {g} GB/s" for d, g in meta["ceiling_gbps"].items())
-    )
-    table = Table(title=title)
-    cols = ("direction", "host slots", "runs", "device", "variant", "path", "SMs", "GB/s", "of ceiling", "ok")
-    for col in cols:
-        table.add_column(col, justify="right" if col in ("runs", "SMs", "GB/s", "of ceiling") else "left")
+def cells(rows: list[Row]) -> list[dict]:
+    """One dict per cell (tokens, direction, host set, device set): each variant's share of the ceiling,
+    the best forced one, and how far the planned one lies from it (`gap`, negative: planned slower)."""
+    out: dict[tuple, dict] = {}
     for r in rows:
-        table.add_row(
-            r.direction,
-            r.host_runs,
-            str(r.host_run_count),
-            r.device,
-            f"[bold]{r.variant}[/bold]" if r.planned else r.variant,
-            r.path + (f" {r.kernel}" if r.kernel else ""),
-            str(r.sms),
-            f"{r.gbps:.1f}",
-            f"{r.ceiling_ratio:.2f}",
-            "yes" if r.identical else "[red]NO[/red]",
+        cell = out.setdefault(
+            (r.tokens, r.direction, r.host_runs, r.device),
+            {
+                "tokens": r.tokens,
+                "direction": r.direction,
+                "host": r.host_runs,
+                "device": r.device,
+                "runs": r.host_run_count,
+                "ratios": {},
+                "identical": True,
+            },
         )
-    note = "planned: the path the planner picks; ok: byte-identical to the source, nothing else written"
-    return Group(table, note)
+        cell["ratios"][r.variant] = r.ceiling_ratio
+        cell["identical"] &= r.identical
+        if r.planned:
+            cell["path"] = r.path
+    for cell in out.values():
+        forced = {v: x for v, x in cell["ratios"].items() if v != "planned"}
+        best = max(forced, key=forced.__getitem__) if forced else None
+        cell["best_forced"] = best
+        planned = cell["ratios"].get("planned")
+        gap = None if best is None or planned is None else round(planned - forced[best], 3)
+        cell["gap"] = gap
+    return list(out.values())
+
+
+def render(rows: list[Row], metas: list[dict]) -> Group:
+    """The tables `kvtier bench transfer` prints: per size, a row per cell with every variant's share of
+    the ceiling, the best forced variant and the planned one's gap to it."""
+    first = metas[0]
+    where = first.get("gpu") or first.get("cpu")
+    buffers = ", ".join(f"{n} {b} B" for n, b in first["buffers"].items())
+    variants = sorted({r.variant for r in rows}, key=lambda v: (v != "planned", v))
+    out = []
+    for meta in metas:
+        mine = [r for r in rows if r.tokens == meta["tokens"]]
+        title = (
+            f"{meta['spec']} ({buffers}), one layer of {meta['tokens']} tokens "
+            f"({meta['layer_bytes'] / 1e6:.1f} MB per call), {meta['layout']}, page {meta['page_size']}, "
+            f"on {where}; ceiling " + ", ".join(f"{d} {g} GB/s" for d, g in meta["ceiling_gbps"].items())
+        )
+        table = Table(title=title)
+        for col in (
+            "direction",
+            "host slots",
+            "runs",
+            "device",
+            "planned path",
+            *variants,
+            "best",
+            "gap",
+            "ok",
+        ):
+            table.add_column(col, justify="left" if col in ("direction", "host slots", "device") else "right")
+        for c in cells(mine):
+            gap = c["gap"]
+            shown = "" if gap is None else (f"[red]{gap:+.3f}[/red]" if gap < -0.02 else f"{gap:+.3f}")
+            table.add_row(
+                c["direction"],
+                c["host"],
+                str(c["runs"]),
+                c["device"],
+                c.get("path", ""),
+                *(f"{c['ratios'][v]:.3f}" if v in c["ratios"] else "" for v in variants),
+                c["best_forced"] or "",
+                shown,
+                "yes" if c["identical"] else "[red]NO[/red]",
+            )
+        out.append(table)
+    note = (
+        "shares of the same-run ceiling; best: the fastest forced variant; gap: planned minus best "
+        "(red below -0.02); ok: byte-identical to the source, nothing else written"
+    )
+    return Group(*out, note)
 
 
 def config_from_args(args: Namespace, **extra) -> BenchConfig:
@@ -418,8 +453,6 @@ def command_config(args: Namespace) -> BenchConfig:
         device_sets=args.device_sets,
         variants=args.variants,
         kernel_sweep=args.kernel_sweep,
-        layers=args.layers,
-        staging_tokens=args.staging_tokens,
         host_slots=args.host_slots,
     )
 
@@ -427,17 +460,28 @@ def command_config(args: Namespace) -> BenchConfig:
 def command(args: Namespace) -> int:
     """`kvtier bench transfer`: 0 when every timed variant passed its byte check, else 1.
 
-    With `--gpus N` other than 1, `kvtier.bench.transfer_gpus.command` runs instead.
+    Each `--tokens` value is one run in this process, one after the other (the pools of one are freed
+    before the next). With `--gpus N` other than 1, `kvtier.bench.transfer_gpus.command` runs instead.
     """
+    from kvtier.bench.common import collect
     from kvtier.commands import console, progress, write_json
 
     if args.gpus != 1:
         from kvtier.bench import transfer_gpus
 
         return transfer_gpus.command(args)
-    cfg = command_config(args)
-    with progress() as report:
-        rows, meta = run(cfg, progress=report)
-    console.print(render(rows, meta))
-    write_json(args.json, {"meta": meta, "rows": rows_as_dicts(rows)})
+    sizes = args.tokens or (None,)
+    rows: list[Row] = []
+    metas = []
+    for tokens in sizes:
+        cfg = command_config(Namespace(**{**vars(args), "tokens": tokens}))
+        with progress() as report:
+            found, meta = run(cfg, progress=report)
+        rows += found
+        metas.append(meta)
+        collect()
+    console.print(render(rows, metas))
+    write_json(
+        args.json, {"meta": metas[0], "sizes": metas, "rows": rows_as_dicts(rows), "cells": cells(rows)}
+    )
     return 0 if all(r.identical for r in rows) else 1

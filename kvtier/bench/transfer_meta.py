@@ -42,7 +42,6 @@ def metadata(cfg: BenchConfig, ceilings: dict[Direction, float], layer_bytes: in
         "layout": cfg.layout.value,
         "tokens": cfg.tokens,
         "layers": cfg.layers,
-        "staging_tokens": cfg.staging_tokens or cfg.tokens,
         "host_slots": cfg.pool_slots,
         "layer_bytes": layer_bytes,
         "churn_cycles": cfg.cycles,

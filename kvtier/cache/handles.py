@@ -38,10 +38,7 @@ class CacheConfig:
     leaves (`lru` or `lfu`). `recompute_below`: host hits shorter than this many tokens
     are not loaded back; the handle says to recompute them. `force_path`: one transfer
     path for every load and backup instead of the planner's (benchmarks use `reference`
-    for a stock-style configuration). `layers_per_load`: layers a kernel reload moves
-    per call, each layer's signal then its group's (copy-engine reloads go layer by
-    layer); more than one lets the kernel read `page_first` pages of several layers as
-    one stretch, at the cost of layer i waiting for its whole group (`bench/FINDINGS.md`).
+    for a stock-style configuration).
     """
 
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
@@ -52,7 +49,6 @@ class CacheConfig:
     costs: PathCosts = field(default_factory=PathCosts)
     kernel: KernelOptions = field(default_factory=KernelOptions)
     force_path: TransferPath | None = None
-    layers_per_load: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -63,11 +59,10 @@ class CacheConfig:
                 object.__setattr__(self, "force_path", TransferPath(self.force_path))
         except ValueError as e:
             raise ConfigError(f"cache config: {e}") from None
-        if self.selective_hits < 1 or self.recompute_below < 0 or self.layers_per_load < 1:
+        if self.selective_hits < 1 or self.recompute_below < 0:
             raise ConfigError(
-                f"cache config: selective_hits ({self.selective_hits}) and layers_per_load "
-                f"({self.layers_per_load}) must be at least 1, recompute_below ({self.recompute_below}) "
-                "at least 0"
+                f"cache config: selective_hits ({self.selective_hits}) must be at least 1, "
+                f"recompute_below ({self.recompute_below}) at least 0"
             )
 
 

@@ -56,7 +56,6 @@ class DeviceHostMover(Mover):
         costs: PathCosts | None = None,
         kernel: KernelOptions | None = None,
         force: TransferPath | None = None,
-        layers_per_load: int = 1,
         lanes: tuple[Lane, Lane] | None = None,
         loop: object = DEFAULT_LOOP,
     ) -> None:
@@ -66,7 +65,6 @@ class DeviceHostMover(Mover):
             costs=costs,
             kernel=kernel,
             force=force,
-            layers_per_load=layers_per_load,
             loop=loop,
         )
         self.load_lane, self.backup_lane = lanes or (

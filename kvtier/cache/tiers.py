@@ -74,7 +74,6 @@ class TierState(StorageTransitions, RankAgreement):
             costs=cfg.costs,
             kernel=cfg.kernel,
             force=cfg.force_path,
-            layers_per_load=cfg.layers_per_load,
         )
         ps = self.spec.page_size
         self.tree = RadixTree(ps)

@@ -140,9 +140,7 @@ class Engine(Owner, TextSide):
         self.max_context = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 0)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.device_pool = DevicePool(
-            self.spec, device_tokens, self.device, staging_tokens=min(device_tokens, 4096 // ps * ps or ps)
-        )
+        self.device_pool = DevicePool(self.spec, device_tokens, self.device)
         with ExitStack() as undo:  # a failure below closes the pools made so far
             undo.callback(self.device_pool.close)
             self.host_pool = HostPool(self.spec, host_tokens, host_layout)

@@ -1,12 +1,9 @@
-"""The device tier: one `[num_slots, *row]` tensor per buffer per layer, plus staging.
+"""The device tier: one `[num_slots, *row]` tensor per buffer per layer.
 
 `DevicePool` owns the tensors the model reads (one allocation per buffer, its layers
-evenly spaced views) or wraps tensors an engine already has (which may lie anywhere),
-and two staging buffers, one per transfer direction, so a reload and a backup on two
-streams never share one. Staging is sized when the pool is built, counted in
-`footprint_bytes`, and never grows.
+evenly spaced views) or wraps tensors an engine already has (which may lie anywhere).
 
-Lifetime: `close()` (or leaving a `with` block) drops the pool's tensors and staging;
+Lifetime: `close()` (or leaving a `with` block) drops the pool's tensors;
 afterwards every accessor raises `ClosedError`. On a GPU the freed blocks stay in
 torch's caching allocator (`torch.cuda.empty_cache()` is the caller's choice). A wrapped
 pool drops only its references.
@@ -28,8 +25,6 @@ from kvtier.spec import KVSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_STAGING_TOKENS = 131072
-
 Tensors = Mapping[str, Sequence[torch.Tensor]]  # buffer name -> one `[num_slots, *row]` tensor per layer
 
 
@@ -41,11 +36,7 @@ class Direction(str, Enum):
 
 
 class DevicePool(Owner):
-    """KV rows of `num_slots` tokens for every buffer and layer of `spec` on `device`.
-
-    `staging_tokens` rows (of the widest buffer) are reserved per direction for the
-    staged path; by default `min(num_slots, 131072)`.
-    """
+    """KV rows of `num_slots` tokens for every buffer and layer of `spec` on `device`."""
 
     def __init__(
         self,
@@ -53,7 +44,6 @@ class DevicePool(Owner):
         num_slots: int,
         device: torch.device | str = "cpu",
         *,
-        staging_tokens: int | None = None,
         tensors: Tensors | None = None,
     ) -> None:
         if num_slots <= 0:
@@ -62,8 +52,7 @@ class DevicePool(Owner):
         self.num_slots = num_slots
         self.device = torch.device(device)
         if tensors is None:
-            # One allocation per buffer, its layers evenly spaced: kernels that move several
-            # layers at once then address them by a stride (`transfer.groups`).
+            # One allocation per buffer, its layers evenly spaced:
             shapes = {b.name: (len(b.layers), num_slots, *b.row_shape) for b in spec.buffers}
             self._stacked = {
                 b.name: torch.zeros(shapes[b.name], dtype=b.dtype, device=self.device) for b in spec.buffers
@@ -72,15 +61,6 @@ class DevicePool(Owner):
         else:
             self._stacked = {}
             self._tensors = self._check_tensors(tensors)
-        if staging_tokens is None:
-            staging_tokens = min(num_slots, DEFAULT_MAX_STAGING_TOKENS)
-        if staging_tokens <= 0:
-            raise SpecError(f"device pool: staging_tokens {staging_tokens} must be positive")
-        self.staging_tokens = staging_tokens
-        widest = spec.widest_row_bytes
-        self._staging = {
-            d: torch.empty(staging_tokens * widest, dtype=torch.uint8, device=self.device) for d in Direction
-        }
         self._layer_ptrs = {
             n: np.array([t.data_ptr() for t in ts], dtype=np.int64) for n, ts in self._tensors.items()
         }
@@ -92,18 +72,17 @@ class DevicePool(Owner):
             for b in spec.buffers
         }
         kv_bytes = sum(t.nbytes for ts in self._tensors.values() for t in ts)
-        self.footprint_bytes = kv_bytes + sum(s.nbytes for s in self._staging.values())
+        self.footprint_bytes = kv_bytes
         log.info(
-            "device pool: %d slots on %s, %s with staging for %d tokens%s",
+            "device pool: %d slots on %s, %s%s",
             num_slots,
             self.device,
             fmt_bytes(self.footprint_bytes),
-            staging_tokens,
             " (wrapped tensors)" if tensors is not None else "",
         )
 
     @classmethod
-    def wrap(cls, spec: KVSpec, tensors: Tensors, *, staging_tokens: int | None = None) -> DevicePool:
+    def wrap(cls, spec: KVSpec, tensors: Tensors) -> DevicePool:
         """A pool over an engine's own tensors.
 
         `tensors[name][i]`: `[num_slots, *row]`, the buffer's i-th layer. Rows need not be
@@ -112,7 +91,7 @@ class DevicePool(Owner):
         first = next((t for ts in tensors.values() for t in ts), None)
         if first is None:
             raise SpecError(f"device pool: no tensors to wrap for spec {spec.name!r}")
-        return cls(spec, first.shape[0], first.device, staging_tokens=staging_tokens, tensors=tensors)
+        return cls(spec, first.shape[0], first.device, tensors=tensors)
 
     def _check_tensors(self, tensors: Tensors) -> dict[str, list[torch.Tensor]]:
         out = {}
@@ -135,11 +114,11 @@ class DevicePool(Owner):
         return out
 
     def close(self) -> None:
-        """Drop the KV tensors and staging; idempotent (see the module docstring for the GPU cache)."""
+        """Drop the KV tensors; idempotent (see the module docstring for the GPU cache)."""
         if self._closed:
             return
         self._closed = True
-        self._tensors, self._staging, self._layer_ptrs, self._stacked = {}, {}, {}, {}
+        self._tensors, self._layer_ptrs, self._stacked = {}, {}, {}
         log.info("device pool closed: %s on %s released", fmt_bytes(self.footprint_bytes), self.device)
 
     def _check_open(self) -> None:
@@ -167,11 +146,6 @@ class DevicePool(Owner):
         """`[layers of the buffer]` int64, read-only: the address of each layer's tensor."""
         self._check_open()
         return self._layer_ptrs[self.spec.buffer(buffer).name]
-
-    def staging(self, direction: Direction) -> torch.Tensor:
-        """The raw staging bytes of one direction: `[staging_tokens * widest row bytes]` uint8."""
-        self._check_open()
-        return self._staging[direction]
 
     def __repr__(self) -> str:
         state = ", closed" if self._closed else ""

@@ -133,6 +133,7 @@ class HostPool(Owner):
 
         self._chunks = self._allocate_chunks(plans, progress)
         self._region_ptrs = {b.name: self._build_region_ptrs(b) for b in spec.buffers}
+        self._region_classes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._pages: list | None = None  # `_page_map`, made when first needed
         log.info(
             "host pool: %d slots, layout %s, %s in %d chunks, pinned=%s",
@@ -177,7 +178,7 @@ class HostPool(Owner):
             return
         chunks = sum(len(c) for c in self._chunks.values())
         self._closed = True
-        self._chunks, self._region_ptrs, self._pages = {}, {}, None
+        self._chunks, self._region_ptrs, self._region_classes, self._pages = {}, {}, {}, None
         return_freed_memory(self.pinned)
         log.info("host pool closed: %s in %d chunks released", fmt_bytes(self.footprint_bytes), chunks)
 
@@ -326,6 +327,17 @@ class HostPool(Owner):
         """`[layers, regions]` int64, read-only: `region_words(...).data_ptr()` of each, computed once."""
         self._chunks_of(buffer)  # open, and a buffer of the spec
         return self._region_ptrs[buffer]
+
+    def region_classes(self, buffer: str) -> tuple[np.ndarray, np.ndarray]:
+        """How the regions of `buffer` lie apart on each layer: the distinct rows of `region_ptrs(buffer)`
+        less its first column (`[c, regions]` int64) and each layer's row among them (`[layers]` int64).
+        Layers of one class share the byte offsets of their rows from their first region's start."""
+        found = self._region_classes.get(buffer)
+        if found is None:
+            ptrs = self.region_ptrs(buffer)
+            classes, layer_class = np.unique(ptrs - ptrs[:, :1], axis=0, return_inverse=True)
+            found = self._region_classes[buffer] = (classes, layer_class.reshape(-1))
+        return found
 
     def region_words(self, buffer: str, layer: int, region: int) -> torch.Tensor:
         """1-D words of one region, from its first row of `layer` to the end of its allocation."""

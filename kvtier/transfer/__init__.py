@@ -1,50 +1,45 @@
 """Moving KV rows between a `HostPool` and a `DevicePool`: plans (decided once) and their execution.
 
-A `Planner` (or `TransferPlan.build`) decides on CPU indices, once per operation, how every
-row moves; `load_layer`, `load_layers` and `backup` run the plan layer by layer on a stream.
-Modules: `runs`, `options`, `launch` (the kernel's launch-shape rules), `parts` (one type
-per mechanism), `staging` (staged parts) and `units` (the kernel's units), `costs` (what the
-planner assumes each mechanism costs) and `calibrate` (measuring it, `kvtier calibrate`), `plan`,
-`execute` (with `phases`, `staged`, `streams` and `moves`), `kernels` and `groups` (the Triton
-kernels, beside `kernel_args`), `stacks` (`page_first` pages of several layers through staging),
-`dma` (batched copy-engine calls), `strided` (2-D copies), `native` (the compiled submission
-loop), `cudart` (the process's CUDA runtime); `lanes` and
-`submit` (the cache's submission).
+A `Planner` (or `TransferPlan.build`) decides on CPU indices, once per operation, how every row
+moves; `load_layer`, `load_layers` and `backup` run the plan layer by layer on a stream, and
+`submit.Transfers` is the one entry point the cache calls.
 
-Glossary: one noun per concept, in every name and docstring of this package.
+The mechanisms (`parts`):
+- the copy engine, one copy per joint run, every run of a layer in one batched call
+  (`dma`; from one compiled loop for a whole operation, `native`); it holds no SMs;
+- the row kernel (`kernels`), reading or writing pinned host memory directly, runs cut into
+  units of up to `KernelOptions.max_unit_bytes`; any layout of slots;
+- the reference path, token by token, for device tensors that are not packed rows (an engine's
+  own) and for plans where neither of the others runs (no Triton, no CUDA).
 
-- slot: one token's place in a pool (a host slot, a device slot). A plan pairs
-  `host_slots[i]` with `device_slots[i]`; `i` is the pair's position.
+The planner's rule (`rule`), for each buffer: sort the plan's joint runs longest first and give
+the copy engine the j longest, the kernel the rest, for the j that makes
+
+    time(j) = [j > 0] copy_call_s + max(j x copy_fixed_s + (bytes of the j) / B, j x copy_host_s)
+            + [rows left] launch_fixed_s + (bytes left) / (B x kernel_rate(unit bytes))
+
+least, B being the link's rate; only runs of `copy_min_bytes` or more may be copied (unless the
+plan is one run). Every j from 0 (all kernel) to all is weighed. The fixed costs are why the
+choice holds from a thousand tokens to 128k: one joint run is one copy; runs of tens of KiB and
+up go to the copy engine (fanned out over streams it runs them at the link's rate) once there is
+enough of them to pay for the call; thousands of short copies are bound by the host issuing
+them (`copy_host_s`), and single rows or short runs go to the kernel in one launch. The two parts
+run one after the other on the caller's stream. Without the kernel (no Triton, a CPU pool): one
+copy per run where that beats the reference path, else the reference path. `PathCosts` holds
+the costs (bench/FINDINGS.md, "The planner's costs").
+
+Glossary, one noun per concept:
+- slot: one token's place in a pool. A plan pairs `host_slots[i]` with `device_slots[i]`.
 - row: one slot's bytes of one buffer on one layer (`BufferSpec.row_bytes`).
 - page: `page_size` consecutive slots from a page-aligned id, what the allocators hand out.
-- chunk: one host allocation (`HostPool`, at most `chunk_bytes`).
-- segment: a maximal aligned range of host slots whose rows of one layer are contiguous in
-  host memory (`HostPool.segment_slots`: a chunk's slots in `layer_first`, one page in
-  `page_first`). No run crosses a segment edge.
-- region: what one host base address reaches (`HostPool.locate`: slot -> `(region, row)`):
-  a segment's rows of a layer in `layer_first`, a chunk's rows of a layer in `page_first`
-  (its pages then lie a page's rows of every layer apart).
+- segment: a maximal aligned range of host slots whose rows of one layer are contiguous
+  (`HostPool.segment_slots`); no run crosses a segment edge.
+- region: what one host base address reaches (`HostPool.locate`).
 - run: consecutive positions whose host slots go up by one within a segment (a host run),
-  whose device slots go up by one (a device run), or both (a joint run). A run cut at a
-  window edge or into units is still a run. `RunTable` holds runs as columns; run lists
-  (`RunList`) are the allocators' `(first slot, length)` pairs.
-- part: the rows of a plan that one mechanism moves, of some or all buffers (`parts`); a
-  path is what the whole plan does (`TransferPath`).
-- window: one fill of a device staging buffer, up to `staging_tokens` rows of a staged part
-  (of half of it, for stacks: the halves alternate).
-- unit: the rows the kernel moves as one, a cut of a joint run contiguous on both sides (a
-  whole page where every run allows).
-- group: consecutive layers moved in one launch (`groups`); a unit's stack is its rows on
-  a group's layers, adjacent on the host in `page_first`; a stack part moves whole pages'
-  stacks by the copy engine (`stacks`).
-- span: consecutive layers of one call that move together (`runs.layer_spans`), at most a
-  group or a window's stacks.
-- word: the integer element rows move as (8, 4, 2 or 1 bytes; `kvtier.pool.rows.as_words`).
-- vector: up to 16 bytes of words, the widest access one thread makes.
-- tile: the whole rows (or stacks) one kernel program holds in flight per step, as vectors;
-  a stage is one tile in flight in a pipelined program.
-- lane: a queue of transfer work on one stream (the cache's load and backup lanes); never
-  part of a tile.
+  whose device slots go up by one (a device run), or both (a joint run).
+- part: the rows of a plan that one mechanism moves, of some or all buffers.
+- unit: the rows the kernel moves as one, a cut of a joint run.
+- lane: a queue of transfer work on one stream (the cache's load and backup lanes).
 """
 
 from kvtier.transfer.execute import backup, load_layer, load_layers

@@ -1,13 +1,10 @@
 """The CUDA runtime this process already uses, called through ctypes on the hot paths.
 
-Through `cuda.bindings` and torch most of a runtime call's host cost is argument
-conversion and wrappers, not the driver's work (bench/FINDINGS.md). Here the functions of
-the `libcudart` torch loaded (found by its mapping in the process: one runtime, one
-context) are called with raw integers. `runtime()` is None where it cannot be found (no
-CUDA, a statically linked runtime): callers then keep `cuda.bindings` or torch.
-
-Every once-per-process finding of this package (`RUNTIME`, `dma.RUNTIME`,
-`native.LIBRARY`) is a `Probed`: a test pins a stand-in with `set`, `reset` forgets it.
+Through `cuda.bindings` and torch most of a runtime call's host cost is argument conversion and
+wrappers (bench/FINDINGS.md). Here the functions of the `libcudart` torch loaded are called with raw
+integers; `runtime()` is None where it cannot be found (no CUDA, a static runtime). Every
+once-per-process finding of this package (`RUNTIME`, `dma.RUNTIME`, `native.LIBRARY`) is a
+`Probed`: a test pins a stand-in with `set`, `reset` forgets it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Copy-engine transfers of many runs at once (`copy_runs`).
 
-One `cudaMemcpyBatchAsync` (CUDA 12.8+) submits every run of a layer in one call. With a
-CUDA 13 runtime in the process it is called directly on the arrays' memory (`cudart`),
-else through `cuda.bindings`, which converts its lists one Python int at a time
-(bench/FINDINGS.md). Without the batch call the runs go through a loop of
-`cudaMemcpyAsync`; without `cuda.bindings` no raw copies are made (`DmaMode.TORCH`).
-
-Fan-out: one stream feeds one copy engine, which pays a fixed cost per copy;
-`copy_runs(..., streams=k)` splits the list over the caller's stream and `k - 1` side
-streams forked from it and joined back into it, so several engines overlap their gaps
-while the caller's stream still orders everything. The legacy default stream is refused
-(the batch call rejects it). What the process can do is found once (`RUNTIME`, `DIRECT`).
+One `cudaMemcpyBatchAsync` (CUDA 12.8+) submits every run of a layer in one call: directly on the
+arrays' memory with a CUDA 13 runtime in the process (`cudart`), else through `cuda.bindings`;
+without the batch call, a loop of `cudaMemcpyAsync`; without `cuda.bindings`, no raw copies
+(`DmaMode.TORCH`). `copy_runs(..., streams=k)` fans the list out over the caller's stream and
+`k - 1` side streams forked from and joined into it, so several copy engines hide each other's
+fixed cost per copy. The legacy default stream is refused (the batch call rejects it).
 """
 
 from __future__ import annotations

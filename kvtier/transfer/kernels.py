@@ -1,37 +1,28 @@
 """A Triton kernel that copies scattered KV rows between pinned host memory and the GPU (`copy_rows`).
 
-`copy_rows` moves `n` rows of `row_words` words, each at its own word offset, from one 1-D
-words tensor to another: a gather (load) reads pinned host memory and writes the GPU, a
-scatter (backup) the reverse. The GPU reaches the pinned pages directly over PCIe, so
-scattered rows need no staging buffer and no copy-engine call per run.
+`copy_rows` moves `n` rows of `row_words` words, each at its own word offset, from one 1-D words
+tensor to another: a gather (load) reads pinned host memory over PCIe, a scatter (backup) writes
+it. A tile of `rows_per_program` whole rows is loaded whole before any of it is stored; the grid
+is persistent (`min(sm_budget, tiles)` programs loop over tiles), so the copy holds `sm_budget`
+SMs and no more; gathers of whole 128-byte lines are pipelined over `STAGES` tiles in shared
+memory. `kvtier.transfer.launch` gives programs, rows and stages; `RowLaunch` is one launch shaped
+once (`prepare_rows`) and run per layer.
 
-How: a row is `row_vecs` vectors of `VEC` words; a tile, `rows_per_program` whole rows as
-their vectors in a block of `BLOCK` positions (a power of two, the rest masked off), is
-loaded whole before any of it is stored. The grid is persistent: `min(sm_budget, tiles)`
-programs loop over tiles `pid, pid + num_programs, ...`, so the copy holds `sm_budget` SMs
-and no more. Gathers of whole 128-byte lines are pipelined over `STAGES` tiles in shared
-memory, their offsets loaded once per row (`ROWS_POW`) and spread over its vectors.
-`kvtier.transfer.launch` gives programs, rows and stages.
-
-Contract:
-- Row `i` copies `src[src_offsets[i] : src_offsets[i] + row_words]` to `dst[dst_offsets[i]
-  : ...]`, bit for bit; `src`, `dst`: 1-D contiguous words of one dtype (`as_words`), the
-  source rows not overlapping the destination rows (unchecked: different tiers).
-- Offsets: `[n]` int64, on the GPU in real use (CPU offsets go up through pinned memory
-  without blocking; under the interpreter everything is on the CPU). With `validate`, the
-  host checks of `kernel_args` run first (callers with device offsets check their CPU
-  indices and pass `validate=False`).
-- Launched on the current stream; never waits for the GPU or reads a device value back.
-- Words are re-viewed at the widest width (up to 8 bytes) dividing the row size, both base
-  addresses and every CPU offset (device offsets are not read: never widened). Vectors are
-  16 bytes where the offsets allow: known on the host (CPU offsets, `offsets_align`), else
-  checked per tile on the GPU.
+Contract: row `i` copies `src[src_offsets[i] : + row_words]` to `dst[dst_offsets[i] : ...]` bit for
+bit, the source rows not overlapping the destination rows; offsets are `[n]` int64 on the GPU in
+real use (with `validate`, the host checks of `kernel_args` run first, on CPU offsets); launched on
+the current stream, it never waits for the GPU. Words are re-viewed at the widest width (up to 8
+bytes) the row size, base addresses and CPU offsets allow; vectors are 16 bytes where the offsets
+allow, checked per tile on the GPU where the host has not seen them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.errors import TransferError
@@ -182,66 +173,170 @@ def copy_rows(
         offset_bytes = (offsets_align & -offsets_align) * size
     else:
         offset_bytes = None  # Unseen offsets: whole words of the given width, vectors checked per tile.
-    shape = _row_shape(src, dst, row_words * size, offset_bytes, device, sm_budget, rows_per_program, stages)
-    width, row_vecs, rows, kwargs = shape
-    src_off = to_kernel_device(rescale(src_offsets, size, width), device)
-    dst_off = to_kernel_device(rescale(dst_offsets, size, width), device)
-    args = (flat_words(src, width), src_off, flat_words(dst, width), dst_off, n, row_vecs)
-    launch_on(device, _kernel(), min(sm_budget, -(-n // rows)), args, kwargs)
+    bases = [src.data_ptr(), dst.data_ptr()]
+    # The views' storage offsets bound the word width (`flat_words`), not the addresses' alignment.
+    views = (src.storage_offset() * size, dst.storage_offset() * size)
+    gather = src.device.type != "cuda"
+    where = (row_words * size, size, bases, offset_bytes, gather, device)
+    shape = RowShape.of(*where, sm_budget, rows_per_program, stages, views)
+    src_off = to_kernel_device(rescale(src_offsets, size, shape.word), device)
+    dst_off = to_kernel_device(rescale(dst_offsets, size, shape.word), device)
+    args = (flat_words(src, shape.word), src_off, flat_words(dst, shape.word), dst_off, n, shape.row_vecs)
+    launch_on(device, _kernel(), shape.grid(n), args, shape.kwargs)
 
 
-def _row_shape(
-    src: torch.Tensor,
-    dst: torch.Tensor,
+@dataclass(frozen=True)
+class RowShape:
+    """How the kernel moves rows of one size: `word` bytes per word, `row_vecs` vectors per row,
+    `rows` per tile and the kernel's keyword arguments."""
+
+    word: int
+    row_vecs: int
+    rows: int
+    programs: int
+    kwargs: dict[str, Any]
+
+    def grid(self, n: int) -> int:
+        return min(self.programs, -(-n // self.rows))
+
+    @classmethod
+    def of(
+        cls,
+        row_bytes: int,
+        size: int,
+        bases: list[int],
+        offset_bytes: int | None,
+        gather: bool,
+        device: torch.device,
+        sm_budget: int,
+        rows_per_program: int | None,
+        stages: int | None,
+        views: tuple[int, ...] = (),
+    ) -> RowShape:
+        """The shape for rows of `row_bytes` in words of at most `size` bytes, between base addresses
+        whose alignments are `bases`, at offsets that are multiples of `offset_bytes` (None: unseen);
+        `gather`: the rows are read from the host; `views`: byte offsets the words must also divide
+        (tensors' storage offsets), not addresses."""
+        # Widest words the row size, both base addresses and every offset seen are multiples of.
+        known = None if offset_bytes is None else min(rules.VECTOR_BYTES, offset_bytes)
+        width = word_size(row_bytes, [*bases, *views, known or size])
+        row_w = row_bytes // width
+        every = offset_bytes or 0
+        for a in bases:
+            every |= a
+        line = offset_bytes is not None and rules.pipelines(
+            row_bytes, every & -every if every else rules.LINE_BYTES, gather
+        )
+        stages = (stages or rules.MAX_STAGES) if line else 1
+        if rows_per_program is None:
+            rows_per_program = rules.rows_in_flight(row_bytes, sm_budget, stages)
+        vec = 1
+        while (
+            vec * 2 * width <= rules.VECTOR_BYTES
+            and row_w % (vec * 2) == 0
+            and (known is None or known % (vec * 2 * width) == 0)
+        ):
+            vec *= 2
+        row_vecs = row_w // vec
+        if row_vecs > rules.MAX_TILE_VECTORS:
+            raise TransferError(
+                f"rows of {row_bytes} bytes in {row_vecs} vectors of {vec * width} bytes are wider than one "
+                f"tile of the kernel ({rules.MAX_TILE_VECTORS} vectors); split them into narrower rows"
+            )
+        rows = min(rows_per_program, rules.MAX_TILE_VECTORS // row_vecs)
+        block = next_power_of_2(rows * row_vecs)
+        tile = block * vec * width
+        stages = min(stages, rules.stages_fit(rules.shared_bytes(device), tile))
+        kwargs = {
+            "ROWS_PER_BLOCK": rows,
+            "ROWS_POW": next_power_of_2(rows),
+            "BLOCK": block,
+            "VEC": vec,
+            "CHECK_ALIGN": known is None,
+            "STAGES": stages,
+            "num_warps": rules.warps_for(tile),
+            "num_stages": stages,
+        }
+        return cls(width, row_vecs, rows, sm_budget, kwargs)
+
+
+@dataclass
+class RowLaunch:
+    """One prepared launch: `n` rows at word offsets `src_off`, `dst_off` (`[n]` int64 on the kernel's
+    device, words of `shape.word` bytes) from and to bases given per call (`run`); shaped once, run
+    per layer. On CUDA the second and later launches with bases of the same alignment go straight to
+    the compiled kernel, past Triton's argument binding (a few microseconds instead of tens)."""
+
+    n: int
+    shape: RowShape
+    src_off: torch.Tensor
+    dst_off: torch.Tensor
+    _compiled: dict[tuple[bool, bool], Any] = field(default_factory=dict, repr=False)
+
+    def run(
+        self,
+        src: int,
+        dst: int,
+        views: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        stream: int | None = None,
+    ) -> None:
+        """Move the rows from base address `src` to base address `dst` (one on the GPU, the other pinned
+        host memory) on raw CUDA stream `stream` (None: the current one); `views()` gives the same bases
+        as 1-D words tensors of `shape.word` bytes, for a first launch (or, under the interpreter, both
+        on the CPU, every launch)."""
+        if self.n == 0:
+            return
+        device = self.src_off.device
+        shape = self.shape
+        if device.type != "cuda":
+            s, d = views()
+            args = (s, self.src_off, d, self.dst_off, self.n, shape.row_vecs)
+            launch_on(device, _kernel(), shape.grid(self.n), args, shape.kwargs)
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(device).cuda_stream
+        key = (src % 16 == 0, dst % 16 == 0)
+        compiled = self._compiled.get(key)
+        grid = (shape.grid(self.n), 1, 1)
+        if compiled is not None:
+            offs = (self.src_off.data_ptr(), self.dst_off.data_ptr())
+            compiled[grid](src, offs[0], dst, offs[1], self.n, shape.row_vecs, *self._consts, stream=stream)
+            return
+        s, d = views()
+        args = (s, self.src_off, d, self.dst_off, self.n, shape.row_vecs)
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+            found = _kernel()[grid](*args, **shape.kwargs)
+        # Triton versions whose launch returns no compiled kernel keep taking this path.
+        if found is not None and callable(getattr(found, "__getitem__", None)):
+            self._compiled[key] = found
+
+    @property
+    def _consts(self) -> list[Any]:
+        """The kernel's constexpr arguments in its parameter order (the compiled kernel takes them all)."""
+        return [v for k, v in self.shape.kwargs.items() if not k.startswith("num_")]
+
+
+def prepare_rows(
     row_bytes: int,
-    offset_bytes: int | None,
+    src_off: np.ndarray,
+    dst_off: np.ndarray,
+    bases: list[int],
+    gather: bool,
     device: torch.device,
-    sm_budget: int,
+    programs: int,
     rows_per_program: int | None,
     stages: int | None,
-) -> tuple[int, int, int, dict[str, Any]]:
-    """Word bytes, vectors per row, rows per tile and the kernel's keyword arguments for rows of
-    `row_bytes` at offsets that are multiples of `offset_bytes` (None: unseen)."""
-    size = WORD_SIZES[src.dtype]
-    # Widest words the row size, both base addresses and every offset seen are multiples of.
-    known = None if offset_bytes is None else min(rules.VECTOR_BYTES, offset_bytes)
-    aligns = [src.data_ptr(), dst.data_ptr(), src.storage_offset() * size, dst.storage_offset() * size]
-    width = word_size(row_bytes, [*aligns, known or size])
-    row_w = row_bytes // width
-    # Unseen offsets are not pipelined. Under the interpreter (both sides on the CPU), as a gather.
-    every = (offset_bytes or 0) | src.data_ptr() | dst.data_ptr()
-    gather = src.device.type != "cuda"
-    line = offset_bytes is not None and rules.pipelines(
-        row_bytes, every & -every if every else rules.LINE_BYTES, gather
-    )
-    stages = (stages or rules.MAX_STAGES) if line else 1
-    if rows_per_program is None:
-        rows_per_program = rules.rows_in_flight(row_bytes, sm_budget, stages)
-    vec = 1
-    while (
-        vec * 2 * width <= rules.VECTOR_BYTES
-        and row_w % (vec * 2) == 0
-        and (known is None or known % (vec * 2 * width) == 0)
-    ):
-        vec *= 2
-    row_vecs = row_w // vec
-    if row_vecs > rules.MAX_TILE_VECTORS:
-        raise TransferError(
-            f"rows of {row_bytes} bytes in {row_vecs} vectors of {vec * width} bytes are wider than one "
-            f"tile of the kernel ({rules.MAX_TILE_VECTORS} vectors); split them into narrower rows"
-        )
-    rows = min(rows_per_program, rules.MAX_TILE_VECTORS // row_vecs)
-    block = next_power_of_2(rows * row_vecs)
-    tile = block * vec * width
-    stages = min(stages, rules.stages_fit(rules.shared_bytes(device), tile))
-    kwargs = {
-        "ROWS_PER_BLOCK": rows,
-        "ROWS_POW": next_power_of_2(rows),
-        "BLOCK": block,
-        "VEC": vec,
-        "CHECK_ALIGN": known is None,
-        "STAGES": stages,
-        "num_warps": rules.warps_for(tile),
-        "num_stages": stages,
-    }
-    return width, row_vecs, rows, kwargs
+    upload: Callable[[torch.Tensor], torch.Tensor],
+) -> RowLaunch:
+    """A `RowLaunch` of rows of `row_bytes` at byte offsets `src_off`, `dst_off` (`[n]` int64 numpy)
+    from bases whose addresses are `bases` (every base the launch will run with), read from the host
+    where `gather`; `upload` puts the word offsets on `device`."""
+    size = 8
+    while row_bytes % size:
+        size //= 2
+    align = common_alignment(src_off, dst_off)
+    shape = RowShape.of(row_bytes, size, bases, align, gather, device, programs, rows_per_program, stages)
+    w = shape.word
+    src_t = upload(torch.from_numpy(np.ascontiguousarray(src_off // w)))
+    dst_t = upload(torch.from_numpy(np.ascontiguousarray(dst_off // w)))
+    return RowLaunch(len(src_off), shape, src_t, dst_t)

@@ -1,29 +1,18 @@
 """The row kernel's launch shape: how many programs, rows per tile and stages for rows of a size.
 
-Rules (the measurements behind each constant are in bench/FINDINGS.md):
-
-- A gather over PCIe is bound by latency, not bandwidth: the link fills only with about
-  `GRID_BYTES` of reads in flight across the grid. Many outstanding loads per program get
-  there, not many programs: each program loads a whole tile of rows before storing any.
-- Unpipelined, a program holds one tile of `GRID_BYTES / programs`, between `TILE_BYTES`
-  and `MAX_TILE_BYTES` (the most its registers hold). Pipelined, tiles are `TILE_BYTES`
-  and up to `MAX_STAGES` of them are in flight, all but one in shared memory, as many as
-  the device's shared memory holds beside `SHARED_SLACK`.
-- Only gathers (host reads, whose latency the pipeline hides) of rows that are whole
-  `LINE_BYTES` lines at line-aligned offsets are pipelined: asynchronous copies of rows
-  that straddle lines run slower than plain loads.
-- Rows of `LEAN_ROW_BYTES` or more fill the link from the fewest programs that keep
-  `GRID_BYTES` in flight, and each SM the kernel holds is taken from the model beside;
-  shorter rows are bound by the reads each SM issues and take the whole budget.
-- A launch whose host rows lie over more than `WIDE_SPAN_BYTES` (a large host pool's
-  region) in pieces averaging under `WIDE_PIECE_BYTES` (scattered rows) waits longer for
-  each host access: its long rows take twice the lean programs, within the budget (`wide`).
-  Longer pieces (host runs of 16 rows) keep the lean grid, where the wide one was slower.
+Rules (the measurements behind each constant: bench/FINDINGS.md):
+- A gather over PCIe is bound by latency: the link fills only with about `GRID_BYTES` of reads in
+  flight across the grid, which many outstanding loads per program reach, not many programs.
+- Unpipelined, a program holds one tile of `GRID_BYTES / programs`, between `TILE_BYTES` and
+  `MAX_TILE_BYTES`. Pipelined (gathers of whole `LINE_BYTES` lines at line-aligned offsets only),
+  tiles are `TILE_BYTES` and up to `MAX_STAGES` are in flight, as shared memory holds them.
+- Rows of `LEAN_ROW_BYTES` or more take the fewest programs that keep `GRID_BYTES` in flight;
+  shorter rows are bound by the reads each SM issues and take the whole budget. Rows over a host
+  span past `WIDE_SPAN_BYTES` in pieces under `WIDE_PIECE_BYTES` take twice the lean programs.
 - One warp per `WARP_BYTES` of tile, at most `MAX_WARPS`.
 
-`shared` arguments are the shared memory one program may use, in bytes; None where there
-is no limit to plan for (off CUDA: Triton's interpreter runs tiles one by one, and plans
-made on the CPU assume a device that holds every stage).
+`shared` arguments are the shared memory one program may use, in bytes; None where there is no
+limit to plan for (off CUDA).
 """
 
 from __future__ import annotations

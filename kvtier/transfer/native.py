@@ -1,17 +1,14 @@
 """An operation that the copy engine moves whole, submitted from one compiled loop.
 
-A reload makes two runtime calls per model layer (its copies, then its event); from
-Python they cost several times the driver's own work (bench/FINDINGS.md). Given the joint
-runs and each buffer's addresses (`Buffers`, once per pool pair), `Native.copy_layers`
-computes every layer's addresses in C and makes the calls itself: one foreign call per
-operation. The loop is compiled on first use with the system C compiler into the user's
-cache directory and calls the runtime through function pointers from the process's
-`libcudart` (`cudart`), so it needs no CUDA headers. Without a compiler, or with
+A reload makes two runtime calls per model layer (its copies, then its event); from Python they
+cost several times the driver's own work (bench/FINDINGS.md). `Native.copy_layers` computes every
+layer's addresses in C and makes the calls itself: one foreign call per operation. The loop is
+compiled on first use with the system C compiler into the user's cache directory and calls the
+process's `libcudart` through function pointers (`cudart`). Without a compiler, or with
 `KVTIER_NATIVE=0`, `library()` is None and callers submit through the plan executor.
 
-Contract: the calls are made in order on the stream named, exactly as the same calls
-made one by one; the first failing call stops the loop and raises `CudaRuntimeError`
-naming its layer (the calls before it are submitted).
+Contract: the calls are made in order on the stream named, exactly as the same calls made one by
+one; the first failing call stops the loop and raises `CudaRuntimeError` naming its layer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the planner is told: the paths it may be forced to (`TransferPath`), what it assumes each
 mechanism costs (`PathCosts`) and how the kernel is shaped (`KernelOptions`); a `Planner` checks
-them once (`check`). The defaults are the tuned values of `bench/FINDINGS.md`.
+them once (`check`). Where each default comes from: bench/FINDINGS.md, "The planner's costs".
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, PlanError
@@ -21,108 +22,61 @@ from kvtier.transfer.launch import LINE_BYTES, KernelLaunch
 class TransferPath(str, Enum):
     """What a plan does as a whole (for logs, benchmarks and `Planner`'s `force`).
 
-    - `SINGLE_COPY`, `PER_RUN`, `BATCHED_DMA`: the copy engine, one copy per joint run (one
-      copy, torch copies, or one batched call per buffer and layer); no SMs, long runs only.
-    - `STAGED`: long host runs through a device staging buffer onto scattered device slots.
-    - `STACKED`: `page_first` runs of pages, several layers of each page in one copy-engine
-      copy into the staging buffer (or out of it), each layer placed on the device there
-      (`kvtier.transfer.stacks`).
-    - `KERNEL`: a Triton kernel on pinned host memory, `sm_budget` programs; any runs.
-    - `MIXED`: more than one of these, split by run (the planner's choice only).
+    - `COPY`: the copy engine, one copy per joint run (batched per buffer and layer); no SMs.
+    - `KERNEL`: the row kernel reading or writing pinned host memory directly; any runs.
+    - `MIXED`: the long joint runs by the copy engine, the rest by the kernel (the planner's
+      choice only; it cannot be forced).
     - `REFERENCE`: per-token gather and scatter through host memory; synchronises the host.
     """
 
-    SINGLE_COPY = "single_copy"
-    PER_RUN = "per_run"
-    BATCHED_DMA = "batched_dma"
-    STAGED = "staged"
-    STACKED = "stacked"
+    COPY = "copy"
     KERNEL = "kernel"
     MIXED = "mixed"
     REFERENCE = "reference"
 
 
-class Mechanism(str, Enum):
-    """How one part of a plan moves its rows."""
-
-    COPY = "copy"
-    STAGED = "staged"
-    STACKED = "stacked"
-    KERNEL = "kernel"
-    REFERENCE = "reference"
-
-
 @dataclass(frozen=True)
 class PathCosts:
-    """What the planner assumes each mechanism costs (defaults: bench/FINDINGS.md).
+    """The planner's cost model: fixed costs per copy and per launch, and each mechanism's share of
+    the link (the ceiling: one contiguous pinned copy), so a choice holds from 1k to 128k tokens.
 
-    `copy_issue_s`: host time to issue one copy from Python; `copy_gbps`: the copy engine
-    between pinned host memory and the device; `device_gbps`: an on-device `index_copy_`;
-    `reference_gbps`: the per-token path. With the kernel, a buffer's joint run of
-    `copy_min_bytes` goes to the copy engine, and a host run with scattered device slots of
-    `staged_min_bytes` (loads) or `backup_staged_min_bytes` (backups) goes through staging
-    (`kvtier.transfer.costs.Choice.fallback`). A measured cost model stages a backup's host run by
-    the copy engine only from `backup_staged_floor_bytes` of the widest rows (`staged_floor`).
-    `backup_copy_share`: where a backup overlaps, that share of a buffer's pieces for the kernel of
-    `copy_share_min_bytes` or more go to the copy engine beside it, where its split gives the copy
-    engine nothing (`copy_share`, `kvtier.transfer.splits.shared`).
-    `copy_streams`: streams one layer's batched copies are
-    spread over, unless its joint runs average `fan_out_below_bytes` or more (a copy's
-    fixed cost is then small beside fanning out's event calls). In `page_first`, a call of
-    several layers moves a buffer's runs of pages as stacks (`STACKED`) where its runs average
-    `stack_min_bytes` on the host, and (a call of some of the buffer's layers: 2-D copies)
-    their lines are `stack_line_min_bytes` or longer.
+    - `copy_fixed_s`: what the copy engine spends per copy beyond its bytes (copies fanned out over
+      `copy_streams` hide most of it), `copy_call_s` per part and layer (the fan-out's fork and join),
+      `copy_host_s` the host's time to issue one copy in a batched call;
+    - `copy_min_bytes`: the shortest run the copy engine takes (where there is more than one run):
+      shorter copies are bound by their issue and run at an erratic fraction of the link;
+    - `launch_fixed_s`: what one kernel launch costs beyond its bytes (launch, ramp-up, tail);
+    - `kernel_share`: `(piece bytes, share)` pairs, ascending: the kernel's rate against the ceiling
+      on contiguous pieces of that many bytes (a row, or a unit of rows contiguous on both sides),
+      log-linear between pairs, flat past the ends;
+    - `python_copy_s`, `reference_gbps`: where the kernel cannot run, one torch copy per run from
+      Python against the per-token reference path (`rule.without_kernel`);
+    - `copy_streams`: streams a layer's copies fan out over where its runs average under
+      `fan_out_below_bytes` (each copy's fixed cost then overlaps the others').
     """
 
-    copy_issue_s: float = 11e-6
-    copy_gbps: float = 54.0
-    device_gbps: float = 1200.0
+    copy_fixed_s: float = 0.05e-6
+    copy_call_s: float = 15e-6
+    copy_host_s: float = 0.5e-6
+    copy_min_bytes: int = 32 << 10
+    launch_fixed_s: float = 6e-6
+    kernel_share: tuple[tuple[int, float], ...] = (
+        (128, 0.55),
+        (256, 0.68),
+        (512, 0.8),
+        (1024, 0.9),
+        (4096, 0.93),
+    )
+    python_copy_s: float = 10e-6
     reference_gbps: float = 3.0
-    copy_min_bytes: int = 64 << 10
-    staged_min_bytes: int = 64 << 10
-    backup_staged_min_bytes: int = 1 << 20
-    backup_staged_floor_bytes: int = 384 << 10
-    backup_copy_share: float = 0.3
-    copy_share_min_bytes: int = 16 << 10
     copy_streams: int = 8
     fan_out_below_bytes: int = 1 << 20
-    stack_min_bytes: int = 512 << 10
-    stack_line_min_bytes: int = 24 << 10
 
-    def staged_floor(self, direction: Direction, row_bytes: int, widest: int) -> float:
-        """The fewest bytes of a host run of `row_bytes` rows (in a spec whose widest row is `widest`)
-        that a measured cost model may stage by the copy engine, where it does not stage shorter
-        runs by the kernel's units (`Choice.of`): for a backup,
-        `backup_staged_floor_bytes` of the widest rows, scaled to these (a token's buffers go
-        together); for a load, no floor but `copy_min_bytes` (`Choice.of`'s own).
-
-        Why: a backup's staging, timed whole, crosses the kernel's rate at ~210-450 KiB by lease, and
-        a calibration putting it under the 295 KB host runs of 1152-byte rows staged them at
-        0.900-0.916 of the ceiling where the kernel moves them at 0.929-0.95 (bench/FINDINGS.md, "The
-        measured cost model")."""
-        if direction is Direction.LOAD:
-            return 0.0
-        return self.backup_staged_floor_bytes * row_bytes / widest
-
-    def copy_share(self, direction: Direction, overlap: bool) -> float:
-        """The share of a buffer's kernel pieces that go to the copy engine beside the kernel: for an
-        overlapped backup, `backup_copy_share`; else none.
-
-        Why: the kernel writes host memory at ~0.94 of the ceiling, the copy engine's thousands of 18 KB
-        pieces alone at 0.60-0.78; side by side, a third of the pieces on the copy engine moved runs of
-        16 rows at 0.955-0.963 against 0.934-0.941 (`glm-5`, `deepseek-v3`, both device sets), half at
-        0.77-0.94. A load's reads lost at every share (0.56-0.905 at 0.15, 0.25-0.56 at 0.3;
-        bench/FINDINGS.md, "Overlapped parts")."""
-        return self.backup_copy_share if direction is Direction.BACKUP and overlap else 0.0
-
-    def estimate(self, mechanism: Mechanism, nbytes: int, copies: int) -> float:
-        """Seconds to move `nbytes` of one layer with `copies` copy-engine copies."""
-        if mechanism is Mechanism.REFERENCE:
-            return self.copy_issue_s + nbytes / (self.reference_gbps * 1e9)
-        t = copies * self.copy_issue_s + nbytes / (self.copy_gbps * 1e9)
-        if mechanism is Mechanism.STAGED:
-            t += self.copy_issue_s + nbytes / (self.device_gbps * 1e9)
-        return t
+    def kernel_rate(self, piece_bytes: np.ndarray | float) -> np.ndarray:
+        """The kernel's share of the ceiling on pieces of `piece_bytes` (log-linear in `kernel_share`)."""
+        sizes = np.log2([p for p, _ in self.kernel_share])
+        shares = [s for _, s in self.kernel_share]
+        return np.interp(np.log2(np.maximum(piece_bytes, 1)), sizes, shares)
 
 
 @dataclass(frozen=True)
@@ -133,9 +87,8 @@ class KernelOptions:
     size) and up to `stages` tiles in flight each (None: as many as shared memory holds,
     where rows are pipelined; 1: none). Runs move in units of up to `max_unit_bytes`. With
     `lean` (and rows by size), long rows take only the programs that keep the grid's bytes
-    in flight (`launch.programs_for`), twice that for scattered rows over a wide host span. With
-    `overlap`, a layer's direct kernel parts run on a second stream beside its copy-engine parts
-    (`kvtier.transfer.execute`). `launch` gives one launch's shape.
+    in flight (`launch.programs_for`), twice that for scattered rows over a wide host span.
+    `launch` gives one launch's shape.
     """
 
     sm_budget: int = 8
@@ -143,7 +96,6 @@ class KernelOptions:
     max_unit_bytes: int = 16 << 10
     lean: bool = True
     stages: int | None = None
-    overlap: bool = True
 
     def launch(
         self,
@@ -188,16 +140,23 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
     bad = {k: v for k, v in counts.items() if v is not None and (isinstance(v, bool) or v < 1)}
     if bad:
         raise ConfigError(f"kernel options must be positive, got {bad} in {kernel}")
-    flags = {"lean": kernel.lean, "overlap": kernel.overlap}
-    flags = {k: v for k, v in flags.items() if not isinstance(v, bool)}
-    if flags:
-        raise ConfigError(f"kernel options lean and overlap must be True or False, got {flags}")
-    if costs.backup_staged_floor_bytes < 0:
+    if not isinstance(kernel.lean, bool):
+        raise ConfigError(f"kernel option lean must be True or False, got {kernel.lean!r}")
+    fixed = {"copy_fixed_s": costs.copy_fixed_s, "launch_fixed_s": costs.launch_fixed_s}
+    fixed |= {"python_copy_s": costs.python_copy_s, "copy_call_s": costs.copy_call_s}
+    fixed |= {"copy_host_s": costs.copy_host_s}
+    fixed |= {"copy_min_bytes": costs.copy_min_bytes}
+    if any(v < 0 for v in fixed.values()) or costs.reference_gbps <= 0:
         raise ConfigError(
-            f"backup_staged_floor_bytes must not be negative, got {costs.backup_staged_floor_bytes}"
+            f"fixed costs must not be negative, nor reference_gbps zero, got {fixed}, "
+            f"reference_gbps {costs.reference_gbps}"
         )
-    if not 0 <= costs.backup_copy_share < 1 or costs.copy_share_min_bytes < 0:
-        share = (costs.backup_copy_share, costs.copy_share_min_bytes)
-        raise ConfigError(f"backup_copy_share must be in [0, 1) and copy_share_min_bytes >= 0, got {share}")
+    pieces = [p for p, _ in costs.kernel_share]
+    shares = [s for _, s in costs.kernel_share]
+    if not pieces or pieces != sorted(set(pieces)) or pieces[0] < 1 or not all(0 < s <= 1 for s in shares):
+        raise ConfigError(
+            f"kernel_share must be (piece bytes, share) pairs, pieces ascending and positive, "
+            f"shares in (0, 1], got {costs.kernel_share}"
+        )
     if costs.copy_streams < 1:
         raise ConfigError(f"copy_streams must be at least 1, got {costs.copy_streams}")

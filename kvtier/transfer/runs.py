@@ -1,11 +1,12 @@
-"""Runs of a plan's slot pairs, found from the slots (`scan`) or from the allocators' run lists
-(`joint_runs`); both find the same runs (see the glossary in `kvtier.transfer`), so a plan built
-either way is the same plan.
+"""Joint runs of a plan's slot pairs, from the slots (`scan`) or from the allocators' run lists
+(`joint_runs`): the same runs either way, found in numpy with no loop over runs.
+
+A host run is consecutive positions whose host slots go up by one within a segment
+(`HostPool.segment_slots`); a device run, whose device slots go up by one; a joint run, both.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ RunPair = tuple[RunList, RunList]
 @dataclass(frozen=True)
 class RunTable:
     """Runs as one `[4, k]` int64 C-contiguous array, a column per run: its position in the pair list,
-    first `host` slot, first `device` slot (in a staged part, staging row) and `length`."""
+    first `host` slot, first `device` slot and `length`."""
 
     table: np.ndarray
 
@@ -32,6 +33,10 @@ class RunTable:
 
     def __len__(self) -> int:
         return self.table.shape[1]
+
+    @property
+    def pos(self) -> np.ndarray:
+        return self.table[0]
 
     @property
     def host(self) -> np.ndarray:
@@ -45,44 +50,24 @@ class RunTable:
     def length(self) -> np.ndarray:
         return self.table[3]
 
-    @functools.cached_property
-    def triples(self) -> list[tuple[int, int, int]]:
-        """`(host, device, length)` of each run as Python ints (made once: loops read it per layer)."""
-        return list(zip(*(self.table[i].tolist() for i in (1, 2, 3)), strict=True))
-
 
 @dataclass(frozen=True)
-class Scan:
-    """The runs of valid slot pairs, found by `scan`: `host_break`, `dev_break` (`[n // step]` bool,
-    where a host or device run starts) and `(starts, lengths)` of the `host` and `joint` runs."""
+class JointRuns:
+    """The joint runs of one operation, and how many host and device runs there are."""
 
-    step: int
-    host_break: np.ndarray
-    dev_break: np.ndarray
-    host: tuple[np.ndarray, np.ndarray]
-    joint: tuple[np.ndarray, np.ndarray]
+    runs: RunTable
+    host_runs: int
+    device_runs: int
 
 
-def scan(host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, step: int) -> Scan:
+def scan(host_pool: HostPool, hn: np.ndarray, dn: np.ndarray, step: int) -> JointRuns:
     """Runs of the pairs `hn`, `dn` (`[n]` int64 host and device slots); `step` > 1 when both are
     whole pages of `step` slots, so only page heads are compared."""
     host_break = breaks(hn, step, host_pool.segment_slots, host_pool.num_slots)
     dev_break = breaks(dn, step)
-    return Scan(step, host_break, dev_break, starts(host_break, step), starts(host_break | dev_break, step))
-
-
-def host_groups(
-    found: Scan, starts: np.ndarray, lens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Joint runs of `found` (`starts`, `lens`: `[k]` int64, some of its joint runs in order) grouped
-    into host runs: a joint run continuing the previous one on the host side is in its host run. Each
-    group's first joint run (an index into `starts`), rows and joint runs, `[g]` int64 each."""
-    cont = np.zeros(len(starts), dtype=bool)
-    if len(starts) > 1:
-        cont[1:] = (starts[1:] == starts[:-1] + lens[:-1]) & ~found.host_break[starts[1:] // found.step]
-    heads = np.flatnonzero(~cont)
-    rows = np.add.reduceat(lens, heads) if len(heads) else lens
-    return heads, rows, np.diff(np.append(heads, len(starts)))
+    first, lens = starts(host_break | dev_break, step)
+    table = RunTable.of(first, hn[first], dn[first], lens)
+    return JointRuns(table, int(host_break.sum()), int(dev_break.sum()))
 
 
 def breaks(slots: np.ndarray, step: int, segment: int | None = None, num_slots: int = 0) -> np.ndarray:
@@ -104,65 +89,50 @@ def starts(run_breaks: np.ndarray, step: int = 1) -> tuple[np.ndarray, np.ndarra
     return first * step, lens * step
 
 
-@dataclass(frozen=True)
-class JointRuns:
-    """Joint runs found from run lists (`joint_runs`), and how many host and device runs there are."""
-
-    runs: RunTable
-    host_runs: int
-    device_runs: int
-
-
 def joint_runs(host: RunList, dev: RunList, segment: int, num_slots: int) -> JointRuns:
-    """The joint runs of two run lists (`RunList`), as `scan` finds them, in O(runs) Python."""
-    h, d = _merged(host), _merged(dev)
+    """The joint runs of two run lists (`RunList`), as `scan` finds them."""
+    hs, hl = _merged(host)
     if segment < num_slots:
-        h = [(a + o, take) for a, n in h for o, take in _cut(a, n, segment)]
-    if sum(n for _, n in h) != sum(n for _, n in d):
-        raise PlanError(f"host runs cover {sum(n for _, n in h)} slots, device runs {sum(n for _, n in d)}")
-    out: tuple[list[int], ...] = ([], [], [], [])
-    i = j = at = hs = ds = hrem = drem = 0
-    while i < len(h) or hrem:
-        if hrem == 0:
-            hs, hrem = h[i]
-            i += 1
-        if drem == 0:
-            ds, drem = d[j]
-            j += 1
-        take = min(hrem, drem)
-        for lst, v in zip(out, (at, hs, ds, take), strict=True):
-            lst.append(v)
-        at, hs, ds, hrem, drem = at + take, hs + take, ds + take, hrem - take, drem - take
-    table = np.array(out, dtype=np.int64).reshape(4, -1)
-    return JointRuns(RunTable(table), host_runs=len(h), device_runs=len(d))
+        hs, hl = _cut(hs, hl, segment)
+    ds, dl = _merged(dev)
+    if hl.sum() != dl.sum():
+        raise PlanError(f"host runs cover {int(hl.sum())} slots, device runs {int(dl.sum())}")
+    h_at, d_at = _offsets(hl), _offsets(dl)
+    pos = np.union1d(h_at, d_at)
+    hi = np.searchsorted(h_at, pos, side="right") - 1
+    di = np.searchsorted(d_at, pos, side="right") - 1
+    lens = np.diff(np.append(pos, hl.sum()))
+    table = RunTable.of(pos, hs[hi] + pos - h_at[hi], ds[di] + pos - d_at[di], lens)
+    return JointRuns(table, host_runs=len(hs), device_runs=len(ds))
 
 
-def _merged(runs: RunList) -> RunList:
-    out: list[tuple[int, int]] = []
-    for start, n in runs:
-        if out and out[-1][0] + out[-1][1] == start:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        elif n:
-            out.append((start, n))
-    return out
+def _merged(runs: RunList) -> tuple[np.ndarray, np.ndarray]:
+    """`(first slots, lengths)`, `[k]` int64 each, of `runs` with empty runs dropped and each run that
+    continues the one before joined to it."""
+    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    arr = arr[arr[:, 1] > 0]
+    if not len(arr):
+        return arr[:, 0], arr[:, 1]
+    head = np.ones(len(arr), dtype=bool)
+    head[1:] = arr[1:, 0] != arr[:-1, 0] + arr[:-1, 1]
+    first = np.flatnonzero(head)
+    return arr[first, 0], np.add.reduceat(arr[:, 1], first)
 
 
-def _cut(start: int, n: int, segment: int) -> list[tuple[int, int]]:
-    """`(offset, length)` cuts of the run `[start, start + n)` that stay within one segment."""
-    out, at = [], 0
-    while at < n:
-        take = min(n - at, segment - (start + at) % segment)
-        out.append((at, take))
-        at += take
-    return out
+def _cut(first: np.ndarray, lens: np.ndarray, segment: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs cut where a segment of `segment` slots ends, so none crosses a segment edge."""
+    edges = (first + lens - 1) // segment - first // segment  # edges inside each run
+    if not edges.any():
+        return first, lens
+    run = np.repeat(np.arange(len(first)), edges + 1)
+    k = np.arange(len(run)) - np.repeat(np.cumsum(edges + 1) - (edges + 1), edges + 1)
+    lo = np.where(k == 0, first[run], (first[run] // segment + k) * segment)
+    hi = np.minimum(first[run] + lens[run], (first[run] // segment + k + 1) * segment)
+    return lo, hi - lo
 
 
-def layer_spans(local: list[int], most: int) -> list[tuple[int, int]]:
-    """`[lo, hi)` spans of consecutive values of `local` (ascending), each at most `most` long."""
-    out: list[tuple[int, int]] = []
-    for j in local:
-        if out and out[-1][1] == j and j - out[-1][0] < most:
-            out[-1] = (out[-1][0], j + 1)
-        else:
-            out.append((j, j + 1))
-    return out
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    """Each run's first position in the plan: `[k]` int64."""
+    if not len(lens):
+        return lens.copy()
+    return np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)

@@ -1,18 +1,14 @@
 """The one entry point through which KV moves between a host pool and a device pool.
 
-`Transfers(host_pool, device_pool, ...)` is built once per pool pair; `submit(op, lane,
-per_layer)` moves one `Operation` on a lane and returns a `Transfer`. No caller picks the
-route: the compiled loop (`native`) where the planner moves every row by the copy engine
-and the loop takes the runs (the loop computes every layer's addresses; a plan is built
-only if someone reads it), else the plan executor (`load_layers` / `backup`, layer by
-layer or in groups of `layers_per_load` for kernel loads). Both make the same copies for
-a copy-engine operation; the loop only costs the caller less (`bench/FINDINGS.md`).
+`Transfers(host_pool, device_pool, ...)` is built once per pool pair; `submit(op, lane, per_layer)`
+moves one `Operation` on a lane and returns a `Transfer`. The route: the compiled loop (`native`)
+where the planner gives every row to the copy engine and the loop takes the runs (a plan is built
+only if someone reads it), else the plan executor, layer by layer.
 
-Contract: the operation is ordered after the work queued on the current compute stream
-and nothing waits for the device; `per_layer` gives one signal per model layer (layer i's
-fires once it has landed, its group's with layer groups), else one after every layer; the
-slots are trusted (from the cache's allocators and tree) and `op.runs`, where given,
-describe them; if `submit` raises, the caller drains the lane before reusing the slots.
+Contract: the operation is ordered after the work queued on the current compute stream and nothing
+waits for the device; `per_layer` gives one signal per model layer, else one after every layer; the
+slots are trusted (from the cache's allocators and tree) and `op.runs`, where given, describe them;
+if `submit` raises, the caller drains the lane before reusing the slots.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.slots import concat_slots
 from kvtier.transfer import native
-from kvtier.transfer.execute import backup, load_layers
+from kvtier.transfer.execute import layer_calls
 from kvtier.transfer.lanes import Lane, Signal
 from kvtier.transfer.native import loop_takes, run_buffers, run_layers
 from kvtier.transfer.options import KernelOptions, PathCosts, TransferPath
@@ -95,11 +91,9 @@ class Transfer:
 class Transfers:
     """Moves operations between one host pool and one device pool; see the module docstring.
 
-    `costs`, `kernel`, `force`: the planner's options (`force` one path for every
-    operation: benchmarks and tests). `layers_per_load`: layers a kernel load moves per
-    call (`page_first` pages of several layers in one stretch; layer i then waits for
-    its whole group). `loop`: the compiled loop to submit through (default: the
-    process's, on a CUDA device pool; None: never; tests pass a stand-in runtime's).
+    `costs`, `kernel`, `force`: the planner's options (`force` one path for every operation:
+    benchmarks and tests). `loop`: the compiled loop to submit through (default: the process's,
+    on a CUDA device pool; None: never; tests pass a stand-in runtime's).
     """
 
     def __init__(
@@ -110,12 +104,10 @@ class Transfers:
         costs: PathCosts | None = None,
         kernel: KernelOptions | None = None,
         force: TransferPath | None = None,
-        layers_per_load: int = 1,
         loop: native.Native | object | None = DEFAULT_LOOP,
     ) -> None:
         self.host_pool, self.device_pool = host_pool, device_pool
         self.planner = Planner(host_pool, device_pool, costs, kernel, force)
-        self.layers_per_load = layers_per_load
         if loop is DEFAULT_LOOP:
             loop = native.library() if device_pool.device.type == "cuda" else None
         self._lib = loop
@@ -124,64 +116,32 @@ class Transfers:
         if device_pool.device.type == "cuda" and self._buffers is None:
             log.info("transfers: no compiled loop here; every operation goes through the plan executor")
 
-    def plan(
-        self, op: Operation, stream: torch.cuda.Stream | None = None, per_layer: bool = True
-    ) -> TransferPlan:
-        """The plan of `op` (its device indices uploaded on `stream`), for calls as `submit` makes them."""
+    def plan(self, op: Operation, stream: torch.cuda.Stream | None = None) -> TransferPlan:
+        """The plan of `op` (its device indices uploaded on `stream`)."""
         return self.planner.plan_allocated(
-            op.direction,
-            op.host_slots,
-            op.device_slots,
-            op.runs,
-            stream,
-            whole_pages=op.whole_pages,
-            layers_per_call=self.layers_per_call(op.direction, per_layer),
+            op.direction, op.host_slots, op.device_slots, op.runs, stream, whole_pages=op.whole_pages
         )
-
-    def layers_per_call(self, direction: Direction, per_layer: bool) -> int:
-        """Layers one executor call of `submit` moves: `layers_per_load` for loads; for backups one with
-        `per_layer`, else every layer."""
-        if direction is Direction.LOAD:
-            return min(self.layers_per_load, self.host_pool.spec.num_layers)
-        return 1 if per_layer else self.host_pool.spec.num_layers
 
     def submit(self, op: Operation, lane: Lane, per_layer: bool) -> Transfer:
         """Move `op` on `lane`; see the module docstring for the signals and the contract."""
         signals = self._submit_compiled(op, lane, per_layer)
         if signals is not None:
-            return Transfer(signals, functools.partial(self.plan, op, lane.stream, per_layer))
-        plan = self.plan(op, lane.stream, per_layer)
+            return Transfer(signals, functools.partial(self.plan, op, lane.stream))
+        plan = self.plan(op, lane.stream)
         lane.wait_for_current()
-        return Transfer(self._execute(plan, lane, per_layer), plan)
+        calls = layer_calls(plan, lane.stream)
+        if per_layer:
+            return Transfer(lane.run_each(calls), plan)
+        lane.submit(lambda: [call() for call in calls])
+        return Transfer([lane.signal()], plan)
 
     def _submit_compiled(self, op: Operation, lane: Lane, per_layer: bool) -> Sequence[Signal] | None:
         """`op` through the compiled loop, or None (nothing submitted) where that route does not apply."""
         if self._buffers is None or op.runs is None:
             return None
-        copies = self.planner.copies(
-            op.tokens, op.runs, op.direction, self.layers_per_call(op.direction, per_layer)
-        )
+        copies = self.planner.copies(op.tokens, op.runs, op.direction)
         if copies is None or not loop_takes(self._lib, copies):
             return None
         stream = lane.stream.cuda_stream
         submit = functools.partial(run_layers, self._lib, copies, self._buffers, op.direction, stream)
         return lane.run_native(submit, self.host_pool.spec.num_layers if per_layer else 1)
-
-    def _execute(self, plan: TransferPlan, lane: Lane, per_layer: bool) -> Sequence[Signal]:
-        """Every layer of `plan` through the plan executor, with its signals."""
-        layers = self.host_pool.spec.num_layers
-        host, dev, stream = self.host_pool, self.device_pool, lane.stream
-        if plan.direction is Direction.LOAD:
-            size = self.layers_per_load
-            groups = [range(lo, min(lo + size, layers)) for lo in range(0, layers, size)]
-            jobs = [functools.partial(load_layers, plan, host, dev, g, stream) for g in groups]
-            signals = lane.run_each(jobs)
-            if per_layer:  # each layer's signal: its group's
-                return [s for g, s in zip(groups, signals, strict=True) for _ in g]
-            return signals[-1:]
-        if per_layer:
-            jobs = [functools.partial(backup, plan, dev, host, [layer], stream) for layer in range(layers)]
-            return lane.run_each(jobs)
-        # One call: `page_first` kernel rows of every layer move together.
-        lane.submit(functools.partial(backup, plan, dev, host, None, stream))
-        return [lane.signal()]
