@@ -1,4 +1,4 @@
-"""The one user cache directory kvtier writes to (compiled loops, converted models, calibrations).
+"""The one user cache directory kvtier writes to (compiled loops, converted models).
 
 `$KVTIER_CACHE_DIR` where set, else `kvtier/` under `$XDG_CACHE_HOME` or `~/.cache`.
 """

@@ -22,30 +22,13 @@ import time
 import numpy as np
 import torch
 
+from kvtier.bench.common import held_median_s
 from kvtier.pool.device import Direction
 from kvtier.transfer import dma
 
 SCRATCH = 256 << 20
 CASES = ((41984, 2048), (41984, 3196), (32768, 4096), (32768, 16384 // 4), (65536, 2048), (36864, 4096))
 STREAMS = (1, 4, 8)
-
-
-def held_median_s(stream: torch.cuda.Stream, call, repeats: int, batch: int, hold_cycles: int) -> float:
-    """Seconds of one `call` on `stream`: the median over `repeats` of `batch` back-to-back calls,
-    issued while a GPU sleep of `hold_cycles` holds the stream (as `kvtier calibrate` timed copies
-    when this probe ran; that module is gone)."""
-    samples = []
-    with torch.cuda.stream(stream):
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(hold_cycles)
-            start.record(stream)
-            for _ in range(batch):
-                call()
-            end.record(stream)
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / batch)
-    return statistics.median(samples)
 
 
 def issue_and_gpu_ms(stream: torch.cuda.Stream, call, calls: int = 4) -> tuple[float, float]:
