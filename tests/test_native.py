@@ -4,7 +4,6 @@ runtime functions."""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import shutil
 from types import SimpleNamespace
 
@@ -18,31 +17,42 @@ from kvtier.errors import CudaRuntimeError, PlanError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
-from kvtier.transfer import PathCosts, TransferPath, dma, native
+from kvtier.transfer import PathCosts, TransferPath, dma, kernels, native
+from kvtier.transfer.compiled import CompiledLaunch
 from kvtier.transfer.cudart import MEMCPY_DEFAULT
 from kvtier.transfer.lanes import DeferredLane, Signal
-from kvtier.transfer.native import loop_takes, run_buffers, run_layers
+from kvtier.transfer.loop import copies_work, run_buffers, run_work
+from kvtier.transfer.parts import KernelPart
 from kvtier.transfer.plan import Planner
 
 needs_cc = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
 )
 
-VP, SZ = ctypes.c_void_p, ctypes.c_size_t
+VP, SZ, UI = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint
 COPY_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP, SZ, ctypes.c_int, VP)
 BATCH_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP, VP, SZ, VP, VP, SZ, VP)
 RECORD_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
 WAIT_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP, ctypes.c_uint)
+LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int, VP, UI, UI, UI, UI, UI, UI, UI, VP, VP, VP)
 ATTRS = 0xA77
+FUNC = 0xC000  # the stand-in kernels' handles: FUNC + i for the i-th launch shape found
+
+
+def _int64s(address: int, n: int) -> list[int]:
+    return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_int64)), (n,)).tolist()
 
 
 class FakeRuntime:
     """Runtime entry points that log their calls; `fail_at`: the call (0-based) that returns 700;
-    `move`: copies move their bytes at once (for pools in CPU memory), records and waits do nothing."""
+    `move`: copies and kernel launches move their bytes at once (for pools in CPU memory), records
+    and waits do nothing. Kernel launches are logged as `("launch", func, grid, threads, shared,
+    stream, src, src offsets, dst, dst offsets, n, row vectors, null pointers)`."""
 
     def __init__(self, fail_at: int | None = None, batch: bool = True, move: bool = False) -> None:
         self.calls: list[tuple] = []
         self.fail_at = fail_at
+        self.shapes: list = []  # the RowLaunch of each stand-in kernel, by FUNC + index
 
         def log(*call) -> int:
             self.calls.append(call)
@@ -51,15 +61,24 @@ class FakeRuntime:
             elif move and call[0] == "batch":
                 for dst, src, n in zip(*call[1:4], strict=True):
                     ctypes.memmove(dst, src, n)
+            elif move and call[0] == "launch":
+                self._rows(*call[1:])
             return 700 if len(self.calls) - 1 == self.fail_at else 0
 
         def batch_call(dsts, srcs, sizes, count, attrs, idx, nattrs, stream) -> int:
-            read = [
-                np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)), (count,)).tolist()
-                for p in (dsts, srcs, sizes)
-            ]
+            read = [_int64s(p, count) for p in (dsts, srcs, sizes)]
             index = ctypes.cast(idx, ctypes.POINTER(ctypes.c_size_t))[0]
             return log("batch", *read, count, attrs, index, nattrs, stream)
+
+        def launch_call(func, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+            p = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            found = self.found[func - FUNC]
+            words = [ctypes.cast(p[i], ctypes.POINTER(ctypes.c_int64))[0] for i in range(4)]
+            n = ctypes.cast(p[4], ctypes.POINTER(ctypes.c_int32))[0]
+            vecs = ctypes.cast(p[5], ctypes.POINTER(ctypes.c_int32))[0]
+            nulls = [ctypes.cast(p[6 + i], ctypes.POINTER(ctypes.c_void_p))[0] for i in range(found.extra)]
+            assert (gy, gz, by, bz, extra) == (1, 1, 1, 1, None)
+            return log("launch", func, gx, bx, shared, stream, *words, n, vecs, nulls)
 
         # Kept on the object: the loop calls them through raw pointers.
         self.fns = (
@@ -67,13 +86,35 @@ class FakeRuntime:
             BATCH_T(batch_call) if batch else None,
             RECORD_T(lambda e, st: log("record", e, st)),
             WAIT_T(lambda st, e, flags: log("wait", st, e, flags)),
+            LAUNCH_T(launch_call),
         )
+        self.found: list[CompiledLaunch] = []
+
+    def find(self, launch, views, aligned) -> CompiledLaunch:
+        """The stand-in for `compiled.find`: a kernel handle per launch shape, 32-bit ints, two nulls."""
+        self.shapes.append(launch)
+        self.found.append(CompiledLaunch(FUNC + len(self.found), 128, 0, 4, 4, 2))
+        return self.found[-1]
+
+    def _rows(self, func, grid, threads, shared, stream, src, src_off, dst, dst_off, n, vecs, nulls) -> None:
+        """What the kernel does: `n` units of `row_vecs` vectors at word offsets (`RowLaunch`)."""
+        shape = self.shapes[func - FUNC].shape
+        word = shape.word
+        unit = vecs * shape.kwargs["VEC"] * word
+        for s, d in zip(_int64s(src_off, n), _int64s(dst_off, n), strict=True):
+            ctypes.memmove(dst + d * word, src + s * word, unit)
 
     def native(self, lib: ctypes.CDLL) -> native.Native:
         addr = [ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0 for f in self.fns]
-        loop = native.Native(lib, *addr, attrs=ATTRS)
+        loop = native.Native(lib, *addr[:4], attrs=ATTRS, launch=addr[4], kernel=self.find)
         loop.keep_alive = self  # type: ignore[attr-defined]  # the loop calls into self.fns
         return loop
+
+
+def submit(loop, work, buffers, direction, events, streams=(5,), forks=None) -> None:
+    """`run_work` as a lane calls it: current stream 9, ordering event 0xF0, forks 0xF1 + i."""
+    forks = forks or [0xF1 + i for i in range(len(streams))]
+    run_work(loop, work, buffers, Direction(direction), 9, 0xF0, events, list(streams), forks)
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +151,21 @@ def test_the_library_is_built_once_and_reused(tmp_path) -> None:
     assert (tmp_path / built[0]).stat().st_mtime_ns == mtime
 
 
-def expected_calls(runs, host, dev, direction, events, small, order=0xF0, current=9, stream=5) -> list:
-    """The calls the loop must make for joint runs `(first host slot, first device slot, length)`:
-    the ordering record and wait, then per layer each buffer's copies (one call per run, or one
-    batch above `small` runs) and the layer's event (or one event after all). Addresses from
+def expected_calls(runs, host, dev, direction, events, small, streams=(5,), order=0xF0, current=9) -> list:
+    """The calls the loop must make for joint runs `(first host slot, first device slot, length)` on
+    `streams` (forks 0xF1 + i): the ordering record and wait, the side streams' fork, then per layer
+    (on streams[layer % k]) each buffer's copies (one call per run, or one batch above `small` runs)
+    and the layer's event, then the join and the last event on the first stream. Addresses from
     tensor views of the pools, not from the plan's byte tables."""
     spec = host.spec
     seg = host.segment_slots
-    calls = [("record", order, current), ("wait", stream, order, 0)]
+    k, main = len(streams), streams[0]
+    forks = [0xF1 + i for i in range(k)]
+    calls = [("record", order, current), ("wait", main, order, 0)]
+    if k > 1:
+        calls += [("record", forks[0], main)] + [("wait", s, forks[0], 0) for s in streams[1:]]
     for layer in range(spec.num_layers):
+        stream = streams[layer % k]
         for b in spec.buffers_on(layer):
             triples = []
             for h, d, n in runs:
@@ -131,10 +178,12 @@ def expected_calls(runs, host, dev, direction, events, small, order=0xF0, curren
             else:
                 dst, src, nbytes = (list(x) for x in zip(*triples, strict=True))
                 calls.append(("batch", dst, src, nbytes, len(triples), ATTRS, 0, 1, stream))
-        if len(events) == spec.num_layers:
+        if len(events) == spec.num_layers and (k == 1 or layer < spec.num_layers - 1):
             calls.append(("record", events[layer], stream))
-    if len(events) == 1 and spec.num_layers != 1:
-        calls.append(("record", events[0], stream))
+    for s, fork in zip(streams[1:], forks[1:], strict=True):
+        calls += [("record", fork, s), ("wait", main, fork, 0)]
+    if k > 1 or len(events) != spec.num_layers:
+        calls.append(("record", events[-1], main))
     return calls
 
 
@@ -155,11 +204,13 @@ def joint_of(copies) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("direction", ["load", "backup"])
 @pytest.mark.parametrize("per_layer", [True, False])
-def test_run_layers_makes_the_calls_of_its_runs(lib, small, layout, direction, per_layer, pin):
+@pytest.mark.parametrize("streams", [(5,), (5, 6, 7)])
+def test_the_loop_makes_the_calls_of_its_runs(lib, small, layout, direction, per_layer, streams, pin):
     """Addresses computed in the loop against tensor views of the same rows: the same calls, in order.
 
     A DSA spec (the indexer on some layers only), both host layouts (page-first cuts runs at
-    every page), host runs over several regions (a small chunk size), batched and plain calls.
+    every page), host runs over several regions (a small chunk size), batched and plain calls,
+    one stream or three (layer l on the l-th, forked from and joined into the first).
     """
     pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=small))
     spec = preset("tiny-dsa", 4)
@@ -174,80 +225,89 @@ def test_run_layers_makes_the_calls_of_its_runs(lib, small, layout, direction, p
     got = FakeRuntime()
     buffers = run_buffers(host, dev)
     assert buffers is not None
-    run_layers(got.native(lib), copies, buffers, Direction(direction), 5, 9, 0xF0, events)
-    assert got.calls == expected_calls(joint_of(copies), host, dev, Direction(direction), events, small)
-    assert sum(c[0] == "record" for c in got.calls) == len(events) + 1
+    submit(got.native(lib), copies_work(copies, buffers), buffers, direction, events, streams)
+    want = expected_calls(joint_of(copies), host, dev, Direction(direction), events, small, streams)
+    assert got.calls == want
+    forks = len(streams) if len(streams) > 1 else 0  # the fork and a join per side stream
+    assert sum(c[0] == "record" for c in got.calls) == len(events) + 1 + forks
 
 
 @needs_cc
-def test_run_layers_refuses_copies_and_buffers_of_other_pools(lib, pin) -> None:
+def test_the_loop_refuses_work_and_buffers_of_other_pools(lib, pin) -> None:
     """Raw addresses of one pool pair never serve runs planned for another: refused before any call."""
     pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = raw_planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
-    events = list(range(1, spec.num_layers + 1))
     for other in (run_buffers(HostPool(spec, 256), dev), run_buffers(host, DevicePool(spec, 256))):
-        rt = FakeRuntime()
         with pytest.raises(PlanError, match="planned for"):
-            run_layers(rt.native(lib), copies, other, Direction.LOAD, 5, 9, 0xF0, events)
-        assert rt.calls == []
+            copies_work(copies, other)
 
 
 @needs_cc
-def test_run_layers_names_the_failing_layer_and_stops(lib, pin) -> None:
+def test_the_loop_names_the_failing_layer_and_stops(lib, pin) -> None:
     pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = raw_planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
     buffers = run_buffers(host, dev)
+    work = copies_work(copies, buffers)
     events = list(range(1, spec.num_layers + 1))
     assert len(events) == 3
     rt = FakeRuntime(fail_at=2 + 2 * 2)  # order record, wait, then (copy, record) per layer: layer 2's copy
     with pytest.raises(CudaRuntimeError, match="at layer 2: CUDA error 700"):
-        run_layers(rt.native(lib), copies, buffers, Direction.LOAD, 5, 9, 0xF0, events)
+        submit(rt.native(lib), work, buffers, "load", events)
     assert len(rt.calls) == 7
     rt = FakeRuntime(fail_at=1)
     with pytest.raises(CudaRuntimeError, match="ordering after the compute stream"):
-        run_layers(rt.native(lib), copies, buffers, Direction.LOAD, 5, 9, 0xF0, events)
+        submit(rt.native(lib), work, buffers, "load", events)
+    # Two streams: order (2), fork (2), three layers' copies and the first two records (5), the join
+    rt = FakeRuntime(fail_at=10)
+    with pytest.raises(CudaRuntimeError, match="joining its streams"):
+        submit(rt.native(lib), work, buffers, "load", events, (5, 6))
     with pytest.raises(ValueError, match="2 events for 3 layers"):
-        run_layers(FakeRuntime().native(lib), copies, buffers, Direction.LOAD, 5, 9, 0xF0, events[:2])
+        submit(FakeRuntime().native(lib), work, buffers, "load", events[:2])
+    with pytest.raises(ValueError, match="2 streams need as many fork events"):
+        submit(FakeRuntime().native(lib), work, buffers, "load", events, (5, 6), [0xF1])
 
 
 @needs_cc
-def test_a_batch_the_runtime_lacks_fails_before_any_call(lib, pin) -> None:
-    """The loop's own check (behind the Python one): nothing submitted, not even the ordering."""
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
+def test_a_call_the_runtime_lacks_fails_before_any_call(lib, pin) -> None:
+    """The loop's own checks (behind the Python ones): nothing submitted, not even the ordering."""
+    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=1))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = raw_planner(host, dev, force="copy").copies(64, ([(0, 32), (128, 32)], [(0, 64)]))
+    buffers = run_buffers(host, dev)
     rt = FakeRuntime(batch=False)
     loop = rt.native(lib)
-    loop.has_batch = True  # past the Python check, into the C one
     events = list(range(1, spec.num_layers + 1))
+    work = copies_work(copies, buffers)
+    assert not work.takes(loop)  # the Python check; past it, into the C one
     with pytest.raises(CudaRuntimeError, match="before any call: the runs need the batched copy call"):
-        loop.copy_layers(copies.joint[1:], run_buffers(host, dev), True, events, 5, (0xF0, 9), small=1)
+        submit(loop, work, buffers, "load", events)
+    work.rows[0].launches = 0xDEAD  # a launch, and a loop bound without the launch call
+    bare = native.Native(lib, *(ctypes.cast(f, ctypes.c_void_p).value for f in rt.fns[:4]), attrs=ATTRS)
+    with pytest.raises(CudaRuntimeError, match="before any call: the work has kernel launches"):
+        submit(bare, work, buffers, "load", events)
     assert rt.calls == []
 
 
 @needs_cc
-def test_the_loop_does_not_take_runs_that_fan_out_or_need_a_missing_batch_call(lib, pin) -> None:
+def test_short_runs_fan_out_over_layers_and_a_missing_batch_call_is_seen(lib, pin) -> None:
     pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=2))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
     runs = ([(i * 64, 32) for i in range(20)], [(0, 640)])
     copies = raw_planner(host, dev, force="copy").copies(640, runs)
-    # Runs of 1.5 KB, short: the planner fans them out over its copy streams, which the loop does not.
+    # Runs of 1.5 KB, short: the planner spreads them over its copy streams, a layer on each.
     assert copies.streams == PathCosts().copy_streams
+    buffers = run_buffers(host, dev)
     with_batch, without = FakeRuntime().native(lib), FakeRuntime(batch=False).native(lib)
-    assert not loop_takes(with_batch, copies)
-    one = raw_planner(host, dev, force="copy", costs=PathCosts(copy_streams=1)).copies(640, runs)
-    assert one.streams == 1
-    assert loop_takes(with_batch, one) and not loop_takes(without, one)
-    fanned = dataclasses.replace(one, streams=4)
-    assert not loop_takes(with_batch, fanned)
+    work = copies_work(copies, buffers)
+    assert work.streams == copies.streams and work.takes(with_batch) and not work.takes(without)
     few = raw_planner(host, dev, force="copy").copies(64, ([(0, 32), (64, 32)], [(0, 64)]))
-    assert loop_takes(without, dataclasses.replace(few, streams=4))  # plain copies: one stream
+    assert copies_work(few, buffers).takes(without)  # plain copies
 
 
 class _Done(Signal):
@@ -269,8 +329,9 @@ class _LoopLane(DeferredLane):
 
     stream = SimpleNamespace(cuda_stream=5)
 
-    def run_native(self, submit, signals: int):
-        submit(9, 0xF0, [0xE0 + i for i in range(signals)])
+    def run_native(self, submit, signals: int, streams: int = 1):
+        handles = [5, *(0x50 + i for i in range(1, streams))]
+        submit(9, 0xF0, [0xE0 + i for i in range(signals)], handles, [0xF1 + i for i in range(streams)])
         return [_Done() for _ in range(signals)]
 
 
@@ -312,8 +373,9 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
     runs = list(
         zip(part.runs.host.tolist(), part.runs.device.tolist(), part.runs.length.tolist(), strict=True)
     )
+    streams = (5, *(0x50 + i for i in range(1, part.streams)))  # `_LoopLane`'s
     assert rt.calls == expected_calls(
-        runs, c.host_pool, c.device_pool, Direction.LOAD, events, dma.small_batch()
+        runs, c.host_pool, c.device_pool, Direction.LOAD, events, dma.small_batch(), streams
     )
     c.poll()
     c.check_invariants(compare_bytes=False)  # the stand-in runtime moved nothing
@@ -321,7 +383,7 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
     c.evict_device(64)
     before = (c.device_alloc.available(), c.host_alloc.available())
     rt.calls.clear()
-    rt.fail_at = 3
+    rt.fail_at = 2 + (part.streams if part.streams > 1 else 0)  # layer 0's first copy, after the fork
     m = c.match(tokens)
     with pytest.raises(CudaRuntimeError, match="layer 0"):
         c.load_back(m)
@@ -333,10 +395,12 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
 @needs_cc
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("host_runs", [1, 5])
-def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, pin) -> None:
-    """The loop's own address arithmetic against the bytes: CPU pools, a runtime whose copies move
-    memory; a DSA spec over several host regions, prefixes in one or several host runs (plain
-    and batched calls), two nodes, several trips; the device poisoned before every reload."""
+@pytest.mark.parametrize("force", ["copy", "kernel", None])
+def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, force, pin) -> None:
+    """The loop's own address arithmetic against the bytes: CPU pools, a runtime whose copies and
+    kernel launches move memory; a DSA spec over several host regions, prefixes in one or several
+    host runs (plain and batched calls, copies over several streams), the kernel forced or the
+    planner's choice, two nodes, several trips; the device poisoned before every reload."""
     from conftest import random_rows
 
     from kvtier.pool.rows import as_words
@@ -347,11 +411,11 @@ def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, pin
     # Room for the prefix in exactly those runs, the gaps between them, and 4 slots more.
     host = HostPool(spec, run_len * host_runs + 4 * host_runs, layout, chunk_bytes=8 << 10)
     assert host.num_segments() > 1
-    # Copy-engine plans forced: without a GPU the planner may pick the reference path for runs this short.
+    if force != "copy" and not kernels.runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton's CPU interpreter")
     rt = FakeRuntime(move=True)
-    # One copy stream: short runs fanned out over several would not go out from the loop.
-    config = CacheConfig(force_path="copy", costs=PathCosts(copy_streams=1))
-    c = loop_cache(DevicePool(spec, 512), host, config, rt.native(lib))
+    c = loop_cache(DevicePool(spec, 512), host, CacheConfig(force_path=force), rt.native(lib))
+    c.mover.transfers.planner.kernel_ok = force != "copy"  # as on CUDA
     held, runs_held = [], []
     for i in range(host_runs):  # the prefix's future runs, each but the last followed by 4 held slots
         runs_held.append(c.host_alloc.alloc(run_len))
@@ -379,6 +443,9 @@ def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, pin
         rt.calls.clear()
         h = c.load_back(m)
         assert rt.calls and h.plan is not None  # through the loop
+        kernel_parts = any(isinstance(p, KernelPart) for p in h.plan.parts)
+        assert kernel_parts == any(call[0] == "launch" for call in rt.calls)
+        assert kernel_parts or force != "kernel"
         c.poll()
         for (name, layer), rows in want.items():
             got = as_words(c.device_pool.layer(name, layer))[h.device_slots]

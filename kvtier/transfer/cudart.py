@@ -103,6 +103,45 @@ def runtime() -> Runtime | None:
     return RUNTIME.get()
 
 
+class Driver:
+    """The CUDA driver library the process has mapped: `cuLaunchKernel` for the compiled loop, and
+    `param_sizes` to check a kernel's parameters before the loop launches it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, size_t, uint = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint
+        self.launch_kernel = lib.cuLaunchKernel
+        self.launch_kernel.argtypes = [ptr, uint, uint, uint, uint, uint, uint, uint, ptr, ptr, ptr]
+        self._param_info = lib.cuFuncGetParamInfo
+        self._param_info.argtypes = [ptr, size_t, ctypes.POINTER(size_t), ctypes.POINTER(size_t)]
+        for fn in (self.launch_kernel, self._param_info):
+            fn.restype = ctypes.c_int
+
+    def param_sizes(self, func: int, most: int = 32) -> list[int]:
+        """Bytes of each parameter of kernel `func` (a `CUfunction`), in order."""
+        offset, size, sizes = ctypes.c_size_t(), ctypes.c_size_t(), []
+        while len(sizes) < most and not self._param_info(func, len(sizes), offset, size):
+            sizes.append(size.value)
+        return sizes
+
+
+def _find_driver() -> Driver | None:
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = sorted({ln.split()[-1] for ln in fh.read().splitlines() if "/libcuda.so" in ln})
+        return Driver(ctypes.CDLL(paths[0])) if paths else None
+    except (OSError, AttributeError) as e:  # no cuFuncGetParamInfo: a driver older than CUDA 12.4
+        log.info("kernel launches from the compiled loop unavailable (%s)", e)
+        return None
+
+
+DRIVER: Probed[Driver | None] = Probed(_find_driver)
+
+
+def driver() -> Driver | None:
+    """The process's CUDA driver library, once it is mapped (after CUDA is initialised), else None."""
+    return DRIVER.get()
+
+
 def check(err: int, what: str) -> None:
     """Raise `CudaRuntimeError` for a non-zero runtime error code."""
     if err:

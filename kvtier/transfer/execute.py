@@ -115,7 +115,7 @@ def _move(
         launch = kb.launches[kb.layer_class[local]]
         host = int(host_pool.region_ptrs(b.name)[local, 0])
         dev = int(device_pool.layer_ptrs(b.name)[local])
-        views = functools.partial(_kernel_views, plan, b, layer, launch.shape.word, load)
+        views = functools.partial(kernel_views, plan, b, layer, launch.shape.word, load)
         src, dst = (host, dev) if load else (dev, host)
         launch.run(src, dst, views, None if stream is None else stream.cuda_stream)
     elif isinstance(part, CopyPart) and part.batched:
@@ -133,7 +133,7 @@ def _move(
         _reference(plan, device_pool.layer(b.name, layer), b, layer, hs, part.device_index)
 
 
-def _kernel_views(
+def kernel_views(
     plan: TransferPlan, b: BufferSpec, layer: int, word: int, load: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(src, dst)` as 1-D words of `word` bytes from the kernel's bases: the first host region's first

@@ -126,6 +126,11 @@ _copy_vectors_jit: Any = None
 _kernel = ModeJit(_copy_rows_kernel, _copy_vectors, do_not_specialize=["n_rows"])
 
 
+def row_kernel() -> Any:
+    """The Triton kernel `copy_rows` launches (jitted for the current mode)."""
+    return _kernel()
+
+
 def copy_rows(
     src: torch.Tensor,
     src_offsets: torch.Tensor,
@@ -337,6 +342,9 @@ def prepare_rows(
     align = common_alignment(src_off, dst_off)
     shape = RowShape.of(row_bytes, size, bases, align, gather, device, programs, rows_per_program, stages)
     w = shape.word
-    src_t = upload(torch.from_numpy(np.ascontiguousarray(src_off // w)))
-    dst_t = upload(torch.from_numpy(np.ascontiguousarray(dst_off // w)))
-    return RowLaunch(len(src_off), shape, src_t, dst_t)
+    # One upload of both, each row 16-byte aligned as Triton's compiled kernels assume.
+    n = len(src_off)
+    both = np.zeros((2, n + n % 2), dtype=np.int64)
+    both[0, :n], both[1, :n] = src_off // w, dst_off // w
+    both_t = upload(torch.from_numpy(both))
+    return RowLaunch(n, shape, both_t[0, :n], both_t[1, :n])

@@ -21,6 +21,9 @@ import torch
 from kvtier.errors import TransferError
 from kvtier.transfer import cudart
 
+# `submit(current, order, events, streams, forks)`: see `CudaLane.run_native`.
+NativeSubmit = Callable[[int, int, list[int], list[int], list[int]], None]
+
 
 class Signal(ABC):
     """A point in some work: `query()` without waiting, `wait_host()` blocking, `make_current_wait()`.
@@ -68,7 +71,7 @@ class Lane(ABC):
             signals.append(self.signal())
         return signals
 
-    def run_native(self, submit: Callable[[int, int, list[int]], None], signals: int) -> Sequence[Signal]:
+    def run_native(self, submit: NativeSubmit, signals: int, streams: int = 1) -> Sequence[Signal]:
         """Submit an operation from compiled code (CUDA lanes only; see `CudaLane.run_native`)."""
         raise TransferError(f"{type(self).__name__} has no stream to submit compiled calls on")
 
@@ -106,6 +109,9 @@ class CudaLane(Lane):
     def __init__(self, device: torch.device) -> None:
         self._stream = torch.cuda.Stream(device)
         self._events: list[torch.cuda.Event] = []  # recorded before, free to record again
+        # Per count k: the raw handles of the lane's stream and k - 1 side streams, and of an event
+        # per stream (`run_native`); the torch objects are kept alive with them.
+        self._fans: dict[int, tuple[list[int], list[int], list]] = {}
         self._device_index = self._stream.device.index
         rt = cudart.runtime()
         self._raw_record = rt.event_record if rt is not None else None
@@ -162,24 +168,40 @@ class CudaLane(Lane):
     def drain(self) -> None:
         self._stream.synchronize()
 
-    def run_native(self, submit: Callable[[int, int, list[int]], None], signals: int) -> Sequence[Signal]:
+    def run_native(self, submit: NativeSubmit, signals: int, streams: int = 1) -> Sequence[Signal]:
         """Submit one operation from compiled code, after the work queued on the current stream.
 
-        `submit(current, order, events)` makes the operation's calls on this lane's stream,
-        first recording the raw event `order` on the raw stream `current` (the current
-        stream) and making the lane's stream wait for it, then recording the raw event
-        handles `events` where the signals belong (after each layer, or once at the end).
+        `submit(current, order, events, streams, forks)` makes the operation's calls on the raw
+        `streams` (this lane's, then `streams - 1` side streams of its own), first recording the
+        raw event `order` on the raw stream `current` (the current stream) and making the lane's
+        stream wait for it, the side streams for the lane's (`forks`: a raw event per stream, to
+        fork and join them), then recording the raw event handles `events` where the signals
+        belong (after each layer, or once at the end, on the lane's stream after the join).
         Returns `signals` signals; if `submit` raises, the events go back to the pool.
         """
         order, *events = self._take_events(signals + 1)
+        fan, forks, _ = self._fan(streams)
         try:
-            submit(self._current_handle(), order.cuda_event, [e.cuda_event for e in events])
+            submit(self._current_handle(), order.cuda_event, [e.cuda_event for e in events], fan, forks)
         except BaseException:
             self._events += events  # no signal holds them
             raise
         finally:
             self._events.append(order)  # the wait is enqueued: a later record cannot change it
         return EventSignals(events, self._events)
+
+    def _fan(self, k: int) -> tuple[list[int], list[int], list]:
+        """This lane's stream and `k - 1` side streams, and an event per stream (made once per k)."""
+        found = self._fans.get(k)
+        if found is None:
+            main = self._stream
+            side = [torch.cuda.Stream(main.device, priority=main.priority) for _ in range(k - 1)]
+            forks = [torch.cuda.Event() for _ in range(k)]
+            for event in forks:
+                event.record(main)  # its handle exists from now on
+            handles = [s.cuda_stream for s in (main, *side)]
+            found = self._fans[k] = (handles, [e.cuda_event for e in forks], [side, forks])
+        return found
 
     def _take_events(self, k: int) -> list[torch.cuda.Event]:
         """`k` events with CUDA handles: pooled ones first, new ones recorded once to make theirs."""

@@ -180,7 +180,7 @@ class Planner:
         direction: Direction | str,
         host_slots: torch.Tensor,
         device_slots: torch.Tensor,
-        runs: RunPair | None = None,
+        runs: RunPair | slot_runs.JointRuns | None = None,
         stream: torch.cuda.Stream | None = None,
         whole_pages: bool = True,
     ) -> TransferPlan:
@@ -195,17 +195,19 @@ class Planner:
         if n != device_slots.numel():
             raise SlotError(f"host_slots has {n} entries but device_slots has {device_slots.numel()}")
         if runs is not None:
-            found = self._joint(runs, n)
+            found = self.joint(runs, n)
         else:
             ps = self.host_pool.spec.page_size
             step = ps if whole_pages and n % ps == 0 else 1
             found = slot_runs.scan(self.host_pool, host_slots.numpy(), device_slots.numpy(), step)
         return self._plan(direction, host_slots, device_slots, found, stream)
 
-    def copies(self, n: int, runs: RunPair, direction: Direction = Direction.LOAD) -> RunCopies | None:
+    def copies(
+        self, n: int, runs: RunPair | slot_runs.JointRuns, direction: Direction = Direction.LOAD
+    ) -> RunCopies | None:
         """The copy-engine plan of `n` allocated slots given as `runs` (see `plan_allocated`), or None
         where the planner gives some row to another mechanism."""
-        found = self._joint(runs, n)
+        found = self.joint(runs, n)
         if len(self.raw) != len(self.host_pool.spec.buffers) or not self.batched:
             return None
         lens = found.runs.length
@@ -215,8 +217,11 @@ class Planner:
         pools = (self.host_pool, self.device_pool)
         return RunCopies(found.runs.table, found.host_runs, found.device_runs, streams, *pools)
 
-    def _joint(self, runs: RunPair, n: int) -> slot_runs.JointRuns:
-        """The joint runs of run lists that must cover `n` slots (`PlanError` where they do not)."""
+    def joint(self, runs: RunPair | slot_runs.JointRuns, n: int) -> slot_runs.JointRuns:
+        """The joint runs of run lists that must cover `n` slots (`PlanError` where they do not); joint
+        runs found before are taken as they are."""
+        if isinstance(runs, slot_runs.JointRuns):
+            return runs
         found = slot_runs.joint_runs(*runs, self.host_pool.segment_slots, self.host_pool.num_slots)
         if int(found.runs.length.sum()) != n:
             raise PlanError(f"the runs cover {int(found.runs.length.sum())} slots, the plan has {n}")
@@ -241,7 +246,7 @@ class Planner:
         out = {}
         for b in self.raw:
             unit = rule.unit_rows(lens, b.row_bytes, self.kernel.max_unit_bytes)
-            out[b.name] = rule.copied(self.costs, ordered, b.row_bytes, unit)
+            out[b.name] = rule.copied(self.costs, ordered, b.row_bytes, unit, len(b.layers))
         return out
 
     def _streams(self, rows: int, runs: int) -> int:

@@ -7,6 +7,7 @@ A host run is consecutive positions whose host slots go up by one within a segme
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,7 +110,10 @@ def joint_runs(host: RunList, dev: RunList, segment: int, num_slots: int) -> Joi
 def _merged(runs: RunList) -> tuple[np.ndarray, np.ndarray]:
     """`(first slots, lengths)`, `[k]` int64 each, of `runs` with empty runs dropped and each run that
     continues the one before joined to it."""
-    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    if isinstance(runs, np.ndarray):
+        arr = runs.astype(np.int64, copy=False).reshape(-1, 2)
+    else:  # from a list of pairs, several times faster than `np.asarray`
+        arr = np.fromiter(itertools.chain.from_iterable(runs), np.int64, 2 * len(runs)).reshape(-1, 2)
     arr = arr[arr[:, 1] > 0]
     if not len(arr):
         return arr[:, 0], arr[:, 1]

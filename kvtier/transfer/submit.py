@@ -2,8 +2,9 @@
 
 `Transfers(host_pool, device_pool, ...)` is built once per pool pair; `submit(op, lane, per_layer)`
 moves one `Operation` on a lane and returns a `Transfer`. The route: the compiled loop (`native`)
-where the planner gives every row to the copy engine and the loop takes the runs (a plan is built
-only if someone reads it), else the plan executor, layer by layer.
+from the run lists where the planner gives every row to the copy engine (a plan is built only if
+someone reads it), else from the plan where the loop can make every part of it (`loop.plan_work`),
+else the plan executor, layer by layer.
 
 Contract: the operation is ordered after the work queued on the current compute stream and nothing
 waits for the device; `per_layer` gives one signal per model layer, else one after every layer; the
@@ -26,10 +27,10 @@ from kvtier.slots import concat_slots
 from kvtier.transfer import native
 from kvtier.transfer.execute import layer_calls
 from kvtier.transfer.lanes import Lane, Signal
-from kvtier.transfer.native import loop_takes, run_buffers, run_layers
+from kvtier.transfer.loop import Work, copies_work, plan_work, run_buffers, run_work
 from kvtier.transfer.options import KernelOptions, PathCosts, TransferPath
 from kvtier.transfer.plan import Planner, TransferPlan
-from kvtier.transfer.runs import RunPair
+from kvtier.transfer.runs import JointRuns, RunPair
 
 log = logging.getLogger(__name__)
 
@@ -116,18 +117,28 @@ class Transfers:
         if device_pool.device.type == "cuda" and self._buffers is None:
             log.info("transfers: no compiled loop here; every operation goes through the plan executor")
 
-    def plan(self, op: Operation, stream: torch.cuda.Stream | None = None) -> TransferPlan:
-        """The plan of `op` (its device indices uploaded on `stream`)."""
+    def plan(
+        self, op: Operation, stream: torch.cuda.Stream | None = None, found: JointRuns | None = None
+    ) -> TransferPlan:
+        """The plan of `op` (its device indices uploaded on `stream`; `found`: its joint runs, if known)."""
         return self.planner.plan_allocated(
-            op.direction, op.host_slots, op.device_slots, op.runs, stream, whole_pages=op.whole_pages
+            op.direction, op.host_slots, op.device_slots, found or op.runs, stream, whole_pages=op.whole_pages
         )
 
     def submit(self, op: Operation, lane: Lane, per_layer: bool) -> Transfer:
         """Move `op` on `lane`; see the module docstring for the signals and the contract."""
-        signals = self._submit_compiled(op, lane, per_layer)
-        if signals is not None:
-            return Transfer(signals, functools.partial(self.plan, op, lane.stream))
-        plan = self.plan(op, lane.stream)
+        layers = self.host_pool.spec.num_layers if per_layer else 1
+        found = None if op.runs is None else self.planner.joint(op.runs, op.tokens)
+        if self._buffers is not None and found is not None:
+            copies = self.planner.copies(op.tokens, found, op.direction)
+            work = None if copies is None else copies_work(copies, self._buffers)
+            if work is not None and work.takes(self._lib):
+                plan = functools.partial(self.plan, op, lane.stream, found)
+                return Transfer(self._run(work, op.direction, lane, layers), plan)
+        plan = self.plan(op, lane.stream, found)
+        work = None if self._buffers is None else plan_work(plan, self._buffers, self._lib)
+        if work is not None and work.takes(self._lib):
+            return Transfer(self._run(work, op.direction, lane, layers), plan)
         lane.wait_for_current()
         calls = layer_calls(plan, lane.stream)
         if per_layer:
@@ -135,13 +146,7 @@ class Transfers:
         lane.submit(lambda: [call() for call in calls])
         return Transfer([lane.signal()], plan)
 
-    def _submit_compiled(self, op: Operation, lane: Lane, per_layer: bool) -> Sequence[Signal] | None:
-        """`op` through the compiled loop, or None (nothing submitted) where that route does not apply."""
-        if self._buffers is None or op.runs is None:
-            return None
-        copies = self.planner.copies(op.tokens, op.runs, op.direction)
-        if copies is None or not loop_takes(self._lib, copies):
-            return None
-        stream = lane.stream.cuda_stream
-        submit = functools.partial(run_layers, self._lib, copies, self._buffers, op.direction, stream)
-        return lane.run_native(submit, self.host_pool.spec.num_layers if per_layer else 1)
+    def _run(self, work: Work, direction: Direction, lane: Lane, signals: int) -> Sequence[Signal]:
+        """`work` submitted from the compiled loop on `lane`, with `signals` signals."""
+        submit = functools.partial(run_work, self._lib, work, self._buffers, direction)
+        return lane.run_native(submit, signals, work.streams)
