@@ -5,12 +5,14 @@ moves; `load_layer`, `load_layers` and `backup` run the plan layer by layer on a
 `submit.Transfers` is the one entry point the cache calls.
 
 The mechanisms (`parts`):
-- the copy engine, one copy per joint run, every run of a layer in one batched call
-  (`dma`; from one compiled loop for a whole operation, `native`); it holds no SMs;
+- the copy engine, one copy per joint run, every run of a layer in one batched call (`dma`); it
+  holds no SMs;
 - the row kernel (`kernels`), reading or writing pinned host memory directly, runs cut into
   units of up to `KernelOptions.max_unit_bytes`; any layout of slots;
 - the reference path, token by token, for device tensors that are not packed rows (an engine's
   own) and for plans where neither of the others runs (no Triton, no CUDA).
+Where a C compiler and the CUDA runtime are at hand, one compiled loop submits a whole operation,
+copies and kernel launches on every layer (`native`, `loop`); else the plan executor (`execute`).
 
 The planner's rule (`rule`), for each buffer: sort the plan's joint runs longest first and give
 the copy engine the j longest, the kernel the rest, for the j that makes
@@ -19,7 +21,8 @@ the copy engine the j longest, the kernel the rest, for the j that makes
             + [rows left] launch_fixed_s + (bytes left) / (B x kernel_rate(unit bytes))
 
 least, B being the link's rate; only runs of `copy_min_bytes` or more may be copied (unless the
-plan is one run). Every j from 0 (all kernel) to all is weighed. The fixed costs are why the
+plan is one run), and, where `host_budget_s` is set, no more a layer than the host issues within it
+over all the operation's layers. Every j from 0 (all kernel) to all is weighed. The fixed costs are why the
 choice holds from a thousand tokens to 128k: one joint run is one copy; runs of tens of KiB and
 up go to the copy engine (fanned out over streams it runs them at the link's rate) once there is
 enough of them to pay for the call; thousands of short copies are bound by the host issuing
