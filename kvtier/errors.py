@@ -44,7 +44,7 @@ class TransferError(KVTierError, ValueError):
 
 
 class BackendUnavailableError(KVTierError, RuntimeError):
-    """A mechanism needs something this process lacks (Triton, CUDA, `cuda.bindings`, a compiler)."""
+    """A mechanism needs something this process lacks (Triton, CUDA, a compiler)."""
 
 
 class CudaRuntimeError(KVTierError, RuntimeError):

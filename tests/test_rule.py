@@ -45,18 +45,14 @@ def time_of(costs: PathCosts, lens: list[int], row_bytes: int, unit: int, j: int
     return copied + costs.launch_fixed_s + sum(n * row_bytes for n in left) / (B * rate)
 
 
-def allowed(costs: PathCosts, lens: list[int], row_bytes: int, layers: int = 1) -> int:
-    """The most runs the copy engine may take: those of `copy_min_bytes` or more, or the one run; and no
-    more (one at least) than the host issues within `host_budget_s` on `layers` layers."""
-    most = len(lens) if len(lens) == 1 else sum(n * row_bytes >= costs.copy_min_bytes for n in lens)
-    if costs.host_budget_s is not None and costs.copy_host_s > 0:
-        most = min(most, max(1, math.floor(costs.host_budget_s / (costs.copy_host_s * layers))))
-    return most
+def allowed(costs: PathCosts, lens: list[int], row_bytes: int) -> int:
+    """The most runs the copy engine may take: those of `copy_min_bytes` or more, or the one run."""
+    return len(lens) if len(lens) == 1 else sum(n * row_bytes >= costs.copy_min_bytes for n in lens)
 
 
-def copied(costs: PathCosts, lens: list[int], row_bytes: int, unit: int = 1, layers: int = 1) -> int:
+def copied(costs: PathCosts, lens: list[int], row_bytes: int, unit: int = 1) -> int:
     arr = np.array(lens, dtype=np.int64)
-    return rule.copied(costs, arr[rule.longest_first(arr)], row_bytes, unit, layers)
+    return rule.copied(costs, arr[rule.longest_first(arr)], row_bytes, unit)
 
 
 def test_one_long_run_is_copied_and_many_single_rows_go_to_the_kernel() -> None:
@@ -84,17 +80,6 @@ def test_runs_under_the_copy_minimum_are_never_copied_unless_the_plan_is_one_run
     assert copied(free, [10], 48) == 1
 
 
-def test_the_copies_of_an_operation_stay_within_the_hosts_budget() -> None:
-    """512 runs of 295 KB, which the copy engine alone moves fastest: with no budget (the default) all
-    are copied; with one, as many a layer as the host issues within it over all layers."""
-    costs = PathCosts(copy_host_s=0.8e-6, host_budget_s=250e-6)
-    assert copied(PathCosts(), [256] * 512, 1152, unit=8, layers=61) == 512
-    assert copied(costs, [256] * 512, 1152, unit=8, layers=1) == 250e-6 // 0.8e-6
-    cap = int(250e-6 / (0.8e-6 * 61))
-    assert copied(costs, [256] * 512, 1152, unit=8, layers=61) <= cap < 512
-    assert copied(costs, [1 << 20], 1152, layers=1000) == 1  # one copy a layer, whatever the budget
-
-
 def test_longest_first_is_stable() -> None:
     lens = np.array([3, 7, 3, 7, 1], dtype=np.int64)
     assert rule.longest_first(lens).tolist() == [1, 3, 0, 2, 4]
@@ -114,11 +99,9 @@ fixed = st.floats(0.0, 50e-6, allow_nan=False)
     launch_fixed=fixed,
     min_bytes=st.sampled_from([0, 4096, 64 << 10, 1 << 20]),
     unit=st.integers(1, 64),
-    layers=st.sampled_from([1, 3, 61, 78]),
-    budget=st.sampled_from([None, 20e-6, 250e-6]),
 )
 def test_the_choice_is_the_least_time_of_the_documented_formula(
-    lens, row_bytes, copy_fixed, copy_call, launch_fixed, min_bytes, unit, layers, budget
+    lens, row_bytes, copy_fixed, copy_call, launch_fixed, min_bytes, unit
 ):
     """`copied` against a brute force over every allowed j of time(j), computed here in plain Python."""
     costs = PathCosts(
@@ -126,10 +109,9 @@ def test_the_choice_is_the_least_time_of_the_documented_formula(
         copy_call_s=copy_call,
         launch_fixed_s=launch_fixed,
         copy_min_bytes=min_bytes,
-        host_budget_s=budget,
     )
-    j = copied(costs, lens, row_bytes, unit, layers)
-    most = allowed(costs, lens, row_bytes, layers)
+    j = copied(costs, lens, row_bytes, unit)
+    most = allowed(costs, lens, row_bytes)
     assert 0 <= j <= most
     times = [time_of(costs, lens, row_bytes, unit, i) for i in range(most + 1)]
     best = min(times)

@@ -4,7 +4,6 @@ each plan's parts move and what plans refuse; `Transfers.submit` on a deferred C
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 
 import numpy as np
@@ -859,19 +858,6 @@ def test_plans_from_run_lists_equal_plans_from_slots(layout) -> None:
         Planner(host, dev).plan_allocated("load", hs, ds, runs=([(0, 4)], [(0, 5)]))
     with pytest.raises(PlanError, match="the plan has"):
         Planner(host, dev).plan_allocated("load", hs, ds, runs=([(0, 4)], [(8, 4)]))
-
-
-def test_copies_fan_out_in_contiguous_shares_of_about_equal_bytes() -> None:
-    """`copy_runs(streams=k)` cuts the list into k contiguous shares by bytes, not counts (a share may
-    be empty), and only where every stream gets two copies or more."""
-    sizes = np.arange(1, 11, dtype=np.int64)
-    bounds = dma.shares(sizes, 4)
-    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 10 and bounds == sorted(bounds)
-    per_share = [int(sizes[a:b].sum()) for a, b in itertools.pairwise(bounds)]
-    assert max(per_share) - min(per_share) <= sizes.max()
-    uneven = np.array([100, 1, 1, 1, 1, 1, 1, 1, 100, 100], dtype=np.int64)
-    assert dma.shares(uneven, 4) == [0, 0, 8, 9, 10]  # the first stream gets nothing
-    assert dma.fans_out(8, 4) and not dma.fans_out(7, 4) and not dma.fans_out(100, 1)
 
 
 def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:

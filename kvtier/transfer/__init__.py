@@ -21,8 +21,7 @@ the copy engine the j longest, the kernel the rest, for the j that makes
             + [rows left] launch_fixed_s + (bytes left) / (B x kernel_rate(unit bytes))
 
 least, B being the link's rate; only runs of `copy_min_bytes` or more may be copied (unless the
-plan is one run), and, where `host_budget_s` is set, no more a layer than the host issues within it
-over all the operation's layers. Every j from 0 (all kernel) to all is weighed. The fixed costs are why the
+plan is one run). Every j from 0 (all kernel) to all is weighed. The fixed costs are why the
 choice holds from a thousand tokens to 128k: one joint run is one copy; runs of tens of KiB and
 up go to the copy engine (fanned out over streams it runs them at the link's rate) once there is
 enough of them to pay for the call; thousands of short copies are bound by the host issuing

@@ -1,6 +1,6 @@
 """The CUDA runtime this process already uses, called through ctypes on the hot paths.
 
-Through `cuda.bindings` and torch most of a runtime call's host cost is argument conversion and
+Through a bindings package and torch most of a runtime call's host cost is argument conversion and
 wrappers (bench/FINDINGS.md). Here the functions of the `libcudart` torch loaded are called with raw
 integers; `runtime()` is None where it cannot be found (no CUDA, a static runtime). Every
 once-per-process finding of this package (`RUNTIME`, `dma.RUNTIME`, `native.LIBRARY`) is a

@@ -113,19 +113,16 @@ def _move(
     if isinstance(part, KernelPart):
         kb = part.by_buffer[b.name]
         launch = kb.launches[kb.layer_class[local]]
-        host = int(host_pool.region_ptrs(b.name)[local, 0])
-        dev = int(device_pool.layer_ptrs(b.name)[local])
         views = functools.partial(kernel_views, plan, b, layer, launch.shape.word, load)
-        src, dst = (host, dev) if load else (dev, host)
-        launch.run(src, dst, views, None if stream is None else stream.cuda_stream)
+        launch.run(views, None if stream is None else stream.cuda_stream)
     elif isinstance(part, CopyPart) and part.batched:
         rb = part.run_bytes[b.name]
         host_ptrs = host_pool.region_ptrs(b.name)[local, rb.region] + rb.host
         dev_ptrs = int(device_pool.layer_ptrs(b.name)[local]) + rb.device
         if load:
-            dma.copy_runs(dev_ptrs, host_ptrs, rb.nbytes, stream, streams=part.streams)
+            dma.copy_runs(dev_ptrs, host_ptrs, rb.nbytes, stream)
         else:
-            dma.copy_runs(host_ptrs, dev_ptrs, rb.nbytes, stream, streams=part.streams)
+            dma.copy_runs(host_ptrs, dev_ptrs, rb.nbytes, stream)
     elif isinstance(part, CopyPart):
         _per_run(part, host_pool, as_words(device_pool.layer(b.name, layer)), b, layer, load)
     else:

@@ -19,7 +19,7 @@ allow, checked per tile on the GPU where the host has not seen them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -265,60 +265,31 @@ class RowShape:
         return cls(width, row_vecs, rows, sm_budget, kwargs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RowLaunch:
     """One prepared launch: `n` rows at word offsets `src_off`, `dst_off` (`[n]` int64 on the kernel's
     device, words of `shape.word` bytes) from and to bases given per call (`run`); shaped once, run
-    per layer. On CUDA the second and later launches with bases of the same alignment go straight to
-    the compiled kernel, past Triton's argument binding (a few microseconds instead of tens)."""
+    per layer (on CUDA the compiled loop launches it itself: `compiled`)."""
 
     n: int
     shape: RowShape
     src_off: torch.Tensor
     dst_off: torch.Tensor
-    _compiled: dict[tuple[bool, bool], Any] = field(default_factory=dict, repr=False)
 
-    def run(
-        self,
-        src: int,
-        dst: int,
-        views: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-        stream: int | None = None,
-    ) -> None:
-        """Move the rows from base address `src` to base address `dst` (one on the GPU, the other pinned
-        host memory) on raw CUDA stream `stream` (None: the current one); `views()` gives the same bases
-        as 1-D words tensors of `shape.word` bytes, for a first launch (or, under the interpreter, both
-        on the CPU, every launch)."""
+    def run(self, views: Callable[[], tuple[torch.Tensor, torch.Tensor]], stream: int | None = None) -> None:
+        """Move the rows between `views()`, the bases as 1-D words tensors of `shape.word` bytes (one on
+        the GPU, the other pinned host memory; under the interpreter both on the CPU), on raw CUDA
+        stream `stream` (None: the current one)."""
         if self.n == 0:
             return
-        device = self.src_off.device
-        shape = self.shape
-        if device.type != "cuda":
-            s, d = views()
-            args = (s, self.src_off, d, self.dst_off, self.n, shape.row_vecs)
-            launch_on(device, _kernel(), shape.grid(self.n), args, shape.kwargs)
-            return
-        if stream is None:
-            stream = torch.cuda.current_stream(device).cuda_stream
-        key = (src % 16 == 0, dst % 16 == 0)
-        compiled = self._compiled.get(key)
-        grid = (shape.grid(self.n), 1, 1)
-        if compiled is not None:
-            offs = (self.src_off.data_ptr(), self.dst_off.data_ptr())
-            compiled[grid](src, offs[0], dst, offs[1], self.n, shape.row_vecs, *self._consts, stream=stream)
-            return
+        device, shape = self.src_off.device, self.shape
         s, d = views()
         args = (s, self.src_off, d, self.dst_off, self.n, shape.row_vecs)
-        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
-            found = _kernel()[grid](*args, **shape.kwargs)
-        # Triton versions whose launch returns no compiled kernel keep taking this path.
-        if found is not None and callable(getattr(found, "__getitem__", None)):
-            self._compiled[key] = found
-
-    @property
-    def _consts(self) -> list[Any]:
-        """The kernel's constexpr arguments in its parameter order (the compiled kernel takes them all)."""
-        return [v for k, v in self.shape.kwargs.items() if not k.startswith("num_")]
+        if device.type != "cuda" or stream is None:
+            launch_on(device, _kernel(), shape.grid(self.n), args, shape.kwargs)
+            return
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+            launch_on(device, _kernel(), shape.grid(self.n), args, shape.kwargs)
 
 
 def prepare_rows(

@@ -42,10 +42,7 @@ class PathCosts:
 
     - `copy_fixed_s`: what the copy engine spends per copy beyond its bytes (copies fanned out over
       `copy_streams` hide most of it), `copy_call_s` per part and layer (the fan-out's fork and join),
-      `copy_host_s` the host's time to issue one copy in a batched call; `host_budget_s`, where set,
-      the most host time an operation's copies may take over all its layers (the caller's thread
-      issues them: past it, runs go to the kernel, one launch a layer, at a lower share of the
-      link; off by default, bench/FINDINGS.md "CPU of a reload");
+      `copy_host_s` the host's time to issue one copy in a batched call;
     - `copy_min_bytes`: the shortest run the copy engine takes (where there is more than one run):
       shorter copies are bound by their issue and run at an erratic fraction of the link;
     - `launch_fixed_s`: what one kernel launch costs beyond its bytes (launch, ramp-up, tail);
@@ -61,7 +58,6 @@ class PathCosts:
     copy_fixed_s: float = 0.05e-6
     copy_call_s: float = 15e-6
     copy_host_s: float = 0.5e-6
-    host_budget_s: float | None = None
     copy_min_bytes: int = 32 << 10
     launch_fixed_s: float = 6e-6
     kernel_share: tuple[tuple[int, float], ...] = (
@@ -148,7 +144,7 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
         raise ConfigError(f"kernel option lean must be True or False, got {kernel.lean!r}")
     fixed = {"copy_fixed_s": costs.copy_fixed_s, "launch_fixed_s": costs.launch_fixed_s}
     fixed |= {"python_copy_s": costs.python_copy_s, "copy_call_s": costs.copy_call_s}
-    fixed |= {"copy_host_s": costs.copy_host_s, "host_budget_s": costs.host_budget_s or 0.0}
+    fixed |= {"copy_host_s": costs.copy_host_s}
     fixed |= {"copy_min_bytes": costs.copy_min_bytes}
     if any(v < 0 for v in fixed.values()) or costs.reference_gbps <= 0:
         raise ConfigError(

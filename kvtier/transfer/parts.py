@@ -43,8 +43,8 @@ class RunBytes(NamedTuple):
 
 @dataclass(frozen=True)
 class CopyPart:
-    """Joint runs the copy engine moves: one batched call per buffer and layer (`batched`, over
-    `streams` streams), else one torch copy per run."""
+    """Joint runs the copy engine moves: one batched call per buffer and layer (`batched`), else one
+    torch copy per run; the compiled loop spreads the layers over `streams` streams."""
 
     mechanism: ClassVar[TransferPath] = TransferPath.COPY
     rows: int

@@ -246,7 +246,7 @@ class Planner:
         out = {}
         for b in self.raw:
             unit = rule.unit_rows(lens, b.row_bytes, self.kernel.max_unit_bytes)
-            out[b.name] = rule.copied(self.costs, ordered, b.row_bytes, unit, len(b.layers))
+            out[b.name] = rule.copied(self.costs, ordered, b.row_bytes, unit)
         return out
 
     def _streams(self, rows: int, runs: int) -> int:

@@ -29,17 +29,14 @@ def unit_rows(lens: np.ndarray, row_bytes: int, max_unit_bytes: int) -> int:
     return 1
 
 
-def copied(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit: int, layers: int = 1) -> int:
+def copied(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit: int) -> int:
     """How many of the runs (`sorted_lens`: `[k]` int64, longest first) the copy engine takes for rows
-    of `row_bytes` on each of `layers` layers, when the kernel moves units of `unit` rows (module
-    docstring)."""
+    of `row_bytes`, when the kernel moves units of `unit` rows (module docstring)."""
     k = len(sorted_lens)
     if k == 0:
         return 0
     nbytes = sorted_lens * row_bytes
     most = k if k == 1 else int(np.count_nonzero(nbytes >= costs.copy_min_bytes))
-    if costs.host_budget_s is not None and costs.copy_host_s > 0:  # issued within the host's budget
-        most = min(most, max(1, int(costs.host_budget_s / (costs.copy_host_s * max(layers, 1)))))
     x = nbytes.astype(np.float64) / LINK_BYTES_PER_S  # seconds at the link's rate
     before = np.concatenate(([0.0], np.cumsum(x)))  # seconds of the j longest runs
     j = np.arange(k + 1)
