@@ -1,4 +1,5 @@
-"""The Triton row-copy kernel, bit for bit against plain torch indexing.
+"""The Triton row-copy kernel (`prepare_rows` then `RowLaunch.run`), bit for bit against plain
+torch indexing.
 
 On a machine without CUDA the kernel runs under Triton's CPU interpreter
 (TRITON_INTERPRET=1, set here before Triton is imported); on a GPU machine the
@@ -23,10 +24,10 @@ from conftest import on_device, on_host
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.errors import BackendUnavailableError, ConfigError, TransferError
-from kvtier.pool.rows import word_dtype
+from kvtier.errors import TransferError
+from kvtier.pool.rows import flat_words, word_dtype
 from kvtier.transfer import kernel_args, kernels, launch
-from kvtier.transfer.kernels import copy_rows, runs_on
+from kvtier.transfer.kernels import runs_on
 
 CUDA = torch.cuda.is_available()
 GATHER, SCATTER = "gather", "scatter"
@@ -93,6 +94,36 @@ def scattered_case(
     return src, src_off, dst, dst_off, row_words
 
 
+def move_rows(
+    src_t: torch.Tensor,
+    src_off: torch.Tensor,
+    dst_t: torch.Tensor,
+    dst_off: torch.Tensor,
+    row_words: int,
+    direction: str,
+    sm_budget: int = 8,
+    rows_per_program: int | None = None,
+    stages: int | None = None,
+) -> None:
+    """One prepared launch, as the plan executor runs it: rows of `row_words` words at word offsets
+    `src_off`, `dst_off` (`[n]` int64 CPU) of 1-D words tensors `src_t`, `dst_t`."""
+    size = src_t.element_size()
+    launch = kernels.prepare_rows(
+        row_words * size,
+        src_off.numpy() * size,
+        dst_off.numpy() * size,
+        [src_t.data_ptr(), dst_t.data_ptr()],
+        direction == GATHER,
+        DEVICE,
+        sm_budget,
+        rows_per_program,
+        stages,
+        lambda t: t.to(DEVICE),
+    )
+    word = launch.shape.word
+    launch.run(lambda: (flat_words(src_t, word), flat_words(dst_t, word)))
+
+
 def run_and_check(
     src: torch.Tensor,
     src_off: torch.Tensor,
@@ -104,7 +135,7 @@ def run_and_check(
 ) -> None:
     expected = reference(src, src_off, dst, dst_off, row_words)
     src_t, dst_t = place(src, dst, direction)
-    copy_rows(src_t, src_off, dst_t, dst_off, row_words, **kwargs)
+    move_rows(src_t, src_off, dst_t, dst_off, row_words, direction, **kwargs)
     got = read(dst_t)
     assert torch.equal(got, expected), "destination differs from the reference"
     assert torch.equal(read(src_t), src.view(torch.uint8)), "source changed"
@@ -195,29 +226,6 @@ def test_odd_rows_per_program_and_repeated_sources(gen: torch.Generator) -> None
     run_and_check(src, src_off, dst, dst_off, row_words, GATHER, sm_budget=16, rows_per_program=3)
 
 
-def test_offsets_on_the_device_without_validation(gen: torch.Generator) -> None:
-    src, src_off, dst, dst_off, row_words = scattered_case(1152, 50, slots=80, gen=gen)
-    expected = reference(src, src_off, dst, dst_off, row_words)
-    src_t, dst_t = place(src, dst, GATHER)
-    copy_rows(src_t, on_device(src_off), dst_t, on_device(dst_off), row_words, validate=False)
-    assert torch.equal(read(dst_t), expected)
-
-
-@pytest.mark.parametrize("promise", [None, 1, 144])
-def test_offsets_on_the_device_with_and_without_an_alignment_promise(promise, gen: torch.Generator) -> None:
-    """Rows of 1152 bytes at odd word offsets (unchecked, promised 1 word, promised the row size)."""
-    src, src_off, dst, dst_off, row_words = scattered_case(1152, 50, slots=80, gen=gen)
-    if promise != row_words:  # shift every row by one word: vectors only where checked
-        src, dst = torch.cat([src[:1], src]), torch.cat([dst[:1], dst])
-        src_off, dst_off = src_off + 1, dst_off + 1
-    expected = reference(src, src_off, dst, dst_off, row_words)
-    src_t, dst_t = place(src, dst, GATHER)
-    copy_rows(
-        src_t, on_device(src_off), dst_t, on_device(dst_off), row_words, validate=False, offsets_align=promise
-    )
-    assert torch.equal(read(dst_t), expected)
-
-
 def test_offsets_alignment_is_found_on_the_host() -> None:
     from kvtier.transfer.kernel_args import common_alignment
 
@@ -229,15 +237,6 @@ def test_offsets_alignment_is_found_on_the_host() -> None:
     assert common_alignment(np.array([], dtype=np.int64)) == 1 << 20
 
 
-def test_validation_needs_host_offsets(gen: torch.Generator) -> None:
-    if not CUDA:
-        pytest.skip("offsets can only be on a CUDA device with CUDA")
-    src, src_off, dst, dst_off, row_words = scattered_case(576, 10, slots=20, gen=gen)
-    src_t, dst_t = place(src, dst, GATHER)
-    with pytest.raises(TransferError, match="validate=False"):
-        copy_rows(src_t, src_off.cuda(), dst_t, dst_off.cuda(), row_words)
-
-
 def test_no_rows_launches_nothing(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_kernel() -> None:
         raise AssertionError("a kernel was launched for no rows")
@@ -247,7 +246,7 @@ def test_no_rows_launches_nothing(gen: torch.Generator, monkeypatch: pytest.Monk
     before = dst.clone()
     empty = torch.empty(0, dtype=torch.int64)
     src_t, dst_t = place(src, dst, GATHER)
-    copy_rows(src_t, empty, dst_t, empty, row_words)
+    move_rows(src_t, empty, dst_t, empty, row_words, GATHER)
     assert torch.equal(read(dst_t), before.view(torch.uint8))
 
 
@@ -297,125 +296,6 @@ def test_random_cases(
     run_and_check(
         *case, SCATTER if seed % 2 else GATHER, sm_budget=sm_budget, rows_per_program=rows_per_program
     )
-
-
-# ---------------------------------------------------------------------------
-# Bad input: refused before anything is written.
-# ---------------------------------------------------------------------------
-
-
-def refused(
-    exc: type[Exception] | tuple[type[Exception], ...],
-    src: torch.Tensor,
-    src_off: torch.Tensor,
-    dst: torch.Tensor,
-    dst_off: torch.Tensor,
-    row_words: int,
-    match: str | None = None,
-    **kwargs: object,
-) -> None:
-    before = dst.clone()
-    src_t, dst_t = place(src, dst, GATHER)
-    with pytest.raises(exc, match=match):
-        copy_rows(src_t, src_off, dst_t, dst_off, row_words, **kwargs)
-    assert torch.equal(read(dst_t), before.view(torch.uint8)), "destination written by a refused call"
-
-
-@pytest.fixture
-def case(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    return scattered_case(576, 20, slots=30, gen=gen)
-
-
-@pytest.mark.parametrize(
-    ("which", "offset", "match"),
-    [
-        ("src", -1, "outside"),
-        ("src", 29 * 72 + 1, "outside"),
-        ("src", 30 * 72, "outside"),
-        ("dst", -72, "outside"),
-        ("dst", 30 * 72 - 71, "outside"),
-    ],
-)
-def test_out_of_range_offsets(case: tuple, which: str, offset: int, match: str) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    src_off, dst_off = src_off.clone(), dst_off.clone()
-    (src_off if which == "src" else dst_off)[7] = offset
-    refused(TransferError, src, src_off, dst, dst_off, row_words, match=match)
-
-
-def test_last_row_fits_exactly(case: tuple) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    src_off, dst_off = src_off.clone(), dst_off.clone()
-    src_off[0] = src.numel() - row_words
-    run_and_check(src, src_off, dst, dst_off, row_words, GATHER)
-
-
-def test_repeated_destination_offsets(case: tuple) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    dst_off = dst_off.clone()
-    dst_off[11] = dst_off[3]
-    refused(TransferError, src, src_off, dst, dst_off, row_words, match="repeated")
-
-
-def test_overlapping_destination_rows(case: tuple) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    dst_off = dst_off.clone()
-    dst_off[11] = dst_off[3] + row_words // 2 if dst_off[3] < 29 * row_words else dst_off[3] - 1
-    refused(TransferError, src, src_off, dst, dst_off, row_words, match="overlaps")
-
-
-def test_length_mismatch(case: tuple) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    refused(TransferError, src, src_off, dst, dst_off[:-1], row_words, match="rows")
-
-
-def test_dtype_mismatch(case: tuple) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    refused(TransferError, src, src_off, dst.view(torch.int32), dst_off, row_words, match="dtype")
-
-
-@pytest.mark.parametrize("bad", ["int32", "2-D"])
-def test_offsets_not_1d_int64(case: tuple, bad: str) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    wrong = src_off.int() if bad == "int32" else src_off.view(4, 5)
-    refused(TransferError, src, wrong, dst, dst_off, row_words, match="1-D int64")
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "row_words_delta"),
-    [
-        ({"sm_budget": 0}, 0),
-        ({"rows_per_program": 0}, 0),
-        ({"stages": 0}, 0),
-        ({"stages": True}, 0),
-        ({}, -72),
-    ],
-)
-def test_bad_launch_arguments(case: tuple, kwargs: dict, row_words_delta: int) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    refused((ConfigError, TransferError), src, src_off, dst, dst_off, row_words + row_words_delta, **kwargs)
-
-
-def test_non_word_tensors(case: tuple) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    refused(TransferError, src.view(torch.float64), src_off, dst.view(torch.float64), dst_off, row_words)
-    refused(TransferError, src.view(30, 72), src_off, dst.view(30, 72), dst_off, row_words, match="1-D")
-
-
-def test_cpu_tensors_need_the_interpreter(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    src, src_off, dst, dst_off, row_words = case
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    before = dst.clone()
-    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
-        copy_rows(src, src_off, dst, dst_off, row_words)
-    assert torch.equal(dst, before)
-
-
-def test_without_triton(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernel_args, "triton", None)
-    assert not runs_on(DEVICE)
-    src, src_off, dst, dst_off, row_words = case
-    refused(BackendUnavailableError, src, src_off, dst, dst_off, row_words, match="Triton")
 
 
 def test_rows_in_flight_follows_the_row_size() -> None:
@@ -517,7 +397,11 @@ def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
 def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) -> None:
     """A row of more than 16384 chunks cannot sit in one tile: a clear error, nothing written."""
     src, src_off, dst, dst_off, row_words = scattered_case(16384 * 16 + 8, 2, slots=3, gen=gen)
-    refused(TransferError, src, src_off, dst, dst_off, row_words, match="wider than one tile")
+    before = dst.clone()
+    src_t, dst_t = place(src, dst, GATHER)
+    with pytest.raises(TransferError, match="wider than one tile"):
+        move_rows(src_t, src_off, dst_t, dst_off, row_words, GATHER)
+    assert torch.equal(read(dst_t), before.view(torch.uint8)), "destination written by a refused call"
 
 
 def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
@@ -564,22 +448,13 @@ def test_tiles_default_to_64_kib_of_rows_pipelined_over_stages(
 
 
 @pytest.mark.parametrize(
-    ("row_bytes", "slot_bytes", "device_offsets", "stages"),
-    [
-        (1152, 1152, False, 4),
-        (656, 656, False, 1),
-        (1152, 1168, False, 1),
-        (1152, 1152, True, 1),
-        (1152, 1152, None, 1),
-    ],
+    ("row_bytes", "slot_bytes", "direction", "stages"),
+    [(1152, 1152, GATHER, 4), (656, 656, GATHER, 1), (1152, 1168, GATHER, 1), (1152, 1152, SCATTER, 1)],
 )
 def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
-    row_bytes: int, slot_bytes: int, device_offsets: bool, stages: int, monkeypatch, gen: torch.Generator
+    row_bytes: int, slot_bytes: int, direction: str, stages: int, monkeypatch, gen: torch.Generator
 ) -> None:
-    """656-byte rows, 1152-byte rows in 1168-byte slots, offsets unseen on the device, a scatter
-    (`device_offsets` None): one stage."""
-    if device_offsets is not False and not CUDA:
-        pytest.skip("under the interpreter offsets and both tiers are on the CPU")
+    """656-byte rows, 1152-byte rows in 1168-byte slots, a scatter: one stage."""
     launches = []
     real = kernels._kernel
 
@@ -594,13 +469,7 @@ def test_rows_that_are_not_whole_aligned_lines_are_not_pipelined(
     monkeypatch.setattr(kernels, "_kernel", Spy)
     src, src_off, dst, dst_off, _ = scattered_case(slot_bytes, 60, 80, gen, dtype=torch.uint8)
     src, dst = line_aligned(src), line_aligned(dst)
-    if device_offsets:
-        src_t, dst_t = place(src, dst, GATHER)
-        expected = reference(src, src_off, dst, dst_off, row_bytes)
-        copy_rows(src_t, on_device(src_off), dst_t, on_device(dst_off), row_bytes, validate=False)
-        assert torch.equal(read(dst_t), expected)
-    else:
-        run_and_check(src, src_off, dst, dst_off, row_bytes, GATHER if device_offsets is False else SCATTER)
+    run_and_check(src, src_off, dst, dst_off, row_bytes, direction)
     assert launches == [stages]
 
 

@@ -1,19 +1,17 @@
-"""A Triton kernel that copies scattered KV rows between pinned host memory and the GPU (`copy_rows`).
+"""The Triton kernel that copies scattered KV rows between pinned host memory and the GPU.
 
-`copy_rows` moves `n` rows of `row_words` words, each at its own word offset, from one 1-D words
+A launch moves `n` rows of `row_vecs` vectors, each at its own word offset, from one 1-D words
 tensor to another: a gather (load) reads pinned host memory over PCIe, a scatter (backup) writes
-it. A tile of `rows_per_program` whole rows is loaded whole before any of it is stored; the grid
-is persistent (`min(sm_budget, tiles)` programs loop over tiles), so the copy holds `sm_budget`
-SMs and no more; gathers of whole 128-byte lines are pipelined over `STAGES` tiles in shared
-memory. `kvtier.transfer.launch` gives programs, rows and stages; `RowLaunch` is one launch shaped
-once (`prepare_rows`) and run per layer.
+it. A tile of `ROWS_PER_BLOCK` whole rows is loaded whole before any of it is stored; the grid is
+persistent (`min(programs, tiles)` programs loop over tiles), so the copy holds that many SMs and
+no more; gathers of whole 128-byte lines are pipelined over `STAGES` tiles in shared memory.
+`kvtier.transfer.launch` gives programs, rows and stages; `prepare_rows` shapes one launch from
+host-side offsets (`RowLaunch`), run per layer by the plan executor or by the compiled loop.
 
-Contract: row `i` copies `src[src_offsets[i] : + row_words]` to `dst[dst_offsets[i] : ...]` bit for
-bit, the source rows not overlapping the destination rows; offsets are `[n]` int64 on the GPU in
-real use (with `validate`, the host checks of `kernel_args` run first, on CPU offsets); launched on
-the current stream, it never waits for the GPU. Words are re-viewed at the widest width (up to 8
-bytes) the row size, base addresses and CPU offsets allow; vectors are 16 bytes where the offsets
-allow, checked per tile on the GPU where the host has not seen them.
+Contract: row `i` copies `src[src_off[i] : + row words]` to `dst[dst_off[i] : ...]` bit for bit,
+the source rows not overlapping the destination rows (the planner's slots are distinct); launched
+on a stream, it never waits for the GPU. Words are the widest (up to 8 bytes) that the row size,
+the base addresses and every offset allow; vectors 16 bytes where they allow it.
 """
 
 from __future__ import annotations
@@ -26,31 +24,13 @@ import numpy as np
 import torch
 
 from kvtier.errors import TransferError
-from kvtier.pool.rows import flat_words
 from kvtier.transfer import kernel_args
 from kvtier.transfer import launch as rules
-from kvtier.transfer.kernel_args import (
-    WORD_SIZES,
-    ModeJit,
-    check_count,
-    check_offsets,
-    check_words,
-    common_alignment,
-    host_offsets,
-    kernel_device,
-    launch_on,
-    next_power_of_2,
-    rescale,
-    tl,
-    to_kernel_device,
-    validate_disjoint,
-    validate_rows,
-    word_size,
-)
+from kvtier.transfer.kernel_args import ModeJit, common_alignment, launch_on, next_power_of_2, tl, word_size
 
 
 def runs_on(device: torch.device) -> bool:
-    """Whether `copy_rows` can run with its device-side tensor on `device` here."""
+    """Whether the row kernel can run with its device-side tensor on `device` here."""
     return kernel_args.triton is not None and (device.type == "cuda" or kernel_args.interpreting())
 
 
@@ -74,7 +54,6 @@ def _copy_rows_kernel(
     ROWS_POW: tl.constexpr,
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
-    CHECK_ALIGN: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     """Persistent grid: program `pid` copies tiles `pid, pid + num_programs, ...` (module docstring)."""
@@ -103,21 +82,11 @@ def _copy_rows_kernel(
             d = tl.load(dst_off_ptr + rows, mask=mask, other=0)
         if VEC == 1:
             _copy_vectors_jit(src_ptr, dst_ptr, s + w, d + w, mask, VEC)
-        elif not CHECK_ALIGN:
-            # Offsets known to be multiples of VEC: no per-tile reduction making the warps wait.
+        else:
+            # Offsets are multiples of VEC (the host saw them all): no per-tile check.
             s_vec = tl.multiple_of(s + w, VEC)
             d_vec = tl.multiple_of(d + w, VEC)
             _copy_vectors_jit(src_ptr, dst_ptr, s_vec, d_vec, mask, VEC)
-        else:
-            # Offsets unseen on the host: their alignment is checked per tile (a reduction).
-            misaligned = tl.max((s | d) & (VEC - 1), axis=0)
-            if misaligned == 0:
-                # Equal to s + w and d + w here; written so the compiler sees multiples of VEC.
-                s_vec = tl.multiple_of((s // VEC) * VEC + w, VEC)
-                d_vec = tl.multiple_of((d // VEC) * VEC + w, VEC)
-                _copy_vectors_jit(src_ptr, dst_ptr, s_vec, d_vec, mask, VEC)
-            else:
-                _copy_vectors_jit(src_ptr, dst_ptr, s + w, d + w, mask, VEC)
 
 
 # Bound by `_kernel` (`ModeJit`): the Triton-wrapped `_copy_vectors` that the kernel calls.
@@ -127,67 +96,8 @@ _kernel = ModeJit(_copy_rows_kernel, _copy_vectors, do_not_specialize=["n_rows"]
 
 
 def row_kernel() -> Any:
-    """The Triton kernel `copy_rows` launches (jitted for the current mode)."""
+    """The Triton row kernel (jitted for the current mode)."""
     return _kernel()
-
-
-def copy_rows(
-    src: torch.Tensor,
-    src_offsets: torch.Tensor,
-    dst: torch.Tensor,
-    dst_offsets: torch.Tensor,
-    row_words: int,
-    *,
-    sm_budget: int = 8,
-    rows_per_program: int | None = None,
-    validate: bool = True,
-    offsets_align: int | None = None,
-    stages: int | None = None,
-) -> None:
-    """Copy `n` rows of `row_words` words each from `src` to `dst` with a persistent Triton kernel.
-
-    `src`: `[src_numel]` words, pinned CPU (gather) or CUDA (scatter); `dst`: `[dst_numel]`
-    words of `src`'s dtype on the other side; `src_offsets`, `dst_offsets`: `[n]` int64.
-    `sm_budget`: programs (at most); `rows_per_program`: rows per tile (at most
-    `launch.MAX_TILE_VECTORS` vectors; None: `launch.rows_in_flight`); `offsets_align`: words
-    dividing every device offset; `stages`: tiles in flight (None: `launch.MAX_STAGES`), as
-    far as shared memory holds them, where `launch.pipelines`. Raises before launch.
-    """
-    check_words(src, "src")
-    check_words(dst, "dst")
-    if src.dtype != dst.dtype:
-        raise TransferError(f"src and dst must have the same words dtype, got {src.dtype} and {dst.dtype}")
-    n = check_offsets(src_offsets, dst_offsets, ("src_offsets", "dst_offsets"), "rows")
-    check_count("row_words", row_words)
-    check_count("sm_budget", sm_budget)
-    optional = {"offsets_align": offsets_align, "rows_per_program": rows_per_program, "stages": stages}
-    for name, value in optional.items():
-        check_count(name, value, optional=True)
-    on_host = host_offsets(validate, src_offsets, "copy_rows")
-    if validate and n:
-        validate_rows(src_offsets, row_words, src.numel(), "src_offsets")
-        validate_rows(dst_offsets, row_words, dst.numel(), "dst_offsets")
-        validate_disjoint(dst_offsets, row_words, "dst_offsets")
-    if n == 0:
-        return
-    device = kernel_device(src, dst, "copy_rows")
-    size = WORD_SIZES[src.dtype]
-    if on_host:
-        offset_bytes = common_alignment(src_offsets.numpy(), dst_offsets.numpy()) * size
-    elif offsets_align is not None:
-        offset_bytes = (offsets_align & -offsets_align) * size
-    else:
-        offset_bytes = None  # Unseen offsets: whole words of the given width, vectors checked per tile.
-    bases = [src.data_ptr(), dst.data_ptr()]
-    # The views' storage offsets bound the word width (`flat_words`), not the addresses' alignment.
-    views = (src.storage_offset() * size, dst.storage_offset() * size)
-    gather = src.device.type != "cuda"
-    where = (row_words * size, size, bases, offset_bytes, gather, device)
-    shape = RowShape.of(*where, sm_budget, rows_per_program, stages, views)
-    src_off = to_kernel_device(rescale(src_offsets, size, shape.word), device)
-    dst_off = to_kernel_device(rescale(dst_offsets, size, shape.word), device)
-    args = (flat_words(src, shape.word), src_off, flat_words(dst, shape.word), dst_off, n, shape.row_vecs)
-    launch_on(device, _kernel(), shape.grid(n), args, shape.kwargs)
 
 
 @dataclass(frozen=True)
@@ -210,38 +120,31 @@ class RowShape:
         row_bytes: int,
         size: int,
         bases: list[int],
-        offset_bytes: int | None,
+        offset_bytes: int,
         gather: bool,
         device: torch.device,
         sm_budget: int,
         rows_per_program: int | None,
         stages: int | None,
-        views: tuple[int, ...] = (),
     ) -> RowShape:
         """The shape for rows of `row_bytes` in words of at most `size` bytes, between base addresses
-        whose alignments are `bases`, at offsets that are multiples of `offset_bytes` (None: unseen);
-        `gather`: the rows are read from the host; `views`: byte offsets the words must also divide
-        (tensors' storage offsets), not addresses."""
-        # Widest words the row size, both base addresses and every offset seen are multiples of.
-        known = None if offset_bytes is None else min(rules.VECTOR_BYTES, offset_bytes)
-        width = word_size(row_bytes, [*bases, *views, known or size])
+        `bases`, at byte offsets that are all multiples of `offset_bytes`; `gather`: the rows are read
+        from the host."""
+        # Widest words the row size, the base addresses and every offset are multiples of.
+        known = min(rules.VECTOR_BYTES, offset_bytes)
+        width = word_size(row_bytes, [*bases, known])
         row_w = row_bytes // width
-        every = offset_bytes or 0
+        every = offset_bytes
         for a in bases:
             every |= a
-        line = offset_bytes is not None and rules.pipelines(
-            row_bytes, every & -every if every else rules.LINE_BYTES, gather
-        )
+        line = rules.pipelines(row_bytes, every & -every if every else rules.LINE_BYTES, gather)
         stages = (stages or rules.MAX_STAGES) if line else 1
         if rows_per_program is None:
             rows_per_program = rules.rows_in_flight(row_bytes, sm_budget, stages)
         vec = 1
-        while (
-            vec * 2 * width <= rules.VECTOR_BYTES
-            and row_w % (vec * 2) == 0
-            and (known is None or known % (vec * 2 * width) == 0)
-        ):
-            vec *= 2
+        wider = vec * 2
+        while wider * width <= rules.VECTOR_BYTES and row_w % wider == 0 and known % (wider * width) == 0:
+            vec, wider = wider, wider * 2
         row_vecs = row_w // vec
         if row_vecs > rules.MAX_TILE_VECTORS:
             raise TransferError(
@@ -257,7 +160,6 @@ class RowShape:
             "ROWS_POW": next_power_of_2(rows),
             "BLOCK": block,
             "VEC": vec,
-            "CHECK_ALIGN": known is None,
             "STAGES": stages,
             "num_warps": rules.warps_for(tile),
             "num_stages": stages,
