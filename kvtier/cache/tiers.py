@@ -1,288 +1,139 @@
-"""The cache's state across tiers and the moves of a node between them.
+"""Each slot tier's accounting and eviction order: `DeviceTier`, `HostTier`.
 
-`TierState` holds what the manager decides over: the radix tree, each tier's slot
-allocator and eviction queue, the device slots held by requests, the leases and the
-transfers in flight. Its methods are the node transitions the manager composes:
+A tier answers what it holds (`holds(node)`, read from the node's state), hands out and
+takes back slots (`alloc` / `free`), and ranks what it would evict first (`candidates`:
+its `EvictionQueue` in policy order, filtered by its own leaf rule). It never moves a
+byte and never changes a node's state: the manager's moves (`kvtier.cache.moves`) do, and
+then `place` the node, so each queue holds exactly the nodes its tier may evict:
 
-    (insert) -> DEVICE --backup--> BACKING_UP --signal--> BOTH --evict device--> HOST
-    HOST --load back--> LOADING --signal--> BOTH;  HOST --evict host--> dropped
-    DEVICE --evict device, no host copy--> dropped (with its host-only subtree)
-    (acquire of storage pages) -> FETCHING --arrived--> HOST   (`kvtier.cache.storage_tier`)
+- device queue: every node with device slots; a candidate is an unlocked node none of
+  whose children is on the device (device residency is closed under prefixes);
+- host queue: every host-only node; a candidate is an unlocked childless one with no
+  storage I/O over its slots.
 
-Each transition keeps the tier queues exact (`_place`): the device queue holds every node
-with device slots, the host queue every host-only node. Bytes move only through the
-mover; the only waits are on a transfer's own signal.
+`DeviceTier` also knows which of its slots requests hold (`hold` / `unhold`): slots
+handed out by `alloc_device` and not yet inserted or freed.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import time
-from collections import deque
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from kvtier.alloc import AllocPolicy, HostSlotAllocator
-from kvtier.cache.agreement import RankAgreement
-from kvtier.cache.handles import CacheConfig, Lease, LoadHandle, WritePolicy
-from kvtier.cache.metrics import CacheMetrics
-from kvtier.cache.movers import DeviceHostMover, Mover, Transfer
-from kvtier.cache.policy import EvictionQueue
-from kvtier.cache.radix import Node, NodeState, RadixTree
-from kvtier.cache.ranks import RankGroup
-from kvtier.cache.storage_mover import HostStorageMover
-from kvtier.cache.storage_tier import StorageTransitions
-from kvtier.errors import CacheStateError, InvariantError
-from kvtier.pool import DevicePool, HostPool
-from kvtier.pool.device import Direction
-from kvtier.storage.config import StorageWrite
-from kvtier.transfer import runs
-from kvtier.transfer.submit import Operation
+from kvtier.cache.policy import EvictionPolicy, EvictionQueue
+from kvtier.cache.radix import Node, NodeState
+from kvtier.errors import SlotError
+from kvtier.slots import as_slots, fmt_ids
 
-log = logging.getLogger(__name__)
+Runs = list[tuple[int, int]]
 
 
-class TierState(StorageTransitions, RankAgreement):
-    """The tree, allocators, queues and in-flight transfers of a cache; see the module docstring.
+class SlotTier(ABC):
+    """A tier of `num_slots` slots in pages of `page_size`: an allocator and an eviction queue."""
 
-    `storage`: the mover to a third tier below the host (`kvtier.cache.storage_tier`), or None.
-    `ranks`: the tensor-parallel ranks whose caches decide together (`kvtier.cache.agreement`;
-    None: one process). With several ranks the constructor is a collective.
-    """
+    name: str
 
     def __init__(
-        self,
-        device_pool: DevicePool,
-        host_pool: HostPool,
-        config: CacheConfig | None = None,
-        *,
-        mover: Mover | None = None,
-        storage: HostStorageMover | None = None,
-        ranks: RankGroup | None = None,
+        self, num_slots: int, page_size: int, alloc_policy: AllocPolicy, policy: EvictionPolicy
     ) -> None:
-        dspec, hspec = device_pool.spec, host_pool.spec
-        if dspec.buffers != hspec.buffers or dspec.page_size != hspec.page_size:
-            raise CacheStateError("device and host pools must be built from the same spec")
-        cfg = self.config = config or CacheConfig()
-        self.spec = dspec
-        self.device_pool, self.host_pool = device_pool, host_pool
-        self.mover = mover or DeviceHostMover(
-            device_pool,
-            host_pool,
-            costs=cfg.costs,
-            kernel=cfg.kernel,
-            force=cfg.force_path,
-        )
-        ps = self.spec.page_size
-        self.tree = RadixTree(ps)
-        self.device_alloc = HostSlotAllocator(device_pool.num_slots, ps, AllocPolicy.CONTIGUOUS)
-        self.host_alloc = HostSlotAllocator(host_pool.num_slots, ps, cfg.host_alloc_policy)
-        policy = cfg.eviction.make()
-        self.device_queue, self.host_queue = EvictionQueue(policy), EvictionQueue(policy)
-        self._held = np.zeros(device_pool.num_slots, dtype=bool)  # device slots held by requests
-        self._leases: dict[int, Lease] = {}
-        self._lease_ids = itertools.count(1)
-        self._inflight: dict[int, tuple[Transfer, list[Node], LoadHandle | None]] = {}
-        # Transfers in submission order per direction (completed ones are skipped when met).
-        self._submitted: dict[Direction, deque[Transfer]] = {d: deque() for d in Direction}
-        self.metrics = CacheMetrics()
-        self.bytes_per_token = self.spec.bytes_per_token()
-        self._closed = False
-        self._init_storage(storage)
-        self._init_ranks(ranks)
+        self.num_slots = num_slots
+        self.allocator = HostSlotAllocator(num_slots, page_size, alloc_policy)
+        self.queue = EvictionQueue(policy)
 
-    # -- bookkeeping -------------------------------------------------------------------
+    @abstractmethod
+    def holds(self, n: Node) -> bool:
+        """Whether `n` has slots here that this tier evicts (its queue's members)."""
 
-    def _place(self, n: Node) -> None:
-        """Put `n` in the queues of the tiers it is in now, and only those."""
-        for queue, member in (
-            (self.device_queue, n.state.on_device),
-            (self.host_queue, n.state is NodeState.HOST),
-        ):
-            if member:
-                queue.add(n)
-            else:
-                queue.discard(n)
+    @abstractmethod
+    def evictable(self, n: Node) -> bool:
+        """Whether `n` may be evicted from this tier now."""
 
-    def _touch(self, nodes: list[Node], hit: bool) -> None:
-        """Mark a path's nodes used now (and hit, for a match); re-rank them in their queues."""
-        now = self.tree.tick()
-        for n in nodes:
-            n.last_access = now
-            n.hits += hit
-            self.device_queue.touch(n)
-            self.host_queue.touch(n)
+    def place(self, n: Node) -> None:
+        """Put `n` in this tier's queue if it holds it now, else take it out."""
+        if self.holds(n):
+            self.queue.add(n)
+        else:
+            self.queue.discard(n)
 
-    def _track(self, transfer: Transfer, nodes: list[Node], handle: LoadHandle | None, d: Direction) -> None:
-        self._inflight[id(transfer)] = (transfer, nodes, handle)
-        self._submitted[d].append(transfer)
+    def alloc(self, n: int) -> tuple[torch.Tensor, Runs] | None:
+        """`n` slots and their `(first, length)` runs, or None when fewer are free."""
+        return self.allocator.alloc_runs(n)
 
-    def _split(self, node: Node, at: int) -> Node:
-        head = self.tree.split(node, at)
-        if head.transfer is not None and id(head.transfer) in self._inflight:
-            self._inflight[id(head.transfer)][1].append(head)
-        if head.io is not None and id(head.io) in self._storing:
-            self._storing[id(head.io)][1].append(head)
-        self._place(head)
-        return head
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
 
-    # -- device ------------------------------------------------------------------------
+    def available(self) -> int:
+        return self.allocator.available()
 
-    def _alloc_device(self, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """`n` device slots and their runs, evicting from the device when short; on every rank or none."""
-        got = self.device_alloc.alloc_runs(n)
-        if got is None:
-            self._evict_device(n - self.device_alloc.available())
-            got = self.device_alloc.alloc_runs(n)
-        return self._agree_device_alloc(got, n)
+    def candidates(self) -> Iterator[Node]:
+        """Evictable nodes in policy order, while the caller evicts them."""
+        return self.queue.candidates(self.evictable)
 
-    def _evict_from_device(self, n: Node) -> int:
-        """Move `n` off the device (backing it up first where the policy wants it); returns tokens freed."""
-        if (
-            n.state is NodeState.DEVICE
-            and self.config.write_policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
-        ):
-            self._backup(n)
-        if n.state is NodeState.BACKING_UP:
-            self._complete(n.transfer, wait=True)  # waits for this node's backup only
-        tokens = len(n)
-        self.device_alloc.free(n.device_slots)
-        n.device_slots = None
-        self.metrics.device_evictions += 1
-        self.metrics.device_evicted_tokens += tokens
-        if n.state is NodeState.BOTH:
-            n.state = NodeState.HOST
-            self._place(n)
-            log.debug("evicted %s from the device (host copy kept)", n)
-        else:  # no host copy: the node and its (host-only) subtree are gone
-            log.debug("evicted %s from the device and dropped it (no host copy)", n)
-            self._drop_subtree(n)
-        return tokens
+    def fragmentation(self) -> dict[str, int]:
+        a = self.allocator
+        return {
+            f"{self.name}_free_slots": a.available(),
+            f"{self.name}_free_runs": a.free_runs(),
+            f"{self.name}_largest_free_run": a.largest_free_run(),
+        }
 
-    # -- host --------------------------------------------------------------------------
 
-    def _backup(self, n: Node) -> bool:
-        """Start copying `n` to the host; False when the host has no room even after eviction."""
-        if n.state is not NodeState.DEVICE:
-            raise InvariantError(f"backup of {n}: only a device-only node is backed up")
-        got = self.host_alloc.alloc_runs(len(n))
-        if got is None:
-            n.lock += 1  # keep `n` (and so its path) out of the host eviction below
-            self._evict_host(len(n) - self.host_alloc.available())
-            n.lock -= 1
-            got = self.host_alloc.alloc_runs(len(n))
-        if got is None:
-            self.metrics.backups_skipped += 1
-            log.debug("backup of %s skipped: the host is full of locked nodes", n)
-            return False
-        slots, runs = got
-        op = Operation(Direction.BACKUP, (slots,), n.device_slots, (runs, slot_runs(n.device_slots)))
-        try:
-            transfer = self.mover.submit(op)
-        except BaseException:
-            self.metrics.failed_submissions += 1
-            log.info("backup of %s failed to submit; its host slots are given back", n, exc_info=True)
-            self.host_alloc.free(slots)
-            raise
-        n.host_slots, n.host_runs = slots, runs
-        n.state, n.transfer = NodeState.BACKING_UP, transfer
-        self._place(n)
-        self._track(transfer, [n], None, Direction.BACKUP)
-        self.metrics.backups += 1
-        self.metrics.bytes_d2h += len(n) * self.bytes_per_token
-        return True
+class DeviceTier(SlotTier):
+    """The device pool's slots: nodes' and those requests hold (see the module docstring)."""
 
-    def _drop_from_host(self, n: Node) -> int:
-        if self._write_back(n):
-            return 0  # freed once storage holds it
-        tokens = len(n)
-        self.metrics.host_evictions += 1
-        self.metrics.host_evicted_tokens += tokens
-        self._free_host(n)
-        self.tree.remove(n)
-        self._place(n)
-        log.debug("evicted %s from the host", n)
-        return tokens
+    name = "device"
 
-    def _drop_subtree(self, n: Node) -> None:
-        for c in list(n.children.values()):
-            self._drop_subtree(c)
-        self.metrics.dropped_tokens += len(n)
-        self._free_host(n)
-        if n.device_slots is not None:
-            self.device_alloc.free(n.device_slots)
-            n.device_slots = None
-        self.tree.remove(n)
-        self._place(n)
+    def __init__(self, num_slots: int, page_size: int, policy: EvictionPolicy) -> None:
+        super().__init__(num_slots, page_size, AllocPolicy.CONTIGUOUS, policy)
+        self._held = np.zeros(num_slots, dtype=bool)
 
-    def _free_host(self, n: Node) -> None:
-        if n.host_slots is not None:
-            if n.state is NodeState.BACKING_UP:
-                self._complete(n.transfer, wait=True)
-            self._await_io(n)
-            self.host_alloc.free(n.host_slots)
-            n.host_slots = n.host_runs = None
+    def holds(self, n: Node) -> bool:
+        return n.state.on_device
 
-    # -- eviction and completion ------------------------------------------------------
-
-    def _evict_device(self, tokens: int) -> int:
-        return _evict(tokens, self.device_queue, self._device_leaf, self._evict_from_device)
-
-    def _evict_host(self, tokens: int) -> int:
-        return _evict(tokens, self.host_queue, self._host_leaf, self._drop_from_host)
-
-    @staticmethod
-    def _device_leaf(n: Node) -> bool:
+    def evictable(self, n: Node) -> bool:
         return (
             n.state in (NodeState.DEVICE, NodeState.BACKING_UP, NodeState.BOTH)
             and n.lock == 0
             and not any(c.state.on_device for c in n.children.values())
         )
 
-    @staticmethod
-    def _host_leaf(n: Node) -> bool:
+    def hold(self, slots: np.ndarray) -> None:
+        self._held[slots] = True
+
+    def unhold(self, slots: np.ndarray) -> None:
+        self._held[slots] = False
+
+    def all_held(self, slots: np.ndarray) -> bool:
+        return bool(self._held[slots].all())
+
+    def held_mask(self, slots: np.ndarray) -> np.ndarray:
+        return self._held[slots]
+
+    def held_slots(self) -> np.ndarray:
+        """`[k]` int64: slots requests hold, ascending."""
+        return np.flatnonzero(self._held)
+
+    def free_held(self, slots: torch.Tensor) -> None:
+        """Take back slots a request holds; SlotError (nothing changed) for any it does not."""
+        s = as_slots("slots", slots, self.num_slots)
+        not_held = s[~self._held[s]]
+        if len(not_held):
+            raise SlotError(f"free_device: slots {fmt_ids(not_held)} are not held by a request")
+        self.allocator.free(s)
+        self._held[s] = False
+
+
+class HostTier(SlotTier):
+    """The host pool's slots (see the module docstring)."""
+
+    name = "host"
+
+    def holds(self, n: Node) -> bool:
+        return n.state is NodeState.HOST
+
+    def evictable(self, n: Node) -> bool:
         return n.state is NodeState.HOST and n.lock == 0 and not n.children and n.io is None
-
-    def _complete(self, transfer: Transfer | None, wait: bool) -> None:
-        """Finish `transfer` (waiting for it with `wait`): its nodes' states, the load's lock."""
-        if transfer is None or id(transfer) not in self._inflight:
-            return
-        if wait:
-            transfer.wait()
-        _, nodes, handle = self._inflight.pop(id(transfer))
-        for n in nodes:
-            backed_up = n.state is NodeState.BACKING_UP
-            if n.state in (NodeState.BACKING_UP, NodeState.LOADING):
-                n.state = NodeState.BOTH
-            n.transfer = None
-            if (
-                backed_up
-                and self.storage is not None
-                and self.storage.config.write is StorageWrite.WRITE_THROUGH
-            ):
-                self._store(n)
-        if handle is not None:
-            handle.done = True
-            self.metrics.load_seconds.observe(time.perf_counter() - handle.submitted_at)
-            self.tree.lock_path(handle.nodes[-1], -1)
-
-
-def _evict(tokens: int, queue: EvictionQueue, eligible, evict) -> int:
-    """Evict `queue`'s eligible nodes in order until `tokens` are freed; returns the tokens freed."""
-    freed = 0
-    if tokens <= 0:
-        return 0
-    for n in queue.candidates(eligible):
-        freed += evict(n)
-        if freed >= tokens:
-            break
-    return freed
-
-
-def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
-    """`(first slot, length)` runs of consecutive ids in `slots` (`[n]` int64 CPU), in order."""
-    s = slots.numpy()
-    first, lens = runs.starts(runs.breaks(s, 1))
-    return list(zip(s[first].tolist(), lens.tolist(), strict=True))
