@@ -13,9 +13,9 @@ from kvtier.cache.compose import compose
 from kvtier.cache.inflight import InFlight
 from kvtier.cache.insert import check_insert
 from kvtier.cache.policy import LRU
-from kvtier.cache.radix import NodeState
+from kvtier.cache.states import NodeState
 from kvtier.cache.storage_mover import open_storage
-from kvtier.cache.tiers import DeviceTier, HostTier
+from kvtier.cache.tiers import DeviceTier
 from kvtier.errors import CacheFullError, SlotError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
@@ -65,12 +65,12 @@ def test_tiers_queue_what_they_may_evict_and_offer_only_evictable_leaves() -> No
     b.lock = 1
     assert list(p.device.candidates()) == []
     b.lock = 0
-    host = HostTier(8, PS, p.host.allocator.policy, LRU())
-    b.state = NodeState.HOST
-    host.place(b)
-    assert host.holds(b) and host.evictable(b)
-    b.children[(9, 9)] = a  # any child keeps a host node
-    assert not host.evictable(b)
+    p.moves.backup(b)
+    p.moves.settle()
+    assert p.moves.evict_device(2) == 2 and b.state is NodeState.HOST
+    assert p.host.holds(b) and p.host.evictable(b) and list(p.device.candidates()) == [a]
+    b.lock = 1
+    assert not p.host.evictable(b)
 
 
 def test_in_flight_completes_in_order_and_stops_at_the_first_unfinished() -> None:
@@ -109,7 +109,7 @@ def test_one_rank_agrees_with_itself_and_a_short_device_says_so() -> None:
 def test_a_cut_keeps_whole_nodes_within_both_counts() -> None:
     p = parts()
     d1, d2 = device_node(p, [1, 1]), device_node(p, [2, 2])
-    h1 = p.tree.add_child(p.tree.root, np.array([3, 3, 3, 3]), None, state=NodeState.HOST)
+    h1 = device_node(p, [3, 3, 3, 3])  # (`_cut` reads lengths only)
     assert _cut([d1, d2], [h1], 4, 8) == ([d1, d2], [h1])
     assert _cut([d1, d2], [h1], 4, 6) == ([d1, d2], [])
     assert _cut([d1, d2], [h1], 2, 8) == ([d1], [])  # the device part cut: no host part after it
@@ -130,9 +130,11 @@ def test_moves_back_up_on_a_signal_and_evict_keeping_the_host_copy() -> None:
 def test_a_device_node_without_a_host_copy_is_dropped_with_its_host_subtree() -> None:
     p = parts(write_policy="write_through_selective")  # no backup at eviction
     n = device_node(p, [7, 7])
-    child = p.tree.add_child(n, np.array([8, 8]), None, state=NodeState.HOST)
-    child.host_slots, child.host_runs = p.host.alloc(2)
+    child = p.tree.add_child(n, np.array([8, 8]), p.device.alloc(2)[0])
     p.moves.place(child)
+    p.moves.backup(child)
+    p.moves.settle()
+    assert p.moves.evict_device(2) == 2 and child.state is NodeState.HOST  # the leaf goes first
     assert p.moves.evict_device(2) == 2
     assert n.state is NodeState.DROPPED and child.state is NodeState.DROPPED and p.tree.nodes() == []
     assert p.metrics.dropped_tokens == 4 and p.host.available() == 16 and p.device.available() == 16
@@ -166,8 +168,10 @@ def test_storage_tier_hashes_a_path_as_the_keys_chain_it_and_caps_pending_writes
     for n in (a, b):
         p.moves.backup(n)
     p.moves.settle()  # completes both backups; write-through starts the first write only
-    assert a.io is not None and b.io is None and st.metrics.writes_dropped == 1
+    assert a.state in (NodeState.BOTH_STORING, NodeState.BOTH_STORED)  # (the writer may be done)
+    assert b.state is NodeState.BOTH
+    assert st.metrics.writes_dropped == 1
     p.moves.finish_stores()
-    assert a.stored and a.io is None and st.pending_write_tokens == 0
+    assert a.state is NodeState.BOTH_STORED and st.pending_write_tokens == 0
     assert st.mover.lookup(a.page_hashes) == 2
     st.close()

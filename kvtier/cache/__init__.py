@@ -9,7 +9,8 @@ from kvtier.cache.manager import CacheController
 from kvtier.cache.metrics import CacheMetrics, Histogram
 from kvtier.cache.movers import DeviceHostMover, Mover, Transfer
 from kvtier.cache.policy import LFU, LRU, EvictionPolicy, PolicyName
-from kvtier.cache.radix import Node, NodeState, token_ids
+from kvtier.cache.radix import Node, token_ids
+from kvtier.cache.states import NodeState
 
 __all__ = [
     "LFU",

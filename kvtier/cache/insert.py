@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from kvtier.cache.moves import NodeMoves
-from kvtier.cache.radix import Node, NodeState, RadixTree
+from kvtier.cache.radix import Node, RadixTree
+from kvtier.cache.states import Event, transition
 from kvtier.cache.tiers import DeviceTier
 from kvtier.errors import SlotError
 from kvtier.slots import as_slots, fmt_ids
@@ -60,8 +61,8 @@ def take_slots(moves: NodeMoves, nodes: list[Node], s: np.ndarray) -> list[Node]
                 device.unhold(mine)
             continue
         moves.free_host(n)  # host only: take the caller's fresh KV, drop the host copy
+        transition(n, Event.ADOPT)
         n.device_slots = torch.from_numpy(mine.copy())
-        n.state = NodeState.DEVICE
         moves.place(n)
         device.unhold(mine)
         adopted.append(n)

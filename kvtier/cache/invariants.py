@@ -4,14 +4,16 @@ O(cache): for tests and debugging, never on a hot path. What it checks:
 - every slot of a tier is free or owned exactly once (by a node, or by a request's hold);
 - the allocators agree with the owners;
 - every node's lock count equals the leases and loads in flight that hold its path;
-- each node's slots, runs and transfer fit its state, and device residency is closed
-  under prefixes;
+- each node's host runs describe its host slots, and device residency is closed under
+  prefixes;
 - the eviction queues hold exactly each tier's nodes, and no node's priority is above
   its parent's in a tier (the rule eviction's cost rests on);
 - a node on both tiers holds identical bytes in both (`compare_bytes`);
-- storage: a FETCHING node is a locked leaf whose `io` is a fetch the cache tracks; a
-  node's `io` is otherwise a store the cache tracks, over host slots it has; page hashes
-  count the node's pages.
+- each node's state fits its slots and what is in flight: device slots exactly when
+  `on_device`, host slots exactly when `on_host`, a transfer exactly when `backing_up*` or
+  `loading*`, a fetch the storage tier tracks exactly when `fetching` (a locked leaf), a
+  store it tracks exactly when `*_storing`; stored states only with a storage tier; page
+  hashes count the node's pages.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def check(c: CacheParts, leases: list[Lease], compare_bytes: bool = True) -> Non
     _check_storage(c, nodes)
     if compare_bytes:
         for n in nodes:
-            if n.state is NodeState.BOTH:
+            if n.state.both:
                 _check_same_bytes(c, n)
 
 
@@ -97,17 +99,21 @@ def _check_queues(c: CacheParts, nodes: list[Node]) -> None:
 
 
 def _check_storage(c: CacheParts, nodes: list[Node]) -> None:
-    fetching = {id(node) for _, node, _ in c.storage.fetching()} if c.storage is not None else set()
-    storing = {id(n) for _, group in c.storage.storing() for n in group} if c.storage is not None else set()
+    st = c.storage
+    fetching = {id(node) for _, node, _ in st.fetching()} if st is not None else set()
+    storing = {id(n) for _, group in st.storing() for n in group} if st is not None else set()
     for n in nodes:
+        s = n.state
         if n.page_hashes is not None:
             _require(len(n.page_hashes) * c.tree.page_size == len(n), f"{n}: page hashes for another length")
-        if n.state is NodeState.FETCHING:
-            _require(id(n) in fetching and n.io is not None, f"{n}: fetching with no fetch tracked")
+        _require(st is not None or not (s.stored or s.storing), f"{n}: {s.value} with no storage tier")
+        tracked = id(n) in fetching
+        _require((s is NodeState.FETCHING) == tracked, f"{n}: {s.value}, a fetch tracked: {tracked}")
+        if s is NodeState.FETCHING:
             _require(n.lock > 0 and not n.children, f"{n}: a fetching node must be a locked leaf")
-        elif n.io is not None:
-            _require(id(n) in storing, f"{n}: storage I/O {n.io} the cache does not track")
-            _require(n.host_slots is not None, f"{n}: a store over host slots it does not have")
+            _require(n.page_hashes is not None, f"{n}: fetched without its page hashes")
+        on_record = id(n) in storing and st.store_of(n) is not None
+        _require(s.storing == on_record, f"{n}: {s.value}, a store tracked: {on_record}")
 
 
 def _check_node(c: CacheParts, n: Node, ps: int) -> None:
@@ -126,7 +132,7 @@ def _check_node(c: CacheParts, n: Node, ps: int) -> None:
         _require(runs == n.host_slots.tolist(), f"{n}: host runs do not describe its host slots")
     else:
         _require(n.host_slots is None, f"{n}: host slots on a device-only node")
-    in_flight = n.state in (NodeState.BACKING_UP, NodeState.LOADING)
+    in_flight = n.state.backing_up or n.state.loading
     _require((n.transfer is not None) == in_flight, f"{n}: transfer {n.transfer} in state {n.state}")
 
 

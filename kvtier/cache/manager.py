@@ -47,8 +47,9 @@ from kvtier.cache.handles import CacheConfig, Lease, LoadHandle, Match, WritePol
 from kvtier.cache.insert import check_insert, take_slots
 from kvtier.cache.invariants import check
 from kvtier.cache.movers import Mover, Transfer
-from kvtier.cache.radix import Node, NodeState, token_ids
+from kvtier.cache.radix import Node, token_ids
 from kvtier.cache.ranks import RankGroup
+from kvtier.cache.states import NodeState
 from kvtier.cache.storage_mover import HostStorageMover
 from kvtier.errors import CacheStateError, ClosedError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
@@ -155,11 +156,11 @@ class CacheController:
         if partial is not None and partial.state is not NodeState.FETCHING:
             nodes.append(self.moves.split(partial, shared))
         for n in nodes:
-            if n.state is NodeState.LOADING:
+            if n.state.loading:
                 self.moves.complete(n.transfer, wait=True)
         device_nodes = list(itertools.takewhile(lambda n: n.state.on_device, nodes))
         host_nodes = list(  # (a FETCHING node ends the match: its bytes are not here yet)
-            itertools.takewhile(lambda n: n.state is NodeState.HOST, nodes[len(device_nodes) :])
+            itertools.takewhile(lambda n: n.state.host_only, nodes[len(device_nodes) :])
         )
         device_nodes, host_nodes, storage_hashes, storage_key = self.agreement.match(
             key, device_nodes, host_nodes, self.tree.root, self.storage_tier
@@ -177,7 +178,7 @@ class CacheController:
         m.miss_tokens += len(tokens) - matched  # storage tokens move from here once they arrive
         if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for n in device_nodes:
-                if n.state is NodeState.DEVICE and n.hits >= self.config.selective_hits:
+                if n.state.device_only and n.hits >= self.config.selective_hits:
                     self.moves.backup(n)
         return Match(
             tokens=matched,

@@ -5,9 +5,12 @@ each move it `place`s the node, so each tier's queue holds exactly what that tie
 evict. Bytes move only through the device <-> host `Mover` and the storage tier's; the only
 waits are on a transfer's own signal.
 
-    (insert) -> DEVICE --backup--> BACKING_UP --signal--> BOTH --evict device--> HOST
-    HOST --load back--> LOADING --signal--> BOTH;  HOST --evict host--> dropped
-    DEVICE --evict device, no host copy--> dropped (with its host-only subtree)
+    (insert) -> device --back_up--> backing_up --backed_up (its signal)--> both
+    both --evict_device--> host --load--> loading --loaded (its signal)--> both
+    host --drop (evict host)--> dropped
+    device --drop (evict device, no host copy)--> dropped (with its host-only subtree)
+
+(each with its storage variants: `kvtier.cache.states` has the table.)
 
 Storage (where the cache has a `StorageTier`): a backup's completion starts its write under
 write-through; a host eviction under write-back writes first and drops once written;
@@ -28,7 +31,8 @@ from kvtier.cache.handles import CacheConfig, LoadHandle, WritePolicy
 from kvtier.cache.inflight import InFlight
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.movers import Mover, Transfer
-from kvtier.cache.radix import Node, NodeState, RadixTree
+from kvtier.cache.radix import Node, RadixTree
+from kvtier.cache.states import Event, transition
 from kvtier.cache.storage_tier import StorageTier
 from kvtier.cache.tiers import DeviceTier, HostTier
 from kvtier.errors import CacheStateError, InvariantError
@@ -85,7 +89,7 @@ class NodeMoves:
         if head.transfer in self.inflight:
             self.inflight.add_node(head.transfer, head)
         if self.storage is not None:
-            self.storage.split(head)
+            self.storage.split(node, head)
         self.place(head)
         return head
 
@@ -109,20 +113,17 @@ class NodeMoves:
 
     def _evict_from_device(self, n: Node) -> int:
         """Move `n` off the device (backing it up first where the policy wants it); returns tokens freed."""
-        if (
-            n.state is NodeState.DEVICE
-            and self.config.write_policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
-        ):
+        if n.state.device_only and self.config.write_policy is not WritePolicy.WRITE_THROUGH_SELECTIVE:
             self.backup(n)
-        if n.state is NodeState.BACKING_UP:
+        if n.state.backing_up:
             self.complete(n.transfer, wait=True)  # waits for this node's backup only
         tokens = len(n)
         self.device.free(n.device_slots)
         n.device_slots = None
         self.metrics.device_evictions += 1
         self.metrics.device_evicted_tokens += tokens
-        if n.state is NodeState.BOTH:
-            n.state = NodeState.HOST
+        if n.state.both:
+            transition(n, Event.EVICT_DEVICE)
             self.place(n)
             log.debug("evicted %s from the device (host copy kept)", n)
         else:  # no host copy: the node and its (host-only) subtree are gone
@@ -134,7 +135,7 @@ class NodeMoves:
 
     def backup(self, n: Node) -> bool:
         """Start copying `n` to the host; False when the host has no room even after eviction."""
-        if n.state is not NodeState.DEVICE:
+        if not n.state.device_only:
             raise InvariantError(f"backup of {n}: only a device-only node is backed up")
         got = self.host.alloc(len(n))
         if got is None:
@@ -155,8 +156,8 @@ class NodeMoves:
             log.info("backup of %s failed to submit; its host slots are given back", n, exc_info=True)
             self.host.free(slots)
             raise
-        n.host_slots, n.host_runs = slots, host_runs
-        n.state, n.transfer = NodeState.BACKING_UP, transfer
+        transition(n, Event.BACK_UP)
+        n.host_slots, n.host_runs, n.transfer = slots, host_runs, transfer
         self.place(n)
         self.inflight.track(transfer, [n], None, Direction.BACKUP)
         self.metrics.backups += 1
@@ -174,8 +175,12 @@ class NodeMoves:
         return got
 
     def drop_from_host(self, n: Node) -> int:
+        """Evict host-only leaf `n` (under write-back, once written); returns the tokens freed now."""
         if self.storage is not None and self.storage.write_back(n):
             return 0  # freed once storage holds it
+        return self._drop_host_leaf(n)
+
+    def _drop_host_leaf(self, n: Node) -> int:
         tokens = len(n)
         self.metrics.host_evictions += 1
         self.metrics.host_evicted_tokens += tokens
@@ -199,7 +204,7 @@ class NodeMoves:
     def free_host(self, n: Node) -> None:
         """Give `n`'s host slots back (after the transfers and storage I/O over them end)."""
         if n.host_slots is not None:
-            if n.state is NodeState.BACKING_UP:
+            if n.state.backing_up:
                 self.complete(n.transfer, wait=True)
             if self.storage is not None:
                 self.storage.await_io(n)
@@ -211,7 +216,7 @@ class NodeMoves:
     def check_load(self, nodes: list[Node]) -> None:
         """`CacheStateError` unless `nodes` are host-only, one path, under a node on the device."""
         for n in nodes:
-            if n.state is not NodeState.HOST:
+            if not n.state.host_only:
                 raise CacheStateError(f"load_back: {n} is not host-only (evicted, loading or resident)")
         for a, b in itertools.pairwise(nodes):
             if b.parent is not a:
@@ -250,8 +255,9 @@ class NodeMoves:
             raise
         at = 0
         for n in nodes:
+            transition(n, Event.LOAD)
             n.device_slots = dev if len(nodes) == 1 else dev[at : at + len(n)]
-            n.state, n.transfer = NodeState.LOADING, transfer
+            n.transfer = transfer
             self.place(n)
             at += len(n)
         handle = LoadHandle(nodes, total, dev, transfer, submitted_at=t0)
@@ -269,9 +275,8 @@ class NodeMoves:
             transfer.wait()
         _, nodes, handle = self.inflight.pop(transfer)
         for n in nodes:
-            backed_up = n.state is NodeState.BACKING_UP
-            if n.state in (NodeState.BACKING_UP, NodeState.LOADING):
-                n.state = NodeState.BOTH
+            backed_up = n.state.backing_up
+            transition(n, Event.BACKED_UP if backed_up else Event.LOADED)
             n.transfer = None
             if backed_up and self.storage is not None and self.storage.write_through:
                 self.storage.store(n)
@@ -303,7 +308,7 @@ class NodeMoves:
         """Drop the host-only leaves a write-back write has made droppable."""
         for n in nodes:
             if self.host.evictable(n):
-                self.drop_from_host(n)
+                self._drop_host_leaf(n)
 
 
 def _evict(tokens: int, candidates: Iterator[Node], evict: Callable[[Node], int]) -> int:

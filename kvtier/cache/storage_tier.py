@@ -4,18 +4,20 @@
 holds pages the tree may no longer know: a `match` walks the tree, then asks storage (one
 `lookup`) how many of the following pages it holds.
 
-    acquire: leading storage pages -> a FETCHING leaf (fresh host slots, locked by the lease)
+    acquire: leading storage pages -> a `fetching` leaf (fresh host slots, locked by the lease)
     load_back: wait as the prefetch policy says, stop the fetch, keep what arrived:
-               FETCHING --arrived--> HOST (the rest of its slots freed, the leaf cut)
-    write_through: BACKING_UP --signal--> BOTH --store--> stored
-    write_back: HOST leaf chosen for eviction, not stored --store--> stored --> dropped
+               fetching --arrived--> host_stored (the rest dropped: its slots freed, the leaf cut)
+    write_through: backing_up --backed_up--> both --store--> both_storing --stored--> both_stored
+    write_back: a `host` leaf chosen for eviction --write_back--> host_writing_back
+               --stored (or store_failed)--> host_stored (or host) --> dropped
 
-Rules: a FETCHING node is a locked leaf that no other call splits, loads or inserts into;
-its slots are freed only once its fetch is idle. A node whose host slots a store reads
-(`io`) is not evicted from the host, and freeing those slots first waits for the store.
-Writes beyond `max_pending_write_tokens` are dropped (counted), so a slow store never
-blocks a request. Nodes a write-back store has made droppable are handed back to the
-caller (`poll`, `finish`), which drops them.
+(`kvtier.cache.states` has every transition.) Rules: a `fetching` node is a locked leaf
+that no other call splits, loads or inserts into; its slots are freed only once its fetch
+is idle. A `*_storing` node is not evicted from the host, and freeing its host slots first
+waits for the write. Writes beyond `max_pending_write_tokens` are dropped (counted), so a
+slow store never blocks a request. The nodes whose write-back write ended are handed back
+to the caller (`poll`, `finish`), which drops them; a failed write-back is dropped too, and
+tried again only if the node is evicted again later.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 
 from kvtier.cache.handles import Lease, Match
 from kvtier.cache.metrics import CacheMetrics
-from kvtier.cache.radix import Node, NodeState, RadixTree
+from kvtier.cache.radix import Node, RadixTree
+from kvtier.cache.states import Event, NodeState, transition
 from kvtier.cache.storage_mover import Fetch, HostStorageMover, Store
 from kvtier.cache.tiers import HostTier
 from kvtier.errors import InvariantError
@@ -64,8 +67,9 @@ class StorageTier:
         self.spec, self.tree, self.host, self.cache_metrics = spec, tree, host, metrics
         self.writes = writes
         self._agree_pages, self._place, self._touch = agree_pages, place, touch
-        self._fetching: dict[int, tuple[Fetch, Node, Lease]] = {}
-        self._storing: dict[int, tuple[Store, list[Node]]] = {}
+        self._fetching: dict[int, tuple[Fetch, Node, Lease]] = {}  # by id(fetch)
+        self._storing: dict[int, tuple[Store, list[Node]]] = {}  # by id(store)
+        self._store_of: dict[int, Store] = {}  # by node id: the write reading its host slots
         self.pending_write_tokens = 0
 
     @property
@@ -78,10 +82,18 @@ class StorageTier:
     def storing(self) -> list[tuple[Store, list[Node]]]:
         return list(self._storing.values())
 
-    def split(self, head: Node) -> None:
-        """`head`, split off a node a store reads, is stored by that store too."""
-        if head.io is not None and id(head.io) in self._storing:
-            self._storing[id(head.io)][1].append(head)
+    def split(self, tail: Node, head: Node) -> None:
+        """`head`, split off `tail` which a store reads, is stored by that store too."""
+        store = self._store_of.get(tail.id)
+        if store is not None:
+            self._store_of[head.id] = store
+            self._storing[id(store)][1].append(head)
+
+    def store_of(self, n: Node) -> Store | None:
+        return self._store_of.get(n.id)
+
+    def _fetch_of(self, n: Node) -> Fetch | None:
+        return next((f for f, node, _ in self._fetching.values() if node is n), None)
 
     # -- keys --------------------------------------------------------------------------
 
@@ -152,14 +164,12 @@ class StorageTier:
             host_slots=slots,
             host_runs=host_runs,
             page_hashes=list(match.storage_hashes[:pages]),
-            stored=True,
         )
         self._touch(node.path())  # one tick for the path: no node ranks above its parent
         self.tree.lock_path(node, +1)  # the lease now holds the path down to the fetch
         self.tree.lock_path(lease.node, -1)
         lease.node = node
         fetch = self.mover.fetch(list(zip(node.page_hashes, slots[::ps].tolist(), strict=True)))
-        node.io = fetch
         self._fetching[id(fetch)] = (fetch, node, lease)
         match.prefetch = fetch
         self.metrics.add("prefetches")
@@ -183,7 +193,6 @@ class StorageTier:
             fetch.wait(cfg.prefetch_timeout_s(len(node)))
         fetch.stop()
         fetch.wait()  # no worker writes these slots after this
-        node.io = None
         arrived = fetch.arrived()
         arrived = (self._agree_pages(arrived) if agree else arrived) * self.spec.page_size
         m = self.metrics
@@ -204,8 +213,7 @@ class StorageTier:
             self.tree.remove(tail)
         if not arrived:
             return None
-        head.state = NodeState.HOST
-        head.io = None
+        transition(head, Event.ARRIVED)
         self._place(head)
         return head
 
@@ -216,7 +224,7 @@ class StorageTier:
         nodes, _, partial, _ = self.tree.walk(key)
         for n in [*nodes, *([partial] if partial is not None else [])]:
             if n.state is NodeState.FETCHING:
-                self.settle_fetch(n.io, wait=False)
+                self.settle_fetch(self._fetch_of(n), wait=False)
 
     def settle_fetches_of(self, lease: Lease) -> None:
         for fetch, _, held in list(self._fetching.values()):
@@ -225,21 +233,20 @@ class StorageTier:
 
     # -- writes ------------------------------------------------------------------------
 
-    def store(self, n: Node, *, force: bool = False) -> bool:
-        """Start writing `n`'s host pages to storage; False where it is not (stored, busy, or dropped)."""
-        if (
-            not self.writes  # another rank writes these bytes
-            or n.stored
-            or n.io is not None
-            or n.state not in (NodeState.BOTH, NodeState.HOST)
-        ):
+    def store(self, n: Node, *, force: bool = False, evict: bool = False) -> bool:
+        """Start writing `n`'s host pages to storage (with `evict`, a write-back eviction's); False
+        where it is not (another rank writes them, not a readable unstored host copy, over the cap)."""
+        readable = (NodeState.HOST,) if evict else (NodeState.BOTH, NodeState.HOST)
+        if not self.writes or n.state not in readable:
             return False
         if not force and self.pending_write_tokens + len(n) > self.config.max_pending_write_tokens:
             self.metrics.add("writes_dropped")
             return False
         ps = self.spec.page_size
-        store = self.mover.store(list(zip(self.hashes(n), n.host_slots[::ps].tolist(), strict=True)))
-        n.io = store
+        pages = list(zip(self.hashes(n), n.host_slots[::ps].tolist(), strict=True))
+        store = self.mover.store(pages)
+        transition(n, Event.WRITE_BACK if evict else Event.STORE)
+        self._store_of[n.id] = store
         self._storing[id(store)] = (store, [n])
         self.pending_write_tokens += len(n)
         return True
@@ -249,31 +256,27 @@ class StorageTier:
         rec = self._storing.pop(id(store), None)
         if rec is None:
             return []
-        nodes = rec[1]
-        for n in nodes:
+        evicted = []
+        for n in rec[1]:
             self.pending_write_tokens -= len(n)
-            n.io = None
-            n.stored = store.ok
-        return [n for n in nodes if n.evict_when_stored and n.state is NodeState.HOST]
+            del self._store_of[n.id]
+            if n.state is NodeState.HOST_WRITING_BACK:
+                evicted.append(n)
+            transition(n, Event.STORED if store.ok else Event.STORE_FAILED)
+        return evicted
 
     def await_io(self, n: Node) -> None:
         """Wait for the storage I/O over `n`'s host slots to end (before they are freed)."""
-        if isinstance(n.io, Store):
-            n.io.wait()
-            self._store_done(n.io)  # the caller frees the slots itself
-        elif n.io is not None:
+        store = self._store_of.get(n.id)
+        if store is not None:
+            store.wait()
+            self._store_done(store)  # the caller frees the slots itself
+        elif n.state is NodeState.FETCHING:
             raise InvariantError(f"{n}: its host slots are freed while a fetch writes them")
 
     def write_back(self, n: Node) -> bool:
         """Under `write_back`, start storing `n` instead of dropping it now; True when it waits."""
-        if self.config.write is not StorageWrite.WRITE_BACK or n.stored:
-            return False
-        if n.evict_when_stored and n.io is None:
-            return False  # its write was tried and failed: drop it now
-        if n.io is None and not self.store(n):
-            return False
-        n.evict_when_stored = True
-        return True
+        return self.config.write is StorageWrite.WRITE_BACK and self.store(n, evict=True)
 
     # -- completion --------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ then `place` the node, so each queue holds exactly the nodes its tier may evict:
 
 - device queue: every node with device slots; a candidate is an unlocked node none of
   whose children is on the device (device residency is closed under prefixes);
-- host queue: every host-only node; a candidate is an unlocked childless one with no
-  storage I/O over its slots.
+- host queue: every host-only node; a candidate is an unlocked childless one no storage
+  write reads.
 
 `DeviceTier` also knows which of its slots requests hold (`hold` / `unhold`): slots
 handed out by `alloc_device` and not yet inserted or freed.
@@ -25,7 +25,8 @@ import torch
 
 from kvtier.alloc import AllocPolicy, HostSlotAllocator
 from kvtier.cache.policy import EvictionPolicy, EvictionQueue
-from kvtier.cache.radix import Node, NodeState
+from kvtier.cache.radix import Node
+from kvtier.cache.states import NodeState
 from kvtier.errors import SlotError
 from kvtier.slots import as_slots, fmt_ids
 
@@ -96,7 +97,8 @@ class DeviceTier(SlotTier):
 
     def evictable(self, n: Node) -> bool:
         return (
-            n.state in (NodeState.DEVICE, NodeState.BACKING_UP, NodeState.BOTH)
+            n.state.on_device
+            and not n.state.loading
             and n.lock == 0
             and not any(c.state.on_device for c in n.children.values())
         )
@@ -133,7 +135,7 @@ class HostTier(SlotTier):
     name = "host"
 
     def holds(self, n: Node) -> bool:
-        return n.state is NodeState.HOST
+        return n.state.host_only
 
     def evictable(self, n: Node) -> bool:
-        return n.state is NodeState.HOST and n.lock == 0 and not n.children and n.io is None
+        return n.state in (NodeState.HOST, NodeState.HOST_STORED) and n.lock == 0 and not n.children
