@@ -9,7 +9,7 @@ import torch
 
 from kvtier.cache import CacheConfig
 from kvtier.cache.agreement import RankAgreement, _cut
-from kvtier.cache.compose import compose
+from kvtier.cache.compose import classic_tiers, compose_tiers
 from kvtier.cache.inflight import InFlight
 from kvtier.cache.insert import check_insert
 from kvtier.cache.policy import LRU
@@ -30,7 +30,8 @@ def parts(device: int = 16, host: int = 16, storage: StorageConfig | None = None
     spec = preset("tiny-mha", PS)
     dev, host_pool = DevicePool(spec, device), HostPool(spec, host)
     mover = open_storage(storage, host_pool, Fingerprint.of("parts", spec)) if storage else None
-    return compose(dev, host_pool, CacheConfig(**cfg), storage=mover)
+    config = CacheConfig(**cfg)
+    return compose_tiers(classic_tiers(dev, host_pool, config, storage=mover), config)
 
 
 def device_node(p, tokens: list[int]):
@@ -42,7 +43,7 @@ def device_node(p, tokens: list[int]):
 
 
 def test_device_tier_holds_requests_slots_and_refuses_a_free_of_others() -> None:
-    d = DeviceTier(8, PS, LRU())
+    d = DeviceTier(DevicePool(preset("tiny-mha", PS), 8), LRU())
     slots, runs = d.alloc(4)
     assert runs == [(0, 4)] and d.available() == 4
     d.hold(slots.numpy())

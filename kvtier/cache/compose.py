@@ -1,13 +1,17 @@
-"""How a cache is put together: its collaborators, built once and wired to each other.
+"""How a cache is put together from its tiers: the collaborators, built once and wired.
 
-`compose` builds, from the pools, movers and config a `CacheController` is given, the parts
-it is made of (`CacheParts`): the radix tree, the device and host tiers, the rank
-agreement, the node moves and (with a storage mover) the storage tier. Nothing here runs
-after construction; `kvtier.cache.invariants` reads the same parts.
+`compose_tiers(tiers, config, ranks)` takes the tiers top first and checks they make a
+cache: a device tier (kvtier's `DeviceTier` or an engine's `ExternalDeviceTier`), a
+`HostTier` (every move passes through the host), and optionally a `StorageTier`; all of
+one spec. It builds the parts a `CacheController` is made of (`CacheParts`): the radix
+tree, the rank agreement, the node moves, and wires the storage tier to them.
+`compose(device_pool, host_pool, ...)` is the classic configuration as a list. Nothing here
+runs after construction; `kvtier.cache.invariants` reads the same parts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.cache.agreement import RankAgreement
@@ -19,8 +23,8 @@ from kvtier.cache.radix import RadixTree
 from kvtier.cache.ranks import RankGroup
 from kvtier.cache.storage_mover import HostStorageMover
 from kvtier.cache.storage_tier import StorageTier
-from kvtier.cache.tiers import DeviceTier, HostTier
-from kvtier.errors import CacheStateError
+from kvtier.cache.tiers import DeviceTier, HostTier, Tier
+from kvtier.errors import CacheStateError, ConfigError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.spec import KVSpec
 
@@ -43,39 +47,37 @@ class CacheParts:
     storage: StorageTier | None
 
 
-def compose(
-    device_pool: DevicePool,
-    host_pool: HostPool,
-    config: CacheConfig | None = None,
-    *,
-    mover: Mover | None = None,
-    storage: HostStorageMover | None = None,
-    ranks: RankGroup | None = None,
+def compose_tiers(
+    tiers: Sequence[Tier], config: CacheConfig | None = None, ranks: RankGroup | None = None
 ) -> CacheParts:
-    """The parts of a cache over `device_pool` and `host_pool` (see `CacheController`).
-
-    `CacheStateError` where the pools are of different specs; with several `ranks`, a
-    collective (`RankAgreement`'s checks).
-    """
-    dspec, hspec = device_pool.spec, host_pool.spec
+    """The parts of a cache over `tiers` (top first); `ConfigError` for a list that is not a cache,
+    `CacheStateError` for tiers of different specs. With several `ranks`, a collective."""
+    kinds = [type(t).__name__ for t in tiers]
+    ok = (
+        len(tiers) in (2, 3)
+        and isinstance(tiers[0], DeviceTier)
+        and isinstance(tiers[1], HostTier)
+        and (len(tiers) == 2 or isinstance(tiers[2], StorageTier))
+    )
+    if not ok:
+        raise ConfigError(f"cache tiers {kinds}: a device tier, a host tier, then optionally a storage tier")
+    device, host = tiers[0], tiers[1]
+    storage = tiers[2] if len(tiers) == 3 else None
+    dspec, hspec = device.pool.spec, host.pool.spec
     if dspec.buffers != hspec.buffers or dspec.page_size != hspec.page_size:
         raise CacheStateError("device and host pools must be built from the same spec")
     cfg = config or CacheConfig()
-    ps = dspec.page_size
-    mover = mover or DeviceHostMover(
-        device_pool, host_pool, costs=cfg.costs, kernel=cfg.kernel, force=cfg.force_path
+    mover = host.mover or DeviceHostMover(
+        device.pool, host.pool, costs=cfg.costs, kernel=cfg.kernel, force=cfg.force_path
     )
-    tree = RadixTree(ps)
-    policy = cfg.eviction.make()
-    device = DeviceTier(device_pool.num_slots, ps, policy)
-    host = HostTier(host_pool.num_slots, ps, cfg.host_alloc_policy, policy)
+    host.mover = mover
+    tree = RadixTree(dspec.page_size)
     metrics = CacheMetrics()
-    agreement = RankAgreement(ranks, dspec, storage)
+    agreement = RankAgreement(ranks, dspec, storage.mover if storage is not None else None)
     moves = NodeMoves(tree, device, host, mover, agreement, cfg, metrics, dspec.bytes_per_token())
-    tier = None
     if storage is not None:
-        tier = moves.storage = StorageTier(
-            storage,
+        moves.storage = storage
+        storage.bind(
             dspec,
             tree,
             host,
@@ -86,5 +88,25 @@ def compose(
             touch=moves.touch,
         )
     return CacheParts(
-        dspec, cfg, device_pool, host_pool, mover, tree, device, host, metrics, agreement, moves, tier
+        dspec, cfg, device.pool, host.pool, mover, tree, device, host, metrics, agreement, moves, storage
     )
+
+
+def classic_tiers(
+    device_pool: DevicePool,
+    host_pool: HostPool,
+    config: CacheConfig | None = None,
+    *,
+    mover: Mover | None = None,
+    storage: HostStorageMover | None = None,
+) -> list[Tier]:
+    """kvtier's own device tier over `device_pool`, the host tier, storage where given."""
+    cfg = config or CacheConfig()
+    policy = cfg.eviction.make()
+    tiers: list[Tier] = [
+        DeviceTier(device_pool, policy),
+        HostTier(host_pool, policy, cfg.host_alloc_policy, mover),
+    ]
+    if storage is not None:
+        tiers.append(StorageTier(storage))
+    return tiers

@@ -40,8 +40,9 @@ def check_insert(
     covered = pos + shared
     own = tree_slots[:covered] == s[:covered]
     must_hold = np.concatenate([s[:covered][~own], s[covered:]])
-    if len(must_hold) and not device.all_held(must_hold):
-        bad = must_hold[~device.held_mask(must_hold)]
+    held = device.held_mask(must_hold)
+    if not held.all():
+        bad = must_hold[~held]
         raise SlotError(f"insert: device slots {fmt_ids(bad)} are not held by the caller")
     return s
 

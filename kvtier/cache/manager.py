@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtier.cache.compose import compose
+from kvtier.cache.compose import CacheParts, classic_tiers, compose_tiers
 from kvtier.cache.handles import CacheConfig, Lease, LoadHandle, Match, WritePolicy
 from kvtier.cache.insert import check_insert, take_slots
 from kvtier.cache.invariants import check
@@ -51,9 +51,10 @@ from kvtier.cache.radix import Node, token_ids
 from kvtier.cache.ranks import RankGroup
 from kvtier.cache.states import NodeState
 from kvtier.cache.storage_mover import HostStorageMover
+from kvtier.cache.tiers import Owner, Tier
 from kvtier.errors import CacheStateError, ClosedError, LeaseError, SlotError
 from kvtier.pool import DevicePool, HostPool
-from kvtier.slots import NO_SLOTS, concat_slots
+from kvtier.slots import NO_SLOTS, as_slots, concat_slots
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,21 @@ class CacheController:
         storage: HostStorageMover | None = None,
         ranks: RankGroup | None = None,
     ) -> None:
-        p = self.parts = compose(device_pool, host_pool, config, mover=mover, storage=storage, ranks=ranks)
+        tiers = classic_tiers(device_pool, host_pool, config, mover=mover, storage=storage)
+        self._build(compose_tiers(tiers, config, ranks))
+
+    @classmethod
+    def of(
+        cls, tiers: Sequence[Tier], config: CacheConfig | None = None, *, ranks: RankGroup | None = None
+    ) -> CacheController:
+        """A cache built from `tiers`, top first (`kvtier.cache.compose.compose_tiers`): e.g. an
+        engine's `ExternalDeviceTier`, a `HostTier` and a `StorageTier`."""
+        cache = cls.__new__(cls)
+        cache._build(compose_tiers(tiers, config, ranks))
+        return cache
+
+    def _build(self, p: CacheParts) -> None:
+        self.parts = p
         self.spec, self.config, self.mover = p.spec, p.config, p.mover
         self.device_pool, self.host_pool = p.device_pool, p.host_pool
         self.tree, self.device, self.host, self.metrics = p.tree, p.device, p.host, p.metrics
@@ -282,13 +297,17 @@ class CacheController:
 
     # -- load back ---------------------------------------------------------------------
 
-    def load_back(self, match: Match) -> LoadHandle:
+    def load_back(self, match: Match, into: torch.Tensor | None = None) -> LoadHandle:
         """Bring the match's host-only nodes to the device; returns a handle with per-layer readiness.
 
         A prefetch from storage (started by `acquire`) is first waited for as the storage
-        config's policy says; what arrived joins the match's host nodes.
+        config's policy says; what arrived joins the match's host nodes. `into`: with a
+        device tier the engine owns (and only then), the `[>= host + storage tokens]` int64
+        device slots it allocated for them (`ExternalDeviceTier.slots(block_ids)`); the load
+        fills the first `handle.tokens`.
         """
         self._open()
+        into = self.moves.load_target(into, match.host_tokens + match.storage_tokens)
         self.poll()
         if match.storage_hashes:
             fetch, match.prefetch = match.prefetch, None
@@ -306,7 +325,7 @@ class CacheController:
         if total < self.config.recompute_below:
             self.metrics.recomputed_tokens += total
             return LoadHandle(nodes, total, NO_SLOTS, recompute=True, done=True)
-        handle = self.moves.load(nodes, total)
+        handle = self.moves.load(nodes, total, None if into is None else into[:total])
         m = self.metrics
         m.loads += 1
         m.loaded_tokens += total
@@ -325,6 +344,16 @@ class CacheController:
         """Free at least `tokens` host slots from unlocked host-only leaves in policy order."""
         self._open()
         return self.moves.evict_host(tokens)
+
+    def device_freed(self, slots: torch.Tensor) -> int:
+        """The engine that owns the device freed these slots (`ExternalDeviceTier.slots(block_ids)`):
+        their nodes leave the device, backed up first as the write policy says, their device
+        descendants with them. `CacheStateError` (nothing changed) where one is locked (a
+        lease or a load holds it) or kvtier owns the device. Returns the tokens that left."""
+        self._open()
+        if self.device.owner is not Owner.ENGINE:
+            raise CacheStateError("device_freed: the device tier is kvtier's own (evict_device frees it)")
+        return self.moves.device_freed(as_slots("slots", slots, self.device.num_slots))
 
     # -- completion --------------------------------------------------------------------
 

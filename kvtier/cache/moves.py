@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
 from kvtier.cache.agreement import RankAgreement
@@ -34,9 +35,10 @@ from kvtier.cache.movers import Mover, Transfer
 from kvtier.cache.radix import Node, RadixTree
 from kvtier.cache.states import Event, transition
 from kvtier.cache.storage_tier import StorageTier
-from kvtier.cache.tiers import DeviceTier, HostTier
-from kvtier.errors import CacheStateError, InvariantError
+from kvtier.cache.tiers import DeviceTier, HostTier, Owner
+from kvtier.errors import CacheStateError, InvariantError, SlotError
 from kvtier.pool.device import Direction
+from kvtier.slots import as_slots
 from kvtier.transfer import runs
 from kvtier.transfer.submit import Operation
 
@@ -105,13 +107,37 @@ class NodeMoves:
 
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots from evictable nodes in policy order; returns freed."""
-        return _evict(tokens, self.device.candidates(), self._evict_from_device)
+        return _evict(tokens, self.device.candidates(), self.evict_from_device)
 
     def evict_host(self, tokens: int) -> int:
         """Free at least `tokens` host slots from evictable host-only leaves in policy order."""
         return _evict(tokens, self.host.candidates(), self.drop_from_host)
 
-    def _evict_from_device(self, n: Node) -> int:
+    def device_freed(self, slots: np.ndarray) -> int:
+        """The pages on `slots` (`[k]` int64), every page after them in their nodes, and those nodes'
+        device descendants leave the device, deepest first (device residency stays closed under
+        prefixes); `CacheStateError` before anything changes where one is locked."""
+        ps = self.tree.page_size
+        freed = np.zeros(self.device.num_slots, dtype=bool)
+        freed[slots] = True
+        hit = []  # (node, its first freed page)
+        for n in self.device.queue.nodes():
+            pages = freed[n.device_slots.numpy()].reshape(-1, ps).any(axis=1)
+            if pages.any():
+                hit.append((n, int(pages.argmax())))
+        locked = [n for n in _device_subtrees([n for n, _ in hit]) if n.lock]
+        if locked:
+            raise CacheStateError(f"device_freed: {locked[0]} is locked (a lease or a load holds it)")
+        for n, first in hit:
+            if first:
+                self.split(n, first * ps)  # `n` is the tail from its first freed page on
+        tokens = 0
+        for n in sorted(_device_subtrees([n for n, _ in hit]), key=lambda n: -len(n.path())):
+            if n.state.on_device:
+                tokens += self.evict_from_device(n)
+        return tokens
+
+    def evict_from_device(self, n: Node) -> int:
         """Move `n` off the device (backing it up first where the policy wants it); returns tokens freed."""
         if n.state.device_only and self.config.write_policy is not WritePolicy.WRITE_THROUGH_SELECTIVE:
             self.backup(n)
@@ -224,12 +250,26 @@ class NodeMoves:
         if nodes and nodes[0].parent is not self.tree.root and not nodes[0].parent.state.on_device:
             raise CacheStateError(f"load_back: the parent of {nodes[0]} is not on the device")
 
-    def load(self, nodes: list[Node], total: int) -> LoadHandle:
-        """Submit the load of host-only `nodes` (`total` tokens, one path) into new device slots."""
+    def load_target(self, into: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
+        """`into` checked (`CacheStateError`, `SlotError`): given exactly where the engine owns the
+        device, then `[>= tokens]` distinct int64 slots."""
+        external = self.device.owner is Owner.ENGINE
+        if (into is not None) != external:
+            raise CacheStateError(f"load_back: into= is given where the engine owns the device ({external})")
+        if into is None:
+            return None
+        s = torch.from_numpy(as_slots("into", into, self.device.num_slots, distinct=True))
+        if len(s) < tokens:
+            raise SlotError(f"load_back: {len(s)} slots for {tokens} tokens")
+        return s
+
+    def load(self, nodes: list[Node], total: int, into: torch.Tensor | None = None) -> LoadHandle:
+        """Submit the load of host-only `nodes` (`total` tokens, one path) into new device slots, or
+        into `into` (`[total]` int64: slots an engine that owns the device allocated)."""
         t0 = time.perf_counter()
         self.tree.lock_path(nodes[-1], +1)  # nothing on the path is evicted while it loads
         try:
-            dev, dev_runs = self.alloc_device(total)
+            dev, dev_runs = self.alloc_device(total) if into is None else (into, slot_runs(into))
         except BaseException:
             self.tree.lock_path(nodes[-1], -1)
             raise
@@ -309,6 +349,18 @@ class NodeMoves:
         for n in nodes:
             if self.host.evictable(n):
                 self._drop_host_leaf(n)
+
+
+def _device_subtrees(nodes: list[Node]) -> list[Node]:
+    """`nodes` and every descendant of theirs on the device, each once."""
+    out: dict[int, Node] = {}
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n.id not in out:
+            out[n.id] = n
+            stack.extend(c for c in n.children.values() if c.state.on_device)
+    return list(out.values())
 
 
 def _evict(tokens: int, candidates: Iterator[Node], evict: Callable[[Node], int]) -> int:

@@ -60,11 +60,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Protocol
 
-from kvtier.errors import KVTierError
+from kvtier.errors import TransitionError
 
-
-class TransitionError(KVTierError):
-    """A node asked to move along a transition the table does not have."""
+__all__ = ["INITIAL", "TABLE", "Event", "NodeState", "TransitionError", "transition"]
 
 
 class NodeState(str, Enum):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.radix import Node, RadixTree
 from kvtier.cache.states import Event, NodeState, transition
 from kvtier.cache.storage_mover import Fetch, HostStorageMover, Store
-from kvtier.cache.tiers import HostTier
+from kvtier.cache.tiers import HostTier, Tier
 from kvtier.errors import InvariantError
 from kvtier.spec import KVSpec
 from kvtier.storage.config import PrefetchPolicy, StorageWrite
@@ -42,17 +42,28 @@ from kvtier.storage.config import PrefetchPolicy, StorageWrite
 log = logging.getLogger(__name__)
 
 
-class StorageTier:
-    """Lookups, prefetches and writes over `mover` for the tree `tree` (see the module docstring).
+class StorageTier(Tier):
+    """The tier below the host, over `mover` (see the module docstring).
 
-    `writes`: whether this rank writes pages (`RankAgreement.writes_storage`); `agree_pages`:
-    the least of every rank's page count; `place`: re-queue a node whose state changed;
-    `touch`: mark a path used now.
+    As a `Tier`: it holds the nodes whose pages it stores; its room is the write budget
+    (`max_pending_write_tokens`: `alloc` / `free` of tokens being written); it evicts
+    nothing (a backend ages its pages out itself). `bind` gives it the cache's tree and
+    host tier before any call: `writes`, whether this rank writes pages
+    (`RankAgreement.writes_storage`); `agree_pages`, the least of every rank's page count;
+    `place`, re-queue a node whose state changed; `touch`, mark a path used now.
     """
 
-    def __init__(
+    name = "storage"
+
+    def __init__(self, mover: HostStorageMover) -> None:
+        self.mover, self.config, self.metrics = mover, mover.config, mover.metrics
+        self._fetching: dict[int, tuple[Fetch, Node, Lease]] = {}  # by id(fetch)
+        self._storing: dict[int, tuple[Store, list[Node]]] = {}  # by id(store)
+        self._store_of: dict[int, Store] = {}  # by node id: the write reading its host slots
+        self.pending_write_tokens = 0
+
+    def bind(
         self,
-        mover: HostStorageMover,
         spec: KVSpec,
         tree: RadixTree,
         host: HostTier,
@@ -63,14 +74,28 @@ class StorageTier:
         place: Callable[[Node], None],
         touch: Callable[[list[Node]], None],
     ) -> None:
-        self.mover, self.config, self.metrics = mover, mover.config, mover.metrics
         self.spec, self.tree, self.host, self.cache_metrics = spec, tree, host, metrics
         self.writes = writes
         self._agree_pages, self._place, self._touch = agree_pages, place, touch
-        self._fetching: dict[int, tuple[Fetch, Node, Lease]] = {}  # by id(fetch)
-        self._storing: dict[int, tuple[Store, list[Node]]] = {}  # by id(store)
-        self._store_of: dict[int, Store] = {}  # by node id: the write reading its host slots
-        self.pending_write_tokens = 0
+
+    # -- the tier's interface -------------------------------------------------------------
+
+    def holds(self, n: Node) -> bool:
+        return n.state.stored
+
+    def alloc(self, n: int) -> int | None:
+        """`n` tokens of the write budget, or None (counted as a dropped write) where they would pass it."""
+        if self.pending_write_tokens + n > self.config.max_pending_write_tokens:
+            self.metrics.add("writes_dropped")
+            return None
+        self.pending_write_tokens += n
+        return n
+
+    def free(self, n: int) -> None:
+        self.pending_write_tokens -= n
+
+    def candidates(self) -> Iterator[Node]:
+        return iter(())
 
     @property
     def write_through(self) -> bool:
@@ -239,8 +264,9 @@ class StorageTier:
         readable = (NodeState.HOST,) if evict else (NodeState.BOTH, NodeState.HOST)
         if not self.writes or n.state not in readable:
             return False
-        if not force and self.pending_write_tokens + len(n) > self.config.max_pending_write_tokens:
-            self.metrics.add("writes_dropped")
+        if force:
+            self.pending_write_tokens += len(n)
+        elif self.alloc(len(n)) is None:
             return False
         ps = self.spec.page_size
         pages = list(zip(self.hashes(n), n.host_slots[::ps].tolist(), strict=True))
@@ -248,7 +274,6 @@ class StorageTier:
         transition(n, Event.WRITE_BACK if evict else Event.STORE)
         self._store_of[n.id] = store
         self._storing[id(store)] = (store, [n])
-        self.pending_write_tokens += len(n)
         return True
 
     def _store_done(self, store: Store) -> list[Node]:
@@ -258,7 +283,7 @@ class StorageTier:
             return []
         evicted = []
         for n in rec[1]:
-            self.pending_write_tokens -= len(n)
+            self.free(len(n))
             del self._store_of[n.id]
             if n.state is NodeState.HOST_WRITING_BACK:
                 evicted.append(n)

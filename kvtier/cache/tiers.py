@@ -1,10 +1,21 @@
-"""Each slot tier's accounting and eviction order: `DeviceTier`, `HostTier`.
+"""The tiers a cache is built from, and the interface each implements (`Tier`).
 
-A tier answers what it holds (`holds(node)`, read from the node's state), hands out and
-takes back slots (`alloc` / `free`), and ranks what it would evict first (`candidates`:
-its `EvictionQueue` in policy order, filtered by its own leaf rule). It never moves a
-byte and never changes a node's state: the manager's moves (`kvtier.cache.moves`) do, and
-then `place` the node, so each queue holds exactly the nodes its tier may evict:
+A cache is a list of tiers, top first: a device tier (`DeviceTier`, kvtier's own slots, or
+`ExternalDeviceTier`, another engine's blocks), a `HostTier`, and optionally a storage
+tier (`kvtier.cache.storage_tier.StorageTier`). Each tier answers four questions and
+moves nothing itself:
+
+- `holds(node)`: whether the node's state puts it in this tier's eviction queue;
+- `alloc(n)` / `free(slots)`: room for `n` tokens, and its return;
+- `candidates()`: what it would evict first (its `EvictionQueue` in policy order,
+  filtered by `evictable`, its own leaf rule);
+- `owner`: `Owner.KVTIER` (kvtier allocates and evicts) or `Owner.ENGINE` (another engine
+  does and tells the cache: `CacheController.device_freed`).
+
+Every tier below the top carries `mover`, which moves bytes between it and the tier above
+(`DeviceHostMover` for the host, `HostStorageMover` for storage). The manager's moves
+(`kvtier.cache.moves`) change nodes' states, then `place` them, so each queue holds exactly
+what its tier may evict:
 
 - device queue: every node with device slots; a candidate is an unlocked node none of
   whose children is on the device (device residency is closed under prefixes);
@@ -12,42 +23,72 @@ then `place` the node, so each queue holds exactly the nodes its tier may evict:
   write reads.
 
 `DeviceTier` also knows which of its slots requests hold (`hold` / `unhold`): slots
-handed out by `alloc_device` and not yet inserted or freed.
+handed out by `alloc_device` and not yet inserted or freed. `ExternalDeviceTier` holds no
+allocator: its slots are the engine's blocks (`slots(block_ids)`), which kvtier only reads
+(backups) and writes (loads into blocks the engine allocated).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from enum import Enum
 
 import numpy as np
 import torch
 
 from kvtier.alloc import AllocPolicy, HostSlotAllocator
+from kvtier.cache.movers import Mover
 from kvtier.cache.policy import EvictionPolicy, EvictionQueue
 from kvtier.cache.radix import Node
 from kvtier.cache.states import NodeState
-from kvtier.errors import SlotError
+from kvtier.errors import CacheStateError, SlotError
+from kvtier.pool import DevicePool, HostPool
 from kvtier.slots import as_slots, fmt_ids
 
 Runs = list[tuple[int, int]]
 
 
-class SlotTier(ABC):
-    """A tier of `num_slots` slots in pages of `page_size`: an allocator and an eviction queue."""
+class Owner(str, Enum):
+    """Who allocates a tier's room and decides its evictions."""
+
+    KVTIER = "kvtier"
+    ENGINE = "engine"  # another engine; kvtier is told what exists and what was freed
+
+
+class Tier(ABC):
+    """One level of the hierarchy (see the module docstring)."""
 
     name: str
-
-    def __init__(
-        self, num_slots: int, page_size: int, alloc_policy: AllocPolicy, policy: EvictionPolicy
-    ) -> None:
-        self.num_slots = num_slots
-        self.allocator = HostSlotAllocator(num_slots, page_size, alloc_policy)
-        self.queue = EvictionQueue(policy)
+    owner: Owner = Owner.KVTIER
 
     @abstractmethod
     def holds(self, n: Node) -> bool:
-        """Whether `n` has slots here that this tier evicts (its queue's members)."""
+        """Whether `n`'s state puts it in this tier's eviction queue."""
+
+    @abstractmethod
+    def alloc(self, n: int) -> object | None:
+        """Room for `n` tokens, or None where there is none."""
+
+    @abstractmethod
+    def free(self, grant: object) -> None:
+        """Give back what `alloc` gave."""
+
+    @abstractmethod
+    def candidates(self) -> Iterator[Node]:
+        """What this tier would evict first, in order, while the caller evicts it."""
+
+
+class SlotTier(Tier):
+    """A tier of `pool.num_slots` slots in whole pages: an allocator and an eviction queue by `policy`."""
+
+    def __init__(
+        self, pool: DevicePool | HostPool, policy: EvictionPolicy, alloc_policy: AllocPolicy
+    ) -> None:
+        self.pool = pool
+        self.num_slots, self.page_size = pool.num_slots, pool.spec.page_size
+        self.allocator = HostSlotAllocator(self.num_slots, self.page_size, alloc_policy)
+        self.queue = EvictionQueue(policy)
 
     @abstractmethod
     def evictable(self, n: Node) -> bool:
@@ -61,7 +102,7 @@ class SlotTier(ABC):
             self.queue.discard(n)
 
     def alloc(self, n: int) -> tuple[torch.Tensor, Runs] | None:
-        """`n` slots and their `(first, length)` runs, or None when fewer are free."""
+        """`[n]` int64 slots and their `(first, length)` runs, or None when fewer are free."""
         return self.allocator.alloc_runs(n)
 
     def free(self, slots: torch.Tensor) -> None:
@@ -71,7 +112,6 @@ class SlotTier(ABC):
         return self.allocator.available()
 
     def candidates(self) -> Iterator[Node]:
-        """Evictable nodes in policy order, while the caller evicts them."""
         return self.queue.candidates(self.evictable)
 
     def fragmentation(self) -> dict[str, int]:
@@ -84,13 +124,13 @@ class SlotTier(ABC):
 
 
 class DeviceTier(SlotTier):
-    """The device pool's slots: nodes' and those requests hold (see the module docstring)."""
+    """kvtier's own device slots over `pool`: nodes' and those requests hold (see the module docstring)."""
 
     name = "device"
 
-    def __init__(self, num_slots: int, page_size: int, policy: EvictionPolicy) -> None:
-        super().__init__(num_slots, page_size, AllocPolicy.CONTIGUOUS, policy)
-        self._held = np.zeros(num_slots, dtype=bool)
+    def __init__(self, pool: DevicePool, policy: EvictionPolicy) -> None:
+        super().__init__(pool, policy, AllocPolicy.CONTIGUOUS)
+        self._held = np.zeros(self.num_slots, dtype=bool)
 
     def holds(self, n: Node) -> bool:
         return n.state.on_device
@@ -109,9 +149,6 @@ class DeviceTier(SlotTier):
     def unhold(self, slots: np.ndarray) -> None:
         self._held[slots] = False
 
-    def all_held(self, slots: np.ndarray) -> bool:
-        return bool(self._held[slots].all())
-
     def held_mask(self, slots: np.ndarray) -> np.ndarray:
         return self._held[slots]
 
@@ -129,10 +166,67 @@ class DeviceTier(SlotTier):
         self._held[s] = False
 
 
+class ExternalDeviceTier(DeviceTier):
+    """Another engine's device blocks (`pool`: `DevicePool.wrap` over its KV tensors, each viewed as
+    `[num_blocks * block_size, *row]`, so block b is slots `b * block_size ...`; the page size is the
+    block size). kvtier allocates nothing here and evicts nothing: the engine says which blocks
+    hold which pages (`insert`) and which it freed (`CacheController.device_freed`)."""
+
+    name = "device"
+    owner = Owner.ENGINE
+
+    def __init__(self, pool: DevicePool, policy: EvictionPolicy) -> None:
+        super().__init__(pool, policy)
+        self.allocator = None  # type: ignore[assignment]
+        self.num_blocks = self.num_slots // self.page_size
+
+    def slots(self, block_ids: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
+        """`[len(block_ids) * block_size]` int64 slots of the blocks, in order; SlotError for a bad id."""
+        b = as_slots("block_ids", block_ids, self.num_blocks)
+        s = (b[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+        return torch.from_numpy(s)
+
+    def blocks(self, slots: torch.Tensor) -> np.ndarray:
+        """`[k]` int64: the blocks of whole-page `slots`, in order."""
+        return slots.numpy()[:: self.page_size] // self.page_size
+
+    def alloc(self, n: int) -> None:
+        raise CacheStateError(f"{n} device slots asked of a device tier the engine owns: it allocates them")
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Nothing: the engine's block stays the engine's (kvtier stops referring to it)."""
+
+    def available(self) -> int:
+        return 0
+
+    def evictable(self, n: Node) -> bool:
+        return False  # the engine evicts: `device_freed`
+
+    def held_mask(self, slots: np.ndarray) -> np.ndarray:
+        return np.ones(len(slots), dtype=bool)  # every block is the engine's to give
+
+    def free_held(self, slots: torch.Tensor) -> None:
+        raise CacheStateError("free_device on a device tier the engine owns: tell the cache device_freed")
+
+    def fragmentation(self) -> dict[str, int]:
+        return {}
+
+
 class HostTier(SlotTier):
-    """The host pool's slots (see the module docstring)."""
+    """The host pool's slots (see the module docstring); `mover`: device <-> host (None: the
+    cache makes a `DeviceHostMover` from its config)."""
 
     name = "host"
+
+    def __init__(
+        self,
+        pool: HostPool,
+        policy: EvictionPolicy,
+        alloc_policy: AllocPolicy = AllocPolicy.CONTIGUOUS,
+        mover: Mover | None = None,
+    ) -> None:
+        super().__init__(pool, policy, alloc_policy)
+        self.mover = mover
 
     def holds(self, n: Node) -> bool:
         return n.state.host_only
