@@ -4,6 +4,7 @@ over 400 lines."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,16 @@ def test_the_cycle_finder_sees_a_type_only_cycle(tmp_path) -> None:
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
     (tmp_path / "c.py").write_text("X = 1\n")
     assert find_cycle(import_graph(tmp_path, "pkg")) is None
+
+
+def test_each_module_imports_only_those_the_package_docstring_lists_above_it() -> None:
+    listed = re.findall(r"^- `(\w+)\.py`", kvtier.cache.__doc__, flags=re.M)
+    modules = {p.stem for p in ROOT.glob("*.py")} - {"__init__"}
+    assert sorted(listed) == sorted(modules)  # every module, once
+    at = {f"{PACKAGE}.{m}": i for i, m in enumerate(listed)}
+    graph = import_graph()
+    upward = [(m, e) for m in at for e in graph[m] if at[e] > at[m]]
+    assert upward == []
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("*.py")), ids=lambda p: p.name)

@@ -1,11 +1,11 @@
 """The tiered prefix cache a serving engine drives: the manager that holds the metadata and decides.
 
-`CacheController` holds the leases and answers the calls below; it is composed of
-collaborators with one job each: the radix tree (`RadixTree`), each tier's slots and
-eviction queue (`DeviceTier`, `HostTier`), the moves of nodes between tiers and the
-transfers in flight (`NodeMoves`), the storage tier's bookkeeping (`StorageTier`) and the
-ranks' agreement (`RankAgreement`). Every byte moves through a mover, so it never touches
-a stream, a runtime call or an address. Its contract:
+`CacheController` holds the leases and answers the calls below; it is built from a list
+of tiers (`CacheController.of`, `kvtier.cache.compose`) and composed of collaborators with
+one job each: the radix tree, each tier's slots and eviction queue (`DeviceTier` or an
+engine's `ExternalDeviceTier`, `HostTier`), the moves of nodes between tiers (`NodeMoves`),
+the storage tier's bookkeeping (`StorageTier`) and the ranks' agreement (`RankAgreement`).
+Every byte moves through a mover, so it never touches a stream or an address. Contract:
 
 - `match(tokens)`: the longest cached prefix, its device part (slots, ready) and its
   host-only nodes (to `load_back`); `acquire(match)` locks the path, `release(lease)`
@@ -13,6 +13,8 @@ a stream, a runtime call or an address. Its contract:
 - `load_back(match)`: device slots (contiguous where possible), one operation for every
   buffer, a `LoadHandle` whose `wait_layer(i)` makes the current stream wait for layer i.
 - `alloc_device(n)` / `insert(tokens, slots)` / `free_device(slots)`: a request's slots.
+  Where an engine owns the device: `insert` with its blocks' slots, `device_freed(slots)`
+  when it frees blocks, `load_back(match, into=slots)`; `alloc_device` is refused.
 - Write policies: back up at insert (`write_through`), after `selective_hits` hits
   (`write_through_selective`) or at eviction (`write_back`); a node counts as backed up
   once its backup's signal has fired.
