@@ -59,6 +59,10 @@ class InvariantError(KVTierError, AssertionError):
     """An internal invariant does not hold (raised, never asserted: `python -O` keeps it)."""
 
 
+class TransitionError(InvariantError):
+    """A cache node was asked to move along a transition `kvtier.cache.states.TABLE` does not have."""
+
+
 class RankError(KVTierError, RuntimeError):
     """A rank of a run over several processes failed (and the others were ended): its index and error."""
 

@@ -335,7 +335,7 @@ def test_release_without_load_ends_the_prefetch_and_keeps_what_arrived(tmp_path)
         c.release(lease)
         c.check_invariants()
         (node,) = c.tree.nodes()
-        assert node.state.value == "host" and len(node) == 32 and node.lock == 0
+        assert node.state.value == "host_stored" and len(node) == 32 and node.lock == 0
 
 
 def test_write_back_stores_a_page_when_the_host_evicts_it_and_at_close(tmp_path) -> None:

@@ -30,61 +30,72 @@ Slot ids differ per rank (each its own pool): a caller uses each rank's own.
 Storage writes: where `kvtier.storage.keys.is_ranked(spec)` is false (MLA latent, DSA
 indexer: the bytes are the same on every rank, the key leaves the rank out) only
 `ranks.is_writer` writes pages; every rank reads them. Otherwise each rank writes its own
-pages under its own key (`RankGroup.fingerprint`). `_init_ranks` checks both at
-construction: ranked keys differ on every rank, unranked ones are equal.
+pages under its own key (`RankGroup.fingerprint`). `RankAgreement` checks both when built:
+ranked keys differ on every rank, unranked ones are equal.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
 
 from kvtier.cache.radix import Node
 from kvtier.cache.ranks import RankGroup
+from kvtier.cache.storage_mover import HostStorageMover
 from kvtier.errors import CacheFullError, ConfigError
+from kvtier.spec import KVSpec
 from kvtier.storage.keys import is_ranked
-
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
-
-    from kvtier.cache.tiers import TierState
 
 INT64_MAX = 2**63 - 1
 
 
+class Lookup(Protocol):
+    def lookup(self, key: np.ndarray, matched: int, last: Node) -> tuple[list[bytes], np.ndarray]:
+        """The hashes and tokens of the leading pages of `key[matched:]` that storage holds."""
+
+
 class RankAgreement:
-    """The agreed half of `TierState`'s decisions (see the module docstring)."""
+    """The agreed decisions of one rank's cache (see the module docstring).
 
-    ranks: RankGroup
+    `ranks`: the group (None: one process); `storage`: the rank's storage mover, or None.
+    Building it is a collective over the group (the checks of the module docstring).
+    """
 
-    def _init_ranks(self: TierState, ranks: RankGroup | None) -> None:
-        """Keep `ranks` and check that every rank's cache is one of a set (collectives, in order)."""
+    def __init__(self, ranks: RankGroup | None, spec: KVSpec, storage: HostStorageMover | None) -> None:
         self.ranks = ranks = ranks or RankGroup.single()
-        storage = self.storage
-        self.writes_storage = storage is not None and (ranks.is_writer or is_ranked(self.spec))
+        self.spec = spec
+        self.writes_storage = storage is not None and (ranks.is_writer or is_ranked(spec))
         if ranks.world == 1:
             return
-        ranks.agree_same(self.spec.page_size)
-        ranks.agree_same(self.spec.bytes_per_token())
+        ranks.agree_same(spec.page_size)
+        ranks.agree_same(spec.bytes_per_token())
         ranks.agree_same(int(storage is not None))
         if storage is None:
             return
         mine = int.from_bytes(storage.keys.fingerprint.digest[:8], "little", signed=True)
         every = ranks.agree_min([mine if r == ranks.rank else INT64_MAX for r in range(ranks.world)])
         distinct = len(set(every))
-        if is_ranked(self.spec) and distinct != ranks.world:
+        if is_ranked(spec) and distinct != ranks.world:
             raise ConfigError(
                 f"rank {ranks.rank}: K/V differs by rank but {ranks.world} ranks have {distinct} storage "
                 "keys: build each rank's fingerprint with its rank (RankGroup.fingerprint)"
             )
-        if not is_ranked(self.spec) and distinct != 1:
+        if not is_ranked(spec) and distinct != 1:
             raise ConfigError(
-                f"rank {ranks.rank}: every rank holds the same bytes ({self.spec.name}) but the ranks "
+                f"rank {ranks.rank}: every rank holds the same bytes ({spec.name}) but the ranks "
                 f"have {distinct} storage keys: build them from one model, config and spec"
             )
 
-    def _agree_match(
-        self: TierState, key: np.ndarray, device_nodes: list[Node], host_nodes: list[Node]
+    def match(
+        self,
+        key: np.ndarray,
+        device_nodes: list[Node],
+        host_nodes: list[Node],
+        root: Node,
+        storage: Lookup | None,
     ) -> tuple[list[Node], list[Node], list[bytes], np.ndarray]:
         """The match every rank holds: its device and host nodes, the storage pages' hashes and tokens."""
         ps = self.spec.page_size
@@ -92,7 +103,8 @@ class RankAgreement:
             d = sum(len(n) for n in device_nodes)
             t = d + sum(len(n) for n in host_nodes)
             path = device_nodes + host_nodes
-            hashes, found = self._lookup(key, t, path[-1] if path else self.tree.root)
+            last = path[-1] if path else root
+            hashes, found = storage.lookup(key, t, last) if storage is not None else ([], key[:0])
             if self.ranks.world == 1:
                 return device_nodes, host_nodes, hashes, found
             low_d, low_t, low_s, neg_high_d, neg_high_t = self.ranks.agree_min([d, t, len(hashes), -d, -t])
@@ -100,25 +112,30 @@ class RankAgreement:
                 return device_nodes, host_nodes, hashes[:low_s], found[: low_s * ps]
             device_nodes, host_nodes = _cut(device_nodes, host_nodes, low_d, low_t)
 
-    def _agree_device_alloc(
-        self: TierState, got: tuple[torch.Tensor, list[tuple[int, int]]] | None, n: int
+    def device_alloc(
+        self,
+        got: tuple[torch.Tensor, list[tuple[int, int]]] | None,
+        n: int,
+        free: Callable[[torch.Tensor], None],
+        available: int,
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """`got` (an allocation of `n` device slots, None: short) where every rank got one, else
-        `CacheFullError` on every rank (the slots given back)."""
+        `CacheFullError` on every rank (the slots given back through `free`); `available`: the
+        slots free here, for the message."""
         everyone = self.ranks.world == 1 or self.ranks.agree_min([int(got is not None)])[0] == 1
         if got is not None and everyone:
             return got
         if got is not None:
-            self.device_alloc.free(got[0])
+            free(got[0])
             raise CacheFullError(
                 f"{n} device slots needed: rank {self.ranks.rank} has them, another rank not"
             )
         raise CacheFullError(
-            f"{n} device slots needed, {self.device_alloc.available()} free after evicting every "
+            f"{n} device slots needed, {available} free after evicting every "
             f"unlocked node (rank {self.ranks.rank} of {self.ranks.world})"
         )
 
-    def _agree_pages(self: TierState, pages: int) -> int:
+    def pages(self, pages: int) -> int:
         """The least of every rank's `pages` (a prefetch's)."""
         return pages if self.ranks.world == 1 else self.ranks.agree_min([pages])[0]
 

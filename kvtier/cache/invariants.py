@@ -1,32 +1,31 @@
-"""`check(controller)`: the cache's invariants, each broken one raised as `InvariantError`.
+"""`check(...)`: the cache's invariants, over its collaborators, each broken one raised as `InvariantError`.
 
 O(cache): for tests and debugging, never on a hot path. What it checks:
 - every slot of a tier is free or owned exactly once (by a node, or by a request's hold);
 - the allocators agree with the owners;
 - every node's lock count equals the leases and loads in flight that hold its path;
-- each node's slots, runs and transfer fit its state, and device residency is closed
-  under prefixes;
+- each node's host runs describe its host slots, and device residency is closed under
+  prefixes;
 - the eviction queues hold exactly each tier's nodes, and no node's priority is above
   its parent's in a tier (the rule eviction's cost rests on);
 - a node on both tiers holds identical bytes in both (`compare_bytes`);
-- storage: a FETCHING node is a locked leaf whose `io` is a fetch the cache tracks; a
-  node's `io` is otherwise a store the cache tracks, over host slots it has; page hashes
-  count the node's pages.
+- each node's state fits its slots and what is in flight: device slots exactly when
+  `on_device`, host slots exactly when `on_host`, a transfer exactly when `backing_up*` or
+  `loading*`, a fetch the storage tier tracks exactly when `fetching` (a locked leaf), a
+  store it tracks exactly when `*_storing`; stored states only with a storage tier; page
+  hashes count the node's pages.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
+from kvtier.cache.compose import CacheParts
+from kvtier.cache.handles import Lease
 from kvtier.cache.radix import Node, NodeState
 from kvtier.errors import InvariantError
 from kvtier.pool.rows import as_words
-
-if TYPE_CHECKING:
-    from kvtier.cache.manager import CacheController
 
 
 def _require(ok: object, message: str) -> None:
@@ -34,24 +33,25 @@ def _require(ok: object, message: str) -> None:
         raise InvariantError(message)
 
 
-def check(c: CacheController, compare_bytes: bool = True) -> None:
+def check(c: CacheParts, leases: list[Lease], compare_bytes: bool = True) -> None:
     """Raise `InvariantError` naming the first broken invariant."""
-    c.device_alloc.check_invariants()
-    c.host_alloc.check_invariants()
+    if c.device.allocator is not None:  # (none where the engine owns the device)
+        c.device.allocator.check_invariants()
+    c.host.allocator.check_invariants()
     nodes = c.tree.nodes()
     for n in nodes:
-        _check_node(c, n, c.spec.page_size)
+        _check_node(c, n, c.tree.page_size)
     _check_owners(c, nodes)
-    _check_locks(c, nodes)
+    _check_locks(c, leases, nodes)
     _check_queues(c, nodes)
     _check_storage(c, nodes)
     if compare_bytes:
         for n in nodes:
-            if n.state is NodeState.BOTH:
+            if n.state.both:
                 _check_same_bytes(c, n)
 
 
-def _check_owners(c: CacheController, nodes: list[Node]) -> None:
+def _check_owners(c: CacheParts, nodes: list[Node]) -> None:
     device_owner = np.zeros(c.device_pool.num_slots, dtype=np.int64)
     host_owner = np.zeros(c.host_pool.num_slots, dtype=np.int64)
     for n in nodes:
@@ -60,25 +60,25 @@ def _check_owners(c: CacheController, nodes: list[Node]) -> None:
         if n.host_slots is not None:
             np.add.at(host_owner, n.host_slots.numpy(), 1)
     held = np.zeros(c.device_pool.num_slots, dtype=bool)
-    held[c.held_slots()] = True
+    held[c.device.held_slots()] = True
     _require(not (held & (device_owner > 0)).any(), "a device slot is both held by a request and in the tree")
     owned = device_owner + held
     _require(owned.max(initial=0) <= 1, "a device slot is owned twice")
     _require(
-        (owned.astype(bool) == c.device_alloc.allocated_mask()).all(),
+        c.device.allocator is None or (owned.astype(bool) == c.device.allocator.allocated_mask()).all(),
         "device allocator disagrees with owners",
     )
     _require(host_owner.max(initial=0) <= 1, "a host slot is owned by two nodes")
     _require(
-        (host_owner.astype(bool) == c.host_alloc.allocated_mask()).all(),
+        (host_owner.astype(bool) == c.host.allocator.allocated_mask()).all(),
         "host allocator disagrees with owners",
     )
 
 
-def _check_locks(c: CacheController, nodes: list[Node]) -> None:
+def _check_locks(c: CacheParts, leases: list[Lease], nodes: list[Node]) -> None:
     expected = {n.id: 0 for n in nodes}
-    holders = [lease.node for lease in c.active_leases()]
-    holders += [h.nodes[-1] for _, _, h in c.in_flight() if h is not None]
+    holders = [lease.node for lease in leases]
+    holders += [h.nodes[-1] for _, _, h in c.moves.inflight.records() if h is not None]
     for node in holders:
         for n in node.path():
             expected[n.id] = expected.get(n.id, 0) + 1
@@ -86,12 +86,10 @@ def _check_locks(c: CacheController, nodes: list[Node]) -> None:
         _require(n.lock == expected[n.id], f"{n}: lock {n.lock}, leases and loads say {expected[n.id]}")
 
 
-def _check_queues(c: CacheController, nodes: list[Node]) -> None:
-    for queue, member, tier in (
-        (c.device_queue, lambda n: n.state.on_device, "device"),
-        (c.host_queue, lambda n: n.state is NodeState.HOST, "host"),
-    ):
-        want = {n.id for n in nodes if member(n)}
+def _check_queues(c: CacheParts, nodes: list[Node]) -> None:
+    for t in (c.device, c.host):
+        queue, tier = t.queue, t.name
+        want = {n.id for n in nodes if t.holds(n)}
         have = {n.id for n in queue.nodes()}
         _require(want == have, f"the {tier} queue holds {sorted(have ^ want)[:10]} wrongly")
         for n in queue.nodes():
@@ -101,21 +99,25 @@ def _check_queues(c: CacheController, nodes: list[Node]) -> None:
                 _require(parent_rank >= rank, f"{n} ranks {rank} above its parent's {parent_rank} ({tier})")
 
 
-def _check_storage(c: CacheController, nodes: list[Node]) -> None:
-    fetching = {id(node) for _, node, _ in c._fetching.values()}
-    storing = {id(n) for _, group in c._storing.values() for n in group}
+def _check_storage(c: CacheParts, nodes: list[Node]) -> None:
+    st = c.storage
+    fetching = {id(node) for _, node, _ in st.fetching()} if st is not None else set()
+    storing = {id(n) for _, group in st.storing() for n in group} if st is not None else set()
     for n in nodes:
+        s = n.state
         if n.page_hashes is not None:
-            _require(len(n.page_hashes) * c.spec.page_size == len(n), f"{n}: page hashes for another length")
-        if n.state is NodeState.FETCHING:
-            _require(id(n) in fetching and n.io is not None, f"{n}: fetching with no fetch tracked")
+            _require(len(n.page_hashes) * c.tree.page_size == len(n), f"{n}: page hashes for another length")
+        _require(st is not None or not (s.stored or s.storing), f"{n}: {s.value} with no storage tier")
+        tracked = id(n) in fetching
+        _require((s is NodeState.FETCHING) == tracked, f"{n}: {s.value}, a fetch tracked: {tracked}")
+        if s is NodeState.FETCHING:
             _require(n.lock > 0 and not n.children, f"{n}: a fetching node must be a locked leaf")
-        elif n.io is not None:
-            _require(id(n) in storing, f"{n}: storage I/O {n.io} the cache does not track")
-            _require(n.host_slots is not None, f"{n}: a store over host slots it does not have")
+            _require(n.page_hashes is not None, f"{n}: fetched without its page hashes")
+        on_record = id(n) in storing and st.store_of(n) is not None
+        _require(s.storing == on_record, f"{n}: {s.value}, a store tracked: {on_record}")
 
 
-def _check_node(c: CacheController, n: Node, ps: int) -> None:
+def _check_node(c: CacheParts, n: Node, ps: int) -> None:
     _require(n.state is not NodeState.DROPPED, f"{n} is dropped but still in the tree")
     _require(len(n.key) > 0 and len(n.key) % ps == 0, f"{n}: key of {len(n.key)} tokens")
     _require(n.parent is not None, f"{n}: no parent")
@@ -131,12 +133,12 @@ def _check_node(c: CacheController, n: Node, ps: int) -> None:
         _require(runs == n.host_slots.tolist(), f"{n}: host runs do not describe its host slots")
     else:
         _require(n.host_slots is None, f"{n}: host slots on a device-only node")
-    in_flight = n.state in (NodeState.BACKING_UP, NodeState.LOADING)
+    in_flight = n.state.backing_up or n.state.loading
     _require((n.transfer is not None) == in_flight, f"{n}: transfer {n.transfer} in state {n.state}")
 
 
-def _check_same_bytes(c: CacheController, n: Node) -> None:
-    for b in c.spec.buffers:
+def _check_same_bytes(c: CacheParts, n: Node) -> None:
+    for b in c.device_pool.spec.buffers:
         for layer in b.layers:
             dev = as_words(c.device_pool.layer(b.name, layer))[n.device_slots.to(c.device_pool.device)].cpu()
             host = as_words(c.host_pool.gather(b.name, layer, n.host_slots))

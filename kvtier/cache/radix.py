@@ -1,7 +1,7 @@
 """A radix tree over token ids, at page granularity, whose nodes know which tier holds them.
 
 The tree owns structure only: keys, children, parents, each node's slots per tier,
-its state, lock count and last access. It moves no bytes and allocates nothing; the
+its state (`kvtier.cache.states`), lock count and last access. It moves no bytes and allocates nothing; the
 controller does both and keeps the tree's invariants:
 
 - every key is a whole number of pages; a child's key starts with a page no sibling
@@ -19,42 +19,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvtier.cache.states import INITIAL, Event, NodeState, transition
 from kvtier.errors import ConfigError, InvariantError, SlotError
 
 if TYPE_CHECKING:
     from kvtier.cache.movers import Transfer
-
-
-class NodeState(str, Enum):
-    """Where a node's KV lives, including transfers in flight."""
-
-    DEVICE = "device"  # device only
-    BACKING_UP = "backing_up"  # device, host copy in flight
-    BOTH = "both"  # device and host, identical
-    HOST = "host"  # host only
-    LOADING = "loading"  # host, device copy in flight
-    FETCHING = "fetching"  # host slots allocated, bytes in flight from storage (not yet readable)
-    DROPPED = "dropped"  # removed from the tree
-
-    @property
-    def on_device(self) -> bool:
-        return self in (NodeState.DEVICE, NodeState.BACKING_UP, NodeState.BOTH, NodeState.LOADING)
-
-    @property
-    def on_host(self) -> bool:
-        return self in (
-            NodeState.BACKING_UP,
-            NodeState.BOTH,
-            NodeState.HOST,
-            NodeState.LOADING,
-            NodeState.FETCHING,
-        )
 
 
 _ids = itertools.count(1)
@@ -69,10 +43,9 @@ class Node:
     node has no copy (or one still in flight for `host_slots` while `BACKING_UP`:
     allocated, not yet valid). `host_runs`: `host_slots` as `(first slot, length)`
     runs in order, kept with them so a reload is planned without a pass over the
-    slots. `transfer`: the device <-> host transfer in flight, if any. Storage:
-    `page_hashes` (each page's chained hash, computed when first needed), `stored` (every
-    page is in storage), `io` (the storage read or write in flight over its host slots),
-    `evict_when_stored` (a write-back eviction waits for that write).
+    slots. `transfer`: the device <-> host transfer in flight, if any. `page_hashes`:
+    each page's chained storage hash, computed when first needed. `state` changes only
+    through `kvtier.cache.states.transition`.
     """
 
     key: np.ndarray
@@ -87,9 +60,6 @@ class Node:
     hits: int = 0
     transfer: Transfer | None = None
     page_hashes: list[bytes] | None = None
-    stored: bool = False
-    io: object | None = None
-    evict_when_stored: bool = False
     id: int = field(default_factory=lambda: next(_ids))
 
     def __len__(self) -> int:
@@ -172,8 +142,6 @@ class RadixTree:
             hits=node.hits,
             transfer=node.transfer,
             page_hashes=None if node.page_hashes is None else node.page_hashes[: at // self.page_size],
-            stored=node.stored,
-            io=node.io,
         )
         parent.children[self.page_key(node.key)] = head
         node.key = node.key[at:]
@@ -191,6 +159,8 @@ class RadixTree:
 
     def add_child(self, parent: Node, key: np.ndarray, device_slots: torch.Tensor | None, **fields) -> Node:
         """A new leaf under `parent` (a device node unless `fields` say otherwise)."""
+        if fields.get("state", NodeState.DEVICE) not in INITIAL:
+            raise InvariantError(f"a new node starts in one of {sorted(s.value for s in INITIAL)}")
         node = Node(key=key, parent=parent, device_slots=device_slots, last_access=self.tick(), **fields)
         parent.children[self.page_key(key)] = node
         return node
@@ -199,8 +169,8 @@ class RadixTree:
         """Detach a leaf."""
         if node.children or node.parent is None:
             raise InvariantError(f"remove of {node}: only a leaf under a parent is removed")
+        transition(node, Event.DROP)  # (first: a refused drop changes nothing)
         del node.parent.children[self.page_key(node.key)]
-        node.state = NodeState.DROPPED
         node.device_slots = None
         node.host_slots = None
         node.host_runs = None

@@ -1,108 +1,184 @@
-"""The manager's decisions about the storage tier: what to look up, prefetch, write and when.
+"""The storage tier's bookkeeping: what to look up, prefetch and write, and the I/O in flight.
 
-`StorageTransitions` is the part of `TierState` that drives a `HostStorageMover`; it never
-reads or writes a byte itself. Storage holds pages the tree may no longer know: a `match`
-walks the tree, then asks storage (one `lookup`) how many of the following pages it holds.
+`StorageTier` drives a `HostStorageMover` and never reads or writes a byte itself. Storage
+holds pages the tree may no longer know: a `match` walks the tree, then asks storage (one
+`lookup`) how many of the following pages it holds.
 
-    acquire: leading storage pages -> a FETCHING leaf (fresh host slots, locked by the lease)
+    acquire: leading storage pages -> a `fetching` leaf (fresh host slots, locked by the lease)
     load_back: wait as the prefetch policy says, stop the fetch, keep what arrived:
-               FETCHING --arrived--> HOST (the rest of its slots freed, the leaf cut)
-    write_through: BACKING_UP --signal--> BOTH --store--> stored
-    write_back: HOST leaf chosen for eviction, not stored --store--> stored --> dropped
+               fetching --arrived--> host_stored (the rest dropped: its slots freed, the leaf cut)
+    write_through: backing_up --backed_up--> both --store--> both_storing --stored--> both_stored
+    write_back: a `host` leaf chosen for eviction --write_back--> host_writing_back
+               --stored (or store_failed)--> host_stored (or host) --> dropped
 
-Rules: a FETCHING node is a locked leaf that no other call splits, loads or inserts into;
-its slots are freed only once its fetch is idle. A node whose host slots a store reads
-(`io`) is not evicted from the host, and freeing those slots first waits for the store.
-Writes beyond `max_pending_write_tokens` are dropped (counted), so a slow store never
-blocks a request.
+(`kvtier.cache.states` has every transition.) Rules: a `fetching` node is a locked leaf
+that no other call splits, loads or inserts into; its slots are freed only once its fetch
+is idle. A `*_storing` node is not evicted from the host, and freeing its host slots first
+waits for the write. Writes beyond `max_pending_write_tokens` are dropped (counted), so a
+slow store never blocks a request. The nodes whose write-back write ended are handed back
+to the caller (`poll`, `finish`), which drops them; a failed write-back is dropped too, and
+tried again only if the node is evicted again later.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import numpy as np
+import torch
 
 from kvtier.cache.handles import Lease, Match
-from kvtier.cache.radix import Node, NodeState
+from kvtier.cache.metrics import CacheMetrics
+from kvtier.cache.radix import Node, RadixTree
+from kvtier.cache.states import Event, NodeState, transition
 from kvtier.cache.storage_mover import Fetch, HostStorageMover, Store
+from kvtier.cache.tiers import HostTier, Tier
 from kvtier.errors import InvariantError
+from kvtier.spec import KVSpec
 from kvtier.storage.config import PrefetchPolicy, StorageWrite
-
-if TYPE_CHECKING:
-    from kvtier.cache.tiers import TierState
 
 log = logging.getLogger(__name__)
 
 
-class StorageTransitions:
-    """Storage's half of `TierState`'s transitions (see the module docstring)."""
+class StorageTier(Tier):
+    """The tier below the host, over `mover` (see the module docstring).
 
-    storage: HostStorageMover | None
+    As a `Tier`: it holds the nodes whose pages it stores; its room is the write budget
+    (`max_pending_write_tokens`: `alloc` / `free` of tokens being written); it evicts
+    nothing (a backend ages its pages out itself). `bind` gives it the cache's tree and
+    host tier before any call: `writes`, whether this rank writes pages
+    (`RankAgreement.writes_storage`); `agree_pages`, the least of every rank's page count;
+    `place`, re-queue a node whose state changed; `touch`, mark a path used now.
+    """
 
-    def _init_storage(self: TierState, storage: HostStorageMover | None) -> None:
-        self.storage = storage
-        self._fetching: dict[int, tuple[Fetch, Node, Lease]] = {}
-        self._storing: dict[int, tuple[Store, list[Node]]] = {}
-        self._pending_write_tokens = 0
+    name = "storage"
+
+    def __init__(self, mover: HostStorageMover) -> None:
+        self.mover, self.config, self.metrics = mover, mover.config, mover.metrics
+        self._fetching: dict[int, tuple[Fetch, Node, Lease]] = {}  # by id(fetch)
+        self._storing: dict[int, tuple[Store, list[Node]]] = {}  # by id(store)
+        self._store_of: dict[int, Store] = {}  # by node id: the write reading its host slots
+        self.pending_write_tokens = 0
+
+    def bind(
+        self,
+        spec: KVSpec,
+        tree: RadixTree,
+        host: HostTier,
+        metrics: CacheMetrics,
+        *,
+        writes: bool,
+        agree_pages: Callable[[int], int],
+        place: Callable[[Node], None],
+        touch: Callable[[list[Node]], None],
+    ) -> None:
+        self.spec, self.tree, self.host, self.cache_metrics = spec, tree, host, metrics
+        self.writes = writes
+        self._agree_pages, self._place, self._touch = agree_pages, place, touch
+
+    # -- the tier's interface -------------------------------------------------------------
+
+    def holds(self, n: Node) -> bool:
+        return n.state.stored
+
+    def alloc(self, n: int) -> int | None:
+        """`n` tokens of the write budget, or None (counted as a dropped write) where they would pass it."""
+        if self.pending_write_tokens + n > self.config.max_pending_write_tokens:
+            self.metrics.add("writes_dropped")
+            return None
+        self.pending_write_tokens += n
+        return n
+
+    def free(self, n: int) -> None:
+        self.pending_write_tokens -= n
+
+    def candidates(self) -> Iterator[Node]:
+        return iter(())
+
+    @property
+    def write_through(self) -> bool:
+        return self.config.write is StorageWrite.WRITE_THROUGH
+
+    def fetching(self) -> list[tuple[Fetch, Node, Lease]]:
+        return list(self._fetching.values())
+
+    def storing(self) -> list[tuple[Store, list[Node]]]:
+        return list(self._storing.values())
+
+    def split(self, tail: Node, head: Node) -> None:
+        """`head`, split off `tail` which a store reads, is stored by that store too."""
+        store = self._store_of.get(tail.id)
+        if store is not None:
+            self._store_of[head.id] = store
+            self._storing[id(store)][1].append(head)
+
+    def store_of(self, n: Node) -> Store | None:
+        return self._store_of.get(n.id)
+
+    def _fetch_of(self, n: Node) -> Fetch | None:
+        return next((f for f, node, _ in self._fetching.values() if node is n), None)
 
     # -- keys --------------------------------------------------------------------------
 
-    def _hashes(self: TierState, n: Node) -> list[bytes]:
+    def hashes(self, n: Node) -> list[bytes]:
         """`n`'s page hashes, computing (and keeping) those of its path where missing."""
         path = []
         node = n
         while not node.is_root and node.page_hashes is None:
             path.append(node)
             node = node.parent
+        keys = self.mover.keys
         for m in reversed(path):
-            parent = self.storage.keys.root if m.parent.is_root else m.parent.page_hashes[-1]
-            m.page_hashes = self.storage.keys.chain(parent, m.key)
+            parent = keys.root if m.parent.is_root else m.parent.page_hashes[-1]
+            m.page_hashes = keys.chain(parent, m.key)
         return n.page_hashes if not n.is_root else []
 
     # -- lookup and prefetch -----------------------------------------------------------
 
-    def _lookup(self: TierState, key: np.ndarray, matched: int, last: Node) -> tuple[list[bytes], np.ndarray]:
+    def lookup(self, key: np.ndarray, matched: int, last: Node) -> tuple[list[bytes], np.ndarray]:
         """The hashes and tokens of the leading pages of `key[matched:]` that storage holds."""
         rest = key[matched:]
-        if self.storage is None or not len(rest) or last.state is NodeState.FETCHING:
+        if not len(rest) or last.state is NodeState.FETCHING:
             return [], rest[:0]
         if any(c.state is NodeState.FETCHING for c in last.children.values()):
             return [], rest[:0]  # a fetch of (part of) these pages is already in flight
         if len(rest) >= self.spec.page_size and self.tree.page_key(rest) in last.children:
             return [], rest[:0]  # the tree holds the next page: a match cut to agree with other ranks
-        parent = self._hashes(last)[-1] if not last.is_root else self.storage.keys.root
-        hashes = self.storage.keys.chain(parent, rest)
-        m = self.storage.metrics
+        parent = self.hashes(last)[-1] if not last.is_root else self.mover.keys.root
+        hashes = self.mover.keys.chain(parent, rest)
+        m = self.metrics
         m.add("lookups")
-        k = self.storage.lookup(hashes)
+        k = self.mover.lookup(hashes)
         tokens = k * self.spec.page_size
-        if 0 < tokens < self.storage.config.min_tokens:
+        if 0 < tokens < self.config.min_tokens:
             m.add("skipped_short_tokens", tokens)
             return [], rest[:0]
         found = rest[:tokens].copy()
         found.flags.writeable = False  # it becomes a node's key
         return hashes[:k], found
 
-    def _start_fetch(self: TierState, match: Match, lease: Lease) -> None:
-        """Give the match's storage pages host slots and start reading them (see the module docstring).
+    def start_fetch(
+        self, match: Match, lease: Lease, got: tuple[torch.Tensor, list[tuple[int, int]]] | None
+    ) -> None:
+        """Start reading the match's storage pages into host slots `got` (see the module docstring).
 
-        The pages fetched are those every rank has host slots for (`_agree_pages`).
+        The pages fetched are those every rank has host slots for (`agree_pages`); `got` is
+        None where the pages were inserted since the match (nothing to fetch, but the ranks
+        still agree) or the host has no room for a page.
         """
         ps = self.spec.page_size
         want = len(match.storage_hashes) * ps
         inserted = self.tree.page_key(match.storage_key) in match.last_node.children
-        got = None if inserted else self._host_slots_for_fetch(want)
         pages = self._agree_pages(len(got[0]) // ps if got is not None else 0)
         if got is not None and pages * ps < len(got[0]):
-            self.host_alloc.free(got[0])
-            got = self.host_alloc.alloc_runs(pages * ps) if pages else None
+            self.host.free(got[0])
+            got = self.host.alloc(pages * ps) if pages else None
         if inserted:
             return  # these pages were inserted since the match: nothing to fetch
         if got is None:
-            self.storage.metrics.add("prefetch_abandoned_tokens", want)
+            self.metrics.add("prefetch_abandoned_tokens", want)
             return
         slots, host_runs = got
         node = self.tree.add_child(
@@ -113,34 +189,17 @@ class StorageTransitions:
             host_slots=slots,
             host_runs=host_runs,
             page_hashes=list(match.storage_hashes[:pages]),
-            stored=True,
         )
-        self._touch(node.path(), hit=False)  # one tick for the path: no node ranks above its parent
+        self._touch(node.path())  # one tick for the path: no node ranks above its parent
         self.tree.lock_path(node, +1)  # the lease now holds the path down to the fetch
         self.tree.lock_path(lease.node, -1)
         lease.node = node
-        fetch = self.storage.fetch(list(zip(node.page_hashes, slots[::ps].tolist(), strict=True)))
-        node.io = fetch
+        fetch = self.mover.fetch(list(zip(node.page_hashes, slots[::ps].tolist(), strict=True)))
         self._fetching[id(fetch)] = (fetch, node, lease)
         match.prefetch = fetch
-        self.storage.metrics.add("prefetches")
+        self.metrics.add("prefetches")
 
-    def _host_slots_for_fetch(self: TierState, want: int):
-        """Host slots (and runs) for the first whole pages of `want` tokens, evicting; None: not a page."""
-        got = self.host_alloc.alloc_runs(want)
-        if got is None:
-            self._evict_host(want - self.host_alloc.available())
-            ps = self.spec.page_size
-            pages = min(want, self.host_alloc.available()) // ps
-            got = self.host_alloc.alloc_runs(pages * ps) if pages else None
-        return got
-
-    def _take_prefetch(self: TierState, match: Match) -> Node | None:
-        """`load_back`'s end of the match's prefetch: the HOST node of what arrived on every rank."""
-        fetch, match.prefetch = match.prefetch, None
-        return self._settle_fetch(fetch, wait=True, agree=True)
-
-    def _settle_fetch(self: TierState, fetch: Fetch | None, wait: bool, agree: bool = False) -> Node | None:
+    def settle_fetch(self, fetch: Fetch | None, wait: bool, agree: bool = False) -> Node | None:
         """End `fetch` (after waiting as the policy says, with `wait`): returns its HOST node, if any.
 
         With `agree` (a collective: `load_back` on every rank) it keeps the pages that arrived
@@ -152,22 +211,21 @@ class StorageTransitions:
                 self._agree_pages(0)
             return None
         _, node, lease = rec
-        cfg = self.storage.config
+        cfg = self.config
         if wait and cfg.prefetch is PrefetchPolicy.WAIT_COMPLETE:
             fetch.wait()
         elif wait and cfg.prefetch is PrefetchPolicy.TIMEOUT:
             fetch.wait(cfg.prefetch_timeout_s(len(node)))
         fetch.stop()
         fetch.wait()  # no worker writes these slots after this
-        node.io = None
         arrived = fetch.arrived()
         arrived = (self._agree_pages(arrived) if agree else arrived) * self.spec.page_size
-        m = self.storage.metrics
+        m = self.metrics
         m.observe("prefetch_seconds", time.perf_counter() - fetch.started)
         m.add("prefetched_tokens", arrived)
         m.add("prefetch_abandoned_tokens", len(node) - arrived)  # before the cut below
-        self.metrics.storage_hit_tokens += arrived
-        self.metrics.miss_tokens -= arrived  # counted a miss by `match` until it came
+        self.cache_metrics.storage_hit_tokens += arrived
+        self.cache_metrics.miss_tokens -= arrived  # counted a miss by `match` until it came
         total = len(node)
         head = self.tree.split(node, arrived) if 0 < arrived < total else node
         if arrived < total:  # the tail that did not arrive: its slots back, the leaf cut
@@ -176,97 +234,99 @@ class StorageTransitions:
             self.tree.lock_path(keep, +1)
             self.tree.lock_path(tail, -1)
             lease.node = keep
-            self.host_alloc.free(tail.host_slots)
+            self.host.free(tail.host_slots)
             self.tree.remove(tail)
         if not arrived:
             return None
-        head.state = NodeState.HOST
-        head.io = None
+        transition(head, Event.ARRIVED)
         self._place(head)
         return head
 
-    def _settle_fetches_of(self: TierState, lease: Lease) -> None:
+    def settle_fetches_on(self, key: np.ndarray) -> None:
+        """End the fetches whose nodes lie on `key`'s path, so an insert never meets one."""
+        if not self._fetching:
+            return  # (no second walk of the tree when nothing is being fetched)
+        nodes, _, partial, _ = self.tree.walk(key)
+        for n in [*nodes, *([partial] if partial is not None else [])]:
+            if n.state is NodeState.FETCHING:
+                self.settle_fetch(self._fetch_of(n), wait=False)
+
+    def settle_fetches_of(self, lease: Lease) -> None:
         for fetch, _, held in list(self._fetching.values()):
             if held is lease:
-                self._settle_fetch(fetch, wait=False)
+                self.settle_fetch(fetch, wait=False)
 
     # -- writes ------------------------------------------------------------------------
 
-    def _store(self: TierState, n: Node, *, force: bool = False) -> bool:
-        """Start writing `n`'s host pages to storage; False where it is not (stored, busy, or dropped)."""
-        if (
-            not self.writes_storage  # no storage, or another rank writes these bytes
-            or n.stored
-            or n.io is not None
-            or n.state
-            not in (
-                NodeState.BOTH,
-                NodeState.HOST,
-            )
-        ):
+    def store(self, n: Node, *, force: bool = False, evict: bool = False) -> bool:
+        """Start writing `n`'s host pages to storage (with `evict`, a write-back eviction's); False
+        where it is not (another rank writes them, not a readable unstored host copy, over the cap)."""
+        readable = (NodeState.HOST,) if evict else (NodeState.BOTH, NodeState.HOST)
+        if not self.writes or n.state not in readable:
             return False
-        if not force and self._pending_write_tokens + len(n) > self.storage.config.max_pending_write_tokens:
-            self.storage.metrics.add("writes_dropped")
+        if force:
+            self.pending_write_tokens += len(n)
+        elif self.alloc(len(n)) is None:
             return False
         ps = self.spec.page_size
-        store = self.storage.store(list(zip(self._hashes(n), n.host_slots[::ps].tolist(), strict=True)))
-        n.io = store
+        pages = list(zip(self.hashes(n), n.host_slots[::ps].tolist(), strict=True))
+        store = self.mover.store(pages)
+        transition(n, Event.WRITE_BACK if evict else Event.STORE)
+        self._store_of[n.id] = store
         self._storing[id(store)] = (store, [n])
-        self._pending_write_tokens += len(n)
         return True
 
-    def _store_done(self: TierState, store: Store, drop: bool = True) -> None:
-        """Mark `store`'s nodes stored (or not); with `drop`, free those write-back evicts."""
+    def _store_done(self, store: Store) -> list[Node]:
+        """Mark `store`'s nodes stored (or not); returns those a write-back eviction waits for."""
         rec = self._storing.pop(id(store), None)
         if rec is None:
-            return
-        nodes = rec[1]
-        for n in nodes:
-            self._pending_write_tokens -= len(n)
-            n.io = None
-            n.stored = store.ok
-            if drop and n.evict_when_stored and n.state is NodeState.HOST and self._host_leaf(n):
-                self._drop_from_host(n)
+            return []
+        evicted = []
+        for n in rec[1]:
+            self.free(len(n))
+            del self._store_of[n.id]
+            if n.state is NodeState.HOST_WRITING_BACK:
+                evicted.append(n)
+            transition(n, Event.STORED if store.ok else Event.STORE_FAILED)
+        return evicted
 
-    def _await_io(self: TierState, n: Node) -> None:
+    def await_io(self, n: Node) -> None:
         """Wait for the storage I/O over `n`'s host slots to end (before they are freed)."""
-        if isinstance(n.io, Store):
-            n.io.wait()
-            self._store_done(n.io, drop=False)  # the caller frees the slots itself
-        elif n.io is not None:
+        store = self._store_of.get(n.id)
+        if store is not None:
+            store.wait()
+            self._store_done(store)  # the caller frees the slots itself
+        elif n.state is NodeState.FETCHING:
             raise InvariantError(f"{n}: its host slots are freed while a fetch writes them")
 
-    def _write_back(self, n: Node) -> bool:
+    def write_back(self, n: Node) -> bool:
         """Under `write_back`, start storing `n` instead of dropping it now; True when it waits."""
-        if self.storage is None or self.storage.config.write is not StorageWrite.WRITE_BACK or n.stored:
-            return False
-        if n.evict_when_stored and n.io is None:
-            return False  # its write was tried and failed: drop it now
-        if n.io is None and not self._store(n):
-            return False
-        n.evict_when_stored = True
-        return True
+        return self.config.write is StorageWrite.WRITE_BACK and self.store(n, evict=True)
 
     # -- completion --------------------------------------------------------------------
 
-    def _poll_storage(self: TierState) -> None:
+    def poll(self) -> list[Node]:
+        """Complete the writes that ended; returns the nodes write-back may drop now."""
+        out: list[Node] = []
         for store, _ in [r for r in self._storing.values() if r[0].done]:
-            self._store_done(store)
+            out += self._store_done(store)
+        return out
 
-    def _finish_stores(self: TierState) -> None:
-        """Wait for every storage write in flight and complete it."""
+    def finish(self) -> list[Node]:
+        """Wait for every write in flight and complete it; returns the nodes write-back may drop now."""
+        out: list[Node] = []
         for store, _ in list(self._storing.values()):
             store.wait()
-            self._store_done(store)
+            out += self._store_done(store)
+        return out
 
-    def _close_storage(self: TierState) -> None:
-        """Stop every fetch (keeping what arrived), write what write-back holds, finish every write."""
-        if self.storage is None:
-            return
+    def close(self) -> None:
+        """Stop every fetch (keeping what arrived), write what write-back holds, finish every write,
+        close the mover."""
         for fetch, _, _ in list(self._fetching.values()):
-            self._settle_fetch(fetch, wait=False)
-        if self.storage.config.write is StorageWrite.WRITE_BACK:
+            self.settle_fetch(fetch, wait=False)
+        if self.config.write is StorageWrite.WRITE_BACK:
             for n in self.tree.nodes():
-                self._store(n, force=True)
-        self._finish_stores()
-        self.storage.close()
+                self.store(n, force=True)
+        self.finish()
+        self.mover.close()
