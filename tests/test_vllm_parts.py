@@ -1,0 +1,166 @@
+"""The parts of kvtier's vLLM connector that need no vLLM: the options, the scheduler's page
+index and plans, and the worker's host pool with a real file store (byte-identical moves into
+poisoned blocks, damaged pages refused)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.blocks import BlockViews, HostBlocks, byte_views
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler, HostIndex
+from kvtier.storage.backend import open_backend
+from kvtier.storage.keys import Fingerprint, PageKeys
+
+BS = 4
+KEYS = PageKeys(Fingerprint(b"f" * 16), BS)
+
+
+def test_options_are_checked_before_anything_starts() -> None:
+    assert ConnectorConfig.from_extra(None) == ConnectorConfig()
+    assert ConnectorConfig.from_extra({"host_gb": 2, "storage": "file:///tmp/x"}).host_gb == 2.0
+    for bad in (
+        {"host_gb": 0},
+        {"host_gb": True},
+        {"storage": ""},
+        {"hostgb": 1},
+        {"max_pending_writes": -1},
+    ):
+        with pytest.raises(ConfigError):
+            ConnectorConfig.from_extra(bad)
+
+
+def test_the_host_index_reuses_the_least_recently_used_slot_not_busy() -> None:
+    index = HostIndex(2)
+    a, b = index.take(set()), index.take(set())
+    index.put(b"a", a)
+    index.put(b"b", b)
+    index.touch(b"a")  # b is now the least recently used
+    assert index.take(set()) == b and b"b" not in index and index.evictions == 1
+    assert index.take({a}) is None  # the only indexed slot is busy
+    with pytest.raises(ConfigError):
+        HostIndex(0)
+
+
+class Tokens(dict):
+    def __call__(self, req_id: str) -> list[int]:
+        return self[req_id]
+
+
+def test_the_scheduler_saves_completed_blocks_and_answers_whole_blocks_before_the_last_token() -> None:
+    tokens = Tokens(r1=list(range(14)), r2=[*range(14), 99])
+    sched = ConnectorScheduler(BS, 8, KEYS, tokens)
+    assert sched.match("r1", 0) == 0
+    sched.scheduled("r1", [10, 11, 12, 13], True, 14)  # the prefill: 3 whole blocks of 14 tokens
+    plan = sched.take_plan()
+    assert [(s.block, s.store) for s in plan.saves] == [(10, False), (11, False), (12, False)]
+    # The same first 14 tokens: 3 blocks held, but the block of the last prompt token is computed.
+    assert sched.match("r2", 0) == 12
+    assert sched.match("r2", 4) == 8  # vLLM's own cache had the first block
+    sched.allocated("r2", [20, 21, 22, 23], 8)
+    plan = sched.take_plan()
+    assert [(ld.block, ld.from_storage) for ld in plan.loads] == [(21, False), (22, False)]
+    assert {ld.slot for ld in plan.loads} == {s.slot for s in sched_saved(sched, [1, 2], tokens)}
+
+
+def sched_saved(sched: ConnectorScheduler, blocks: list[int], tokens: Tokens):
+    class S:
+        def __init__(self, slot: int) -> None:
+            self.slot = slot
+
+    hashes = KEYS.chain(KEYS.root, np.array(tokens["r1"][:12]))
+    return [S(sched.index.slot(hashes[b])) for b in blocks]
+
+
+def test_storage_hits_load_through_staging_slots_and_are_not_stored_again() -> None:
+    tokens = Tokens(r=list(range(9)))
+    stored_keys: list[list[str]] = []
+
+    def stored(keys: list[str]) -> int:
+        stored_keys.append(keys)
+        return len(keys)
+
+    sched = ConnectorScheduler(BS, 4, KEYS, tokens, stored)
+    assert sched.match("r", 0) == 8
+    assert stored_keys == [KEYS.keys(KEYS.chain(KEYS.root, np.arange(8)))]
+    sched.allocated("r", [5, 6, 7], 8)
+    sched.scheduled("r", [5, 6, 7], True, 9)
+    plan = sched.take_plan()
+    assert [ld.from_storage for ld in plan.loads] == [True, True]
+    assert {ld.slot for ld in plan.loads}.isdisjoint({s.slot for s in plan.saves})
+    assert [(s.block, s.store) for s in plan.saves] == [(5, False), (6, False)]
+    assert len(sched.index) == 2  # the staging slots are free again, the saved pages indexed
+
+
+def kv_layers(num_blocks: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Two layers in vLLM's CPU shape `[blocks, heads, block, 2 * head_dim]` and one in the CUDA
+    shape `[2, blocks, block, heads, head_dim]`, random bf16."""
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    return {
+        "l0": rand(num_blocks, 2, BS, 16),
+        "l1": rand(num_blocks, 2, BS, 16),
+        "l2": rand(2, num_blocks, BS, 2, 8),
+    }
+
+
+def test_blocks_round_trip_through_host_and_storage_bit_for_bit(tmp_path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    src = kv_layers(6, gen)
+    views = BlockViews(src, 6)
+    assert [len(v) for v in views.views.values()] == [1, 1, 2]
+    backend = open_backend(f"file://{tmp_path}")
+    host = HostBlocks(views, 4, KEYS, backend)
+    pages = KEYS.chain(KEYS.root, np.arange(2 * BS))
+    for name in src:
+        host.save_layer(name, [1, 4], [0, 3])
+    host.store(0, pages[0])
+    host.store(3, pages[1])
+    host.flush()
+    assert host.counts["stored"] == 2
+    # Another worker: its blocks poisoned, its host rows too.
+    dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
+    other = HostBlocks(BlockViews(dst, 6), 4, KEYS, open_backend(f"file://{tmp_path}"))
+    other.rows.fill_(0xA5)
+    assert other.read(2, pages[1]) and other.read(1, pages[0])
+    other.load([0, 5], [1, 2])
+    for name in src:
+        got, want = dst[name], src[name]
+        if got.shape[0] == 2 and name == "l2":
+            got, want = got.transpose(0, 1), want.transpose(0, 1)
+        assert torch.equal(got[0].view(torch.int16), want[1].view(torch.int16))
+        assert torch.equal(got[5].view(torch.int16), want[4].view(torch.int16))
+        assert torch.isnan(got[2].float()).all()  # untouched
+    host.close()
+    other.close()
+
+
+def test_a_damaged_or_foreign_page_is_refused(tmp_path) -> None:
+    gen = torch.Generator().manual_seed(1)
+    src = kv_layers(3, gen)
+    host = HostBlocks(BlockViews(src, 3), 2, KEYS, open_backend(f"file://{tmp_path}"))
+    page = KEYS.chain(KEYS.root, np.arange(BS))[0]
+    for name in src:
+        host.save_layer(name, [0], [0])
+    host.store(0, page)
+    host.flush()
+    (path,) = [p for p in tmp_path.rglob("*") if p.is_file()]
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 1
+    path.write_bytes(bytes(data))
+    assert not host.read(1, page) and host.counts["storage_rejected"] == 1
+    foreign = PageKeys(Fingerprint(b"g" * 16), BS)
+    assert not HostBlocks(BlockViews(src, 3), 2, foreign, open_backend(f"file://{tmp_path}")).read(0, page)
+    host.close()
+
+
+def test_tensors_without_a_block_dimension_are_refused() -> None:
+    with pytest.raises(ConfigError, match="no block dimension"):
+        byte_views(torch.zeros(3, 5), 4)
+    with pytest.raises(ConfigError, match="contiguous"):
+        byte_views(torch.zeros(4, 6)[:, ::2], 4)

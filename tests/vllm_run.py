@@ -1,0 +1,52 @@
+"""One vLLM engine (its CPU build) with or without kvtier's connector, run by
+tests/test_vllm_connector.py in the interpreter of a venv that has vLLM (`KVTIER_VLLM_PYTHON`).
+
+Usage: python tests/vllm_run.py '{"model": DIR, "store": PATH|null, "prefix_caching": bool,
+"host_gb": float, "runs": N, "max_tokens": N}' -> one JSON line per run: the greedy tokens and the
+tokens vLLM counted as cached. The prompt is fixed (1,536 tokens of SmolLM2, 12 blocks of 128).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PROMPT = "Summarise this list: " + " ".join(f"word{i % 97} thing{i % 13}" for i in range(300))
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    extra = {"host_gb": args.get("host_gb", 0.25)}
+    if args.get("store"):
+        extra["storage"] = "file://" + args["store"]
+    transfer = KVTransferConfig(
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
+    llm = LLM(
+        model=args["model"],
+        enforce_eager=True,
+        enable_prefix_caching=args.get("prefix_caching", False),
+        kv_transfer_config=transfer,
+        max_model_len=2048,
+        block_size=128,
+    )
+    params = SamplingParams(temperature=0, max_tokens=args.get("max_tokens", 12))
+    for _ in range(args.get("runs", 1)):
+        out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+        row = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
+        row["prompt"] = len(out.prompt_token_ids)
+        print("RESULT " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
