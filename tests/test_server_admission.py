@@ -23,8 +23,8 @@ import httpx  # noqa: E402
 from served import MESSAGES, MODEL, serving, tiny_model, tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine  # noqa: E402
-from kvtier.engine.server import create_app  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.server.app import create_app  # noqa: E402
 
 LIMIT = 4096  # bytes of body the admission tests' servers take
 CHAT = "/v1/chat/completions"

