@@ -165,6 +165,7 @@ def test_every_subcommand_parses_with_its_defaults() -> None:
     for args in (demo, serve):  # the engine's own defaults
         assert (args.dtype, args.max_num_seqs, args.max_num_batched_tokens) == ("auto", 64, 2048)
     assert (serve.max_queue, serve.request_timeout, serve.max_body_mb) == (256, 600.0, 16.0)
+    assert (serve.body_timeout, serve.shutdown_timeout) == (15.0, 5.0)
     transfer = p.parse_args(["bench", "transfer"])
     assert (
         transfer.host_sets == transfer_sets.HOST_SETS and transfer.variants == transfer_sets.DEFAULT_VARIANTS

@@ -43,7 +43,7 @@ from kvtier.cli.args import (
 )
 from kvtier.cli.bench_args import add_bench
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.server.limits import API_KEY_ENV
+from kvtier.server.limits import API_KEY_ENV, SHUTDOWN_TIMEOUT_S, Limits
 
 # The function `command(args) -> int` that runs each command, as `module:function`.
 COMMANDS = {
@@ -166,6 +166,20 @@ def _serve(sub) -> None:
         default=600.0,
         metavar="SECONDS",
         help="a request running longer is answered 504",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=Limits.body_timeout_s,
+        metavar="SECONDS",
+        help="a request body not wholly arrived this long after its headers is answered 408",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long requests in flight may run before they are cancelled",
     )
     s.add_argument(
         "--max-body-mb",

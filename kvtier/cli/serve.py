@@ -2,8 +2,10 @@
 
 The port is bound before the model loads: a port in use is refused at once. With `--tp N`,
 the other ranks are started first (`kvtier.cli.tensor_parallel`). uvicorn serves the app
-(`kvtier.server.app`); on SIGTERM or Ctrl-C it shuts down gracefully, the app's shutdown
-closes the engine (pending storage writes flushed), and the command exits 0.
+(`kvtier.server.app`). SIGTERM or Ctrl-C starts a bounded shutdown: uvicorn stops accepting
+connections, the app answers 503 to new requests, lets what runs or waits go on for
+`--shutdown-timeout` seconds and cancels what is left (each answered 503); then the app's
+shutdown closes the engine (pending storage writes flushed) and the command exits 0.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 from argparse import Namespace
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,23 @@ from kvtier.errors import ConfigError
 from kvtier.server.app import create_app
 from kvtier.server.limits import API_KEY_ENV
 from kvtier.server.web import listening_socket
+
+# Seconds uvicorn waits past `--shutdown-timeout` for the connections to close before it drops them.
+GRACE_S = 5
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which starts the app's bounded drain as its shutdown begins (on SIGTERM or
+    Ctrl-C: uvicorn has stopped accepting connections; the app answers 503 to new requests on open
+    ones and cancels what still runs at `--shutdown-timeout`)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.drain()
+        await super().shutdown(sockets)
 
 
 class _Terminated(Exception):
@@ -72,6 +92,7 @@ def _serve(args: Namespace, engine: Engine, dev: Any, api_key: str | None, sock:
         max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         request_timeout_s=args.request_timeout,
+        body_timeout_s=args.body_timeout,
         api_key=api_key,
     )
     for line in summary_lines(engine.summary()):
@@ -79,7 +100,15 @@ def _serve(args: Namespace, engine: Engine, dev: Any, api_key: str | None, sock:
     keyed = ", API key required" if api_key is not None else ""
     ranks = f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
     console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev}{ranks}{tier}{keyed})")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    # uvicorn's own bound on the connections left once the app has cancelled what it held.
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=int(args.shutdown_timeout) + GRACE_S,
+    )
+    server = _Server(config, lambda: app.state.drain(args.shutdown_timeout))
     # uvicorn handles SIGTERM and SIGINT itself (a graceful shutdown, the app's included),
     # then raises the signal again for the handler it found: this one, and Python's for SIGINT.
     previous = signal.signal(signal.SIGTERM, _terminated)

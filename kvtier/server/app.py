@@ -14,7 +14,10 @@ keeps serving: unknown routes and methods, validation and crashes included
 (401). A tokenizer without a chat template is warned about when the app is made; its chat
 requests are answered 400 and text completions still work.
 
-Lifetime: the app owns the engine. Its shutdown (uvicorn's lifespan end) stops the worker
+Lifetime: the app owns the engine. `app.state.drain(timeout_s)` starts a bounded shutdown:
+new requests are answered 503 (and `/health` says so), what is running or queued keeps
+running until the timeout, and what is left then is cancelled and answered 503 (a stream:
+an error event, then `[DONE]`). The app's shutdown (uvicorn's lifespan end) stops the worker
 and closes the engine, which flushes pending storage writes.
 """
 
@@ -48,13 +51,15 @@ def create_app(
     max_queue: int = Limits.max_queue,
     max_body_bytes: int = Limits.max_body_bytes,
     request_timeout_s: float = Limits.request_timeout_s,
+    body_timeout_s: float = Limits.body_timeout_s,
     api_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under the name `model_name`; it closes `engine` at shutdown.
 
     `api_key`: requests but `OPEN_PATHS` need `Authorization: Bearer <api_key>` (None: none do).
     """
-    limits = Limits(max_queue, max_body_bytes, request_timeout_s)  # refused before the worker starts
+    # Refused before the worker starts.
+    limits = Limits(max_queue, max_body_bytes, request_timeout_s, body_timeout_s)
     if api_key is not None and not api_key.strip():
         raise ConfigError("api_key is empty: give a key, or None for none")
     if engine.chat_template is None:
@@ -72,7 +77,7 @@ def create_app(
 
     app = FastAPI(title="kvtier", version=__version__, lifespan=lifespan)
     app.state.worker, app.state.engine, app.state.metrics = routes.worker, engine, routes.metrics
-    app.state.shutdown = routes.shutdown
+    app.state.shutdown, app.state.drain = routes.shutdown, routes.drain
     app.add_exception_handler(APIError, routes.api_error)
     openai_errors(app, routes.metrics.count)
     if api_key is not None:

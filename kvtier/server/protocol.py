@@ -141,6 +141,8 @@ def _floor(logprob: float) -> float:
 
 def failure_error(error: BaseException) -> APIError:
     """The API's answer to a request that failed in the worker."""
+    if isinstance(error, APIError):  # the worker's own answer (`kvtier.server.worker.SHUTDOWN`)
+        return error
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), code="context_length_exceeded")
     if isinstance(error, ConfigError):

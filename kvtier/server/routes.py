@@ -6,18 +6,25 @@ is a 400 naming it). Its `n` choices (of each prompt, for a text completion with
 are one engine request each, queued together: the first computes the prompt, the others
 match it in the prefix cache; a stream interleaves their chunks, each with its `index`.
 
-Admission (`Limits`), in this order, each refusal before any work: a body over
-`max_body_bytes` is answered 413 from its Content-Length before it is read, or as soon as
-more arrives (a chunked body); with `max_queue` requests waiting, 429 with `Retry-After`;
-then the body is parsed and tokenised on a thread of its own, never on the event loop, so
-`/health` and the streams keep answering. Each request carries `request_timeout_s` to the
-engine: one that runs past it is answered 504 (streamed: an error event, then `[DONE]`).
+Admission (`Limits`), in this order, each refusal before any work: while the server
+shuts down, 503; a body over `max_body_bytes` is answered 413 from its Content-Length
+before it is read, or as soon as more arrives (a chunked body); with `max_queue` requests
+waiting, 429 with `Retry-After`; a body not wholly arrived within `body_timeout_s` is
+answered 408 and its slot freed; then the body is parsed and tokenised on a thread of its
+own, never on the event loop, so `/health` and the streams keep answering. Each request
+carries `request_timeout_s` to the engine: one that runs past it is answered 504
+(streamed: an error event, then `[DONE]`).
+
+A client that goes away before its answer ended (mid-upload, while a non-streamed request
+runs, or in the middle of a stream) is counted under `status="499"` (nginx's "client
+closed request"), logged in one line at INFO, and its requests cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -29,6 +36,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvtier import __version__
 from kvtier.engine.engine import Engine
@@ -40,6 +48,8 @@ from kvtier.server.limits import Limits
 from kvtier.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.server.params import MAX_CHOICES, Prompt, RequestParams, completion_prompts, request_params
 from kvtier.server.worker import Job, Worker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +71,12 @@ class Routes:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvtier-prep")
     )
     admitting: int = 0
+    draining: bool = False
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503); cancel what still runs or waits `timeout_s` from now."""
+        self.draining = True
+        self.worker.drain(time.monotonic() + timeout_s)
 
     def shutdown(self) -> None:
         """Stop the worker, then close the engine (pending storage writes flushed); idempotent."""
@@ -68,12 +84,16 @@ class Routes:
         self.worker.stop()
         self.engine.close()
 
-    async def api_error(self, _request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(self, _request: Request, exc: APIError) -> Response:
         self.metrics.count(exc.status)
+        if exc.status == 499:  # nobody is left to read an answer
+            return Response(status_code=499)
         headers = {"Retry-After": str(self._retry_after())} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def health(self) -> dict:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error", code="shutting_down")
         if not self.worker.alive:
             raise APIError(503, "the server's worker has stopped; see its log", type_="server_error")
         return {"status": "ok"}
@@ -130,7 +150,10 @@ class Routes:
     async def _admit(
         self, request: Request, prompts_of: Callable[[dict], Awaitable[list[Prompt]]], chat: bool
     ) -> tuple[list[Prompt], RequestParams]:
-        """Size and queue checks (413, 429), then the body read, parsed and tokenised off the loop."""
+        """Shutdown, size and queue checks (503, 413, 429), then the body read (within its deadline, else
+        408), parsed and tokenised off the loop."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error", code="shutting_down")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
             raise api.too_large(self.limits.max_body_bytes)  # before a byte of the body is read
@@ -144,7 +167,7 @@ class Routes:
             )
         self.admitting += 1
         try:
-            raw = await _read_body(request, self.limits.max_body_bytes)
+            raw = await _read_body(request, self.limits.max_body_bytes, self.limits.body_timeout_s)
             body = await self._off_loop(api.parse_body, raw)
             api.check_model(body, self.model_name)
             params = request_params(body, chat, self.limits.request_timeout_s)
@@ -221,6 +244,7 @@ class Routes:
         streams = [api.ChoiceStream(self.engine.decode, job.params.stop) for job in jobs]
         results: list[RequestResult] = []
         error = None
+        counted = False
         try:
             for i in range(len(jobs)):
                 if reply.chat:
@@ -246,22 +270,45 @@ class Routes:
                     results.append(value)
                     yield reply.finish(i, value.finish_reason)
             self.metrics.count(200 if error is None else error.status)
+            counted = True
             if error is not None:
                 yield f"data: {json.dumps(error.body())}\n\n"
             elif reply.include_usage:
                 yield reply.usage_chunk(prompt_tokens, results)
             yield "data: [DONE]\n\n"
         finally:
+            if not counted:  # the client left mid-stream: the server stopped writing to it
+                self.metrics.count(499)
+                log.info("a client left its stream of %d choices; its requests are cancelled", len(jobs))
             for job in jobs:
                 job.cancel.set()  # a client that went away stops the worker at its next token
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as more than `limit` bytes arrive (chunked bodies too)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise api.too_large(limit)
-        chunks.append(chunk)
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 as soon as more than `limit` bytes arrive (chunked bodies too), with
+    408 when it has not wholly arrived within `timeout_s`, and with 499 when its client went away."""
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise api.too_large(limit)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)",
+            type_="timeout_error",
+            code="body_timeout",
+        ) from None
+    except ClientDisconnect:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s disconnected mid-upload (%d bytes of its body came): request dropped", client, size)
+        raise APIError(499, "the client disconnected during the upload", type_="cancelled") from None
     return b"".join(chunks)

@@ -16,6 +16,12 @@ checksums (`kvtier.storage.values` makes and checks the values). Every call is b
   writers at once ends with one of the two values whole, never a mix.
 - `usage() -> (pages, bytes) | None`: what the backend holds now where it knows (the
   file backend does; a shared server may not), for metrics.
+- `discard(keys)` (optional; the default keeps everything): delete the keys' values.
+  A backend that implements it names, in `get_into`, where each value it read came from
+  (`note_source(buffers[i], self, key)`); a reader that refuses the value
+  (`kvtier.storage.values.PageCodec.check`: damaged, torn, another model's) then has it
+  discarded (`ValueBuffers.discard`), so the page is a miss that the next store writes
+  again, not a key that stays present and refused for ever.
 - `close()`: release connections and files; idempotent.
 
 Keys are 1-200 characters of `[A-Za-z0-9._-]` (`check_keys`; kvtier's are
@@ -40,6 +46,7 @@ A backend may be called from several threads at once.
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -47,6 +54,8 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from kvtier.errors import ConfigError, StorageError
+
+log = logging.getLogger(__name__)
 
 Chunks = Sequence[memoryview | bytes]
 
@@ -69,6 +78,9 @@ class StorageBackend(ABC):
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
         """Store each value (its chunks in order) under its key; per key whether it was stored."""
 
+    def discard(self, keys: Sequence[str]) -> None:  # noqa: B027 (optional: see the module docstring)
+        """Delete the values of `keys` (absent ones are no error); the default deletes nothing."""
+
     def usage(self) -> tuple[int, int] | None:
         """`(values, bytes)` held now, or None where the backend cannot tell cheaply."""
         return None
@@ -84,6 +96,41 @@ class StorageBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ValueBuffers(list):
+    """The buffers one value is read into (a list of memoryviews), and where the value came from.
+
+    `source`: `(backend, key)`, named by a backend's `get_into` (`note_source`) where it can
+    delete the value; `discard()` deletes it (a fault is logged, never raised: the read is a
+    miss either way). A plain list of buffers works too; nothing is recorded for it.
+    """
+
+    source: tuple[StorageBackend, str] | None = None
+
+    def discard(self) -> bool:
+        """Delete the value read into these buffers from its backend; whether a deletion was asked."""
+        if self.source is None:
+            return False
+        backend, key = self.source
+        self.source = None
+        try:
+            backend.discard([key])
+        except Exception as e:
+            log.warning(
+                "storage %s: deleting the refused value %s failed (%s: %s)",
+                backend.name,
+                key,
+                type(e).__name__,
+                e,
+            )
+        return True
+
+
+def note_source(buffers: Sequence[memoryview], backend: StorageBackend, key: str) -> None:
+    """Name where the value read into `buffers` came from, where they are `ValueBuffers`."""
+    if isinstance(buffers, ValueBuffers):
+        buffers.source = (backend, key)
 
 
 # What a key may be: the file backend makes it a file name, so `/` and the like are out.

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import xxhash
 
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import KEY, Chunks, StorageBackend, byte_views, check_keys
+from kvtier.storage.backend import KEY, Chunks, StorageBackend, byte_views, check_keys, note_source
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,8 @@ class FileBackend(StorageBackend):
         if len(buffers) != len(keys):
             raise StorageError(f"file storage: {len(keys)} keys but {len(buffers)} buffer lists")
         views = [byte_views(b, writable=True) for b in buffers]
+        for key, b in zip(keys, buffers, strict=True):
+            note_source(b, self, key)
         return [self._read(key, v) for key, v in zip(keys, views, strict=True)]
 
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
@@ -123,6 +125,14 @@ class FileBackend(StorageBackend):
             raise StorageError(f"file storage: {len(keys)} keys but {len(values)} values")
         views = [byte_views(v) for v in values]
         return [self._write(key, v) for key, v in zip(keys, views, strict=True)]
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Unlink the keys' files (a reader refused their values)."""
+        self._check_open()
+        check_keys(keys)
+        for key in keys:
+            _unlink(self.path_of(key))
+            self._forget(key)
 
     def usage(self) -> tuple[int, int]:
         with self._lock:

@@ -52,7 +52,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import Chunks, StorageBackend, byte_views, check_keys
+from kvtier.storage.backend import Chunks, StorageBackend, byte_views, check_keys, note_source
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,8 @@ class RedisBackend(StorageBackend):
             raise StorageError(f"{self._where}: {len(keys)} keys but {len(buffers)} buffer lists")
         views = [byte_views(b, writable=True) for b in buffers]
         values = self._pipeline(lambda p: [p.get(k) for k in keys])
+        for key, b in zip(keys, buffers, strict=True):
+            note_source(b, self, key)
         return [_scatter(v, dest) for v, dest in zip(values, views, strict=True)]
 
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
@@ -200,6 +202,11 @@ class RedisBackend(StorageBackend):
         ex = self.ttl_s or None
         done = self._pipeline(lambda p: [p.set(k, b, ex=ex) for k, b in zip(keys, blobs, strict=True)])
         return [d is True for d in done]
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Delete the keys (a reader refused their values)."""
+        check_keys(keys)
+        self._pipeline(lambda p: [p.delete(k) for k in keys])
 
     def close(self) -> None:
         with self._lock:
