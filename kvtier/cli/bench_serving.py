@@ -47,6 +47,8 @@ def bench_multiturn(args: Namespace) -> int:
 
     `--from-json FILE` runs nothing: it shows the table of a report written before, and plots it.
     """
+    if args.plot is not None:  # a missing matplotlib is refused before any work (`kvtier.cli.parser.main`)
+        import matplotlib  # noqa: F401
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text())
         meta, configs = report["meta"], report["configs"]

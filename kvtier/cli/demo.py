@@ -143,7 +143,7 @@ def command(args: Namespace) -> int:
     storage = storage_config(args) if args.storage else None
     with tempfile.TemporaryDirectory(prefix="kvtier-storage-demo-") as scratch:
         restart_storage = storage or storage_config(args, f"file://{scratch}")  # checked before loading
-        loading = "loading the model (the first run converts it once, about a minute)"
+        loading = "loading the model"
         dev, engine = engine_for(args, loading, config, storage=storage)
         if engine.chat_template is None:
             engine.close()

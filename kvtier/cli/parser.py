@@ -59,7 +59,7 @@ COMMANDS = {
 }
 
 
-def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: int, what: str) -> None:
+def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: int | None, what: str) -> None:
     model_flag(p)
     p.add_argument(
         "--chat-template",
@@ -69,7 +69,13 @@ def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: in
     )
     device_flag(p)
     p.add_argument("--device-tokens", type=positive, default=device_tokens, help=what)
-    p.add_argument("--host-tokens", type=positive, default=host_tokens, help="host KV pool in tokens")
+    p.add_argument(
+        "--host-tokens",
+        type=positive,
+        default=host_tokens,
+        help="host KV pool in tokens"
+        + ("" if host_tokens else " (default: sized to this machine's available RAM, printed at start)"),
+    )
     p.add_argument(
         "--page-size",
         type=positive,
@@ -138,7 +144,7 @@ def _storage_flags(p: argparse.ArgumentParser, default: str) -> None:
 
 def _serve(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible server over the tiered cache")
-    _model_flags(s, 16384, 131072, "device KV pool in tokens")
+    _model_flags(s, 16384, None, "device KV pool in tokens")
     s.add_argument("--model-name", help="the name clients ask for (default: the checkpoint's folder name)")
     s.add_argument(
         "--tp",
@@ -166,6 +172,11 @@ def _serve(sub) -> None:
         default=600.0,
         metavar="SECONDS",
         help="a request running longer is answered 504",
+    )
+    s.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="log no line per request (by default: method, path, status, tokens, TTFT, at INFO)",
     )
     s.add_argument(
         "--body-timeout",

@@ -10,6 +10,7 @@ shutdown closes the engine (pending storage writes flushed) and the command exit
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from argparse import Namespace
@@ -21,7 +22,7 @@ from typing import Any
 import uvicorn  # a missing server package is refused before the model loads
 
 from kvtier.cache.storage_mover import HostStorageMover
-from kvtier.cli.build import cache_config, device, engine_for, storage_config
+from kvtier.cli.build import HOST_TOKENS_CAP, cache_config, device, engine_for, storage_config
 from kvtier.cli.console import console, summary_lines
 from kvtier.cli.tensor_parallel import Ranks, rank_zero
 from kvtier.engine.engine import Engine
@@ -30,6 +31,7 @@ from kvtier.errors import ConfigError
 from kvtier.server.app import create_app
 from kvtier.server.limits import API_KEY_ENV
 from kvtier.server.web import listening_socket
+from kvtier.storage.backend import probe
 
 # Seconds uvicorn waits past `--shutdown-timeout` for the connections to close before it drops them.
 GRACE_S = 5
@@ -67,6 +69,8 @@ def command(args: Namespace) -> int:
     device(args.device)  # no CUDA: refused before the port is taken
     if args.tp > 1:
         args = rank_zero(args)  # --tp against the devices and the checkpoint's heads
+        if args.host_tokens is None:  # every rank builds the same pools: one size, not each rank's own
+            args.host_tokens = HOST_TOKENS_CAP
     sock = listening_socket(args.host, args.port)
     followers = ExitStack()
     try:
@@ -94,9 +98,19 @@ def _serve(args: Namespace, engine: Engine, dev: Any, api_key: str | None, sock:
         request_timeout_s=args.request_timeout,
         body_timeout_s=args.body_timeout,
         api_key=api_key,
+        access_log=not args.no_access_log,
     )
+    if not args.no_access_log:  # shown without -v: the access log is INFO on its own logger
+        logging.getLogger("kvtier.access").setLevel(logging.INFO)
     for line in summary_lines(engine.summary()):
         console.print(line, highlight=False)
+    if engine.storage is not None and (why := probe(engine.storage.backend)) is not None:
+        console.print(
+            f"warning: storage {engine.storage.backend.describe()} is unreachable ({why}); serving without "
+            "it, and trying again while serving (/health and /metrics say when it answers)",
+            style="yellow",
+            highlight=False,
+        )
     keyed = ", API key required" if api_key is not None else ""
     ranks = f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
     console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev}{ranks}{tier}{keyed})")

@@ -32,6 +32,7 @@ from fastapi import FastAPI
 from kvtier import __version__
 from kvtier.engine.engine import Engine
 from kvtier.errors import APIError, ConfigError
+from kvtier.server.access import AccessLog
 from kvtier.server.limits import Limits
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.routes import Routes
@@ -53,10 +54,12 @@ def create_app(
     request_timeout_s: float = Limits.request_timeout_s,
     body_timeout_s: float = Limits.body_timeout_s,
     api_key: str | None = None,
+    access_log: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under the name `model_name`; it closes `engine` at shutdown.
 
     `api_key`: requests but `OPEN_PATHS` need `Authorization: Bearer <api_key>` (None: none do).
+    `access_log`: one line per request on the `kvtier.access` logger at INFO (`kvtier.server.access`).
     """
     # Refused before the worker starts.
     limits = Limits(max_queue, max_body_bytes, request_timeout_s, body_timeout_s)
@@ -82,6 +85,8 @@ def create_app(
     openai_errors(app, routes.metrics.count)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key, open_paths=OPEN_PATHS, count=routes.metrics.count)
+    if access_log:  # outermost: it sees every answer, the API key's 401 included
+        app.add_middleware(AccessLog)
     app.get("/health")(routes.health)
     app.get("/version")(routes.version)
     app.get("/v1/models")(routes.models)

@@ -44,6 +44,7 @@ from kvtier.engine.results import RequestResult
 from kvtier.errors import APIError, ConfigError
 from kvtier.server import choices
 from kvtier.server import protocol as api
+from kvtier.server.access import access_record, usage_of
 from kvtier.server.limits import Limits
 from kvtier.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.server.params import MAX_CHOICES, Prompt, RequestParams, completion_prompts, request_params
@@ -96,7 +97,11 @@ class Routes:
             raise APIError(503, "the server is shutting down", type_="server_error", code="shutting_down")
         if not self.worker.alive:
             raise APIError(503, "the server's worker has stopped; see its log", type_="server_error")
-        return {"status": "ok"}
+        if self.engine.storage is None:
+            return {"status": "ok"}
+        # Off the loop: a backend that has been failing asks its server once.
+        up = await asyncio.to_thread(self.engine.storage.backend.reachable)
+        return {"status": "ok", "storage": "ok" if up else "unreachable"}
 
     async def version(self) -> dict:
         return {"version": __version__}
@@ -203,9 +208,10 @@ class Routes:
         prompt_tokens = sum(len(p.ids) for p in prompts)
         echoes = [p.text for p in prompts for _ in range(params.n)] if params.echo else []
         if params.stream:
-            events = self._sse(jobs, reply, prompt_tokens, echoes)
+            events = self._sse(jobs, reply, prompt_tokens, echoes, access_record(request.scope))
             return StreamingResponse(events, media_type="text/event-stream")
         results = await choices.drain(jobs, request)
+        access_record(request.scope).update(usage_of(prompt_tokens, results))
         for result in results:
             self.metrics.observe(result)
         for result, job in zip(results, jobs, strict=True):
@@ -234,7 +240,7 @@ class Routes:
             )
 
     async def _sse(
-        self, jobs: list[Job], reply: api.Reply, prompt_tokens: int, echoes: list[str]
+        self, jobs: list[Job], reply: api.Reply, prompt_tokens: int, echoes: list[str], access: dict
     ) -> AsyncIterator[str]:
         """The server-sent events of one streamed request: each choice's role (chat) or echo,
         text deltas and finish; the usage where asked; `[DONE]`.
@@ -277,7 +283,9 @@ class Routes:
                 yield reply.usage_chunk(prompt_tokens, results)
             yield "data: [DONE]\n\n"
         finally:
+            access.update(usage_of(prompt_tokens, results))
             if not counted:  # the client left mid-stream: the server stopped writing to it
+                access["status"] = 499
                 self.metrics.count(499)
                 log.info("a client left its stream of %d choices; its requests are cancelled", len(jobs))
             for job in jobs:

@@ -14,6 +14,9 @@ checksums (`kvtier.storage.values` makes and checks the values). Every call is b
 - `put(keys, values) -> list[bool]`: store `values[i]` (a list of byte chunks, written as
   one value in order) under `keys[i]`; True where it was stored. A key written by two
   writers at once ends with one of the two values whole, never a mix.
+- `reachable() -> bool` (optional; the default says True): whether the store answers, for
+  health checks (`/health`, `/metrics`): cheap where it is, at most one short call where
+  the backend must ask (`PROBE_KEY` is a key no value is ever stored under).
 - `usage() -> (pages, bytes) | None`: what the backend holds now where it knows (the
   file backend does; a shared server may not), for metrics.
 - `discard(keys)` (optional; the default keeps everything): delete the keys' values.
@@ -58,6 +61,8 @@ from kvtier.errors import ConfigError, StorageError
 log = logging.getLogger(__name__)
 
 Chunks = Sequence[memoryview | bytes]
+# A key that is never written: what a probe of a store asks for.
+PROBE_KEY = "kvtier-probe"
 
 
 class StorageBackend(ABC):
@@ -80,6 +85,10 @@ class StorageBackend(ABC):
 
     def discard(self, keys: Sequence[str]) -> None:  # noqa: B027 (optional: see the module docstring)
         """Delete the values of `keys` (absent ones are no error); the default deletes nothing."""
+
+    def reachable(self) -> bool:
+        """Whether the store answers now (see the module docstring); the default cannot tell: True."""
+        return True
 
     def usage(self) -> tuple[int, int] | None:
         """`(values, bytes)` held now, or None where the backend cannot tell cheaply."""
@@ -187,3 +196,22 @@ def _plugin(module: str, cls: str, query: str, options: dict[str, Any]) -> Stora
     if not (isinstance(kind, type) and issubclass(kind, StorageBackend)):
         raise ConfigError(f"storage backend {module}:{cls} is not a kvtier.storage.StorageBackend")
     return kind(**{**dict(parse_qsl(query)), **options})
+
+
+def check_url(url: str) -> None:
+    """Refuse now what `open_backend(url)` would refuse later for its place: a `file://` directory that
+    cannot be made or written (`ConfigError`, `StorageError`); the other schemes' URLs are checked when
+    parsed. Creates the directory, as the backend would; reads nothing."""
+    if isinstance(url, str) and url.startswith("file://"):
+        from kvtier.storage.file import usable_root
+
+        usable_root(url[len("file://") :])
+
+
+def probe(backend: StorageBackend) -> str | None:
+    """Ask `backend` once whether it holds `PROBE_KEY`: None when it answered, else why not (one line)."""
+    try:
+        backend.exists([PROBE_KEY])
+    except Exception as e:
+        return " ".join(f"{type(e).__name__}: {e}".split())
+    return None

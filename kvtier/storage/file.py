@@ -62,14 +62,7 @@ class FileBackend(StorageBackend):
             raise ConfigError(f"file storage: path must be a non-empty string, got {path!r}")
         if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0:
             raise ConfigError(f"file storage: size_bytes must be an int >= 0, got {size_bytes!r}")
-        root = os.path.abspath(os.path.expanduser(path))
-        if os.path.exists(root) and not os.path.isdir(root):
-            raise ConfigError(f"file storage: {root!r} exists and is not a directory")
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as e:
-            raise StorageError(f"file storage: cannot create {root!r}: {e}") from e
-        self.root, self.size_bytes = root, size_bytes
+        self.root, self.size_bytes = usable_root(path), size_bytes
         self.evicted_values = self.evicted_bytes = self.dropped_values = self.dropped_bytes = 0
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -133,6 +126,10 @@ class FileBackend(StorageBackend):
         for key in keys:
             _unlink(self.path_of(key))
             self._forget(key)
+
+    def reachable(self) -> bool:
+        """Whether the directory is still there and writable."""
+        return os.path.isdir(self.root) and os.access(self.root, os.W_OK | os.X_OK)
 
     def usage(self) -> tuple[int, int]:
         with self._lock:
@@ -251,6 +248,21 @@ class FileBackend(StorageBackend):
 
     def _belongs(self, name: str, leaf: str) -> bool:
         return bool(KEY.fullmatch(name)) and os.path.dirname(self.path_of(name)) == leaf
+
+
+def usable_root(path: str) -> str:
+    """`path` as an absolute directory, made where missing; `ConfigError` for a file in its place,
+    `StorageError` for one that cannot be made or written."""
+    root = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"file storage: {root!r} exists and is not a directory")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"file storage: cannot create {root!r}: {e}") from e
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise StorageError(f"file storage: {root!r} is not writable by this user")
+    return root
 
 
 def _subdirs(path: str) -> list[os.DirEntry]:
