@@ -2,7 +2,7 @@
 
 import sys
 
-from kvtier.cli import main
+from kvtier.cli.parser import main
 
 if __name__ == "__main__":  # not when a rank of `kvtier serve --tp` is spawned and imports it
     sys.exit(main())

@@ -27,8 +27,8 @@ from served import MESSAGES, MODEL, TEMPLATE, serving, tiny_model, tiny_tokenize
 
 import kvtier  # noqa: E402
 from kvtier.engine import Engine  # noqa: E402
-from kvtier.engine.server import create_app  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.server.app import create_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-0123456789"
@@ -182,7 +182,7 @@ def test_a_template_that_refuses_the_messages_is_a_400_not_a_500() -> None:
 
 
 def test_without_a_chat_template_chats_are_400_and_completions_work(caplog) -> None:
-    with caplog.at_level("WARNING", logger="kvtier.engine.server"):
+    with caplog.at_level("WARNING", logger="kvtier.server.app"):
         app = create_app(engine_of(no_template_tokenizer()), MODEL)
     assert "has no chat template" in caplog.text and "--chat-template FILE" in caplog.text
     with serving(app) as base:

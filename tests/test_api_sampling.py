@@ -21,9 +21,9 @@ import torch  # noqa: E402
 from served import MESSAGES, MODEL, samples, serving, tiny_model, tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
-from kvtier.engine.protocol import ChoiceStream  # noqa: E402
-from kvtier.engine.server import create_app  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.server.app import create_app  # noqa: E402
+from kvtier.server.protocol import ChoiceStream  # noqa: E402
 
 PROMPT = "the quick brown fox"
 

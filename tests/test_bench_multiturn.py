@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvtier import cli, cli_args
+from kvtier import cli
 from kvtier.bench import batching, engines, multiturn
+from kvtier.cli import args as cli_args
 from kvtier.errors import ConfigError
 
 CPU = torch.device("cpu")

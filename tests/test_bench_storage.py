@@ -14,8 +14,9 @@ pytest.importorskip("transformers")
 
 from tiny_models import tiny_llama
 
-from kvtier import cli, cli_args
+from kvtier import cli
 from kvtier.bench import storage, storage_codec, storage_stores, storage_throughput
+from kvtier.cli import args as cli_args
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
 from kvtier.storage.values import PageCodec

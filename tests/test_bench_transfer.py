@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.bench import transfer
+from kvtier.bench import transfer, transfer_report
 from kvtier.errors import ConfigError
 from kvtier.pool import HostLayout
 from kvtier.spec import preset
@@ -121,7 +121,7 @@ def test_cells_name_the_best_forced_variant_and_the_planned_ones_gap_to_it() -> 
         _row("planned", 0.9, host="contiguous"),  # no forced variant timed here
         _row("copy", 0.9, host="runs-16"),  # no planned one
     ]
-    cells = {(c["tokens"], c["host"]): c for c in transfer.cells(rows)}
+    cells = {(c["tokens"], c["host"]): c for c in transfer_report.cells(rows)}
     assert len(cells) == 4
     first = cells[1024, "runs-1"]
     assert first["ratios"] == {"planned": 0.80, "kernel": 0.70, "copy": 0.85}
@@ -151,4 +151,4 @@ def test_the_default_variants_are_timed_and_checked_on_every_host_set() -> None:
     }
     assert all(r.identical for r in rows)
     assert all(r.path == r.variant for r in rows if not r.planned)
-    assert [c["best_forced"] in ("kernel", "copy") for c in transfer.cells(rows)] == [True] * 6
+    assert [c["best_forced"] in ("kernel", "copy") for c in transfer_report.cells(rows)] == [True] * 6

@@ -239,6 +239,40 @@ def test_a_bad_value_is_a_miss_counted_never_wrong_kv(tmp_path, how, reason) -> 
         c.check_invariants()
 
 
+def test_a_damaged_value_is_deleted_and_the_next_store_writes_it_again(tmp_path, store_url) -> None:
+    """A value refused on read leaves its backend: the next store of the page writes it again (it is
+    not skipped as present), and a later reload gets the whole prefix from storage."""
+    model = f"damaged-{uuid.uuid4().hex}"  # the Redis servers are shared: keys of this test only
+    tokens = np.arange(50, 74)  # 6 pages; page 3 goes bad
+    with make_cache(tmp_path, url=store_url, model=model) as c:
+        compute(c, tokens)
+        evict_all(c)
+        keys = PageKeys(c.storage.keys.fingerprint, PS)
+        bad = keys.keys(keys.chain(keys.root, tokens))[3]
+        backend = c.storage.backend
+        value = bytearray(c.storage.codec.value_bytes + 1)
+        n = backend.get_into([bad], [[memoryview(value)]])[0]
+        value[n - 1] ^= 0xFF  # one flipped payload byte, written back through the backend
+        assert backend.put([bad], [[bytes(value[:n])]]) == [True]
+
+        m, h, lease = reload(c, tokens)
+        assert m.storage_tokens_used == 12  # pages 0-2: page 3 was refused
+        assert c.storage.metrics.snapshot()["rejected"]["checksum"] == 1
+        assert backend.exists([bad]) == 0  # refused, and deleted
+        assert_kv(c.device_pool, tokens[:12], h.device_slots)
+        c.release(lease)
+
+        compute(c, tokens)  # pages 3-5 computed again: write-through stores them
+        evict_all(c)
+        assert backend.exists([bad]) == 1
+        m, h, lease = reload(c, tokens)
+        assert m.storage_tokens_used == 24  # the whole prefix from storage again
+        assert_kv(c.device_pool, tokens, h.device_slots)
+        assert c.storage.metrics.snapshot()["rejected"]["checksum"] == 1
+        c.release(lease)
+        c.check_invariants()
+
+
 class Flaky(StorageBackend):
     """A real file backend whose calls fail while `broken` is set, or take `delay_s` each."""
 

@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import cli, cli_args
-from kvtier.cli_bench import BENCHES
+from kvtier import cli
+from kvtier.bench import transfer_sets
+from kvtier.cli import args as cli_args
+from kvtier.cli import parser
+from kvtier.cli.bench_args import BENCHES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,8 +165,11 @@ def test_every_subcommand_parses_with_its_defaults() -> None:
     for args in (demo, serve):  # the engine's own defaults
         assert (args.dtype, args.max_num_seqs, args.max_num_batched_tokens) == ("auto", 64, 2048)
     assert (serve.max_queue, serve.request_timeout, serve.max_body_mb) == (256, 600.0, 16.0)
+    assert (serve.body_timeout, serve.shutdown_timeout) == (15.0, 5.0)
     transfer = p.parse_args(["bench", "transfer"])
-    assert transfer.host_sets == cli_args.HOST_SETS and transfer.variants == cli_args.DEFAULT_VARIANTS
+    assert (
+        transfer.host_sets == transfer_sets.HOST_SETS and transfer.variants == transfer_sets.DEFAULT_VARIANTS
+    )
     assert (transfer.direction, transfer.cycles, transfer.tokens, transfer.kernel) == ("both", 8, None, None)
     assert not hasattr(transfer, "layers") and not hasattr(transfer, "staging_tokens")
     assert p.parse_args(["bench", "transfer", "--tokens", "1024,4096"]).tokens == (1024, 4096)
@@ -196,7 +202,7 @@ def test_lists_and_shapes_parse() -> None:
 
 @pytest.mark.parametrize("command", ["serve", "demo"])
 def test_the_storage_flags_build_the_storage_config(command: str) -> None:
-    from kvtier.commands import storage_config
+    from kvtier.cli.build import storage_config
     from kvtier.storage.config import Compression, PrefetchPolicy, StorageConfig, StorageWrite
 
     p = cli.build_parser()
@@ -257,9 +263,9 @@ def test_the_write_policy_has_one_name_everywhere(capsys) -> None:
 
 def test_the_spelled_out_choices_match_what_they_name() -> None:
     from kvtier.alloc import AllocPolicy
-    from kvtier.bench import served, transfer
+    from kvtier.bench import served
     from kvtier.cache import WritePolicy
-    from kvtier.commands import STORAGE_FIELDS
+    from kvtier.cli.build import STORAGE_FIELDS
     from kvtier.engine.models import DEFAULT_MODEL, DTYPES
     from kvtier.pool import HostLayout
     from kvtier.pool.device import Direction
@@ -272,10 +278,9 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     assert tuple(m.value for m in WritePolicy) == cli_args.WRITE_POLICIES
     assert tuple(m.value for m in AllocPolicy) == cli_args.ALLOC_POLICIES
     assert (*(m.value for m in Direction), "both") == cli_args.DIRECTIONS
-    assert cli_args.HOST_SETS == transfer.HOST_SETS and cli_args.DEFAULT_VARIANTS == transfer.DEFAULT_VARIANTS
     # Every variant but the planner's own and the stock kernel forces the path of its name.
-    assert set(cli_args.VARIANTS) - {"planned", "stock"} <= {m.value for m in TransferPath}
-    assert set(cli_args.DEFAULT_VARIANTS) <= set(cli_args.VARIANTS)
+    assert set(transfer_sets.VARIANTS) - {"planned", "stock"} <= {m.value for m in TransferPath}
+    assert set(transfer_sets.DEFAULT_VARIANTS) <= set(transfer_sets.VARIANTS)
     assert cli_args.SETUPS == served.SETUPS
     assert tuple(m.value for m in StorageWrite) == cli_args.STORAGE_WRITES
     assert tuple(m.value for m in PrefetchPolicy) == cli_args.PREFETCH_POLICIES
@@ -288,7 +293,7 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
         flags = {name for name in parsed if name.startswith("storage_")}
         assert flags == set(STORAGE_FIELDS)
     assert set(STORAGE_FIELDS.values()) <= {f.name for f in dataclasses.fields(StorageConfig)}
-    assert set(cli.COMMANDS) == {
+    assert set(parser.COMMANDS) == {
         "demo",
         "serve",
         *(
@@ -632,7 +637,8 @@ RESTARTED = "tokens identical to the first engine's and to plain generation: yes
 
 def test_the_engine_flags_reach_the_engine_and_the_kv_follows_the_dtype(tiny_checkpoint: Path) -> None:
     from kvtier.cache import CacheConfig
-    from kvtier.commands import engine_for, summary_lines
+    from kvtier.cli.build import engine_for
+    from kvtier.cli.console import summary_lines
 
     argv = ["serve", "--model", str(tiny_checkpoint), "--device", "cpu", "--device-tokens", "256"]
     argv += ["--host-tokens", "1024", "--max-num-seqs", "3", "--max-num-batched-tokens", "128"]

@@ -42,7 +42,7 @@ from schemathesis import GenerationMode  # noqa: E402
 from served import MODEL, serving, tiny_model, tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine  # noqa: E402
-from kvtier.engine.server import create_app  # noqa: E402
+from kvtier.server.app import create_app  # noqa: E402
 
 # Generated requests per operation and generation mode: about 400 requests in all (the GET
 # routes take no input, so each has one request).

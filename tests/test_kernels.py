@@ -407,7 +407,7 @@ def test_rows_wider_than_a_tile_are_refused_before_launch(gen: torch.Generator) 
 def test_the_cli_takes_a_kernel_shape_or_a_budget_alone() -> None:
     import argparse
 
-    from kvtier.cli_bench import kernel_shape
+    from kvtier.cli.bench_args import kernel_shape
     from kvtier.transfer import KernelOptions
 
     assert kernel_shape("8x32") == KernelOptions(sm_budget=8, rows_per_program=32)

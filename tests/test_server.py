@@ -28,7 +28,7 @@ from served import (  # noqa: E402
 )
 
 from kvtier.engine import Engine  # noqa: E402
-from kvtier.engine.server import create_app  # noqa: E402
+from kvtier.server.app import create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ import httpx  # noqa: E402
 from served import MESSAGES, MODEL, serving, tiny_model, tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine  # noqa: E402
-from kvtier.engine.server import create_app  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.server.app import create_app  # noqa: E402
 
 LIMIT = 4096  # bytes of body the admission tests' servers take
 CHAT = "/v1/chat/completions"
@@ -194,7 +194,14 @@ def test_a_request_past_its_timeout_is_answered_504() -> None:
 
 
 @pytest.mark.parametrize(
-    "kw", [{"max_queue": 0}, {"max_body_bytes": 0}, {"request_timeout_s": 0}, {"request_timeout_s": -1.0}]
+    "kw",
+    [
+        {"max_queue": 0},
+        {"max_body_bytes": 0},
+        {"request_timeout_s": 0},
+        {"request_timeout_s": -1.0},
+        {"body_timeout_s": 0},
+    ],
 )
 def test_limits_that_are_not_positive_are_refused(kw) -> None:
     with engine() as eng, pytest.raises(ConfigError, match="must be positive"):

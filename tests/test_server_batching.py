@@ -21,7 +21,7 @@ import openai  # noqa: E402
 from served import MESSAGES, MODEL, serving, tiny_model, tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
-from kvtier.engine.server import create_app  # noqa: E402
+from kvtier.server.app import create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server) -> None
 
 def test_streamed_text_deltas_add_up_to_the_whole_answer(server) -> None:
     """`TextStream` decodes a window per token; its deltas add up to the whole decode."""
-    from kvtier.engine.protocol import TextStream
+    from kvtier.server.protocol import TextStream
 
     tokenizer = server[3]
     gen = __import__("random").Random(3)

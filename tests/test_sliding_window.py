@@ -231,7 +231,7 @@ def test_served_through_the_openai_client_with_generates_answer(name) -> None:
     import openai
     from served import MESSAGES, MODEL, serving, tiny_tokenizer
 
-    from kvtier.engine.server import create_app
+    from kvtier.server.app import create_app
 
     tokenizer = tiny_tokenizer()
     prompt = torch.tensor([tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]])

@@ -7,6 +7,10 @@ The model is converted once for this module into a temporary cache directory
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,8 +36,33 @@ def long_text(n: int, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def converted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The default model converted into a temporary cache by a process of its own (whose output the
+    first-use test reads), and that process."""
     folder = tmp_path_factory.mktemp("kvtier-cache")
+    code = "from kvtier.engine.models import needs_conversion, load_model; "
+    code += "assert needs_conversion(None); load_model(); assert not needs_conversion(None)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "KVTIER_CACHE_DIR": str(folder)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return folder, done
+
+
+def test_the_first_use_converts_without_transformers_noise(converted) -> None:
+    """transformers' GGUF dtype warning and its progress bars are not shown to a new user."""
+    _, done = converted
+    for noise in ("[transformers]", "GGUF", "float32", "Converting", "Writing model shards"):
+        assert noise not in done.stderr + done.stdout, done.stderr
+
+
+@pytest.fixture(scope="module")
+def engine(converted):
+    folder, _ = converted
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVTIER_CACHE_DIR", str(folder))
         assert cache_dir() == folder

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from served import MESSAGES, MODEL, tiny_model, tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine  # noqa: E402
-from kvtier.engine.server import create_app  # noqa: E402
+from kvtier.server.app import create_app  # noqa: E402
 
 CONVERSATION = [
     *MESSAGES,

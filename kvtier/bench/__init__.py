@@ -1,3 +1,3 @@
-"""Benchmarks: each module runs one measurement, renders its own table (`render`) and, where it is a
-command, prints it and writes JSON (`command(args)`, called by `kvtier.cli`); results live under
+"""Benchmarks: each module runs one measurement and renders its own table (`render`); their commands
+(`kvtier bench ...`: flags, printing, JSON reports) are `kvtier.cli.bench_*`. Results live under
 bench/results/ and what they show in bench/FINDINGS.md."""

@@ -18,16 +18,15 @@ One short request runs first, untimed, so no row pays for the first forward's se
 from __future__ import annotations
 
 import time
-from argparse import Namespace
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from rich.console import Group
 from rich.table import Table
 
-from kvtier.bench.common import close, environment, quiet
-from kvtier.bench.engines import bench_model, drain, run_alone, step, vocab_size
+from kvtier.bench.common import close, quiet
+from kvtier.bench.engines import drain, run_alone, step, vocab_size
 from kvtier.engine import Engine, SamplingParams
 from kvtier.errors import ConfigError, InvariantError
 
@@ -198,30 +197,3 @@ def render(together: dict | None, rows: list[DecodeRow], meta: dict) -> Group:
             table.add_row(str(r.running), f"{r.tokens_per_s:.1f}", f"{r.ms_per_step:.2f}")
         parts.append(table)
     return Group(*parts)
-
-
-def command(args: Namespace) -> int:
-    """`kvtier bench batching`: the model, then both parts; table and `--json`."""
-    from kvtier.commands import console, device, progress, write_json
-
-    dev = device(args.device)
-    bench = BatchingBench(
-        requests=args.concurrent,
-        prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
-        running=args.running,
-        decode_prompt_tokens=args.decode_prompt_tokens,
-        steps=args.steps,
-        seed=args.seed,
-        parts=args.parts,
-    )
-    with progress() as report:
-        report("building the model")
-        model, tokenizer, name = bench_model(args.model, args.shape, dev, args.dtype)
-        together, rows, summary = run(
-            model, tokenizer, bench, args.device_tokens, args.max_num_batched_tokens, report
-        )
-    meta = {**environment(dev), **summary, "model": name, **asdict(bench)}
-    console.print(render(together, rows, meta))
-    write_json(args.json, {"meta": meta, "concurrent": together, "decode": [asdict(r) for r in rows]})
-    return 0

@@ -24,10 +24,8 @@ pool is one page: a server without a hierarchical cache) and `no-cache` (no pref
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
-from argparse import Namespace
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,8 +34,8 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import close, collect, environment, quiet
-from kvtier.bench.engines import bench_model, context_of, run_alone, step, vocab_size
-from kvtier.bench.multiturn_report import RequestRecord, render, summarize, write_plot
+from kvtier.bench.engines import context_of, run_alone, step, vocab_size
+from kvtier.bench.multiturn_report import RequestRecord, summarize
 from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.hf import spec_from_hf_config
@@ -288,56 +286,3 @@ def ratios(configs: list[dict]) -> dict:
 
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b > 0 else None
-
-
-def command(args: Namespace) -> int:
-    """`kvtier bench multiturn`: the model, then each configuration; table, `--json`, `--plot`.
-
-    `--from-json FILE` runs nothing: it shows the table of a report written before, and plots it.
-    """
-    from kvtier.commands import console
-
-    if args.from_json is not None:
-        report = json.loads(args.from_json.read_text())
-        meta, configs = report["meta"], report["configs"]
-    else:
-        meta, configs = _measure(args)
-    console.print(render(configs, meta))
-    if args.plot is not None:
-        write_plot(args.plot, configs, meta)
-        console.print(f"wrote {args.plot}")
-    return 0
-
-
-def _measure(args: Namespace) -> tuple[dict, list[dict]]:
-    """Build the model and run the configurations; `--json` is rewritten after each one."""
-    from kvtier.commands import device, progress, write_json
-
-    dev = device(args.device)
-    workload = Workload(
-        clients=args.clients,
-        rounds=args.rounds,
-        context_tokens=args.context_tokens,
-        question_tokens=args.question_tokens,
-        output_tokens=args.output_tokens,
-        request_rate=args.request_rate,
-        seed=args.seed,
-    )
-    setup = EngineSetup(
-        device_tokens=args.device_tokens,
-        host_tokens=args.host_tokens,
-        page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-
-    def save(done: list[dict]) -> None:
-        meta["ratios"] = ratios(done)
-        write_json(args.json, {"meta": meta, "configs": done})
-
-    with progress() as report:
-        report("building the model")
-        model, tokenizer, name = bench_model(args.model, args.shape, dev, args.dtype)
-        meta = meta_of(model, name, setup, workload, dev)
-        configs = run(model, tokenizer, args.configs, setup, workload, report, save)
-    return meta, configs

@@ -17,18 +17,15 @@
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 import time
-from argparse import Namespace
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from rich.table import Table
 
-from kvtier.bench.transfer import BenchConfig, Setup, config_from_args, metadata, setup
-from kvtier.errors import ConfigError
+from kvtier.bench.transfer import BenchConfig, Setup, setup
 from kvtier.pool.device import Direction
 from kvtier.transfer import TransferPath, TransferPlan, backup, load_layer
 
@@ -301,28 +298,3 @@ def render(rows: list[OverlapRow], meta: dict) -> Table:
             r.test, r.mechanism, str(r.sms), f"{r.value:.1f} {r.unit}", f"{r.reference:.1f}", f"{r.ratio:.3f}"
         )
     return table
-
-
-def command(args: Namespace) -> int:
-    """`kvtier bench overlap` (CUDA only); `--rounds-log` gets each interference round as a JSON line."""
-    from kvtier.commands import console, progress, write_json
-
-    cfg = config_from_args(args, host_sets=("contiguous",), device_sets=("contiguous",))
-    if cfg.device.type != "cuda":
-        raise ConfigError(f"kvtier bench overlap needs a CUDA device, got --device {args.device}")
-    log = args.rounds_log.open("w") if args.rounds_log else None
-
-    def on_round(r: dict) -> None:
-        log.write(json.dumps(r) + "\n")
-        log.flush()
-
-    try:
-        with progress() as report:
-            rows, s = run(cfg, report, rounds=args.rounds, on_round=on_round if log else None)
-    finally:
-        if log is not None:
-            log.close()
-    meta = metadata(cfg, s.ceilings, s.layer_bytes)
-    console.print(render(rows, meta))
-    write_json(args.json, {"meta": meta, "rows": [asdict(r) for r in rows]})
-    return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import random
 import statistics
-from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -289,16 +288,3 @@ def render(rows: list[ServedRow], meta: dict) -> Group:
         "kvtier's; stock: first_fit + per-token path"
     )
     return Group(table, note)
-
-
-def command(args: Namespace) -> int:
-    """`kvtier bench served`: prefixes default to 8k-128k on CUDA, 256 and 1024 on the CPU."""
-    from kvtier.commands import console, device, progress, write_json
-
-    dev = device(args.device)
-    prefixes = args.prefix or ((8192, 32768, 131072) if dev.type == "cuda" else (256, 1024))
-    with progress() as report:
-        rows, meta = run(args.setups, prefixes, dev, args.cycles, args.repeats, report, args.layers)
-    console.print(render(rows, meta))
-    write_json(args.json, {"meta": meta, "rows": rows_as_dicts(rows)})
-    return 0

@@ -302,36 +302,3 @@ def _ttft_table(rows: list[dict], meta: dict) -> list:
 
 
 # -- the command ---------------------------------------------------------------------------
-
-
-def command(args) -> int:
-    """`kvtier bench storage`: 0 when every check held, else 1."""
-    from kvtier.commands import console, device, progress, write_json
-
-    dev = device(args.device)
-    cuda = dev.type == "cuda"
-    bench = StorageBench(
-        root=args.dir or Path(tempfile.gettempdir()),
-        parts=tuple(Part(p) for p in args.parts),
-        backends=args.backends,
-        specs=args.specs,
-        page_sizes=args.page_sizes,
-        layout=args.layout,
-        redis=args.redis,
-        tokens=(2048, 4096, 8192, 16384, 32768) if cuda else (2048, 4096, 8192),
-        setup=args.setup or ("deepseek-v3" if cuda else "smollm2"),
-        miss_repeats=args.miss_repeats,
-        drop_caches=args.drop_caches,
-        device=dev,
-    )
-    if args.quick:
-        bench = bench.quick()
-    given = {"tokens": args.tokens, "repeats": args.repeats}
-    bench = replace(bench, **{k: v for k, v in given.items() if v is not None})
-    with progress() as report:
-        result = run(bench, report)
-    console.print(render(result))
-    write_json(args.json, result)
-    checks = [r["identical"] for part in ("throughput", "compression") for r in result[part]]
-    checks += [r["same_first_token"] for r in result["ttft"]]
-    return 0 if all(checks) else 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -24,13 +23,12 @@ from kvtier.alloc import AllocPolicy
 from kvtier.bench.churn import after_churn, runs_of
 from kvtier.bench.common import Timer, ceiling_gbps
 from kvtier.bench.transfer_meta import STOCK_KERNEL, metadata
-from kvtier.bench.transfer_report import cells, render
-from kvtier.cli_args import DEFAULT_VARIANTS, HOST_SETS, is_runs  # the sets and variants a run may ask for
+from kvtier.bench.transfer_sets import DEFAULT_VARIANTS, HOST_SETS, is_runs
 from kvtier.errors import ConfigError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.device import Direction
 from kvtier.pool.rows import as_words
-from kvtier.spec import KVSpec, preset
+from kvtier.spec import KVSpec
 from kvtier.transfer import (
     KernelOptions,
     TransferPath,
@@ -330,76 +328,3 @@ def _rows(words: torch.Tensor, b) -> torch.Tensor:
 
 def rows_as_dicts(rows: list[Row]) -> list[dict]:
     return [asdict(r) for r in rows]
-
-
-def config_from_args(args: Namespace, **extra) -> BenchConfig:
-    """The run `kvtier bench transfer` or `overlap` asks for; `ConfigError` before anything is built."""
-    from kvtier.commands import device as resolve_device
-
-    device = resolve_device(args.device)
-    cuda = device.type == "cuda"
-    full = preset(args.spec or "deepseek-v3", args.page_size)
-    layers = extra.get("layers", 1)
-    if not 1 <= layers <= full.num_layers:
-        raise ConfigError(f"--layers {layers} must be in [1, {full.num_layers}], the layers of {full.name}")
-    tokens = args.tokens or (131072 if cuda else 16384)
-    if tokens % full.page_size:
-        raise ConfigError(f"--tokens {tokens} must be a multiple of --page-size {full.page_size}")
-    return BenchConfig(
-        spec=full.with_layers(layers),
-        tokens=tokens,
-        layout=HostLayout(args.layout),
-        device=device,
-        repeats=args.repeats or (20 if cuda else 5),
-        warmup=args.warmup,
-        cycles=getattr(args, "cycles", 8),
-        batch=args.batch,
-        kernel=args.kernel or KernelOptions(),
-        **extra,
-    )
-
-
-def command_config(args: Namespace) -> BenchConfig:
-    """The run `kvtier bench transfer`'s flags ask for; `ConfigError` before anything is built."""
-    directions = (
-        (Direction.LOAD, Direction.BACKUP) if args.direction == "both" else (Direction(args.direction),)
-    )
-    return config_from_args(
-        args,
-        directions=directions,
-        host_sets=args.host_sets,
-        device_sets=args.device_sets,
-        variants=args.variants,
-        kernel_sweep=args.kernel_sweep,
-        host_slots=args.host_slots,
-    )
-
-
-def command(args: Namespace) -> int:
-    """`kvtier bench transfer`: 0 when every timed variant passed its byte check, else 1.
-
-    Each `--tokens` value is one run in this process, one after the other (the pools of one are freed
-    before the next). With `--gpus N` other than 1, `kvtier.bench.transfer_gpus.command` runs instead.
-    """
-    from kvtier.bench.common import collect
-    from kvtier.commands import console, progress, write_json
-
-    if args.gpus != 1:
-        from kvtier.bench import transfer_gpus
-
-        return transfer_gpus.command(args)
-    sizes = args.tokens or (None,)
-    rows: list[Row] = []
-    metas = []
-    for tokens in sizes:
-        cfg = command_config(Namespace(**{**vars(args), "tokens": tokens}))
-        with progress() as report:
-            found, meta = run(cfg, progress=report)
-        rows += found
-        metas.append(meta)
-        collect()
-    console.print(render(rows, metas))
-    write_json(
-        args.json, {"meta": metas[0], "sizes": metas, "rows": rows_as_dicts(rows), "cells": cells(rows)}
-    )
-    return 0 if all(r.identical for r in rows) else 1

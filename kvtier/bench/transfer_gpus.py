@@ -36,7 +36,6 @@ import platform
 import statistics
 import tempfile
 import time
-from argparse import Namespace
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -366,31 +365,3 @@ def devices_for(gpus: int, device: str) -> list[torch.device]:
     if gpus > count:
         raise ConfigError(f"--gpus {gpus}: this machine has {count} CUDA device(s)")
     return [torch.device("cuda", i) for i in range(gpus)]
-
-
-def command(args: Namespace) -> int:
-    """`kvtier bench transfer --gpus N`: 0 when every rank passed every byte check, else 1."""
-    from kvtier.cli_args import DEFAULT_VARIANTS
-    from kvtier.commands import console, progress, write_json
-
-    if args.kernel_sweep:
-        raise ConfigError(
-            f"--kernel-sweep times one GPU's kernel shapes; it does not apply with --gpus {args.gpus}"
-        )
-    if tuple(args.variants) not in (("planned",), DEFAULT_VARIANTS):
-        given = ",".join(args.variants)
-        raise ConfigError(
-            f"--gpus {args.gpus} times the planned path alone; --variants {given} needs one GPU"
-        )
-    if args.tokens and len(args.tokens) > 1:
-        raise ConfigError(f"--gpus {args.gpus} times one --tokens value, not {len(args.tokens)}")
-    devices = devices_for(args.gpus, args.device)
-    cfg = transfer.command_config(
-        Namespace(**{**vars(args), "tokens": args.tokens[0] if args.tokens else None})
-    )
-    with progress() as report:
-        report(f"{len(devices)} ranks, one process per GPU: pinning, checking, timing")
-        rows, meta = run(cfg, devices)
-    console.print(render(rows, meta))
-    write_json(args.json, as_json(rows, meta))
-    return 0 if all(r.identical for r in rows) else 1

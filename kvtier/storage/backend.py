@@ -14,8 +14,17 @@ checksums (`kvtier.storage.values` makes and checks the values). Every call is b
 - `put(keys, values) -> list[bool]`: store `values[i]` (a list of byte chunks, written as
   one value in order) under `keys[i]`; True where it was stored. A key written by two
   writers at once ends with one of the two values whole, never a mix.
+- `reachable() -> bool` (optional; the default says True): whether the store answers, for
+  health checks (`/health`, `/metrics`): cheap where it is, at most one short call where
+  the backend must ask (`PROBE_KEY` is a key no value is ever stored under).
 - `usage() -> (pages, bytes) | None`: what the backend holds now where it knows (the
   file backend does; a shared server may not), for metrics.
+- `discard(keys)` (optional; the default keeps everything): delete the keys' values.
+  A backend that implements it names, in `get_into`, where each value it read came from
+  (`note_source(buffers[i], self, key)`); a reader that refuses the value
+  (`kvtier.storage.values.PageCodec.check`: damaged, torn, another model's) then has it
+  discarded (`ValueBuffers.discard`), so the page is a miss that the next store writes
+  again, not a key that stays present and refused for ever.
 - `close()`: release connections and files; idempotent.
 
 Keys are 1-200 characters of `[A-Za-z0-9._-]` (`check_keys`; kvtier's are
@@ -40,6 +49,7 @@ A backend may be called from several threads at once.
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -48,7 +58,11 @@ from urllib.parse import parse_qsl
 
 from kvtier.errors import ConfigError, StorageError
 
+log = logging.getLogger(__name__)
+
 Chunks = Sequence[memoryview | bytes]
+# A key that is never written: what a probe of a store asks for.
+PROBE_KEY = "kvtier-probe"
 
 
 class StorageBackend(ABC):
@@ -69,6 +83,13 @@ class StorageBackend(ABC):
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
         """Store each value (its chunks in order) under its key; per key whether it was stored."""
 
+    def discard(self, keys: Sequence[str]) -> None:  # noqa: B027 (optional: see the module docstring)
+        """Delete the values of `keys` (absent ones are no error); the default deletes nothing."""
+
+    def reachable(self) -> bool:
+        """Whether the store answers now (see the module docstring); the default cannot tell: True."""
+        return True
+
     def usage(self) -> tuple[int, int] | None:
         """`(values, bytes)` held now, or None where the backend cannot tell cheaply."""
         return None
@@ -84,6 +105,41 @@ class StorageBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ValueBuffers(list):
+    """The buffers one value is read into (a list of memoryviews), and where the value came from.
+
+    `source`: `(backend, key)`, named by a backend's `get_into` (`note_source`) where it can
+    delete the value; `discard()` deletes it (a fault is logged, never raised: the read is a
+    miss either way). A plain list of buffers works too; nothing is recorded for it.
+    """
+
+    source: tuple[StorageBackend, str] | None = None
+
+    def discard(self) -> bool:
+        """Delete the value read into these buffers from its backend; whether a deletion was asked."""
+        if self.source is None:
+            return False
+        backend, key = self.source
+        self.source = None
+        try:
+            backend.discard([key])
+        except Exception as e:
+            log.warning(
+                "storage %s: deleting the refused value %s failed (%s: %s)",
+                backend.name,
+                key,
+                type(e).__name__,
+                e,
+            )
+        return True
+
+
+def note_source(buffers: Sequence[memoryview], backend: StorageBackend, key: str) -> None:
+    """Name where the value read into `buffers` came from, where they are `ValueBuffers`."""
+    if isinstance(buffers, ValueBuffers):
+        buffers.source = (backend, key)
 
 
 # What a key may be: the file backend makes it a file name, so `/` and the like are out.
@@ -140,3 +196,22 @@ def _plugin(module: str, cls: str, query: str, options: dict[str, Any]) -> Stora
     if not (isinstance(kind, type) and issubclass(kind, StorageBackend)):
         raise ConfigError(f"storage backend {module}:{cls} is not a kvtier.storage.StorageBackend")
     return kind(**{**dict(parse_qsl(query)), **options})
+
+
+def check_url(url: str) -> None:
+    """Refuse now what `open_backend(url)` would refuse later for its place: a `file://` directory that
+    cannot be made or written (`ConfigError`, `StorageError`); the other schemes' URLs are checked when
+    parsed. Creates the directory, as the backend would; reads nothing."""
+    if isinstance(url, str) and url.startswith("file://"):
+        from kvtier.storage.file import usable_root
+
+        usable_root(url[len("file://") :])
+
+
+def probe(backend: StorageBackend) -> str | None:
+    """Ask `backend` once whether it holds `PROBE_KEY`: None when it answered, else why not (one line)."""
+    try:
+        backend.exists([PROBE_KEY])
+    except Exception as e:
+        return " ".join(f"{type(e).__name__}: {e}".split())
+    return None

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import xxhash
 
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import KEY, Chunks, StorageBackend, byte_views, check_keys
+from kvtier.storage.backend import KEY, Chunks, StorageBackend, byte_views, check_keys, note_source
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,7 @@ class FileBackend(StorageBackend):
             raise ConfigError(f"file storage: path must be a non-empty string, got {path!r}")
         if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0:
             raise ConfigError(f"file storage: size_bytes must be an int >= 0, got {size_bytes!r}")
-        root = os.path.abspath(os.path.expanduser(path))
-        if os.path.exists(root) and not os.path.isdir(root):
-            raise ConfigError(f"file storage: {root!r} exists and is not a directory")
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as e:
-            raise StorageError(f"file storage: cannot create {root!r}: {e}") from e
-        self.root, self.size_bytes = root, size_bytes
+        self.root, self.size_bytes = usable_root(path), size_bytes
         self.evicted_values = self.evicted_bytes = self.dropped_values = self.dropped_bytes = 0
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -114,6 +107,8 @@ class FileBackend(StorageBackend):
         if len(buffers) != len(keys):
             raise StorageError(f"file storage: {len(keys)} keys but {len(buffers)} buffer lists")
         views = [byte_views(b, writable=True) for b in buffers]
+        for key, b in zip(keys, buffers, strict=True):
+            note_source(b, self, key)
         return [self._read(key, v) for key, v in zip(keys, views, strict=True)]
 
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
@@ -123,6 +118,18 @@ class FileBackend(StorageBackend):
             raise StorageError(f"file storage: {len(keys)} keys but {len(values)} values")
         views = [byte_views(v) for v in values]
         return [self._write(key, v) for key, v in zip(keys, views, strict=True)]
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Unlink the keys' files (a reader refused their values)."""
+        self._check_open()
+        check_keys(keys)
+        for key in keys:
+            _unlink(self.path_of(key))
+            self._forget(key)
+
+    def reachable(self) -> bool:
+        """Whether the directory is still there and writable."""
+        return os.path.isdir(self.root) and os.access(self.root, os.W_OK | os.X_OK)
 
     def usage(self) -> tuple[int, int]:
         with self._lock:
@@ -241,6 +248,21 @@ class FileBackend(StorageBackend):
 
     def _belongs(self, name: str, leaf: str) -> bool:
         return bool(KEY.fullmatch(name)) and os.path.dirname(self.path_of(name)) == leaf
+
+
+def usable_root(path: str) -> str:
+    """`path` as an absolute directory, made where missing; `ConfigError` for a file in its place,
+    `StorageError` for one that cannot be made or written."""
+    root = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"file storage: {root!r} exists and is not a directory")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"file storage: cannot create {root!r}: {e}") from e
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise StorageError(f"file storage: {root!r} is not writable by this user")
+    return root
 
 
 def _subdirs(path: str) -> list[os.DirEntry]:

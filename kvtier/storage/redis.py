@@ -25,12 +25,15 @@ Contract (beyond `kvtier.storage.backend`):
   touching the network; the first call after it tries again, and a success resets it.
   redis-py reconnects by itself once the server is back. Every other redis-py error is
   raised as `StorageError` too (from it), without a back-off.
+- `reachable()`: False from a call that could not reach the server until one succeeds;
+  asked while failing after the back-off, it tries the server itself (one `EXISTS`).
 - Keys as `kvtier.storage.backend.check_keys` allows; `usage()` is None (a shared server's
   contents are not this process's to count).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -52,7 +55,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import Chunks, StorageBackend, byte_views, check_keys
+from kvtier.storage.backend import PROBE_KEY, Chunks, StorageBackend, byte_views, check_keys, note_source
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +136,20 @@ class _Backoff:
             if left > 0:
                 raise StorageError(f"{where} unreachable ({self._cause}); next try in {left:.1f} s")
 
+    @property
+    def failing(self) -> bool:
+        """Whether the last call failed to reach the server (and none has succeeded since)."""
+        return self._delay > 0
+
+    @property
+    def due(self) -> bool:
+        """Whether the back-off has passed: the next call tries the server again."""
+        return time.monotonic() >= self._until
+
     def failed(self, where: str, e: BaseException) -> None:
         with self._lock:
-            if self._delay == 0:
-                log.warning("%s unreachable, failing fast for %.1f s: %s", where, BACKOFF_FIRST_S, e)
+            if self._delay == 0:  # info: the storage tier's callers warn, once per operation and while
+                log.info("%s unreachable, failing fast for %.1f s: %s", where, BACKOFF_FIRST_S, e)
             self._delay = min(BACKOFF_MAX_S, self._delay * 2) if self._delay else BACKOFF_FIRST_S
             self._until = time.monotonic() + self._delay
             self._cause = f"{type(e).__name__}: {e}"
@@ -190,6 +203,8 @@ class RedisBackend(StorageBackend):
             raise StorageError(f"{self._where}: {len(keys)} keys but {len(buffers)} buffer lists")
         views = [byte_views(b, writable=True) for b in buffers]
         values = self._pipeline(lambda p: [p.get(k) for k in keys])
+        for key, b in zip(keys, buffers, strict=True):
+            note_source(b, self, key)
         return [_scatter(v, dest) for v, dest in zip(values, views, strict=True)]
 
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
@@ -200,6 +215,18 @@ class RedisBackend(StorageBackend):
         ex = self.ttl_s or None
         done = self._pipeline(lambda p: [p.set(k, b, ex=ex) for k, b in zip(keys, blobs, strict=True)])
         return [d is True for d in done]
+
+    def reachable(self) -> bool:
+        """False while the server cannot be reached; once the back-off has passed, one `EXISTS` tries it."""
+        if self._backoff.failing and self._backoff.due:
+            with contextlib.suppress(StorageError):  # the back-off records the outcome
+                self._pipeline(lambda p: [p.exists(PROBE_KEY)])
+        return not self._backoff.failing
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Delete the keys (a reader refused their values)."""
+        check_keys(keys)
+        self._pipeline(lambda p: [p.delete(k) for k in keys])
 
     def close(self) -> None:
         with self._lock:

@@ -15,7 +15,9 @@ raw. A reader decodes either kind, whatever its own setting.
 
 `PageCodec.check` refuses a value (returns why, a `REJECTIONS` name) unless every field
 matches what the reader expects, the length is exact and the checksum holds: a refused
-value is a miss, never KV. Nothing here raises for a bad value.
+value is a miss, never KV. A refused value read into `read_buffers` is also deleted from
+its backend where the backend can (`ValueBuffers.discard`): the next store of the page
+writes it again. Nothing here raises for a bad value.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import xxhash
 
 from kvtier.spec import KVSpec
+from kvtier.storage.backend import ValueBuffers
 from kvtier.storage.config import Compression
 from kvtier.storage.keys import Fingerprint
 
@@ -94,16 +97,23 @@ class PageCodec:
 
     # -- reading -----------------------------------------------------------------------
 
-    def read_buffers(self, views: Sequence[memoryview]) -> list[memoryview]:
+    def read_buffers(self, views: Sequence[memoryview]) -> ValueBuffers:
         """Where a backend's `get_into` writes one value: a header buffer, then the page's `views`."""
-        return [memoryview(bytearray(self.header_bytes)), *views]
+        return ValueBuffers([memoryview(bytearray(self.header_bytes)), *views])
 
     def check(self, page_hash: bytes, length: int, buffers: Sequence[memoryview]) -> str | None:
         """Verify a value read into `buffers` (from `read_buffers`); None when the page's views hold it.
 
         A compressed value is decompressed into the views here. Returns the `REJECTIONS`
-        reason of a refused value; `length` is what `get_into` returned (>= 0).
+        reason of a refused value, which is then discarded from its backend (see the module
+        docstring); `length` is what `get_into` returned (>= 0).
         """
+        why = self._check(page_hash, length, buffers)
+        if why is not None and isinstance(buffers, ValueBuffers):
+            buffers.discard()
+        return why
+
+    def _check(self, page_hash: bytes, length: int, buffers: Sequence[memoryview]) -> str | None:
         header = buffers[0]
         if length < self.header_bytes:
             return "truncated"

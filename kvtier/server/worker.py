@@ -7,6 +7,10 @@ submitted), cancels the requests whose clients went away (their slots are freed 
 was computed inserted at once) and routes each step's tokens and results to their jobs.
 A job the engine refuses, or a step that fails, answers its jobs with the error; the
 worker keeps serving. When the engine is idle it settles the cache (see `Worker._next`).
+
+Shutdown (`drain(deadline)`): the worker keeps stepping what it holds until the deadline
+(`time.monotonic()`), then cancels every request it runs or holds queued and answers each
+with `SHUTDOWN` (503); a job that comes after the deadline gets the same at once.
 """
 
 from __future__ import annotations
@@ -15,18 +19,25 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Request
-from kvtier.errors import ConfigError, PromptTooLongError
+from kvtier.errors import APIError, ConfigError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
 # How long the worker waits for another request before it settles the cache's transfers.
 IDLE_S = 0.05
+# Put on the queue to wake a waiting worker (`drain`); no request.
+_WAKE = "wake"
+# The answer to a request the server cancels because it is shutting down.
+SHUTDOWN = APIError(
+    503, "the server shut down before this request finished", type_="server_error", code="shutting_down"
+)
 
 
 @dataclass(eq=False)
@@ -56,17 +67,29 @@ class Worker:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.cancelled = 0  # requests stopped because their client went away
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.jobs: queue.Queue[Job | str | None] = queue.Queue()
         self._active: dict[Request, Job] = {}
         self._pending: Job | None = None  # the job being submitted
+        self._deadline: float | None = None  # set by `drain`: when what is left is cancelled
+        self.aborted = 0  # requests cancelled at shutdown
         self.thread = threading.Thread(target=self._run, name="kvtier-worker", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
         self.jobs.put(None)
         self.thread.join(timeout=30)
+        if self.thread.is_alive():
+            log.error("the worker did not stop within 30 s (an engine step still runs)")
 
-    def _next(self) -> Job | None:
+    def drain(self, deadline: float) -> None:
+        """Step what is held until `deadline` (`time.monotonic()`), then cancel it all with `SHUTDOWN`."""
+        self._deadline = deadline
+        self.jobs.put(_WAKE)  # a worker waiting for a job looks at the deadline
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _next(self) -> Job | str | None:
         """The next job when the engine is idle; once none has come for `IDLE_S`, the cache is
         settled before waiting on.
 
@@ -83,6 +106,8 @@ class Worker:
                 self.engine.settle()
             except Exception:
                 log.exception("settling the cache between requests failed")
+        if self._deadline is not None and not self._past_deadline():  # draining: wake at the deadline
+            return self.jobs.get(timeout=max(0.0, self._deadline - time.monotonic()))
         return self.jobs.get()
 
     @property
@@ -102,7 +127,7 @@ class Worker:
                 except queue.Empty:
                     break
             for job in stranded:
-                if job is not None:
+                if isinstance(job, Job):
                     job.emit("error", RuntimeError("the server's worker stopped"))
             raise
 
@@ -110,7 +135,10 @@ class Worker:
         running = True
         while running:
             if not self.engine.busy:
-                job = self._next()
+                try:
+                    job = self._next()
+                except queue.Empty:  # draining and idle until the deadline
+                    job = _WAKE
                 if job is None:
                     break
                 self._submit(job)
@@ -124,6 +152,8 @@ class Worker:
                     break
                 self._submit(job)
             self._cancel_gone()
+            if self._past_deadline():
+                self._abort()
             if running and self.engine.busy:
                 self._step()
         for req, job in list(self._active.items()):  # stopping: what runs is cancelled
@@ -131,8 +161,23 @@ class Worker:
             job.emit("cancelled", None)
         self._active.clear()
 
-    def _submit(self, job: Job) -> None:
-        if job.cancel.is_set():
+    def _abort(self) -> None:
+        """Past the shutdown deadline: cancel every request held, each answered `SHUTDOWN`."""
+        if not self._active:
+            return
+        for req, job in list(self._active.items()):
+            self.engine.cancel(req)
+            job.emit("error", SHUTDOWN)
+        log.warning("shutting down: %d requests cancelled at the deadline", len(self._active))
+        self.aborted += len(self._active)
+        self._active.clear()
+
+    def _submit(self, job: Job | str) -> None:
+        if not isinstance(job, Job) or job.cancel.is_set():
+            return
+        if self._past_deadline():
+            job.emit("error", SHUTDOWN)
+            self.aborted += 1
             return
         self._pending = job
         try:

@@ -136,13 +136,14 @@ def _plain_generate(engine: Engine, prompt: list[int], max_tokens: int) -> list[
 def command(args: Namespace) -> int:
     """`kvtier demo`: 0 when every answer equals plain generation and the restart hits storage, else 1."""
     from kvtier.cache import CacheConfig, WritePolicy
-    from kvtier.commands import console, engine_for, engine_sizes, storage_config, summary_lines
+    from kvtier.cli.build import engine_for, engine_sizes, storage_config
+    from kvtier.cli.console import console, summary_lines
 
     config = CacheConfig(write_policy=WritePolicy(args.write_policy))
     storage = storage_config(args) if args.storage else None
     with tempfile.TemporaryDirectory(prefix="kvtier-storage-demo-") as scratch:
         restart_storage = storage or storage_config(args, f"file://{scratch}")  # checked before loading
-        loading = "loading the model (the first run converts it once, about a minute)"
+        loading = "loading the model"
         dev, engine = engine_for(args, loading, config, storage=storage)
         if engine.chat_template is None:
             engine.close()
@@ -175,7 +176,7 @@ def _play(engine: Engine, max_tokens: int) -> list[Turn]:
     """The conversations on `engine`, a line and a table row per turn, then the cache's totals; closes it."""
     from rich.progress import Progress
 
-    from kvtier.commands import console
+    from kvtier.cli.console import console
 
     table = Table(title="turns")
     for col in COLUMNS:
@@ -205,7 +206,7 @@ def _play(engine: Engine, max_tokens: int) -> list[Turn]:
 
 def _print_restart(r: Restart) -> None:
     """The restart part's table and its verdict."""
-    from kvtier.commands import console
+    from kvtier.cli.console import console
 
     table = Table(title=f"restart: conversation {r.turn.conversation}, turn {r.turn.turn}, asked twice")
     for col in RESTART_COLUMNS:

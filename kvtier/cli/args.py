@@ -4,8 +4,9 @@ Each type turns one flag's text into its value or raises `ArgumentTypeError`, wh
 parser reports as one line on stderr and exit code 2. Flags with fixed values take
 `choices=` (or `csv_of(choices)` for comma lists), spelled out here so that parsing
 imports neither torch nor transformers; tests/test_cli.py checks each tuple against what
-its comment names. `Parser` is the argument parser of every command: its usage errors
-are one line, and its help shows each flag's default (`HelpFormatter`); each subcommand's
+its comment names (`kvtier bench transfer`'s sets and variants are those of
+`kvtier.bench.transfer_sets`). `Parser` is the argument parser of every command: its usage
+errors are one line, and its help shows each flag's default (`HelpFormatter`); each subcommand's
 (`SubcommandParser`) names itself in its errors.
 """
 
@@ -17,6 +18,8 @@ from argparse import ArgumentTypeError
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.bench.transfer_sets import is_runs
+
 SPECS = (  # sorted(kvtier.spec.PRESETS)
     *("deepseek-v3", "deepseek-v3-fp8", "deepseek-v3-fp8-packed", "glm-5", "glm-5-fp8", "glm-5-indexer"),
     *("llama-3.1-8b", "tiny-dsa", "tiny-mha", "tiny-mha-fp16", "tiny-mla", "tiny-mla-fp8"),
@@ -25,11 +28,6 @@ LAYOUTS = ("layer_first", "page_first")  # kvtier.pool.HostLayout
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvtier.cache.WritePolicy
 ALLOC_POLICIES = ("contiguous", "first_fit")  # kvtier.alloc.AllocPolicy
 DIRECTIONS = ("load", "backup", "both")  # kvtier.pool.device.Direction, or both
-# `kvtier bench transfer`'s host slot sets and variants (kvtier.bench.transfer reads these)
-HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
-VARIANTS = ("planned", "kernel", "copy", "stock", "reference")
-DEFAULT_VARIANTS = ("planned", "kernel", "copy")
-DEVICE_SETS = ("contiguous", "scattered")
 STORAGE_PARTS = ("throughput", "compression", "ttft")  # kvtier.bench.storage.Part
 STORAGE_BACKENDS = ("file", "redis")  # kvtier.bench.storage.BACKENDS
 SETUPS = ("smollm2", "deepseek-v3", "glm-5")  # kvtier.bench.served.SETUPS
@@ -44,8 +42,6 @@ MULTITURN_CONFIGS = ("kvtier", "device-only", "no-cache")  # kvtier.bench.multit
 SHAPES = ("tiny", "llama-3.1-8b")  # kvtier.bench.engines.SHAPES
 BATCHING_PARTS = ("concurrent", "decode")  # kvtier.bench.batching.PARTS
 DEFAULT_MODEL = "smollm2-135m-instruct"  # kvtier.engine.models.DEFAULT_MODEL
-# Where `kvtier serve` reads its API key when `--api-key` is left out.
-API_KEY_ENV = "KVTIER_API_KEY"
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # The forms `kvtier.storage.backend.open_backend` takes; the rest of a URL is checked when it opens.
@@ -197,11 +193,6 @@ def chat_template_file(text: str) -> str:
     if not template.strip():
         raise ArgumentTypeError(f"{text!r} is empty")
     return template
-
-
-def is_runs(name: str) -> bool:
-    """Whether `name` is a host slot set of runs of a given length: `runs-N`, N >= 1."""
-    return re.fullmatch(r"runs-[1-9][0-9]*", name) is not None
 
 
 def csv_of(choices: tuple[str, ...], runs: bool = False):

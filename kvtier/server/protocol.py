@@ -2,7 +2,7 @@
 
 Each check raises `APIError` (the status and OpenAI's `type`, `param`, `code`) before the
 request reaches the engine: `parse_body` (a JSON object), `check_model`, `chat_messages` /
-`text_prompt` (the other fields: `kvtier.engine.params`).
+`text_prompt` (the other fields: `kvtier.server.params`).
 `Reply` builds the response objects and server-sent events of one request (its choices,
 their logprobs, its usage); `ChoiceStream` the text deltas of one streamed choice, stop
 strings held back; `failure_error` / `unfinished_error` say what a failed, timed-out or
@@ -141,6 +141,8 @@ def _floor(logprob: float) -> float:
 
 def failure_error(error: BaseException) -> APIError:
     """The API's answer to a request that failed in the worker."""
+    if isinstance(error, APIError):  # the worker's own answer (`kvtier.server.worker.SHUTDOWN`)
+        return error
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), code="context_length_exceeded")
     if isinstance(error, ConfigError):

@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvtier.engine import protocol as api
 from kvtier.errors import APIError, BindError
+from kvtier.server import protocol as api
 
 
 def openai_errors(app: FastAPI, count: Callable[[int], None]) -> None:

@@ -152,6 +152,8 @@ def _storage_families(storage: HostStorageMover) -> Iterator[Metric]:
         "storage_prefetch_seconds", "time from a prefetch's start to its end", m["prefetch_seconds"]
     )
     yield _histogram("storage_write_seconds", "time from a store's submission to its end", m["write_seconds"])
+    up = storage.backend.reachable()
+    yield _gauge("storage_up", "1 while the storage tier answers, 0 while it cannot be reached", int(up))
     usage = storage.backend.usage()
     if usage is not None:
         yield _gauge("storage_stored_pages", "pages the backend holds", usage[0])

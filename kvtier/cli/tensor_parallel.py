@@ -136,7 +136,7 @@ def _follow(rank: int, args: Namespace, port: int) -> None:
 
     import torch.distributed as dist
 
-    from kvtier.commands import cache_config, engine_for, storage_config
+    from kvtier.cli.build import cache_config, engine_for, storage_config
 
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"

@@ -1,36 +1,23 @@
-"""`kvtier serve`: an OpenAI-compatible HTTP API over the engine and its tiered cache.
+"""The routes of the app: each request admitted, read, parsed and tokenised, queued for the worker,
+and answered (whole, or streamed as server-sent events).
 
-One worker thread owns the engine and steps it while any request is in it (continuous
-batching: new requests join at the next step); when none is left it settles the cache,
-so write-through pages reach storage while the server idles (another server sharing the
-store finds them). A client that disconnects (streaming or not) has its request
-cancelled before the next step, which inserts what was computed, frees its slots and
-releases its locks. Routes: `POST /v1/chat/completions`
-and `/v1/completions` (both with `stream`), `GET /v1/models`, `/v1/models/{id}`,
-`/version`, `/health` and `/metrics` (prometheus-client's text, `kvtier.engine.metrics`).
-Every error comes back in OpenAI's shape (`APIError.body`) with a 4xx or 5xx status, and
-the server keeps serving: unknown routes and methods, validation and crashes included
-(`kvtier.engine.web`). With an API key, every route but `/health` and `/metrics` needs it
-(401). A tokenizer without a chat template is warned about when the app is made; its chat
-requests are answered 400 and text completions still work.
-
-A request's parameters are read by `kvtier.engine.params` (a field the server cannot honour
+A request's parameters are read by `kvtier.server.params` (a field the server cannot honour
 is a 400 naming it). Its `n` choices (of each prompt, for a text completion with several)
 are one engine request each, queued together: the first computes the prompt, the others
 match it in the prefix cache; a stream interleaves their chunks, each with its `index`.
 
-Admission (`Limits`), in this order, each refusal before any work: a body over
-`max_body_bytes` is answered 413 from its Content-Length before it is read, or as soon as
-more arrives (a chunked body); with `max_queue` requests waiting, 429 with `Retry-After`;
-then the body is parsed and tokenised on a thread of its own, never on the event loop, so
-`/health` and the streams keep answering. Each request carries `request_timeout_s` to the
-engine: one that runs past it is answered 504 (streamed: an error event, then `[DONE]`).
+Admission (`Limits`), in this order, each refusal before any work: while the server
+shuts down, 503; a body over `max_body_bytes` is answered 413 from its Content-Length
+before it is read, or as soon as more arrives (a chunked body); with `max_queue` requests
+waiting, 429 with `Retry-After`; a body not wholly arrived within `body_timeout_s` is
+answered 408 and its slot freed; then the body is parsed and tokenised on a thread of its
+own, never on the event loop, so `/health` and the streams keep answering. Each request
+carries `request_timeout_s` to the engine: one that runs past it is answered 504
+(streamed: an error event, then `[DONE]`).
 
-`kvtier serve` binds its port before the model loads: a port in use is refused at once.
-
-Lifetime: the app owns the engine. Its shutdown (uvicorn's, on SIGTERM or Ctrl-C, once the
-requests in flight are answered) stops the worker and closes the engine, which flushes
-pending storage writes; `kvtier serve` then exits 0.
+A client that goes away before its answer ended (mid-upload, while a non-streamed request
+runs, or in the middle of a stream) is counted under `status="499"` (nginx's "client
+closed request"), logged in one line at INFO, and its requests cancelled.
 """
 
 from __future__ import annotations
@@ -39,186 +26,31 @@ import asyncio
 import json
 import logging
 import math
-import os
-import signal
 import time
 import uuid
-from argparse import Namespace
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, aclosing, asynccontextmanager
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvtier import __version__
-from kvtier.cache.storage_mover import HostStorageMover
-from kvtier.engine import choices
-from kvtier.engine import protocol as api
 from kvtier.engine.engine import Engine
-from kvtier.engine.metrics import CONTENT_TYPE, ServerMetrics
-from kvtier.engine.models import DEFAULT_MODEL
-from kvtier.engine.params import MAX_CHOICES, Prompt, RequestParams, completion_prompts, request_params
 from kvtier.engine.results import RequestResult
-from kvtier.engine.web import BearerAuth, listening_socket, openai_errors
-from kvtier.engine.worker import Job, Worker
 from kvtier.errors import APIError, ConfigError
+from kvtier.server import choices
+from kvtier.server import protocol as api
+from kvtier.server.access import access_record, usage_of
+from kvtier.server.limits import Limits
+from kvtier.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvtier.server.params import MAX_CHOICES, Prompt, RequestParams, completion_prompts, request_params
+from kvtier.server.worker import Job, Worker
 
 log = logging.getLogger(__name__)
-
-# Routes that answer without the API key: probes and scrapers hold none.
-OPEN_PATHS = ("/health", "/metrics")
-
-
-class _Terminated(Exception):
-    """SIGTERM, raised in the main thread once uvicorn has shut down and re-raised the signal."""
-
-
-def _terminated(_signum: int, _frame: Any) -> None:
-    raise _Terminated
-
-
-def command(args: Namespace) -> int:
-    """`kvtier serve`: check the flags, bind the port, load the model, serve until SIGTERM or Ctrl-C; 0."""
-    import uvicorn  # noqa: F401  (imported first: a missing server is refused before the model loads)
-
-    from kvtier.cli_args import API_KEY_ENV
-    from kvtier.commands import cache_config, device, engine_for, storage_config
-    from kvtier.engine.launch import Ranks, rank_zero
-
-    config = cache_config(args)
-    storage = storage_config(args)
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    if api_key is not None and not api_key.strip():
-        raise ConfigError(f"the API key (--api-key or ${API_KEY_ENV}) is empty")
-    device(args.device)  # no CUDA: refused before the port is taken
-    if args.tp > 1:
-        args = rank_zero(args)  # --tp against the devices and the checkpoint's heads
-    sock = listening_socket(args.host, args.port)
-    followers = ExitStack()
-    try:
-        ranks = followers.enter_context(Ranks(args)) if args.tp > 1 else None
-        dev, engine = engine_for(
-            args, "loading the model", config, ranks, host_layout=args.host_layout, storage=storage
-        )
-    except BaseException:
-        sock.close()
-        followers.close()
-        raise
-    with followers:  # the other ranks end once the engine has closed
-        return _serve(args, engine, dev, api_key, sock)
-
-
-def _serve(args: Namespace, engine: Engine, dev: Any, api_key: str | None, sock: Any) -> int:
-    """Serve `engine` on the bound `sock` until SIGTERM or Ctrl-C; 0."""
-    import uvicorn
-
-    from kvtier.commands import console, summary_lines
-
-    name = args.model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
-    tier = f", storage on {engine.storage.backend.describe()}" if engine.storage is not None else ""
-    app = create_app(
-        engine,
-        name,
-        max_queue=args.max_queue,
-        max_body_bytes=int(args.max_body_mb * (1 << 20)),
-        request_timeout_s=args.request_timeout,
-        api_key=api_key,
-    )
-    for line in summary_lines(engine.summary()):
-        console.print(line, highlight=False)
-    keyed = ", API key required" if api_key is not None else ""
-    ranks = f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
-    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({dev}{ranks}{tier}{keyed})")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-    # uvicorn handles SIGTERM and SIGINT itself (a graceful shutdown, the app's included),
-    # then raises the signal again for the handler it found: this one, and Python's for SIGINT.
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
-        server.run(sockets=[sock])
-    except (_Terminated, KeyboardInterrupt):
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        sock.close()
-        app.state.shutdown()  # done by the app's shutdown already, unless uvicorn never started
-    console.print(f"stopped; {_stored(engine.storage)}" if engine.storage is not None else "stopped")
-    return 0
-
-
-def _stored(storage: HostStorageMover) -> str:
-    m = storage.metrics.snapshot()
-    return f"{m['pages_written']} pages ({m['bytes_written'] / 1e6:.1f} MB) written to storage"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the routes admit: queued requests, body size, and each request's time.
-
-    `max_queue`: requests waiting (in the engine's queue, the worker's, or being parsed
-    and tokenised) before new ones are answered 429; `max_body_bytes`: larger bodies are
-    answered 413; `request_timeout_s`: each request's `SamplingParams.timeout_s`.
-    """
-
-    max_queue: int = 256
-    max_body_bytes: int = 16 << 20
-    request_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.max_queue < 1 or self.max_body_bytes < 1 or not self.request_timeout_s > 0:
-            raise ConfigError(
-                f"max_queue, max_body_bytes and request_timeout_s must be positive, got {self.max_queue}, "
-                f"{self.max_body_bytes}, {self.request_timeout_s}"
-            )
-
-
-def create_app(
-    engine: Engine,
-    model_name: str,
-    *,
-    max_queue: int = Limits.max_queue,
-    max_body_bytes: int = Limits.max_body_bytes,
-    request_timeout_s: float = Limits.request_timeout_s,
-    api_key: str | None = None,
-) -> FastAPI:
-    """The FastAPI app serving `engine` under the name `model_name`; it closes `engine` at shutdown.
-
-    `api_key`: requests but `OPEN_PATHS` need `Authorization: Bearer <api_key>` (None: none do).
-    """
-    limits = Limits(max_queue, max_body_bytes, request_timeout_s)  # refused before the worker starts
-    if api_key is not None and not api_key.strip():
-        raise ConfigError("api_key is empty: give a key, or None for none")
-    if engine.chat_template is None:
-        log.warning(
-            "the tokenizer of %r has no chat template: chat completions are answered 400 (text completions "
-            "work); give one with --chat-template FILE",
-            model_name,
-        )
-    routes = Routes(engine, model_name, Worker(engine), ServerMetrics(engine), limits)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        yield
-        routes.shutdown()
-
-    app = FastAPI(title="kvtier", version=__version__, lifespan=lifespan)
-    app.state.worker, app.state.engine, app.state.metrics = routes.worker, engine, routes.metrics
-    app.state.shutdown = routes.shutdown
-    app.add_exception_handler(APIError, routes.api_error)
-    openai_errors(app, routes.metrics.count)
-    if api_key is not None:
-        app.add_middleware(BearerAuth, key=api_key, open_paths=OPEN_PATHS, count=routes.metrics.count)
-    app.get("/health")(routes.health)
-    app.get("/version")(routes.version)
-    app.get("/v1/models")(routes.models)
-    app.get("/v1/models/{model_id:path}")(routes.model)
-    app.get("/metrics")(routes.scrape)
-    app.post("/v1/chat/completions")(routes.chat)
-    app.post("/v1/completions")(routes.completions)
-    return app
 
 
 @dataclass
@@ -240,6 +72,12 @@ class Routes:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvtier-prep")
     )
     admitting: int = 0
+    draining: bool = False
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503); cancel what still runs or waits `timeout_s` from now."""
+        self.draining = True
+        self.worker.drain(time.monotonic() + timeout_s)
 
     def shutdown(self) -> None:
         """Stop the worker, then close the engine (pending storage writes flushed); idempotent."""
@@ -247,15 +85,23 @@ class Routes:
         self.worker.stop()
         self.engine.close()
 
-    async def api_error(self, _request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(self, _request: Request, exc: APIError) -> Response:
         self.metrics.count(exc.status)
+        if exc.status == 499:  # nobody is left to read an answer
+            return Response(status_code=499)
         headers = {"Retry-After": str(self._retry_after())} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def health(self) -> dict:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error", code="shutting_down")
         if not self.worker.alive:
             raise APIError(503, "the server's worker has stopped; see its log", type_="server_error")
-        return {"status": "ok"}
+        if self.engine.storage is None:
+            return {"status": "ok"}
+        # Off the loop: a backend that has been failing asks its server once.
+        up = await asyncio.to_thread(self.engine.storage.backend.reachable)
+        return {"status": "ok", "storage": "ok" if up else "unreachable"}
 
     async def version(self) -> dict:
         return {"version": __version__}
@@ -309,7 +155,10 @@ class Routes:
     async def _admit(
         self, request: Request, prompts_of: Callable[[dict], Awaitable[list[Prompt]]], chat: bool
     ) -> tuple[list[Prompt], RequestParams]:
-        """Size and queue checks (413, 429), then the body read, parsed and tokenised off the loop."""
+        """Shutdown, size and queue checks (503, 413, 429), then the body read (within its deadline, else
+        408), parsed and tokenised off the loop."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error", code="shutting_down")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
             raise api.too_large(self.limits.max_body_bytes)  # before a byte of the body is read
@@ -323,7 +172,7 @@ class Routes:
             )
         self.admitting += 1
         try:
-            raw = await _read_body(request, self.limits.max_body_bytes)
+            raw = await _read_body(request, self.limits.max_body_bytes, self.limits.body_timeout_s)
             body = await self._off_loop(api.parse_body, raw)
             api.check_model(body, self.model_name)
             params = request_params(body, chat, self.limits.request_timeout_s)
@@ -359,9 +208,10 @@ class Routes:
         prompt_tokens = sum(len(p.ids) for p in prompts)
         echoes = [p.text for p in prompts for _ in range(params.n)] if params.echo else []
         if params.stream:
-            events = self._sse(jobs, reply, prompt_tokens, echoes)
+            events = self._sse(jobs, reply, prompt_tokens, echoes, access_record(request.scope))
             return StreamingResponse(events, media_type="text/event-stream")
         results = await choices.drain(jobs, request)
+        access_record(request.scope).update(usage_of(prompt_tokens, results))
         for result in results:
             self.metrics.observe(result)
         for result, job in zip(results, jobs, strict=True):
@@ -390,7 +240,7 @@ class Routes:
             )
 
     async def _sse(
-        self, jobs: list[Job], reply: api.Reply, prompt_tokens: int, echoes: list[str]
+        self, jobs: list[Job], reply: api.Reply, prompt_tokens: int, echoes: list[str], access: dict
     ) -> AsyncIterator[str]:
         """The server-sent events of one streamed request: each choice's role (chat) or echo,
         text deltas and finish; the usage where asked; `[DONE]`.
@@ -400,6 +250,7 @@ class Routes:
         streams = [api.ChoiceStream(self.engine.decode, job.params.stop) for job in jobs]
         results: list[RequestResult] = []
         error = None
+        counted = False
         try:
             for i in range(len(jobs)):
                 if reply.chat:
@@ -425,22 +276,47 @@ class Routes:
                     results.append(value)
                     yield reply.finish(i, value.finish_reason)
             self.metrics.count(200 if error is None else error.status)
+            counted = True
             if error is not None:
                 yield f"data: {json.dumps(error.body())}\n\n"
             elif reply.include_usage:
                 yield reply.usage_chunk(prompt_tokens, results)
             yield "data: [DONE]\n\n"
         finally:
+            access.update(usage_of(prompt_tokens, results))
+            if not counted:  # the client left mid-stream: the server stopped writing to it
+                access["status"] = 499
+                self.metrics.count(499)
+                log.info("a client left its stream of %d choices; its requests are cancelled", len(jobs))
             for job in jobs:
                 job.cancel.set()  # a client that went away stops the worker at its next token
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as more than `limit` bytes arrive (chunked bodies too)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise api.too_large(limit)
-        chunks.append(chunk)
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 as soon as more than `limit` bytes arrive (chunked bodies too), with
+    408 when it has not wholly arrived within `timeout_s`, and with 499 when its client went away."""
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise api.too_large(limit)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)",
+            type_="timeout_error",
+            code="body_timeout",
+        ) from None
+    except ClientDisconnect:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s disconnected mid-upload (%d bytes of its body came): request dropped", client, size)
+        raise APIError(499, "the client disconnected during the upload", type_="cancelled") from None
     return b"".join(chunks)

@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.engine.protocol import text_prompt
 from kvtier.engine.sampling import MAX_LOGPROBS, SamplingParams
 from kvtier.errors import APIError
+from kvtier.server.protocol import text_prompt
 
 # Choices one request may ask for (`n` times the prompts of a text completion), OpenAI's bound for `n`.
 MAX_CHOICES = 128

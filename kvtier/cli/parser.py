@@ -1,14 +1,14 @@
-"""The `kvtier` command's arguments: `kvtier demo | serve | bench ...` (`kvtier.cli_bench`).
+"""The `kvtier` command's arguments: `kvtier demo | serve | bench ...` (`kvtier.cli.bench_args`).
 
 This module parses and checks; it runs nothing. Every flag is checked before any model or
 pool is built, and every refusal is one line on stderr (`kvtier serve: error: ...`), never
 a traceback. Exit codes: 2 for what the command line gets wrong (argparse's refusals, and
 a `ConfigError` the command raises for a flag's value or a combination of flags), 1 for
 what the machine or the files named refuse (any other `KVTierError`: no CUDA device, a
-port in use, a checkpoint that does not load; a missing package). `main` calls
-`command(args)` in the module `COMMANDS` names. Parsing imports neither torch nor
-transformers, so `kvtier --help` is fast; the fixed values of flags are spelled out in
-`kvtier.cli_args`.
+port in use, a checkpoint that does not load; a missing package). `main` calls the
+function `COMMANDS` names (`module:function`), whose module is imported only when its
+command runs: parsing imports neither torch nor transformers, so `kvtier --help` is
+fast; the fixed values of flags are spelled out in `kvtier.cli.args`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import logging
 import sys
 
 from kvtier import __version__
-from kvtier.cli_args import (
+from kvtier.cli.args import (
     ALLOC_POLICIES,
-    API_KEY_ENV,
     COMPRESSIONS,
     DTYPES,
     LAYOUTS,
@@ -42,17 +41,25 @@ from kvtier.cli_args import (
     storage_url,
     write_policy_flag,
 )
-from kvtier.cli_bench import BENCHES, add_bench
+from kvtier.cli.bench_args import add_bench
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.server.limits import API_KEY_ENV, SHUTDOWN_TIMEOUT_S, Limits
 
-# Module whose `command(args) -> int` runs each command.
+# The function `command(args) -> int` that runs each command, as `module:function`.
 COMMANDS = {
-    "demo": "kvtier.engine.demo",
-    "serve": "kvtier.engine.server",
-} | {f"bench {b}": f"kvtier.bench.{b}" for b in BENCHES}
+    "demo": "kvtier.cli.demo:command",
+    "serve": "kvtier.cli.serve:command",
+    "bench transfer": "kvtier.cli.bench_transfer:bench_transfer",
+    "bench overlap": "kvtier.cli.bench_transfer:bench_overlap",
+    "bench cache": "kvtier.cli.bench_cache:command",
+    "bench served": "kvtier.cli.bench_serving:bench_served",
+    "bench storage": "kvtier.cli.bench_serving:bench_storage",
+    "bench multiturn": "kvtier.cli.bench_serving:bench_multiturn",
+    "bench batching": "kvtier.cli.bench_serving:bench_batching",
+}
 
 
-def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: int, what: str) -> None:
+def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: int | None, what: str) -> None:
     model_flag(p)
     p.add_argument(
         "--chat-template",
@@ -62,7 +69,13 @@ def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: in
     )
     device_flag(p)
     p.add_argument("--device-tokens", type=positive, default=device_tokens, help=what)
-    p.add_argument("--host-tokens", type=positive, default=host_tokens, help="host KV pool in tokens")
+    p.add_argument(
+        "--host-tokens",
+        type=positive,
+        default=host_tokens,
+        help="host KV pool in tokens"
+        + ("" if host_tokens else " (default: sized to this machine's available RAM, printed at start)"),
+    )
     p.add_argument(
         "--page-size",
         type=positive,
@@ -131,7 +144,7 @@ def _storage_flags(p: argparse.ArgumentParser, default: str) -> None:
 
 def _serve(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible server over the tiered cache")
-    _model_flags(s, 16384, 131072, "device KV pool in tokens")
+    _model_flags(s, 16384, None, "device KV pool in tokens")
     s.add_argument("--model-name", help="the name clients ask for (default: the checkpoint's folder name)")
     s.add_argument(
         "--tp",
@@ -159,6 +172,25 @@ def _serve(sub) -> None:
         default=600.0,
         metavar="SECONDS",
         help="a request running longer is answered 504",
+    )
+    s.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="log no line per request (by default: method, path, status, tokens, TTFT, at INFO)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=Limits.body_timeout_s,
+        metavar="SECONDS",
+        help="a request body not wholly arrived this long after its headers is answered 408",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long requests in flight may run before they are cancelled",
     )
     s.add_argument(
         "--max-body-mb",
@@ -198,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     name = args.command if args.command != "bench" else f"bench {args.bench}"
     try:
-        return importlib.import_module(COMMANDS[name]).command(args)
+        module, function = COMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), function)(args)
     except KVTierError as e:
         print(f"kvtier {name}: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
         return 2 if isinstance(e, ConfigError) else 1
@@ -211,7 +244,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kvtier {name}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,10 +16,10 @@ from typing import Any
 
 from fastapi import Request
 
-from kvtier.engine import protocol as api
 from kvtier.engine.results import RequestResult
-from kvtier.engine.worker import Job
 from kvtier.errors import APIError
+from kvtier.server import protocol as api
+from kvtier.server.worker import Job
 
 # How often a non-streamed request checks that its client is still there.
 DISCONNECT_POLL_S = 0.2

@@ -1,8 +1,8 @@
 """`kvtier bench`'s subcommands and their flags (transfer, overlap, served, cache, storage,
 multiturn, batching); `add_bench(sub)` adds them under `kvtier bench`.
 
-Like `kvtier.cli`, this module parses and runs nothing: each benchmark's `command(args)`
-(`kvtier.bench.<name>`) takes the parsed flags.
+Like `kvtier.cli.parser`, this module parses and runs nothing: each benchmark's command
+(`kvtier.cli.bench_*`, named in `kvtier.cli.parser.COMMANDS`) takes the parsed flags.
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ import argparse
 from argparse import ArgumentTypeError
 from pathlib import Path
 
-from kvtier.cli_args import (
+from kvtier.bench.transfer_sets import DEFAULT_VARIANTS, DEVICE_SETS, HOST_SETS, VARIANTS
+from kvtier.cli.args import (
     BATCHING_PARTS,
     CACHE_PARTS,
-    DEFAULT_VARIANTS,
-    DEVICE_SETS,
     DIRECTIONS,
     DTYPES,
-    HOST_SETS,
     ID_DTYPES,
     LAYOUTS,
     MULTITURN_CONFIGS,
@@ -28,7 +26,6 @@ from kvtier.cli_args import (
     STORAGE_BACKENDS,
     STORAGE_PARTS,
     STORAGE_SPECS,
-    VARIANTS,
     WRITE_POLICIES,
     csv_flag,
     csv_of,
@@ -42,7 +39,7 @@ from kvtier.cli_args import (
     write_policy_flag,
 )
 
-# The benchmarks `add_bench` adds, each run by `kvtier.bench.<name>.command`.
+# The benchmarks `add_bench` adds, each run by its command in `kvtier.cli.parser.COMMANDS`.
 BENCHES = ("transfer", "overlap", "cache", "served", "storage", "multiturn", "batching")
 
 

@@ -1,23 +1,19 @@
-"""What the `kvtier` commands share: the console, progress, their device and engine, JSON out.
+"""What a command's flags build: the device, the cache's config, the storage tier and the engine.
 
-`kvtier.cli` parses the arguments, then calls one `command(args)` beside the command's
-subject (`kvtier.engine.demo.command`, `kvtier.bench.transfer.command`, ...). Those
-functions and this module are the only code that prints.
+Every flag is checked here before anything is built (`storage_config` before the model
+loads); a refusal is a `ConfigError` (exit 2) or, for what the machine lacks, another
+`KVTierError` (exit 1).
 """
 
 from __future__ import annotations
 
-import json
-import sys
+import math
 from argparse import Namespace
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
 
+from kvtier.cli.console import console
 from kvtier.errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
@@ -26,7 +22,7 @@ if TYPE_CHECKING:
     from kvtier.engine import Engine
     from kvtier.storage.config import StorageConfig
 
-# `--storage-*` flag -> the `StorageConfig` field it sets (`kvtier.cli._storage_flags`).
+# `--storage-*` flag -> the `StorageConfig` field it sets (`kvtier.cli.parser._storage_flags`).
 STORAGE_FIELDS = {
     "storage_write": "write",
     "storage_prefetch": "prefetch",
@@ -38,9 +34,6 @@ STORAGE_FIELDS = {
     "storage_ttl": "ttl_s",
     "storage_model": "model",
 }
-
-# Wide enough for the tables when output goes to a file or a pipe.
-console = Console(width=None if sys.stdout.isatty() else 140)
 
 
 def device(name: str) -> torch.device:
@@ -64,8 +57,10 @@ def storage_config(args: Namespace, url: str | None = None) -> StorageConfig | N
     """The storage tier `--storage` (else `url`) and the `--storage-*` flags give; None for no tier.
 
     A flag left out keeps `StorageConfig`'s default. `ConfigError` for a flag given without
-    a URL, or for a value the config refuses.
+    a URL, or for a value the config refuses; a `file://` directory that cannot be made or
+    written is refused here too (`kvtier.storage.backend.check_url`).
     """
+    from kvtier.storage.backend import check_url
     from kvtier.storage.config import StorageConfig
 
     given = {flag: v for flag in STORAGE_FIELDS if (v := getattr(args, flag, None)) is not None}
@@ -75,7 +70,9 @@ def storage_config(args: Namespace, url: str | None = None) -> StorageConfig | N
             flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
             raise ConfigError(f"{flags} given without --storage: there is no storage tier to apply it to")
         return None
-    return StorageConfig(url, **{STORAGE_FIELDS[flag]: v for flag, v in given.items()})
+    config = StorageConfig(url, **{STORAGE_FIELDS[flag]: v for flag, v in given.items()})
+    check_url(config.url)  # a directory that cannot be written: refused before the model loads
+    return config
 
 
 def cache_config(args: Namespace) -> CacheConfig:
@@ -98,6 +95,29 @@ def engine_sizes(args: Namespace) -> dict[str, int]:
     }
 
 
+# `kvtier serve`'s host pool without --host-tokens: at most this many tokens, and at most this share
+# of the RAM available at start (on the GPU, where pinned host memory is the tier's point, a quarter;
+# on the CPU, where both pools are RAM, a tenth and at most twice the device pool).
+HOST_TOKENS_CAP = 131072
+HOST_SHARE = {"cuda": 0.25, "cpu": 0.10}
+
+
+def default_host_tokens(
+    per_token: int, device_tokens: int, device_type: str, page_size: int, available: int
+) -> tuple[int, str]:
+    """The host pool's tokens when `--host-tokens` is left out, and why, in words.
+
+    `per_token`: KV bytes per token; `available`: bytes of RAM available now. A multiple of
+    the page size (and of 64, so a storage tier's pages fit), at least one page.
+    """
+    share = HOST_SHARE.get(device_type, HOST_SHARE["cpu"])
+    cap = HOST_TOKENS_CAP if device_type == "cuda" else min(HOST_TOKENS_CAP, 2 * device_tokens)
+    step = math.lcm(page_size, 64)
+    tokens = max(step, min(cap, int(available * share) // per_token) // step * step)
+    why = f"at most {share:.0%} of the {available / 1e9:.1f} GB of RAM available and {cap} tokens"
+    return tokens, why
+
+
 def engine_for(
     args: Namespace, loading: str, config: CacheConfig, ranks: RankGroup | None = None, **kw: Any
 ) -> tuple[torch.device, Engine]:
@@ -111,53 +131,47 @@ def engine_for(
     model its shard.
     """
     from kvtier.engine import Engine
-    from kvtier.engine.models import load_model
+    from kvtier.engine.models import load_model, needs_conversion
 
     dev = device(args.device)
+    if needs_conversion(args.model):  # with --tp, `rank_zero` has converted it before the ranks start
+        console.print(
+            "first run: converting SmolLM2-135M-Instruct from its GGUF file to a bf16 copy in the kvtier "
+            "cache (once, about 15 s)",
+            highlight=False,
+        )
     with console.status(loading):
         model, tokenizer = load_model(args.model, dev, args.dtype, ranks)
-    engine = Engine(
-        model, tokenizer, config=config, page_size=args.page_size, ranks=ranks, **engine_sizes(args), **kw
-    )
+    sizes, sized = engine_sizes(args), None
+    if sizes["host_tokens"] is None:
+        sizes["host_tokens"], sized = _sized_host_pool(args, model, dev, kw.get("storage"), ranks)
+    engine = Engine(model, tokenizer, config=config, page_size=args.page_size, ranks=ranks, **sizes, **kw)
     if args.chat_template is not None:
         try:
             engine.chat_template = args.chat_template
         except ConfigError:
             engine.close()
             raise
+    if sized is not None:
+        console.print(sized, highlight=False)
     return dev, engine
 
 
-def summary_lines(summary: dict[str, Any]) -> list[str]:
-    """`Engine.summary()` as two lines for the console: the model and its KV, then the limits."""
-    per_token = summary["kv_bytes_per_token"]
-    per = f"{per_token / 1024:.1f} KiB" if per_token >= 1024 else f"{per_token} B"
+def _sized_host_pool(
+    args: Namespace, model: Any, dev: torch.device, storage: Any, ranks: Any
+) -> tuple[int, str]:
+    """`default_host_tokens` for `model` on this machine, and the line that says so."""
+    from kvtier.engine.engine import STORAGE_PAGE_SIZE
+    from kvtier.engine.hf import spec_from_hf_config
+    from kvtier.pool.memory import host_memory_bytes
 
-    def pool(name: str) -> str:
-        tokens, gb = summary[f"{name}_pool_tokens"], summary[f"{name}_pool_bytes"] / 1e9
-        return f"{name} pool {tokens} tokens ({gb:.2f} GB)"
-
-    return [
-        f"{summary['model']}, {summary['dtype']} on {summary['device']}: {per} of KV per token; "
-        f"{pool('device')}, {pool('host')}",
-        f"up to {summary['max_num_seqs']} running requests and {summary['max_num_batched_tokens']} "
-        f"batched tokens per step; pages of {summary['page_size']} tokens",
-    ]
-
-
-@contextmanager
-def progress() -> Iterator[Callable[[str], None]]:
-    """A reporter of one-line progress messages: a spinner's text on a terminal, else a line each."""
-    if not console.is_terminal:
-        yield lambda msg: console.print(msg, highlight=False)
-        return
-    with console.status("starting") as status:
-        yield lambda msg: status.update(msg)
-
-
-def write_json(path: Path | None, payload: dict) -> None:
-    """Write a benchmark's `{"meta": ..., ...}` report to `path` (nothing when None) and say so."""
-    if path is None:
-        return
-    path.write_text(json.dumps(payload, indent=1))
-    console.print(f"wrote {path}")
+    page = args.page_size or (STORAGE_PAGE_SIZE if storage is not None else 1)
+    world = ranks.world if ranks is not None else 1
+    dtype = next(model.parameters()).dtype
+    per_token = spec_from_hf_config(model.config, dtype=dtype, page_size=page, tp=world).bytes_per_token()
+    tokens, why = default_host_tokens(per_token, args.device_tokens, dev.type, page, host_memory_bytes()[0])
+    gb = tokens * per_token / 1e9
+    return (
+        tokens,
+        f"host pool sized to this machine: {tokens} tokens ({gb:.2f} GB), {why} (--host-tokens N to choose)",
+    )

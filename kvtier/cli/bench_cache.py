@@ -29,7 +29,8 @@ def command(args: Namespace) -> int:
     """`kvtier bench cache --parts ...`: run the parts asked for, print their tables, write the JSON."""
     from kvtier.bench import trace
     from kvtier.cache import WritePolicy
-    from kvtier.commands import console, device, progress, write_json
+    from kvtier.cli.build import device
+    from kvtier.cli.console import console, progress, write_json
     from kvtier.spec import preset
 
     dev = device(args.device)
