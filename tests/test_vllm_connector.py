@@ -88,3 +88,68 @@ def test_damaged_pages_are_recomputed_never_loaded(reference: list[dict], store:
     (row,) = engine(store=str(store), prefix_caching=True)
     assert row["tokens"] == reference[0]["tokens"]  # recomputed from the first block
     assert "refused" in row["log"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_vllm_server_reports_kvtiers_hits_on_its_metrics(tmp_path: Path) -> None:
+    """vLLM's OpenAI server started as a user would, the connector named in `--kv-transfer-config`;
+    the official client asks the same prompt twice; `/metrics` counts the second one's host hit."""
+    import time
+
+    import httpx
+    import openai
+
+    from kvtier.engine.models import checkpoint_folder
+
+    sys.path.insert(0, str(HERE))
+    from vllm_run import PROMPT
+
+    port = free_port()
+    config = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_gb": 0.25},
+    }
+    cmd = [VLLM_PYTHON or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", str(checkpoint_folder(None)), "--served-model-name", "smollm2", "--port", str(port)]
+    cmd += ["--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "2048", "--block-size", "128"]
+    cmd += ["--kv-transfer-config", json.dumps(config)]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-6000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vLLM did not start"
+            time.sleep(1)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        answers = [
+            client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
+            for _ in range(2)
+        ]
+        assert all(a.choices[0].text for a in answers)
+        details = answers[1].usage.prompt_tokens_details
+        assert details is None or (details.cached_tokens or 0) in (0, CACHED)
+        time.sleep(2)  # stats reach the API process with the next engine output
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        hits = [line for line in metrics.splitlines() if line.startswith("vllm:kvtier_host_hit_blocks_total")]
+        assert hits and float(hits[0].split()[-1]) == 11, hits
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()

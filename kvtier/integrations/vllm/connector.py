@@ -1,5 +1,5 @@
 """`KVTierConnector`: vLLM's KV connector interface (`KVConnectorBase_V1`) over kvtier's host pool
-and storage tier. The one module of kvtier that imports vLLM.
+and storage tier. With `stats`, the only modules of kvtier that import vLLM.
 
 In the scheduler process it answers `get_num_new_matched_tokens` with the whole blocks kvtier holds
 beyond vLLM's own prefix cache and plans each step's loads and saves (`scheduler`); in each worker
@@ -7,7 +7,8 @@ it moves the blocks (`blocks`): loads submitted before the forward (`start_load_
 their own stream, `wait_for_layer_load` waiting for that layer only), saves layer by layer
 (`save_kv_layer`) into the host pool, then a write to storage per saved block. A storage page that
 is absent or refused by its checks is reported through `get_block_ids_with_load_errors`; with
-`kv_load_failure_policy: recompute` vLLM recomputes those blocks. Options: `config`.
+`kv_load_failure_policy: recompute` vLLM recomputes those blocks. Options: `config`; counters in
+vLLM's log and `/metrics`: `stats`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm import stats
 from kvtier.integrations.vllm.blocks import BlockViews, HostBlocks
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, StepPlan
@@ -106,6 +109,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._host: HostBlocks | None = None
         self._load_errors: set[int] = set()
+        self._counts = dict.fromkeys(stats.COUNTERS, 0)  # the worker's, cumulative
+        self._reported: dict[str, float] = {}
         if role is KVConnectorRole.SCHEDULER:
             stored = self._stored if self._backend is not None else None
             self._scheduler = ConnectorScheduler(
@@ -189,14 +194,19 @@ class KVTierConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is None or not plan.loads or self._host is None:
             return
-        blocks, slots = [], []
+        start = time.perf_counter()
+        blocks, slots, counts = [], [], self._counts
         for load in plan.loads:
             if load.from_storage and not self._host.read(load.slot, load.page_hash):
                 self._load_errors.add(load.block)
+                counts["load_failed_blocks"] += 1
                 continue
+            counts["storage_hit_blocks" if load.from_storage else "host_hit_blocks"] += 1
             blocks.append(load.block)
             slots.append(load.slot)
         self._host.load(blocks, slots)
+        counts["loaded_bytes"] += len(blocks) * self.block_bytes
+        counts["load_seconds"] += time.perf_counter() - start
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._host is not None:
@@ -208,7 +218,9 @@ class KVTierConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is None or not plan.saves or self._host is None or layer_name not in self._host.views.views:
             return
+        start = time.perf_counter()
         self._host.save_layer(layer_name, [s.block for s in plan.saves], [s.slot for s in plan.saves])
+        self._counts["save_seconds"] += time.perf_counter() - start
 
     def wait_for_save(self) -> None:
         plan = self._plan()
@@ -218,6 +230,29 @@ class KVTierConnector(KVConnectorBase_V1):
             if save.store:
                 self._host.store(save.slot, save.page_hash)
         self._host.counts["saved"] += len(plan.saves)
+        self._counts["saved_blocks"] += len(plan.saves)
+        self._counts["saved_bytes"] += len(plan.saves) * self.block_bytes
+
+    def get_kv_connector_stats(self) -> stats.KVTierStats | None:
+        """The worker's counters that moved since its last report."""
+        if self._host is None:
+            return None
+        host = self._host.counts
+        now = dict(self._counts, stored_blocks=host["stored"])
+        now["store_failed_blocks"] = host["store_failed"] + host["store_dropped"]
+        moved = stats.delta(now, self._reported)
+        self._reported = now
+        return stats.KVTierStats(data=moved) if moved else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> stats.KVTierStats:
+        return stats.KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
+    ) -> stats.KVTierPromMetrics:
+        return stats.KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
