@@ -53,13 +53,13 @@ class Tokens(dict):
 def test_the_scheduler_saves_completed_blocks_and_answers_whole_blocks_before_the_last_token() -> None:
     tokens = Tokens(r1=list(range(14)), r2=[*range(14), 99])
     sched = ConnectorScheduler(BS, 8, KEYS, tokens)
-    assert sched.match("r1", 0) == 0
+    assert sched.match("r1", 0) == (0, False)
     sched.scheduled("r1", [10, 11, 12, 13], True, 14)  # the prefill: 3 whole blocks of 14 tokens
     plan = sched.take_plan()
     assert [(s.block, s.store) for s in plan.saves] == [(10, False), (11, False), (12, False)]
     # The same first 14 tokens: 3 blocks held, but the block of the last prompt token is computed.
-    assert sched.match("r2", 0) == 12
-    assert sched.match("r2", 4) == 8  # vLLM's own cache had the first block
+    assert sched.match("r2", 0) == (12, False)  # on the host: loaded in the step
+    assert sched.match("r2", 4) == (8, False)  # vLLM's own cache had the first block
     sched.allocated("r2", [20, 21, 22, 23], 8)
     plan = sched.take_plan()
     assert [(ld.block, ld.from_storage) for ld in plan.loads] == [(21, False), (22, False)]
@@ -75,8 +75,8 @@ def sched_saved(sched: ConnectorScheduler, blocks: list[int], tokens: Tokens):
     return [S(sched.index.slot(hashes[b])) for b in blocks]
 
 
-def test_storage_hits_load_through_staging_slots_and_are_not_stored_again() -> None:
-    tokens = Tokens(r=list(range(9)))
+def test_storage_hits_are_fetched_in_the_background_their_slots_held_until_done() -> None:
+    tokens = Tokens(r=list(range(9)), q=list(range(100, 109)))
     stored_keys: list[list[str]] = []
 
     def stored(keys: list[str]) -> int:
@@ -84,15 +84,33 @@ def test_storage_hits_load_through_staging_slots_and_are_not_stored_again() -> N
         return len(keys)
 
     sched = ConnectorScheduler(BS, 4, KEYS, tokens, stored)
-    assert sched.match("r", 0) == 8
+    assert sched.match("r", 0) == (8, True)  # from storage: asynchronous
     assert stored_keys == [KEYS.keys(KEYS.chain(KEYS.root, np.arange(8)))]
     sched.allocated("r", [5, 6, 7], 8)
+    plan = sched.take_plan()
+    (fetch,) = plan.fetches.values()
+    assert not plan.loads and [ld.block for ld in fetch] == [5, 6]
+    assert all(ld.from_storage and ld.slot >= 0 for ld in fetch)
+    staged = {ld.slot for ld in fetch}
+    # While the fetch runs, another request's saves never take its staging slots.
+    sched.scheduled("q", [1, 2, 3], True, 9)
+    plan = sched.take_plan()
+    assert len(plan.saves) == 2 and staged.isdisjoint({sv.slot for sv in plan.saves})
+    sched.fetched(["r"])
+    # Once scheduled, the fetched blocks are saved to the host, not stored again.
     sched.scheduled("r", [5, 6, 7], True, 9)
     plan = sched.take_plan()
-    assert [ld.from_storage for ld in plan.loads] == [True, True]
-    assert {ld.slot for ld in plan.loads}.isdisjoint({s.slot for s in plan.saves})
-    assert [(s.block, s.store) for s in plan.saves] == [(5, False), (6, False)]
-    assert len(sched.index) == 2  # the staging slots are free again, the saved pages indexed
+    assert [(sv.block, sv.store) for sv in plan.saves] == [(5, False), (6, False)]
+    assert len(sched.index) == 4
+
+
+def test_a_fetch_with_no_free_slot_fails_its_block_instead_of_raising() -> None:
+    tokens = Tokens(r=list(range(9)))
+    sched = ConnectorScheduler(BS, 1, KEYS, tokens, lambda keys: len(keys))
+    sched.match("r", 0)
+    sched.allocated("r", [5, 6, 7], 8)
+    (fetch,) = sched.take_plan().fetches.values()
+    assert [ld.slot for ld in fetch] == [0, -1]  # the worker reports block 6 failed
 
 
 def kv_layers(num_blocks: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -164,3 +182,33 @@ def test_tensors_without_a_block_dimension_are_refused() -> None:
         byte_views(torch.zeros(3, 5), 4)
     with pytest.raises(ConfigError, match="contiguous"):
         byte_views(torch.zeros(4, 6)[:, ::2], 4)
+
+
+def test_a_background_fetch_fills_blocks_and_reports_refused_pages(tmp_path) -> None:
+    import time
+
+    from kvtier.integrations.vllm.blocks import Fetches
+    from kvtier.integrations.vllm.scheduler import Load
+
+    gen = torch.Generator().manual_seed(2)
+    src = kv_layers(4, gen)
+    host = HostBlocks(BlockViews(src, 4), 4, KEYS, open_backend(f"file://{tmp_path}"))
+    pages = KEYS.chain(KEYS.root, np.arange(2 * BS))
+    for name in src:
+        host.save_layer(name, [0, 1], [0, 1])
+    host.store(0, pages[0])
+    host.flush()  # page 1 never reaches storage
+    dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
+    other = HostBlocks(BlockViews(dst, 4), 4, KEYS, open_backend(f"file://{tmp_path}"))
+    fetches = Fetches(other)
+    fetches.submit("r", [Load(2, 3, pages[0], True), Load(3, 2, pages[1], True), Load(1, -1, pages[1], True)])
+    deadline = time.monotonic() + 30
+    while not (taken := fetches.take())[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert taken == ({"r"}, {1, 3})
+    assert torch.equal(dst["l0"][2].view(torch.int16), src["l0"][0].view(torch.int16))
+    assert torch.isnan(dst["l0"][3].float()).all()
+    fetches.close()
+    host.close()
+    other.close()

@@ -10,7 +10,8 @@ layer's bytes of it in `BlockViews` order (pinned where the KV is on a GPU). A r
 page: `kvtier.storage.values.PageCodec` writes it with its fingerprint and checksum and refuses
 any value that does not match on the way back (a refused page is a failed load, never KV).
 Writes to storage go through one background thread; a slow or failing store drops writes
-(counted), never blocks a step.
+(counted), never blocks a step. `Fetches` loads a request whose pages are in storage on another
+thread, outside any step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.scheduler import Load
 from kvtier.spec import BufferKind, BufferSpec, KVSpec
 from kvtier.storage.backend import StorageBackend
 from kvtier.storage.keys import PageKeys
@@ -102,10 +104,11 @@ class HostBlocks:
 
     # -- host <-> vLLM blocks ---------------------------------------------------------
 
-    def load(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
+    def load(self, blocks: Sequence[int], slots: Sequence[int], wait: bool = False) -> None:
         """vLLM blocks `blocks[i]` <- host slots `slots[i]`, every layer. On a GPU the copies run on
-        the pool's own stream, layer by layer, each layer's end recorded (`wait_layer`); on the CPU
-        they are done when this returns."""
+        a stream of the pool's, layer by layer, each layer's end recorded (`wait_layer`), and where
+        `wait` (a background fetch) this thread waits for them; on the CPU they are done when this
+        returns."""
         if not blocks:
             return
         device = self.views.device
@@ -114,12 +117,16 @@ class HostBlocks:
         if device.type != "cuda":
             self._copy_layers(b, rows, None)
         else:
-            stream = self._stream = self._stream or torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))  # the blocks are free to write
+            stream = torch.cuda.Stream(device) if wait else self._stream or torch.cuda.Stream(device)
+            if not wait:
+                self._stream = stream
+                stream.wait_stream(torch.cuda.current_stream(device))  # the blocks are free to write
             with torch.cuda.stream(stream):
                 b = b.pin_memory().to(device, non_blocking=True)
                 rows = rows.pin_memory().to(device, non_blocking=True)
-                self._copy_layers(b, rows, stream)
+                self._copy_layers(b, rows, None if wait else stream)
+            if wait:
+                stream.synchronize()
         self.counts["loaded"] += len(blocks)
 
     def _copy_layers(self, b: torch.Tensor, rows: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
@@ -209,3 +216,61 @@ class HostBlocks:
                 log.warning("kvtier: storage write failed (%s)", e)
             finally:
                 self._writes.task_done()
+
+
+class Fetches:
+    """Loads that run in the background (a request with pages in storage): one thread reads each
+    request's pages into their host slots and fills its vLLM blocks, then marks it done. `take()`
+    gives the requests done since the last call and the blocks that failed among them; a block's
+    failure is recorded before its request is marked done."""
+
+    def __init__(self, host: HostBlocks) -> None:
+        self.host = host
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._failed: set[int] = set()
+        names = ("host_hit_blocks", "storage_hit_blocks", "load_failed_blocks", "loaded_bytes")
+        self.counts = dict.fromkeys(names, 0)
+        self._thread = threading.Thread(target=self._loop, name="kvtier-vllm-fetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, loads: Sequence[Load]) -> None:
+        self._jobs.put((req_id, list(loads)))
+
+    def take(self) -> tuple[set[str], set[int]]:
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+        return done, failed
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            req_id, loads = job
+            failed: set[int] = set()
+            try:
+                blocks, slots = [], []
+                for load in loads:
+                    # A slot of -1: none was free to stage the page in (checked before any read).
+                    if load.slot < 0 or (load.from_storage and not self.host.read(load.slot, load.page_hash)):
+                        failed.add(load.block)
+                        continue
+                    blocks.append(load.block)
+                    slots.append(load.slot)
+                    self.counts["storage_hit_blocks" if load.from_storage else "host_hit_blocks"] += 1
+                self.host.load(blocks, slots, wait=True)
+                self.counts["loaded_bytes"] += len(blocks) * self.host.views.block_bytes
+            except Exception as e:  # every block of the request fails; the thread goes on
+                log.warning("kvtier: a background load failed (%s); its blocks are recomputed", e)
+                failed |= {load.block for load in loads}
+            self.counts["load_failed_blocks"] += len(failed)
+            with self._lock:
+                self._failed |= failed
+                self._done.add(req_id)

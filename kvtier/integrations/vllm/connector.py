@@ -3,8 +3,10 @@ and storage tier. With `stats`, the only modules of kvtier that import vLLM.
 
 In the scheduler process it answers `get_num_new_matched_tokens` with the whole blocks kvtier holds
 beyond vLLM's own prefix cache and plans each step's loads and saves (`scheduler`); in each worker
-it moves the blocks (`blocks`): loads submitted before the forward (`start_load_kv`; on a GPU on
-their own stream, `wait_for_layer_load` waiting for that layer only), saves layer by layer
+it moves the blocks (`blocks`): host hits submitted before the forward (`start_load_kv`; on a GPU
+on their own stream, `wait_for_layer_load` waiting for that layer only), requests with pages in
+storage fetched in the background (`async`: vLLM holds them in its queue until `get_finished`
+reports them), saves layer by layer
 (`save_kv_layer`) into the host pool, then a write to storage per saved block. A storage page that
 is absent or refused by its checks is reported through `get_block_ids_with_load_errors`; with
 `kv_load_failure_policy: recompute` vLLM recomputes those blocks. Options: `config`; counters in
@@ -28,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm import stats
-from kvtier.integrations.vllm.blocks import BlockViews, HostBlocks
+from kvtier.integrations.vllm.blocks import BlockViews, Fetches, HostBlocks
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, StepPlan
 from kvtier.storage.backend import StorageBackend, open_backend
@@ -108,6 +110,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         self._scheduler: ConnectorScheduler | None = None
         self._host: HostBlocks | None = None
+        self._fetches: Fetches | None = None
         self._load_errors: set[int] = set()
         self._counts = dict.fromkeys(stats.COUNTERS, 0)  # the worker's, cumulative
         self._reported: dict[str, float] = {}
@@ -127,7 +130,7 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         self._requests[request.request_id] = request
-        return self._scheduler.match(request.request_id, num_computed_tokens), False
+        return self._scheduler.match(request.request_id, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -156,6 +159,10 @@ class KVTierConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         return KVTierMetadata(sched.take_plan())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.fetched(list(connector_output.finished_recving or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # A step's saves finish in that step (`wait_for_save`): the blocks may be freed at once.
@@ -189,15 +196,21 @@ class KVTierConnector(KVConnectorBase_V1):
         self._host = HostBlocks(
             views, self.host_slots, self.keys, self._backend, self.config.max_pending_writes
         )
+        self._fetches = Fetches(self._host)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
-        if plan is None or not plan.loads or self._host is None:
+        if plan is None or self._host is None:
+            return
+        if self._fetches is not None:
+            for req_id, loads in plan.fetches.items():
+                self._fetches.submit(req_id, loads)
+        if not plan.loads:
             return
         start = time.perf_counter()
         blocks, slots, counts = [], [], self._counts
         for load in plan.loads:
-            if load.from_storage and not self._host.read(load.slot, load.page_hash):
+            if load.slot < 0 or (load.from_storage and not self._host.read(load.slot, load.page_hash)):
                 self._load_errors.add(load.block)
                 counts["load_failed_blocks"] += 1
                 continue
@@ -239,6 +252,9 @@ class KVTierConnector(KVConnectorBase_V1):
             return None
         host = self._host.counts
         now = dict(self._counts, stored_blocks=host["stored"])
+        if self._fetches is not None:
+            for k, v in self._fetches.counts.items():
+                now[k] += v
         now["store_failed_blocks"] = host["store_failed"] + host["store_dropped"]
         moved = stats.delta(now, self._reported)
         self._reported = now
@@ -254,11 +270,23 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> stats.KVTierPromMetrics:
         return stats.KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose background fetch is done (their failed blocks go with the next
+        `get_block_ids_with_load_errors`, which vLLM asks in the same pass)."""
+        if self._fetches is None:
+            return None, None
+        done, failed = self._fetches.take()
+        self._load_errors |= failed
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._fetches is not None:
+            self._fetches.close()
+            self._fetches = None
         if self._host is not None:
             log.info("kvtier connector: %s", self._host.counts)
             self._host.close()

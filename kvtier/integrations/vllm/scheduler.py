@@ -9,7 +9,9 @@ least recently used out first), asks storage which pages it has, and plans per s
 
 - loads: the blocks vLLM allocated for the tokens kvtier answered for in `match` (whole blocks
   beyond vLLM's own prefix hit, never the block holding the prompt's last token): from a host
-  slot, or from storage through a staging slot;
+  slot, in the step, before the forward; where some come from storage (through staging slots),
+  all of the request's are a fetch instead: the worker does them in the background and reports
+  the request done (`fetched`), while vLLM keeps it waiting in its queue, not in a step;
 - saves: every block a step completes that the host index does not hold yet, into a free slot or
   the least recently used one not in use this step, then (unless it came from storage) written
   through to storage by the worker.
@@ -20,7 +22,8 @@ A block's life as the scheduler sees it:
     in storage (independent of the host index; never removed by the connector)
 
 The worker finishes a step's loads before its forward and its saves before the next step, so a
-page is loadable from the step after its save; a slot read in a step is not reused in that step.
+page is loadable from the step after its save; a slot read in a step is not reused in that step,
+nor a slot a fetch reads before the fetch is done.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from kvtier.storage.keys import PageKeys
 @dataclass(frozen=True)
 class Load:
     """Fill vLLM block `block` from host slot `slot`; where `from_storage`, first read page
-    `page_hash` from storage into the slot (a staging slot the index does not name)."""
+    `page_hash` from storage into the slot (a staging slot the index does not name; -1 where no
+    slot was free: the load fails and vLLM recomputes the block)."""
 
     block: int
     slot: int
@@ -63,6 +67,7 @@ class StepPlan:
 
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
+    fetches: dict[str, list[Load]] = field(default_factory=dict)
 
 
 class HostIndex:
@@ -151,20 +156,22 @@ class ConnectorScheduler:
         self._plan = StepPlan()
         self._busy: set[int] = set()
         self._staging: list[int] = []
+        self._held: dict[str, tuple[set[int], list[int]]] = {}  # per fetch: slots read, staging slots
         self.counts = {"host_hit_blocks": 0, "storage_hit_blocks": 0, "saved_blocks": 0}
 
     # -- per request -------------------------------------------------------------------
 
-    def match(self, req_id: str, num_computed: int) -> int:
+    def match(self, req_id: str, num_computed: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed` (vLLM's own prefix hit, whole blocks) that kvtier can load:
-        whole blocks on the host, then in storage; never the block of the prompt's last token."""
+        whole blocks on the host, then in storage; never the block of the prompt's last token. And
+        whether they load in the background (some come from storage)."""
         tokens = self._tokens(req_id)
         bs = self.block_size
         most = (len(tokens) - 1) // bs
         start = num_computed // bs
         if most <= start:
             self._matches.pop(req_id, None)
-            return 0
+            return 0, False
         state = self._requests.setdefault(req_id, _Request())
         hashes = self._hashes(state, tokens, most)
         host = []
@@ -178,7 +185,7 @@ class ConnectorScheduler:
         if self._stored is not None and first < most:
             stored = self._stored(self.keys.keys(hashes[first:most]))
         self._matches[req_id] = _Match(start, host, stored)
-        return (len(host) + stored) * bs - (num_computed - start * bs)
+        return (len(host) + stored) * bs - (num_computed - start * bs), stored > 0
 
     def allocated(self, req_id: str, blocks: Sequence[int], num_external: int) -> None:
         """vLLM allocated `blocks` (the request's whole block table) and will have kvtier load
@@ -187,24 +194,43 @@ class ConnectorScheduler:
         if num_external <= 0 or match is None:
             return
         state = self._requests[req_id]
-        n = -(-num_external // self.block_size)
-        for i in range(n):
+        fetch = match.stored > 0
+        loads, read, staging = [], set(), []
+        for i in range(-(-num_external // self.block_size)):
             b = match.start + i
             page = state.hashes[b]
             if i < len(match.host):
                 slot = match.host[i]
                 self.index.touch(page)
-                self._plan.loads.append(Load(blocks[b], slot, page))
+                loads.append(Load(blocks[b], slot, page))
                 self.counts["host_hit_blocks"] += 1
             else:
-                slot = self.index.take(self._busy)
-                if slot is None:  # every slot in use this step: vLLM then recomputes (reported)
-                    raise ConfigError("the host pool is too small to stage this step's loads; raise host_gb")
-                self._staging.append(slot)
-                self._plan.loads.append(Load(blocks[b], slot, page, from_storage=True))
+                slot = self.index.take(self._busy | self._held_slots())
+                if slot is None:  # every slot in use: the load fails, vLLM recomputes the block
+                    slot = -1
+                else:
+                    staging.append(slot)
+                loads.append(Load(blocks[b], slot, page, from_storage=True))
                 state.from_storage.add(b)
                 self.counts["storage_hit_blocks"] += 1
-            self._busy.add(slot)
+            read.add(slot)
+        if fetch:
+            self._plan.fetches[req_id] = loads
+            self._held[req_id] = (read, staging)
+        else:
+            self._plan.loads.extend(loads)
+            self._staging.extend(staging)
+            self._busy |= read
+
+    def fetched(self, req_ids: Sequence[str]) -> None:
+        """The workers finished these requests' fetches: their slots are free to reuse."""
+        for req_id in req_ids:
+            _, staging = self._held.pop(req_id, (set(), []))
+            for slot in staging:
+                self.index.release(slot)
+
+    def _held_slots(self) -> set[int]:
+        return set().union(*(read for read, _ in self._held.values())) if self._held else set()
 
     def scheduled(
         self, req_id: str, blocks: Sequence[int] | None, replace: bool, computed_after: int
@@ -220,6 +246,7 @@ class ConnectorScheduler:
             return
         hashes = self._hashes(state, tokens, full)
         planned = {s.page_hash for s in self._plan.saves}
+        held = self._held_slots()
         for b in range(state.done, full):
             page = hashes[b]
             if page in self.index:
@@ -227,7 +254,7 @@ class ConnectorScheduler:
                 continue
             if page in planned:
                 continue
-            slot = self.index.take(self._busy)
+            slot = self.index.take(self._busy | held)
             if slot is None:
                 full = b  # the host is busy: try again next step
                 break
@@ -239,6 +266,7 @@ class ConnectorScheduler:
         state.done = max(state.done, full)
 
     def finished(self, req_id: str) -> None:
+        """The request ended (its fetch, if any, stays held until `fetched`)."""
         self._requests.pop(req_id, None)
         self._matches.pop(req_id, None)
 
