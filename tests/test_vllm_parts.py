@@ -212,3 +212,33 @@ def test_a_background_fetch_fills_blocks_and_reports_refused_pages(tmp_path) -> 
     fetches.close()
     host.close()
     other.close()
+
+
+def test_a_load_that_cannot_be_planned_is_planned_as_failed() -> None:
+    """What a hook does when planning raises: vLLM recomputes the blocks, and a request promised a
+    background load is still reported done (it never waits forever)."""
+    tokens = Tokens(r=list(range(9)), q=list(range(9)))
+    sched = ConnectorScheduler(BS, 4, KEYS, tokens, lambda keys: len(keys))
+    assert sched.match("r", 0) == (8, True)
+    sched.fail_load("r", [5, 6, 7], 0, 8)
+    plan = sched.take_plan()
+    assert not plan.loads and [(ld.block, ld.slot) for ld in plan.fetches["r"]] == [(5, -1), (6, -1)]
+    sched.scheduled("q", [1, 2, 3], True, 9)
+    sched.take_plan()
+    assert sched.match("r", 4) == (4, False)  # block 1 of the same tokens is on the host now
+    sched.fail_load("r", [5, 6, 7], 1, 4)
+    plan = sched.take_plan()
+    assert not plan.fetches and [(ld.block, ld.slot) for ld in plan.loads] == [(6, -1)]
+
+
+def test_a_slot_whose_save_failed_is_not_loaded_from() -> None:
+    from kvtier.integrations.vllm.scheduler import Load
+
+    src = kv_layers(2, torch.Generator().manual_seed(3))
+    host = HostBlocks(BlockViews(src, 2), 2, KEYS)
+    page = KEYS.root
+    assert host.loadable(Load(0, 1, page)) and not host.loadable(Load(0, -1, page))
+    host.bad.add(1)
+    assert not host.loadable(Load(0, 1, page))
+    assert not host.loadable(Load(0, 0, page, from_storage=True))  # no storage: nothing arrives
+    host.close()

@@ -95,6 +95,7 @@ class HostBlocks:
         self.counts = {"loaded": 0, "saved": 0, "stored": 0, "store_failed": 0, "store_dropped": 0}
         self.counts |= {"storage_read": 0, "storage_rejected": 0}
         self._stream: torch.cuda.Stream | None = None
+        self.bad: set[int] = set()  # slots whose last save failed: not loaded from
         self._loaded: dict[str, torch.cuda.Event] = {}
         self._writes: queue.Queue = queue.Queue(maxsize=max(1, max_pending_writes))
         self._writer: threading.Thread | None = None
@@ -103,6 +104,13 @@ class HostBlocks:
             self._writer.start()
 
     # -- host <-> vLLM blocks ---------------------------------------------------------
+
+    def loadable(self, load: Load) -> bool:
+        """Whether `load`'s slot can fill its block: a slot was given (-1: none was free), its last
+        save did not fail, and a page from storage arrived in it whole (read here)."""
+        if load.slot < 0 or load.slot in self.bad:
+            return False
+        return not load.from_storage or self.read(load.slot, load.page_hash)
 
     def load(self, blocks: Sequence[int], slots: Sequence[int], wait: bool = False) -> None:
         """vLLM blocks `blocks[i]` <- host slots `slots[i]`, every layer. On a GPU the copies run on
@@ -258,8 +266,7 @@ class Fetches:
             try:
                 blocks, slots = [], []
                 for load in loads:
-                    # A slot of -1: none was free to stage the page in (checked before any read).
-                    if load.slot < 0 or (load.from_storage and not self.host.read(load.slot, load.page_hash)):
+                    if not self.host.loadable(load):
                         failed.add(load.block)
                         continue
                     blocks.append(load.block)

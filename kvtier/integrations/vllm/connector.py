@@ -112,6 +112,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._host: HostBlocks | None = None
         self._fetches: Fetches | None = None
         self._load_errors: set[int] = set()
+        self._failed_fetches: set[str] = set()
+        self._step_bad: set[int] = set()
         self._counts = dict.fromkeys(stats.COUNTERS, 0)  # the worker's, cumulative
         self._reported: dict[str, float] = {}
         if role is KVConnectorRole.SCHEDULER:
@@ -124,48 +126,72 @@ class KVTierConnector(KVConnectorBase_V1):
         log.info("kvtier connector (%s): %d host blocks of %d bytes (%.1f GiB), storage %s", *where, storage)
 
     # -- scheduler side ---------------------------------------------------------------
+    #
+    # An exception in a hook kills vLLM's engine: each hook logs it and degrades to a miss (a load
+    # it cannot plan is planned as failed, so vLLM recomputes those blocks; a request promised an
+    # asynchronous load is reported done, its blocks failed, so it never waits forever).
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        self._requests[request.request_id] = request
-        return self._scheduler.match(request.request_id, num_computed_tokens)
+        try:
+            self._requests[request.request_id] = request
+            return self._scheduler.match(request.request_id, num_computed_tokens)
+        except Exception:
+            log.exception("kvtier: lookup failed; a miss")
+            self._scheduler.forget_match(request.request_id)
+            return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        self._requests[request.request_id] = request
         (ids,) = blocks.get_block_ids()
-        self._scheduler.allocated(request.request_id, ids, num_external_tokens)
+        try:
+            self._requests[request.request_id] = request
+            self._scheduler.allocated(request.request_id, ids, num_external_tokens)
+        except Exception:
+            log.exception("kvtier: planning a load failed; vLLM recomputes its blocks")
+            start = request.num_computed_tokens // self.block_size
+            self._scheduler.fail_load(request.request_id, ids, start, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         sched = self._scheduler
         assert sched is not None
         counts = scheduler_output.num_scheduled_tokens
+        runs = []  # (request, new blocks, whole table, tokens computed after the step)
         for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in self._requests:
-                after = new.num_computed_tokens + counts.get(new.req_id, 0)
-                sched.scheduled(new.req_id, new.block_ids[0], True, after)
+            runs.append(
+                (new.req_id, new.block_ids[0], True, new.num_computed_tokens + counts.get(new.req_id, 0))
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            blocks = None if new_ids is None else new_ids[0]
+            after = cached.num_computed_tokens[i] + counts.get(req_id, 0)
+            runs.append((req_id, blocks, req_id in cached.resumed_req_ids, after))
+        for req_id, blocks, replace, after in runs:
             if req_id not in self._requests:
                 continue
-            new_ids = cached.new_block_ids[i]
-            after = cached.num_computed_tokens[i] + counts.get(req_id, 0)
-            blocks = None if new_ids is None else new_ids[0]
-            sched.scheduled(req_id, blocks, req_id in cached.resumed_req_ids, after)
+            try:
+                sched.scheduled(req_id, blocks, replace, after)
+            except Exception:  # this request's blocks are not saved this step
+                log.exception("kvtier: planning saves failed")
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         return KVTierMetadata(sched.take_plan())
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
-            self._scheduler.fetched(list(connector_output.finished_recving or ()))
+            try:
+                self._scheduler.fetched(list(connector_output.finished_recving or ()))
+            except Exception:
+                log.exception("kvtier: releasing fetched slots failed")
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # A step's saves finish in that step (`wait_for_save`): the blocks may be freed at once.
+        # A step's saves finish in that step (`wait_for_save` copies each page before it returns):
+        # the blocks may be freed at once.
         self._forget(request.request_id)
         return False, None
 
@@ -186,44 +212,68 @@ class KVTierConnector(KVConnectorBase_V1):
             return 0
 
     # -- worker side ------------------------------------------------------------------
+    #
+    # Without a host pool (`register_kv_caches` failed) every planned load fails and every fetch
+    # is reported done with its blocks failed. A slot whose save failed is `bad` until a later
+    # save fills it: loads from it fail.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        views = BlockViews(kv_caches, self.num_blocks)
-        if views.block_bytes != self.block_bytes:
-            raise ConfigError(
-                f"vLLM's KV tensors hold {views.block_bytes} bytes a block, not {self.block_bytes}"
+        try:
+            views = BlockViews(kv_caches, self.num_blocks)
+            if views.block_bytes != self.block_bytes:
+                raise ConfigError(
+                    f"vLLM's KV tensors hold {views.block_bytes} bytes a block, not {self.block_bytes}"
+                )
+            self._host = HostBlocks(
+                views, self.host_slots, self.keys, self._backend, self.config.max_pending_writes
             )
-        self._host = HostBlocks(
-            views, self.host_slots, self.keys, self._backend, self.config.max_pending_writes
-        )
-        self._fetches = Fetches(self._host)
+            self._fetches = Fetches(self._host)
+        except Exception:
+            log.exception(
+                "kvtier: the connector cannot use these KV tensors; every lookup will be recomputed"
+            )
+            self._host = self._fetches = None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
-        if plan is None or self._host is None:
+        if plan is None:
             return
-        if self._fetches is not None:
-            for req_id, loads in plan.fetches.items():
+        for req_id, loads in plan.fetches.items():
+            try:
+                assert self._fetches is not None, "no host pool"
                 self._fetches.submit(req_id, loads)
+            except Exception as e:
+                log.warning("kvtier: a fetch could not start (%s); its blocks are recomputed", e)
+                self._failed_fetches.add(req_id)
+                self._load_errors |= {ld.block for ld in loads}
         if not plan.loads:
             return
         start = time.perf_counter()
-        blocks, slots, counts = [], [], self._counts
-        for load in plan.loads:
-            if load.slot < 0 or (load.from_storage and not self._host.read(load.slot, load.page_hash)):
-                self._load_errors.add(load.block)
-                counts["load_failed_blocks"] += 1
-                continue
-            counts["storage_hit_blocks" if load.from_storage else "host_hit_blocks"] += 1
-            blocks.append(load.block)
-            slots.append(load.slot)
-        self._host.load(blocks, slots)
-        counts["loaded_bytes"] += len(blocks) * self.block_bytes
+        counts, host = self._counts, self._host
+        try:
+            assert host is not None, "no host pool"
+            blocks, slots = [], []
+            for load in plan.loads:
+                if not host.loadable(load):
+                    self._load_errors.add(load.block)
+                    counts["load_failed_blocks"] += 1
+                    continue
+                counts["storage_hit_blocks" if load.from_storage else "host_hit_blocks"] += 1
+                blocks.append(load.block)
+                slots.append(load.slot)
+            host.load(blocks, slots)
+            counts["loaded_bytes"] += len(blocks) * self.block_bytes
+        except Exception as e:
+            log.warning("kvtier: loading blocks failed (%s); they are recomputed", e)
+            self._load_errors |= {ld.block for ld in plan.loads}
         counts["load_seconds"] += time.perf_counter() - start
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._host is not None:
-            self._host.wait_layer(layer_name)
+            try:
+                self._host.wait_layer(layer_name)
+            except Exception:
+                log.exception("kvtier: waiting for a layer's loads failed")
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -232,19 +282,28 @@ class KVTierConnector(KVConnectorBase_V1):
         if plan is None or not plan.saves or self._host is None or layer_name not in self._host.views.views:
             return
         start = time.perf_counter()
-        self._host.save_layer(layer_name, [s.block for s in plan.saves], [s.slot for s in plan.saves])
+        slots = [s.slot for s in plan.saves]
+        try:
+            self._host.save_layer(layer_name, [s.block for s in plan.saves], slots)
+        except Exception as e:
+            log.warning("kvtier: saving blocks failed (%s); their host slots are not loaded from", e)
+            self._step_bad.update(slots)
         self._counts["save_seconds"] += time.perf_counter() - start
 
     def wait_for_save(self) -> None:
         plan = self._plan()
-        if plan is None or self._host is None:
+        host = self._host
+        if plan is None or host is None:
             return
+        bad, self._step_bad = self._step_bad, set()
+        host.bad -= {s.slot for s in plan.saves} - bad
+        host.bad |= bad
         for save in plan.saves:
-            if save.store:
-                self._host.store(save.slot, save.page_hash)
-        self._host.counts["saved"] += len(plan.saves)
-        self._counts["saved_blocks"] += len(plan.saves)
-        self._counts["saved_bytes"] += len(plan.saves) * self.block_bytes
+            if save.store and save.slot not in bad:
+                host.store(save.slot, save.page_hash)
+        host.counts["saved"] += len(plan.saves) - len(bad)
+        self._counts["saved_blocks"] += len(plan.saves) - len(bad)
+        self._counts["saved_bytes"] += (len(plan.saves) - len(bad)) * self.block_bytes
 
     def get_kv_connector_stats(self) -> stats.KVTierStats | None:
         """The worker's counters that moved since its last report."""
@@ -273,10 +332,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose background fetch is done (their failed blocks go with the next
         `get_block_ids_with_load_errors`, which vLLM asks in the same pass)."""
-        if self._fetches is None:
-            return None, None
-        done, failed = self._fetches.take()
-        self._load_errors |= failed
+        done, self._failed_fetches = self._failed_fetches, set()
+        if self._fetches is not None:
+            finished, failed = self._fetches.take()
+            done |= finished
+            self._load_errors |= failed
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -284,19 +344,21 @@ class KVTierConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if self._fetches is not None:
-            self._fetches.close()
-            self._fetches = None
-        if self._host is not None:
-            log.info("kvtier connector: %s", self._host.counts)
-            self._host.close()
-            self._host = None
-        elif self._backend is not None:
-            self._backend.close()
-        if self._scheduler is not None:
-            log.info(
-                "kvtier connector: %s, %d evictions", self._scheduler.counts, self._scheduler.index.evictions
-            )
+        try:
+            if self._fetches is not None:
+                self._fetches.close()
+                self._fetches = None
+            if self._host is not None:
+                log.info("kvtier connector: %s", self._host.counts)
+                self._host.close()
+                self._host = None
+            elif self._backend is not None:
+                self._backend.close()
+            if self._scheduler is not None:
+                counts, evictions = self._scheduler.counts, self._scheduler.index.evictions
+                log.info("kvtier connector: %s, %d evictions", counts, evictions)
+        except Exception:
+            log.exception("kvtier: shutting the connector down failed")
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

@@ -190,8 +190,9 @@ class ConnectorScheduler:
     def allocated(self, req_id: str, blocks: Sequence[int], num_external: int) -> None:
         """vLLM allocated `blocks` (the request's whole block table) and will have kvtier load
         `num_external` tokens: plan their loads for this step."""
-        match = self._matches.pop(req_id, None)
+        match = self._matches.get(req_id)
         if num_external <= 0 or match is None:
+            self._matches.pop(req_id, None)
             return
         state = self._requests[req_id]
         fetch = match.stored > 0
@@ -221,6 +222,24 @@ class ConnectorScheduler:
             self._plan.loads.extend(loads)
             self._staging.extend(staging)
             self._busy |= read
+        del self._matches[req_id]  # last: `fail_load` still sees a match that raised before here
+
+    def forget_match(self, req_id: str) -> None:
+        self._matches.pop(req_id, None)
+
+    def fail_load(self, req_id: str, blocks: Sequence[int], start: int, num_external: int) -> None:
+        """Plan `num_external` tokens' blocks from block `start` as failed loads (slot -1), in the
+        step or as a fetch where `match` promised one, so vLLM recomputes them and, for a fetch,
+        hears the request done."""
+        match = self._matches.pop(req_id, None)
+        if num_external <= 0:
+            return
+        n = -(-num_external // self.block_size)
+        loads = [Load(blocks[b], -1, b"", True) for b in range(start, min(start + n, len(blocks)))]
+        if match is not None and match.stored > 0:
+            self._plan.fetches[req_id] = loads
+        else:
+            self._plan.loads.extend(loads)
 
     def fetched(self, req_ids: Sequence[str]) -> None:
         """The workers finished these requests' fetches: their slots are free to reuse."""
