@@ -27,19 +27,19 @@ HERE = Path(__file__).parent
 CACHED = 11 * 128  # the prompt's whole blocks but the last token's
 
 
-def engine(**args: object) -> list[dict]:
-    """One engine's runs (see vllm_run.py)."""
+def engine_command(**args: object) -> list[str]:
     from kvtier.engine.models import checkpoint_folder
 
     spec = {"model": str(checkpoint_folder(None)), **args}
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    proc = subprocess.run(
-        [VLLM_PYTHON or sys.executable, str(HERE / "vllm_run.py"), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
+    return [VLLM_PYTHON or sys.executable, str(HERE / "vllm_run.py"), json.dumps(spec)]
+
+
+ENV = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+
+
+def engine(**args: object) -> list[dict]:
+    """One engine's runs (see vllm_run.py)."""
+    proc = subprocess.run(engine_command(**args), capture_output=True, text=True, timeout=900, env=ENV)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [
         json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
@@ -153,3 +153,53 @@ def test_a_vllm_server_reports_kvtiers_hits_on_its_metrics(tmp_path: Path) -> No
         server.terminate()
         server.wait(timeout=60)
         log.close()
+
+
+def test_servers_share_prefixes_through_redis_and_outlive_its_restarts(
+    reference: list[dict], redis_server_factory, tmp_path: Path
+) -> None:
+    """A first engine writes to a Redis; a second answers from it. Redis is killed while the second
+    runs (it keeps answering, its writes fail and are counted), then restarted empty: a third
+    engine gets storage hits on what the second wrote after the restart."""
+    import time
+
+    redis = redis_server_factory()
+    (first,) = engine(storage=redis.url, prefix_caching=True)
+    assert first["tokens"] == reference[0]["tokens"]
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    log = (tmp_path / "second.log").open("w+")
+    second = subprocess.Popen(
+        engine_command(storage=redis.url, prompts=[0, 1, 2], gates=str(gates)),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=ENV,
+    )
+    try:
+        rows = []
+
+        def next_row() -> dict:
+            deadline = time.monotonic() + 900
+            for line in second.stdout:
+                if line.startswith("RESULT "):
+                    return json.loads(line[len("RESULT ") :])
+                assert time.monotonic() < deadline
+            raise AssertionError(f"the engine stopped: {log.seek(0) or log.read()[-6000:]}")
+
+        rows.append(next_row())
+        assert rows[0]["cached"] == CACHED and rows[0]["tokens"] == reference[1]["tokens"]  # via Redis
+        redis.kill()
+        (gates / "1").touch()
+        rows.append(next_row())  # a miss: computed, its writes fail
+        assert rows[1]["cached"] == 0 and rows[1]["tokens"]
+        redis.start()
+        (gates / "2").touch()
+        rows.append(next_row())  # written to the restarted Redis
+        assert second.wait(timeout=300) == 0
+    finally:
+        if second.poll() is None:
+            second.kill()
+        log.close()
+    third = engine(storage=redis.url, prompts=[2], prefix_caching=True)
+    assert third[0]["cached"] == CACHED
