@@ -79,6 +79,12 @@ def test_storage_hits_survive_a_restart(reference: list[dict], store: Path) -> N
     assert row["tokens"] == reference[1]["tokens"]
 
 
+def test_pages_of_another_block_size_are_a_miss(reference: list[dict], store: Path) -> None:
+    """Another layout of the same model's KV (blocks of 64 tokens) never reads the 128-token pages."""
+    (row,) = engine(store=str(store), prefix_caching=True, block_size=64)
+    assert row["cached"] == 0 and row["tokens"]
+
+
 def test_damaged_pages_are_recomputed_never_loaded(reference: list[dict], store: Path) -> None:
     files = [p for p in store.rglob("*") if p.is_file()]
     for p in files:

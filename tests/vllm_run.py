@@ -2,7 +2,7 @@
 tests/test_vllm_connector.py in the interpreter of a venv that has vLLM (`KVTIER_VLLM_PYTHON`).
 
 Usage: python tests/vllm_run.py '{"model": DIR, "store": PATH|null, "storage": URL|null,
-"prefix_caching": bool, "host_gb": float, "runs": N, "prompts": [k, ...], "gates": DIR|null,
+"prefix_caching": bool, "host_gb": float, "block_size": N, "runs": N, "prompts": [k, ...], "gates": DIR|null,
 "max_tokens": N}' -> one JSON line per run, as it ends: the greedy tokens and the tokens vLLM
 counted as cached. Run i asks prompt `prompts[i]` (default 0; each 1,536 tokens of SmolLM2, 12
 blocks of 128, no block shared between prompts); with `gates`, run i > 0 starts once the file
@@ -53,7 +53,7 @@ def main() -> None:
         enable_prefix_caching=args.get("prefix_caching", False),
         kv_transfer_config=transfer,
         max_model_len=2048,
-        block_size=128,
+        block_size=args.get("block_size", 128),
     )
     params = SamplingParams(temperature=0, max_tokens=args.get("max_tokens", 12))
     runs = args.get("runs", 1)
