@@ -242,3 +242,54 @@ def test_a_slot_whose_save_failed_is_not_loaded_from() -> None:
     assert not host.loadable(Load(0, 1, page))
     assert not host.loadable(Load(0, 0, page, from_storage=True))  # no storage: nothing arrives
     host.close()
+
+
+CUDA = torch.cuda.is_available()
+
+
+def vllm_layer(layout: str, num_blocks: int, block: int, device: str, gen: torch.Generator) -> torch.Tensor:
+    """One layer's KV in a vLLM layout, random bf16: `cpu` `[blocks, heads, block, 2 * head_dim]`,
+    `flash` (CUDA MHA/GQA) `[2, blocks, block, heads, head_dim]`, `mla` `[blocks, block, 576]`."""
+    shape = {
+        "cpu": (num_blocks, 2, block, 128),
+        "flash": (2, num_blocks, block, 2, 64),
+        "mla": (num_blocks, block, 576),
+    }
+    return torch.randn(*shape[layout], generator=gen).to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no GPU"))]
+)
+@pytest.mark.parametrize("layout", ["cpu", "flash", "mla"])
+@pytest.mark.parametrize("block", [16, 64])
+def test_vllm_layouts_round_trip_through_host_and_storage(device, layout, block, tmp_path) -> None:
+    """Blocks of two layers in each of vLLM's layouts, on the CPU or a GPU: saved to the host pool,
+    written to a file store, read by another worker into its host pool and loaded into poisoned
+    blocks: bit for bit, and no other block written."""
+    gen = torch.Generator().manual_seed(block)
+    keys = PageKeys(Fingerprint(b"v" * 16), block)
+    src = {f"l{i}": vllm_layer(layout, 8, block, device, gen) for i in range(2)}
+    host = HostBlocks(BlockViews(src, 8), 4, keys, open_backend(f"file://{tmp_path}"))
+    pages = keys.chain(keys.root, np.arange(3 * block))
+    for name in src:
+        host.save_layer(name, [1, 6, 3], [0, 1, 2])
+    for slot, page in enumerate(pages):
+        host.store(slot, page)
+    host.flush()
+    dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
+    other = HostBlocks(BlockViews(dst, 8), 4, keys, open_backend(f"file://{tmp_path}"))
+    other.rows.fill_(0x5A)
+    assert all(other.read(slot, page) for slot, page in zip((3, 2, 1), pages, strict=True))
+    other.load([0, 7, 5], [3, 2, 1])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for name in src:
+        got, want = dst[name], src[name]
+        if layout == "flash":
+            got, want = got.transpose(0, 1), want.transpose(0, 1)
+        for a, b in ((0, 1), (7, 6), (5, 3)):
+            assert torch.equal(got[a].view(torch.int16), want[b].view(torch.int16)), (name, a)
+        assert torch.isnan(got[2].float()).all()
+    host.close()
+    other.close()
