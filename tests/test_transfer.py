@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError, PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
+from kvtier.pool.chunks import HostChunks
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
 from kvtier.transfer import (
@@ -300,7 +301,7 @@ def test_every_path_matches_the_reference(c: dict, gen) -> None:
 
 
 class Arena:
-    """`HostPool._allocate` handing out views of one arena in a random order, with random gaps: a pool's
+    """`HostChunks._allocate` handing out views of one arena in a random order, with random gaps: a pool's
     regions then lie below as well as above its first region, so the kernel reads some of them at
     negative offsets from its base, and layers' regions lie apart by different distances."""
 
@@ -333,7 +334,7 @@ def test_the_kernel_reads_every_region_of_a_chunked_host_pool_from_one_base(
     arena, regions lie below the first one (negative offsets) and in several classes per buffer."""
     spec = preset("tiny-dsa", ps)
     if arena:
-        monkeypatch.setattr(HostPool, "_allocate", Arena(4096, 256, seed=ps).allocate)
+        monkeypatch.setattr(HostChunks, "_allocate", Arena(4096, 256, seed=ps).allocate)
     host = HostPool(spec, 256, layout, chunk_bytes=2048)
     assert all(len(host.chunks(b.name)) > 4 for b in spec.buffers)
     dev = DevicePool(spec, 256)

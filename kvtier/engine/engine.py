@@ -8,13 +8,12 @@ pool even alone); `step()` runs one forward over every running request (the
 got a token or finished; `cancel(req)` finishes one now. `generate` / `stream` drive
 the engine themselves for one request.
 
-Each forward is one packed sequence through the model with `StepBatch` as its cache:
-every layer waits for its own layer of the requests' pending loads, writes the new rows
-to their device slots and attends each request to its context where it lives in the
-device pool (`kvtier.engine.batch`). Sliding-window layers (Gemma 2 / 3) keep every
-token's KV like full layers and apply the window in the mask: such a model takes the
-pool memory of a full-attention model of its shape, and the window saves no memory,
-only some attention compute (`kvtier.engine.hf.layer_windows`). A finished request's whole computed pages are
+The engine holds its collaborators, one job each: the `Scheduler` (which requests run and
+their slots), the `ModelRunner` (`kvtier.engine.runner`: each forward over the packed
+pieces, and each next token and whether it ends the request) and the `TextCodec`
+(`kvtier.engine.text`: the tokenizer, chat template, EOS and stop strings; `encode_chat`,
+`decode`, `token_text` and `chat_template` are its, on the engine too). The engine itself
+keeps the requests' lifecycle and counters. A finished request's whole computed pages are
 inserted into the cache, its other slots freed and its lease released, whatever ended
 it (length, EOS or a stop string, cancellation, timeout, a failed step). A result's `text`
 ends just before its first stop string; its `tokens` are every token generated.
@@ -38,7 +37,6 @@ the pools' memory at once. The model is the caller's.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import time
@@ -52,19 +50,13 @@ import torch
 from kvtier.cache import CacheConfig, token_ids
 from kvtier.cache.ranks import RankGroup
 from kvtier.cache.storage_mover import open_storage
-from kvtier.engine.batch import Piece, StepBatch, kvtier_attention
-from kvtier.engine.hf import (
-    layer_windows,
-    model_config_identity,
-    model_identity,
-    spec_from_hf_config,
-    text_config,
-)
-from kvtier.engine.lockstep import Choice, Lockstep, ranked_cache
+from kvtier.engine.hf import model_config_identity, model_identity, spec_from_hf_config, text_config
+from kvtier.engine.lockstep import Lockstep, ranked_cache
 from kvtier.engine.results import EngineStats, RequestResult, Update
-from kvtier.engine.sampling import SamplingParams, pick, token_logprob
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Request, Scheduler
-from kvtier.engine.text import TextSide
+from kvtier.engine.text import TextCodec
 from kvtier.errors import ClosedError, ConfigError, InvariantError, PromptTooLongError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.memory import Owner
@@ -76,7 +68,7 @@ log = logging.getLogger(__name__)
 STORAGE_PAGE_SIZE = 64
 
 
-class Engine(Owner, TextSide):
+class Engine(Owner):
     """Serve `model` (a transformers causal LM) through kvtier's tiered cache.
 
     `device_tokens` / `host_tokens`: KV pool sizes of the two tiers (multiples of the page
@@ -130,16 +122,13 @@ class Engine(Owner, TextSide):
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self.model = model.eval()
-        self.tokenizer = tokenizer
+        self.text = TextCodec(tokenizer, getattr(model, "generation_config", None))
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.spec = spec_from_hf_config(model.config, dtype=dtype, page_size=ps, tp=ranks.world)
         self.ranks = ranks
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # the ids a prompt may hold
-        self.windows = layer_windows(model.config)  # `[layers]`: sliding window, None for full attention
         self.max_context = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 0)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.device_pool = DevicePool(self.spec, device_tokens, self.device)
         with ExitStack() as undo:  # a failure below closes the pools made so far
             undo.callback(self.device_pool.close)
@@ -155,6 +144,7 @@ class Engine(Owner, TextSide):
             self.lockstep = Lockstep(ranks) if ranks.world > 1 else None
             undo.pop_all()
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache)
+        self.runner = ModelRunner(self.model, self.spec, self.device_pool, self.text)
 
     @property
     def num_running(self) -> int:
@@ -298,7 +288,7 @@ class Engine(Owner, TextSide):
             if self.lockstep is not None:
                 self.lockstep.same_plan(plan)
             try:
-                logits = self._forward(plan)
+                logits = self.runner.forward(plan)
             except Exception as e:
                 log.exception("a step over %d requests failed", len(plan))
                 for req, _ in plan:
@@ -320,28 +310,6 @@ class Engine(Owner, TextSide):
             self._end(req, "timeout")
         return [Update(req, result=self._result(req)) for req in late]
 
-    def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
-        """`[R, V]` logits of each piece's last token after one forward over the whole plan."""
-        pieces, ids = [], []
-        for req, n in plan:
-            lo = req.computed
-            pieces.append(Piece(torch.from_numpy(req.table[: lo + n]), n, req.load))
-            ids.append(req.context(lo + n)[lo:])
-        input_ids = torch.from_numpy(np.concatenate(ids)).to(self.device).unsqueeze(0)
-        batch = StepBatch(self.spec, self.device_pool, pieces, self.windows, input_ids[0])
-        pos = batch.positions
-        kw = {self._cache_kw: batch}
-        with kvtier_attention(self.model.config), batch.active():
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=pos.unsqueeze(0),
-                cache_position=pos,
-                use_cache=True,
-                logits_to_keep=batch.last,
-                **kw,
-            )
-        return out.logits[0]
-
     def _advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> list[Update]:
         """Record what the step computed; sample the requests whose context is complete."""
         sched, updates = self.scheduler, []
@@ -349,7 +317,7 @@ class Engine(Owner, TextSide):
         mine = None
         if self.lockstep is None or self.lockstep.leads:
             greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request of the step
-            mine = [self._choose(req, logits[i], greedy[i]) for i, req, _ in done]
+            mine = [self.runner.choose(req, logits[i], greedy[i]) for i, req, _ in done]
         choices = mine if self.lockstep is None else self.lockstep.choices(mine)
         now = time.perf_counter()
         for (i, req, n), c in zip(done, choices, strict=True):
@@ -368,30 +336,6 @@ class Engine(Owner, TextSide):
                 self._end(req, c.reason)
             updates.append(Update(req, c.token, self._result(req) if c.reason is not None else None))
         return updates
-
-    def _choose(self, req: Request, logits: torch.Tensor, greedy: int) -> Choice:
-        """`req`'s next token from its `[V]` logits (`greedy`: their argmax) and whether it ends there."""
-        p = req.params
-        try:
-            sampled = p.temperature != 0 or p.penalized
-            token = pick(logits, p, req.generator, req.tokens) if sampled else greedy
-            if p.logprobs is not None:
-                req.logprobs.append(token_logprob(logits, token, p.logprobs))
-        except Exception as e:  # this request's sampling failed: the others of the step go on
-            log.exception("sampling request %d failed", req.id)
-            return Choice(-1, "error", e)
-        return Choice(token, self._finish_reason(req, token))
-
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        """Why `req` ends once `token` is appended to its tokens (None: it goes on)."""
-        p = req.params
-        if (not p.ignore_eos and token in self._eos) or (
-            p.stop and self._stopped([*req.tokens[-p.stop_window :], token], p)
-        ):
-            return "stop"  # before "length": a stop on the last token allowed is still a stop
-        if len(req.tokens) + 1 >= p.max_tokens:
-            return "length"
-        return None
 
     def _end(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
@@ -423,24 +367,32 @@ class Engine(Owner, TextSide):
         return ids
 
     def _result(self, req: Request) -> RequestResult:
-        m = req.match
-        end = req.token_times[-1] if req.finished and req.token_times else time.perf_counter()
-        return RequestResult(
-            prompt_tokens=len(req.prompt),
-            tokens=list(req.tokens),
-            text=self._text(req),
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            ttft_s=req.token_times[0] - req.t0 if req.token_times else 0.0,
-            total_s=end - req.t0,
-            device_hit_tokens=m.device_tokens if m is not None else 0,
-            host_hit_tokens=m.host_tokens if m is not None else 0,
-            loaded_tokens=req.load_tokens,
-            storage_hit_tokens=m.storage_tokens_used if m is not None else 0,
-            loaded_bytes=req.load_tokens * self.spec.bytes_per_token(),
-            load_s=req.load_s,
-            reload_s=req.reload_s,
-            first_logits=req.first_logits,
-            finish_reason=req.finish_reason or "running",
-            preemptions=req.preemptions,
-            token_times=list(req.token_times),
-        )
+        return RequestResult.of(req, self.text.answer(req), self.spec.bytes_per_token())
+
+    # -- text: the `TextCodec`'s, on the engine too ----------------------------------
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The tokenizer (None: token ids only)."""
+        return self.text.tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template, None where it has none (`TextCodec.chat_template`)."""
+        return self.text.chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str) -> None:
+        self.text.chat_template = template
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a chat with the generation prompt appended (`TextCodec.encode_chat`)."""
+        return self.text.encode_chat(messages)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """The text of `tokens`, special tokens skipped ("" without a tokenizer)."""
+        return self.text.decode(tokens)
+
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (for logprobs)."""
+        return self.text.token_text(token)

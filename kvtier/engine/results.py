@@ -1,7 +1,9 @@
-"""What the engine hands back: a finished request's `RequestResult`, a step's `Update`s, its counters."""
+"""What the engine hands back: a finished request's `RequestResult` (made from the request by
+`RequestResult.of`), a step's `Update`s, its counters."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +43,32 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter of each token
     # One per token of `tokens` where `SamplingParams.logprobs` was set, else None.
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, req: Request, text: str, kv_bytes_per_token: int) -> RequestResult:
+        """What `req` did so far, `text` its answer's text (once it finished, its result: `total_s`
+        runs to its last token; before, to now)."""
+        m = req.match
+        end = req.token_times[-1] if req.finished and req.token_times else time.perf_counter()
+        return cls(
+            prompt_tokens=len(req.prompt),
+            tokens=list(req.tokens),
+            text=text,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            ttft_s=req.token_times[0] - req.t0 if req.token_times else 0.0,
+            total_s=end - req.t0,
+            device_hit_tokens=m.device_tokens if m is not None else 0,
+            host_hit_tokens=m.host_tokens if m is not None else 0,
+            loaded_tokens=req.load_tokens,
+            storage_hit_tokens=m.storage_tokens_used if m is not None else 0,
+            loaded_bytes=req.load_tokens * kv_bytes_per_token,
+            load_s=req.load_s,
+            reload_s=req.reload_s,
+            first_logits=req.first_logits,
+            finish_reason=req.finish_reason or "running",
+            preemptions=req.preemptions,
+            token_times=list(req.token_times),
+        )
 
     @property
     def hit(self) -> str:

@@ -1,7 +1,9 @@
 """The tokenizer's side of an engine: chat template, encoding and decoding, EOS and stop strings.
 
-`TextSide` is a mixin of `Engine`: it reads `self.tokenizer` (None: no text, token ids only)
-and `self.model` (its generation config's EOS ids). Every refusal is a `ConfigError`.
+`TextCodec` is held by `Engine` (`engine.text`), which hands `chat_template`, `encode_chat`,
+`decode` and `token_text` on to it; the model runner asks it for the EOS ids and whether a stop
+string completed. It holds the tokenizer (None: no text, token ids only) and the model's
+generation config (its EOS ids, read on first use). Every refusal is a `ConfigError`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ if TYPE_CHECKING:
     from kvtier.engine.scheduler import Request
 
 
-class TextSide:
+class TextCodec:
     """Text in and out of an engine; see the module docstring."""
 
-    tokenizer: Any
-    model: Any
+    def __init__(self, tokenizer: Any | None, generation_config: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self._generation_config = generation_config
 
     @property
     def chat_template(self) -> str | None:
@@ -69,6 +72,7 @@ class TextSide:
         return [int(t) for t in ids]
 
     def decode(self, tokens: Sequence[int]) -> str:
+        """The text of `tokens`, special tokens skipped ("" without a tokenizer)."""
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True) if self.tokenizer else ""
 
     def token_text(self, token: int) -> str:
@@ -76,21 +80,22 @@ class TextSide:
         return self.tokenizer.decode([token]) if self.tokenizer else ""
 
     @functools.cached_property
-    def _eos(self) -> frozenset[int]:
-        ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+    def eos(self) -> frozenset[int]:
+        """The token ids that end an answer: the generation config's, else the tokenizer's."""
+        ids = getattr(self._generation_config, "eos_token_id", None)
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.eos_token_id
         if ids is None:
             return frozenset()
         return frozenset(int(i) for i in (ids if isinstance(ids, list | tuple) else [ids]))
 
-    def _stopped(self, tokens: list[int], params: SamplingParams) -> bool:
+    def stopped(self, tokens: list[int], params: SamplingParams) -> bool:
         """Whether the last token completed a stop string (only the tail's text is decoded)."""
         if not params.stop or self.tokenizer is None:
             return False
         return stop_index(self.decode(tokens[-params.stop_window :]), params.stop) is not None
 
-    def _text(self, req: Request) -> str:
+    def answer(self, req: Request) -> str:
         """The answer's text, cut just before its first stop string."""
         text = self.decode(req.tokens)
         cut = stop_index(text, req.params.stop) if self.tokenizer is not None else None

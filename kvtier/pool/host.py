@@ -1,11 +1,10 @@
-"""The host tier: KV rows in (pinned) host memory, in one of two layouts.
+"""The host tier: KV rows in (pinned) host memory, in one of two layouts, and their addresses.
 
-`HostPool` owns its memory as a list of chunks of at most `chunk_bytes` (1 GiB by
-default), never one giant allocation: large pins fail on some drivers and stall
-the host. With CUDA present every chunk is pinned; a failed pin raises `PinError`
-and is never replaced by pageable memory. A pool larger than the host's available
-memory minus a reserve is refused with `HostMemoryError` before anything is
-allocated.
+`HostPool` holds its memory through `HostChunks` (`kvtier.pool.chunks`: the chunks of at most
+`chunk_bytes`, 1 GiB by default, planned, checked against the host's RAM and allocated; with
+CUDA present every chunk is pinned, a failed pin raises `PinError`) and owns how rows are
+found in it: segments, regions and pages for the transfer paths and the storage tier, and
+row copies for tests.
 
 Layouts (per buffer, `L` = the buffer's layers):
 - `layer_first`: `[L, slots, *row]`. A layer's rows for a range of slots are one
@@ -18,7 +17,7 @@ are contiguous in memory (`segment_slots` long, aligned). A transfer plan splits
 its runs at segment boundaries; `segment()` returns the slab of one segment.
 
 Lifetime: `close()` (or leaving a `with` block) drops every chunk and hands the memory
-back to the operating system at once (`memory.return_freed_memory`). After `close()`
+back to the operating system at once (`HostChunks.release`). After `close()`
 every access to rows or addresses raises `ClosedError` instead of handing out an address
 of freed memory; a view taken before keeps its chunk alive, an address taken before dangles.
 """
@@ -26,59 +25,20 @@ of freed memory; a view taken before keeps its chunk alive, an address taken bef
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 import torch
 
-from kvtier.errors import (
-    ClosedError,
-    HostMemoryError,
-    InvariantError,
-    LayoutError,
-    PinError,
-    SlotError,
-    SpecError,
-)
-from kvtier.pool.memory import Owner, default_reserve_bytes, fmt_bytes, host_memory_bytes, return_freed_memory
+from kvtier.errors import ClosedError, PinError, SlotError, SpecError
+from kvtier.pool.chunks import Chunk, HostChunks, HostLayout
+from kvtier.pool.memory import Owner, fmt_bytes
 from kvtier.pool.rows import as_words, word_dtype
 from kvtier.spec import BufferSpec, KVSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 30  # 1 GiB
-
-
-class HostLayout(str, Enum):
-    """How a `HostPool` lays out each buffer."""
-
-    LAYER_FIRST = "layer_first"
-    PAGE_FIRST = "page_first"
-
-    @classmethod
-    def parse(cls, value: HostLayout | str) -> HostLayout:
-        try:
-            return cls(value)
-        except ValueError:
-            raise LayoutError(f"unknown host layout {value!r}; known: {[m.value for m in cls]}") from None
-
-
-# A chunk to allocate: (shape, layer_lo, layer_hi, slot_lo, slot_hi), as `_Chunk` holds them.
-_ChunkPlan = tuple[tuple[int, ...], int, int, int, int]
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """One allocation: `tensor` holds layers `[layer_lo, layer_hi)` of slots `[slot_lo, slot_hi)`."""
-
-    tensor: torch.Tensor
-    layer_lo: int
-    layer_hi: int
-    slot_lo: int
-    slot_hi: int
 
 
 class HostPool(Owner):
@@ -114,24 +74,9 @@ class HostPool(Owner):
             raise PinError("host pool: pin=True needs CUDA, and no CUDA device is available")
         self.pinned = pin
 
-        if self.layout is HostLayout.LAYER_FIRST:
-            self.segment_slots = self._layer_first_span()
-            plans = {b.name: self._layer_first_chunks(b) for b in spec.buffers}
-        else:
-            self.segment_slots = ps
-            plans = {b.name: self._page_first_chunks(b) for b in spec.buffers}
-        self.footprint_bytes = sum(_nbytes(s, b.dtype) for b in spec.buffers for s, *_ in plans[b.name])
-
-        available, total = host_memory_bytes()
-        reserve = default_reserve_bytes(total) if reserve_bytes is None else reserve_bytes
-        if self.footprint_bytes > available - reserve:
-            usable = fmt_bytes(max(available - reserve, 0))
-            raise HostMemoryError(
-                f"host pool needs {fmt_bytes(self.footprint_bytes)} but only {usable} may be used "
-                f"({fmt_bytes(available)} available minus a reserve of {fmt_bytes(reserve)})"
-            )
-
-        self._chunks = self._allocate_chunks(plans, progress)
+        self._chunks = HostChunks(spec, num_slots, self.layout, chunk_bytes, pin, reserve_bytes, progress)
+        self.segment_slots = self._chunks.segment_slots
+        self.footprint_bytes = self._chunks.footprint_bytes
         self._region_ptrs = {b.name: self._build_region_ptrs(b) for b in spec.buffers}
         self._region_classes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._pages: list | None = None  # `_page_map`, made when first needed
@@ -140,118 +85,31 @@ class HostPool(Owner):
             num_slots,
             self.layout.value,
             fmt_bytes(self.footprint_bytes),
-            sum(len(c) for c in self._chunks.values()),
+            self._chunks.count,
             self.pinned,
         )
-
-    def _allocate_chunks(
-        self, plans: dict[str, list[_ChunkPlan]], progress: Callable[[int, int], None] | None
-    ) -> dict[str, list[_Chunk]]:
-        """Every chunk of `plans`; on a failure the chunks made so far go back to the OS first."""
-        out: dict[str, list[_Chunk]] = {}
-        done = 0
-        try:
-            for b in self.spec.buffers:
-                chunks = out[b.name] = []
-                for shape, layer_lo, layer_hi, slot_lo, slot_hi in plans[b.name]:
-                    tensor = self._allocate(shape, b.dtype)
-                    chunks.append(_Chunk(tensor, layer_lo, layer_hi, slot_lo, slot_hi))
-                    done += tensor.nbytes
-                    log.debug(
-                        "host pool: %s of %s allocated", fmt_bytes(done), fmt_bytes(self.footprint_bytes)
-                    )
-                    if progress is not None:
-                        progress(done, self.footprint_bytes)
-        except BaseException:
-            # The traceback keeps this frame alive: drop its references before freeing.
-            for chunks in out.values():
-                chunks.clear()
-            out.clear()
-            tensor = None
-            return_freed_memory(self.pinned)
-            raise
-        return out
 
     def close(self) -> None:
         """Drop every chunk and return its memory to the OS now; idempotent."""
         if self._closed:
             return
-        chunks = sum(len(c) for c in self._chunks.values())
+        chunks = self._chunks.count
         self._closed = True
-        self._chunks, self._region_ptrs, self._region_classes, self._pages = {}, {}, {}, None
-        return_freed_memory(self.pinned)
+        self._region_ptrs, self._region_classes, self._pages = {}, {}, None
+        self._chunks.release()
         log.info("host pool closed: %s in %d chunks released", fmt_bytes(self.footprint_bytes), chunks)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"host pool of {self.spec.name!r} ({self.num_slots} slots) was closed")
 
-    def _layer_first_span(self) -> int:
-        """Slots per segment: the whole pool unless one layer of a buffer exceeds a chunk."""
-        widest = self.spec.widest_row_bytes
-        if widest * self.num_slots <= self.chunk_bytes:
-            return self.num_slots
-        ps = self.spec.page_size
-        span = self.chunk_bytes // widest // ps * ps
-        if span == 0:
-            raise SpecError(
-                f"host pool: one page of {ps} rows of {widest} B exceeds a chunk of {self.chunk_bytes} B"
-            )
-        return span
-
-    def _layer_first_chunks(self, b: BufferSpec) -> list[_ChunkPlan]:
-        span = self.segment_slots
-        layers = len(b.layers)
-        group = max(1, min(layers, self.chunk_bytes // (span * b.row_bytes)))
-        out = []
-        for layer_lo in range(0, layers, group):
-            layer_hi = min(layers, layer_lo + group)
-            for slot_lo in range(0, self.num_slots, span):
-                slot_hi = min(self.num_slots, slot_lo + span)
-                shape = (layer_hi - layer_lo, slot_hi - slot_lo, *b.row_shape)
-                out.append((shape, layer_lo, layer_hi, slot_lo, slot_hi))
-        return out
-
-    def _page_first_chunks(self, b: BufferSpec) -> list[_ChunkPlan]:
-        ps = self.spec.page_size
-        layers = len(b.layers)
-        page_bytes = layers * ps * b.row_bytes
-        per_chunk = self.chunk_bytes // page_bytes
-        if per_chunk == 0:
-            raise SpecError(
-                f"host pool: one page of buffer {b.name!r} ({page_bytes} B) "
-                f"exceeds a chunk of {self.chunk_bytes} B"
-            )
-        pages = self.num_slots // ps
-        out = []
-        for page_lo in range(0, pages, per_chunk):
-            page_hi = min(pages, page_lo + per_chunk)
-            shape = (page_hi - page_lo, layers, ps, *b.row_shape)
-            out.append((shape, 0, layers, page_lo * ps, page_hi * ps))
-        return out
-
-    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = _nbytes(shape, dtype)
-        try:
-            raw = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-        except RuntimeError as e:
-            if self.pinned:
-                raise PinError(f"pinning a host chunk of {fmt_bytes(nbytes)} failed: {e}") from e
-            raise HostMemoryError(f"allocating a host chunk of {fmt_bytes(nbytes)} failed: {e}") from e
-        if self.pinned and not raw.is_pinned():
-            raise PinError(f"a host chunk of {fmt_bytes(nbytes)} came back unpinned")
-        return raw.view(dtype).view(shape)
-
     def chunks(self, buffer: str) -> list[torch.Tensor]:
         """The raw chunk tensors of one buffer (for tests and inspection)."""
         return [c.tensor for c in self._chunks_of(buffer)]
 
-    def _chunks_of(self, buffer: str) -> list[_Chunk]:
+    def _chunks_of(self, buffer: str) -> list[Chunk]:
         self._check_open()
-        try:
-            return self._chunks[buffer]
-        except KeyError:
-            raise SpecError(f"host pool has no buffer {buffer!r}; it has {list(self._chunks)}") from None
+        return self._chunks.of(buffer)
 
     def num_segments(self) -> int:
         return -(-self.num_slots // self.segment_slots)
@@ -269,12 +127,9 @@ class HostPool(Owner):
             return c.tensor[local - c.layer_lo, rel : rel + self.segment_slots]
         return c.tensor[(slot - c.slot_lo) // self.spec.page_size, local]
 
-    def _chunk_at(self, buffer: str, local: int, slot: int) -> _Chunk:
-        """The chunk of `buffer` that holds local layer `local` of `slot`."""
-        for c in self._chunks_of(buffer):
-            if c.layer_lo <= local < c.layer_hi and c.slot_lo <= slot < c.slot_hi:
-                return c
-        raise InvariantError(f"host pool: no chunk holds slot {slot} of {buffer!r} on local layer {local}")
+    def _chunk_at(self, buffer: str, local: int, slot: int) -> Chunk:
+        self._check_open()
+        return self._chunks.at(buffer, local, slot)
 
     def locate(self, buffer: str, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where rows live: `(region [n], row [n])`, both int64, for `slots` (`[n]` int64).
@@ -306,7 +161,7 @@ class HostPool(Owner):
         return chunk.slot_hi - chunk.slot_lo, ps, len(b.layers) * ps
 
     def _build_region_ptrs(self, b: BufferSpec) -> np.ndarray:
-        chunks = self._chunks[b.name]
+        chunks = self._chunks.of(b.name)
         layers = len(b.layers)
         if self.layout is HostLayout.PAGE_FIRST:
             ps = self.spec.page_size
@@ -446,7 +301,3 @@ def _words3(view: torch.Tensor) -> torch.Tensor:
         flat = flat.unsqueeze(-1)
     raw = flat.view(torch.uint8)
     return raw.view(word_dtype(raw.shape[-1]))
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
