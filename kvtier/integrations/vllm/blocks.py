@@ -100,7 +100,9 @@ class HostBlocks:
         self._writes: queue.Queue = queue.Queue(maxsize=max(1, max_pending_writes))
         self._writer: threading.Thread | None = None
         if backend is not None:
-            self._writer = threading.Thread(target=self._write_loop, name="kvtier-vllm-store", daemon=True)
+            self._writer = threading.Thread(
+                target=self._write_loop, args=(backend,), name="kvtier-vllm-store", daemon=True
+            )
             self._writer.start()
 
     # -- host <-> vLLM blocks ---------------------------------------------------------
@@ -208,8 +210,7 @@ class HostBlocks:
         if self.backend is not None:
             self.backend.close()
 
-    def _write_loop(self) -> None:
-        assert self.backend is not None
+    def _write_loop(self, backend: StorageBackend) -> None:
         while True:
             item = self._writes.get()
             try:
@@ -217,7 +218,7 @@ class HostBlocks:
                     return
                 page_hash, data = item
                 chunks = self.codec.encode(page_hash, [memoryview(data)])
-                (ok,) = self.backend.put([self.keys.key(page_hash)], [chunks])
+                (ok,) = backend.put([self.keys.key(page_hash)], [chunks])
                 self.counts["stored" if ok else "store_failed"] += 1
             except Exception as e:  # counted and logged; the thread goes on
                 self.counts["store_failed"] += 1

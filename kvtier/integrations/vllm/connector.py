@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvtier.errors import ConfigError
+from kvtier.errors import BackendUnavailableError, ConfigError, InvariantError
 from kvtier.integrations.vllm import stats
 from kvtier.integrations.vllm.blocks import BlockViews, Fetches, HostBlocks
 from kvtier.integrations.vllm.config import ConnectorConfig
@@ -131,34 +131,39 @@ class KVTierConnector(KVConnectorBase_V1):
     # it cannot plan is planned as failed, so vLLM recomputes those blocks; a request promised an
     # asynchronous load is reported done, its blocks failed, so it never waits forever).
 
+    def _side(self) -> ConnectorScheduler:
+        """The scheduler side (`InvariantError` where vLLM calls a scheduler hook on a worker)."""
+        if self._scheduler is None:
+            raise InvariantError("vLLM called a scheduler hook on a worker's connector")
+        return self._scheduler
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
+        sched = self._side()
         try:
             self._requests[request.request_id] = request
-            return self._scheduler.match(request.request_id, num_computed_tokens)
+            return sched.match(request.request_id, num_computed_tokens)
         except Exception:
             log.exception("kvtier: lookup failed; a miss")
-            self._scheduler.forget_match(request.request_id)
+            sched.forget_match(request.request_id)
             return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self._scheduler is not None
+        sched = self._side()
         (ids,) = blocks.get_block_ids()
         try:
             self._requests[request.request_id] = request
-            self._scheduler.allocated(request.request_id, ids, num_external_tokens)
+            sched.allocated(request.request_id, ids, num_external_tokens)
         except Exception:
             log.exception("kvtier: planning a load failed; vLLM recomputes its blocks")
             start = request.num_computed_tokens // self.block_size
-            self._scheduler.fail_load(request.request_id, ids, start, num_external_tokens)
+            sched.fail_load(request.request_id, ids, start, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        sched = self._scheduler
-        assert sched is not None
+        sched = self._side()
         counts = scheduler_output.num_scheduled_tokens
         runs = []  # (request, new blocks, whole table, tokens computed after the step)
         for new in scheduler_output.scheduled_new_reqs:
@@ -204,9 +209,11 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._requests[req_id].all_token_ids
 
     def _stored(self, keys: list[str]) -> int:
-        assert self._backend is not None
+        backend = self._backend
+        if backend is None:  # `stored` is wired only with a storage tier
+            return 0
         try:
-            return self._backend.exists(keys)
+            return backend.exists(keys)
         except Exception as e:  # a storage fault is a miss
             log.warning("kvtier: storage lookup failed (%s); treated as a miss", e)
             return 0
@@ -240,7 +247,8 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         for req_id, loads in plan.fetches.items():
             try:
-                assert self._fetches is not None, "no host pool"
+                if self._fetches is None:
+                    raise BackendUnavailableError("no host pool (register_kv_caches failed)")
                 self._fetches.submit(req_id, loads)
             except Exception as e:
                 log.warning("kvtier: a fetch could not start (%s); its blocks are recomputed", e)
@@ -251,7 +259,8 @@ class KVTierConnector(KVConnectorBase_V1):
         start = time.perf_counter()
         counts, host = self._counts, self._host
         try:
-            assert host is not None, "no host pool"
+            if host is None:
+                raise BackendUnavailableError("no host pool (register_kv_caches failed)")
             blocks, slots = [], []
             for load in plan.loads:
                 if not host.loadable(load):
