@@ -293,3 +293,17 @@ def test_vllm_layouts_round_trip_through_host_and_storage(device, layout, block,
         assert torch.isnan(got[2].float()).all()
     host.close()
     other.close()
+
+
+def test_staging_a_storage_page_never_evicts_a_host_hit_of_the_same_request() -> None:
+    """One host slot, holding the request's first block: its second block (in storage) finds no
+    slot to stage in and fails, rather than evicting the page the same fetch reads."""
+    tokens = Tokens(r=list(range(9)), w=list(range(5)))
+    sched = ConnectorScheduler(BS, 1, KEYS, tokens, lambda keys: len(keys))
+    sched.scheduled("w", [0, 1], True, 5)  # the first block of the same tokens, saved to the host
+    sched.take_plan()
+    assert sched.match("r", 0) == (8, True)
+    sched.allocated("r", [5, 6, 7], 8)
+    (fetch,) = sched.take_plan().fetches.values()
+    assert [(ld.slot, ld.from_storage) for ld in fetch] == [(0, False), (-1, True)]
+    assert len(sched.index) == 1  # the host hit's page is still indexed

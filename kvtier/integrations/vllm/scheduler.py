@@ -197,6 +197,7 @@ class ConnectorScheduler:
         state = self._requests[req_id]
         fetch = match.stored > 0
         loads, read, staging = [], set(), []
+        busy = self._busy | self._held_slots()
         for i in range(-(-num_external // self.block_size)):
             b = match.start + i
             page = state.hashes[b]
@@ -206,7 +207,8 @@ class ConnectorScheduler:
                 loads.append(Load(blocks[b], slot, page))
                 self.counts["host_hit_blocks"] += 1
             else:
-                slot = self.index.take(self._busy | self._held_slots())
+                # Not a slot this request reads its host hits from, nor one in use.
+                slot = self.index.take(busy | read)
                 if slot is None:  # every slot in use: the load fails, vLLM recomputes the block
                     slot = -1
                 else:
