@@ -56,6 +56,26 @@ def partial_upload(base: str, declared: int = 1000, sent: bytes = b'{"model": "t
     return sock
 
 
+def read_response(sock: socket.socket) -> str:
+    """One whole HTTP response on `sock`: its head, then as many body bytes as it declares (a
+    response may arrive in several segments)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lengths = [ln for ln in head.decode().split("\r\n") if ln.lower().startswith("content-length:")]
+    want = int(lengths[0].split(":", 1)[1]) if lengths else 0
+    while len(body) < want:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode()
+
+
 def requests_by_status(base: str) -> dict[str, float]:
     got = samples(httpx.get(base + "/metrics").text)
     prefix = 'kvtier_requests_total{status="'
@@ -78,7 +98,7 @@ def test_stalled_bodies_release_their_admission_slots_at_the_body_deadline() -> 
         with pytest.raises(openai.RateLimitError):  # every slot is held by a stalled upload
             chat(base)
         for sock in stalled:  # each answered 408 at its deadline
-            head = sock.recv(65536).decode()
+            head = read_response(sock)
             assert head.startswith("HTTP/1.1 408"), head
             assert '"code":"body_timeout"' in head.replace(" ", "")
             sock.close()
