@@ -141,14 +141,16 @@ def test_cells_name_the_best_forced_variant_and_the_planned_ones_gap_to_it() -> 
 
 @needs_triton
 def test_the_default_variants_are_timed_and_checked_on_every_host_set() -> None:
-    """planned, kernel and copy on a run, runs of 16 and single rows: every one byte-checked; the forced
-    ones took their paths; one cell per host set and direction."""
+    """planned, fixed, kernel and copy on a run, runs of 16 and single rows: every one byte-checked; the
+    forced ones took their paths; one cell per host set and direction, with planned against fixed."""
     cfg = _config(1, host_sets=("contiguous", "runs-16", "runs-1"), variants=transfer.DEFAULT_VARIANTS)
     rows, meta = transfer.run(cfg)
     assert meta["tokens"] == 64
     assert {(r.host_runs, r.variant) for r in rows} == {
-        (h, v) for h in ("contiguous", "runs-16", "runs-1") for v in ("planned", "kernel", "copy")
+        (h, v) for h in ("contiguous", "runs-16", "runs-1") for v in ("planned", "fixed", "kernel", "copy")
     }
     assert all(r.identical for r in rows)
-    assert all(r.path == r.variant for r in rows if not r.planned)
-    assert [c["best_forced"] in ("kernel", "copy") for c in transfer_report.cells(rows)] == [True] * 6
+    assert all(r.path == r.variant for r in rows if r.variant in ("kernel", "copy"))
+    found = transfer_report.cells(rows)
+    assert [c["best_forced"] in ("kernel", "copy") for c in found] == [True] * 6
+    assert all(c["vs_fixed"] is not None for c in found)

@@ -279,7 +279,7 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
     assert tuple(m.value for m in AllocPolicy) == cli_args.ALLOC_POLICIES
     assert (*(m.value for m in Direction), "both") == cli_args.DIRECTIONS
     # Every variant but the planner's own and the stock kernel forces the path of its name.
-    assert set(transfer_sets.VARIANTS) - {"planned", "stock"} <= {m.value for m in TransferPath}
+    assert set(transfer_sets.VARIANTS) - {"planned", "fixed", "stock"} <= {m.value for m in TransferPath}
     assert set(transfer_sets.DEFAULT_VARIANTS) <= set(transfer_sets.VARIANTS)
     assert cli_args.SETUPS == served.SETUPS
     assert tuple(m.value for m in StorageWrite) == cli_args.STORAGE_WRITES

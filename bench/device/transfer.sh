@@ -21,12 +21,16 @@ for spec in "${@:-deepseek-v3 llama-3.1-8b glm-5 deepseek-v3-fp8-packed}"; do
     python3 - "$OUT/transfer_$s.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
+print("costs", d["meta"].get("costs"))
 for t in sorted({c["tokens"] for c in d["cells"]}):
     cs = [c for c in d["cells"] if c["tokens"] == t]
     gaps = [c["gap"] for c in cs if c["gap"] is not None]
     bad = [f"{c['direction'][0]}:{c['host']}/{c['device'][0]} {c['gap']:+.3f}" for c in cs if (c["gap"] or 0) < -0.02]
+    vk = [round(c["ratios"]["planned"] - c["ratios"]["kernel"], 3) for c in cs if "kernel" in c["ratios"]]
+    vf = [c["vs_fixed"] for c in cs if c.get("vs_fixed") is not None]
     pl = sorted(c["ratios"]["planned"] for c in cs)
-    print(t, "planned min/med", pl[0], pl[len(pl) // 2], "worst gap", min(gaps), "ok", all(c["identical"] for c in cs), "below -0.02:", bad)
+    print(t, "planned min/med", pl[0], pl[len(pl) // 2], "worst gap", min(gaps), "vs kernel min", min(vk, default=None),
+          "vs fixed min/max", min(vf, default=None), max(vf, default=None), "ok", all(c["identical"] for c in cs), "below -0.02:", bad)
 PY
   done
 done

@@ -21,36 +21,13 @@ import torch
 
 from kvtier.pool import DevicePool
 from kvtier.pool.device import Direction
+from kvtier.transfer.probe import HOLD_CYCLES, held_median_s
 
 Progress = Callable[[str], None]
 
 
 def quiet(_msg: str) -> None:
     """A progress reporter that says nothing."""
-
-
-# GPU clock cycles the stream is held while a sample's calls are issued (~3 ms at ~2 GHz).
-HOLD_CYCLES = 6_000_000
-
-
-def held_median_s(
-    stream: torch.cuda.Stream, call: Callable[[], None], repeats: int, batch: int, hold_cycles: int
-) -> float:
-    """Seconds of one `call` on `stream`: the median over `repeats` of `batch` back-to-back calls,
-    issued while a GPU sleep of `hold_cycles` holds the stream, so the host's cost of issuing them
-    is not timed (as in the middle of a load, where the GPU is still busy)."""
-    samples = []
-    with torch.cuda.stream(stream):
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(hold_cycles)
-            start.record(stream)
-            for _ in range(batch):
-                call()
-            end.record(stream)
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / batch)
-    return statistics.median(samples)
 
 
 class Timer:

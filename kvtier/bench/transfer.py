@@ -31,12 +31,15 @@ from kvtier.pool.rows import as_words
 from kvtier.spec import KVSpec
 from kvtier.transfer import (
     KernelOptions,
+    PathCosts,
     TransferPath,
     TransferPlan,
     backup,
     kernels,
     load_layers,
+    probe,
 )
+from kvtier.transfer.options import MeasuredCosts
 
 # Copies issued one by one from Python (no batched call: the CPU) take seconds past this many.
 MAX_PYTHON_COPIES = 4096
@@ -119,6 +122,7 @@ class Setup:
     ceilings: dict[Direction, float]
     host_sets: dict[str, torch.Tensor]
     dev_sets: dict[str, torch.Tensor]
+    costs: MeasuredCosts | None  # the planned variant's (measured on CUDA); `fixed` has `PathCosts()`
 
 
 def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
@@ -166,7 +170,10 @@ def setup(cfg: BenchConfig, progress: Callable[[str], None]) -> Setup:
             dev_sets[name] = (pages[:, None] * ps + torch.arange(ps)).flatten()
         else:
             raise ConfigError(f"unknown device slot set {name!r}")
-    return Setup(cfg, host, dev, stream, timer, layer_bytes, ceilings, host_sets, dev_sets)
+    costs = probe.measured_costs(cfg.device)
+    if costs is not None:
+        progress(f"planner costs measured: {costs.evidence}")
+    return Setup(cfg, host, dev, stream, timer, layer_bytes, ceilings, host_sets, dev_sets, costs)
 
 
 def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -> tuple[list[Row], dict]:
@@ -177,12 +184,16 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
         for host_label, hs in s.host_sets.items():
             for dev_label, ds in s.dev_sets.items():
                 planned = TransferPlan.build(
-                    direction, s.host, s.dev, hs, ds, kernel=cfg.kernel, stream=s.stream
+                    direction, s.host, s.dev, hs, ds, costs=s.costs, kernel=cfg.kernel, stream=s.stream
                 )
                 plans = []
                 for variant, path, opts in _variants(cfg, planned, host_label):
                     if variant == "planned":  # the planner's own plan, already built
                         plan = planned
+                    elif variant == "fixed":  # the planner with the fixed costs
+                        plan = TransferPlan.build(
+                            direction, s.host, s.dev, hs, ds, costs=PathCosts(), kernel=opts, stream=s.stream
+                        )
                     else:
                         plan = TransferPlan.build(
                             direction, s.host, s.dev, hs, ds, force=path, kernel=opts, stream=s.stream
@@ -190,7 +201,9 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _msg: None) -
                     plans.append((variant, plan))
                 progress(f"{direction.value} {host_label} / device {dev_label}: {len(plans)} variants")
                 rows += _time_cell(s, plans, host_label, dev_label)
-    return rows, metadata(cfg, s.ceilings, s.layer_bytes)
+    meta = metadata(cfg, s.ceilings, s.layer_bytes)
+    meta["costs"] = None if s.costs is None else s.costs.evidence
+    return rows, meta
 
 
 def _variants(
@@ -201,7 +214,7 @@ def _variants(
     kernel_ok = kernels.runs_on(cfg.device) and (cuda or planned.num_tokens <= 4096)
     out: list[tuple[str, TransferPath | None, KernelOptions]] = []
     for v in cfg.variants:
-        if v == "planned":
+        if v in ("planned", "fixed"):
             out.append((v, None, cfg.kernel))
             continue
         path = TransferPath.KERNEL if v == "stock" else TransferPath(v)

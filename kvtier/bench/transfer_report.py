@@ -34,12 +34,14 @@ def cells(rows: list[Row]) -> list[dict]:
         if r.planned:
             cell["path"] = r.path
     for cell in out.values():
-        forced = {v: x for v, x in cell["ratios"].items() if v != "planned"}
+        forced = {v: x for v, x in cell["ratios"].items() if v not in ("planned", "fixed")}
         best = max(forced, key=forced.__getitem__) if forced else None
         cell["best_forced"] = best
         planned = cell["ratios"].get("planned")
         gap = None if best is None or planned is None else round(planned - forced[best], 3)
         cell["gap"] = gap
+        fixed = cell["ratios"].get("fixed")
+        cell["vs_fixed"] = None if fixed is None or planned is None else round(planned - fixed, 3)
     return list(out.values())
 
 

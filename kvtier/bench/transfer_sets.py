@@ -12,8 +12,8 @@ import re
 HOST_SETS = ("contiguous", "runs-256", "runs-64", "runs-16", "runs-1", "contiguous-churn", "first_fit-churn")
 DEVICE_SETS = ("contiguous", "scattered")
 # The variants a run may time (`planned`: the planner's choice; `stock`: a stock-style kernel).
-VARIANTS = ("planned", "kernel", "copy", "stock", "reference")
-DEFAULT_VARIANTS = ("planned", "kernel", "copy")
+VARIANTS = ("planned", "fixed", "kernel", "copy", "stock", "reference")
+DEFAULT_VARIANTS = ("planned", "fixed", "kernel", "copy")
 
 
 def is_runs(name: str) -> bool:

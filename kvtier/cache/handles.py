@@ -36,7 +36,8 @@ class CacheConfig:
     `write_policy`: when a device node is backed up (at insert, after `selective_hits`
     hits, or when evicted from the device). `eviction`: the policy ranking each tier's
     leaves (`lru` or `lfu`). `recompute_below`: host hits shorter than this many tokens
-    are not loaded back; the handle says to recompute them. `force_path`: one transfer
+    are not loaded back; the handle says to recompute them. `costs`: the planner's costs (None:
+    measured on a CUDA device at start, `kvtier.transfer.probe`). `force_path`: one transfer
     path for every load and backup instead of the planner's (benchmarks use `reference`
     for a stock-style configuration).
     """
@@ -46,7 +47,7 @@ class CacheConfig:
     eviction: PolicyName = PolicyName.LRU
     recompute_below: int = 0
     host_alloc_policy: AllocPolicy = AllocPolicy.CONTIGUOUS
-    costs: PathCosts = field(default_factory=PathCosts)
+    costs: PathCosts | None = None
     kernel: KernelOptions = field(default_factory=KernelOptions)
     force_path: TransferPath | None = None
 

@@ -22,6 +22,7 @@ from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.transfer import KernelOptions, PathCosts, TransferPath
 from kvtier.transfer.lanes import Lane, make_lane
+from kvtier.transfer.options import MeasuredCosts
 from kvtier.transfer.submit import DEFAULT_LOOP, Operation, Transfer, Transfers
 
 
@@ -53,7 +54,7 @@ class DeviceHostMover(Mover):
         device_pool: DevicePool,
         host_pool: HostPool,
         *,
-        costs: PathCosts | None = None,
+        costs: PathCosts | MeasuredCosts | None = None,
         kernel: KernelOptions | None = None,
         force: TransferPath | None = None,
         lanes: tuple[Lane, Lane] | None = None,

@@ -28,7 +28,10 @@ enough of them to pay for the call; thousands of short copies are bound by the h
 them (`copy_host_s`), and single rows or short runs go to the kernel in one launch. The two parts
 run one after the other on the caller's stream. Without the kernel (no Triton, a CPU pool): one
 copy per run where that beats the reference path, else the reference path. `PathCosts` holds
-the costs (bench/FINDINGS.md, "The planner's costs").
+the costs (bench/FINDINGS.md, "The planner's costs"). On CUDA they are checked once per process
+against the machine (`probe`): a host whose SMs read its memory slower scales the kernel's
+shares down, and one whose short copies run at the link's rate lowers `copy_min_bytes`; where
+the fixed costs hold, nothing changes. Loads and backups may then weigh differently.
 
 Glossary, one noun per concept:
 - slot: one token's place in a pool. A plan pairs `host_slots[i]` with `device_slots[i]`.

@@ -6,7 +6,7 @@ them once (`check`). Where each default comes from: bench/FINDINGS.md, "The plan
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -52,7 +52,9 @@ class PathCosts:
     - `python_copy_s`, `reference_gbps`: where the kernel cannot run, one torch copy per run from
       Python against the per-token reference path (`rule.without_kernel`);
     - `copy_streams`: streams a layer's copies fan out over where its runs average under
-      `fan_out_below_bytes` (each copy's fixed cost then overlaps the others').
+      `fan_out_below_bytes` (each copy's fixed cost then overlaps the others');
+    - `kernel_scale`: a factor on every `kernel_share` (a host whose SMs read its memory slower,
+      `kvtier.transfer.probe`).
     """
 
     copy_fixed_s: float = 0.05e-6
@@ -71,12 +73,27 @@ class PathCosts:
     reference_gbps: float = 3.0
     copy_streams: int = 8
     fan_out_below_bytes: int = 1 << 20
+    kernel_scale: float = 1.0
 
     def kernel_rate(self, piece_bytes: np.ndarray | float) -> np.ndarray:
         """The kernel's share of the ceiling on pieces of `piece_bytes` (log-linear in `kernel_share`)."""
         sizes = np.log2([p for p, _ in self.kernel_share])
         shares = [s for _, s in self.kernel_share]
-        return np.interp(np.log2(np.maximum(piece_bytes, 1)), sizes, shares)
+        return np.interp(np.log2(np.maximum(piece_bytes, 1)), sizes, shares) * self.kernel_scale
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """The planner's costs per direction (`of`), as `kvtier.transfer.probe` measures them, with
+    what they were derived from (`evidence`: shares of the same-run ceiling by what was timed,
+    `{"load": {...}, "backup": {...}}`)."""
+
+    load: PathCosts
+    backup: PathCosts
+    evidence: dict = field(default_factory=dict, compare=False)
+
+    def of(self, direction: Direction) -> PathCosts:
+        return self.load if direction is Direction.LOAD else self.backup
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,16 @@ def _launch(
     return KernelLaunch(programs, rows, stages)
 
 
+def per_direction(costs: PathCosts | MeasuredCosts | None) -> MeasuredCosts:
+    """`costs` as costs per direction (one `PathCosts` for both; None: the defaults)."""
+    if isinstance(costs, MeasuredCosts):
+        return costs
+    if costs is not None and not isinstance(costs, PathCosts):
+        raise ConfigError(f"costs must be PathCosts or MeasuredCosts, got {type(costs).__name__}")
+    costs = costs or PathCosts()
+    return MeasuredCosts(load=costs, backup=costs)
+
+
 def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel: KernelOptions) -> None:
     """Refuse pools of different shapes (`PlanError`) and options out of range (`ConfigError`)."""
     hspec, dspec = host_pool.spec, device_pool.spec
@@ -158,5 +185,7 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
             f"kernel_share must be (piece bytes, share) pairs, pieces ascending and positive, "
             f"shares in (0, 1], got {costs.kernel_share}"
         )
+    if not 0 < costs.kernel_scale <= 1:
+        raise ConfigError(f"kernel_scale must be in (0, 1], got {costs.kernel_scale}")
     if costs.copy_streams < 1:
         raise ConfigError(f"copy_streams must be at least 1, got {costs.copy_streams}")

@@ -25,7 +25,7 @@ from kvtier.slots import as_slot_tensor
 from kvtier.spec import BufferSpec
 from kvtier.transfer import dma, kernels, options, parts, rule
 from kvtier.transfer import runs as slot_runs
-from kvtier.transfer.options import KernelOptions, PathCosts, TransferPath
+from kvtier.transfer.options import KernelOptions, MeasuredCosts, PathCosts, TransferPath
 from kvtier.transfer.parts import KernelPart, Part
 from kvtier.transfer.runs import RunPair, RunTable
 
@@ -92,7 +92,7 @@ class TransferPlan:
         host_slots: torch.Tensor | Sequence[int],
         device_slots: torch.Tensor | Sequence[int],
         *,
-        costs: PathCosts | None = None,
+        costs: PathCosts | MeasuredCosts | None = None,
         kernel: KernelOptions | None = None,
         force: TransferPath | str | None = None,
         stream: torch.cuda.Stream | None = None,
@@ -119,6 +119,7 @@ class RunCopies:
 class Planner:
     """The planner's choices for one pool pair and one set of options, checked once.
 
+    `costs`: one `PathCosts` for both directions, or `MeasuredCosts` (default: `PathCosts()`).
     `force` picks one path instead of the rule (benchmarks and tests; not `MIXED`; `KERNEL` only
     where it runs). `use_kernel` lets the planner use the kernel (default: on CUDA with Triton).
     """
@@ -127,14 +128,15 @@ class Planner:
         self,
         host_pool: HostPool,
         device_pool: DevicePool,
-        costs: PathCosts | None = None,
+        costs: PathCosts | MeasuredCosts | None = None,
         kernel: KernelOptions | None = None,
         force: TransferPath | str | None = None,
         use_kernel: bool | None = None,
     ) -> None:
-        self.costs = costs or PathCosts()
+        self.costs = options.per_direction(costs)
         self.kernel = kernel or KernelOptions()
-        options.check(host_pool, device_pool, self.costs, self.kernel)
+        for c in (self.costs.load, self.costs.backup):
+            options.check(host_pool, device_pool, c, self.kernel)
         self.host_pool, self.device_pool = host_pool, device_pool
         self.force = None if force is None else TransferPath(force)
         cuda = device_pool.device.type == "cuda"
@@ -238,22 +240,24 @@ class Planner:
             return {b.name: -1 for b in self.raw}  # -1: the reference path
         if self.force is TransferPath.COPY or k <= 1:
             return {b.name: k for b in self.raw}
+        costs = self.costs.of(direction)
         if not self.kernel_ok:
             nbytes = int(lens.sum()) * self.host_pool.spec.widest_row_bytes
-            pays = rule.without_kernel(self.costs, k, nbytes)
+            pays = rule.without_kernel(costs, k, nbytes)
             return {b.name: k if pays else -1 for b in self.raw}
         ordered = lens[rule.longest_first(lens)]
         out = {}
         for b in self.raw:
             unit = rule.unit_rows(lens, b.row_bytes, self.kernel.max_unit_bytes)
-            out[b.name] = rule.copied(self.costs, ordered, b.row_bytes, unit)
+            out[b.name] = rule.copied(costs, ordered, b.row_bytes, unit)
         return out
 
     def _streams(self, rows: int, runs: int) -> int:
         """Streams a layer's copies fan out over (`PathCosts.copy_streams` for short runs, else one)."""
         widest = self.host_pool.spec.widest_row_bytes
-        short = self.batched and runs and rows * widest < self.costs.fan_out_below_bytes * runs
-        return self.costs.copy_streams if short else 1
+        costs = self.costs.load  # the fan-out is not measured: one value for both directions
+        short = self.batched and runs and rows * widest < costs.fan_out_below_bytes * runs
+        return costs.copy_streams if short else 1
 
     def _plan(
         self,

@@ -24,11 +24,11 @@ import torch
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.slots import concat_slots
-from kvtier.transfer import native
+from kvtier.transfer import native, probe
 from kvtier.transfer.execute import layer_calls
 from kvtier.transfer.lanes import Lane, Signal
 from kvtier.transfer.loop import Work, copies_work, plan_work, run_buffers, run_work
-from kvtier.transfer.options import KernelOptions, PathCosts, TransferPath
+from kvtier.transfer.options import KernelOptions, MeasuredCosts, PathCosts, TransferPath
 from kvtier.transfer.plan import Planner, TransferPlan
 from kvtier.transfer.runs import JointRuns, RunPair
 
@@ -93,8 +93,10 @@ class Transfers:
     """Moves operations between one host pool and one device pool; see the module docstring.
 
     `costs`, `kernel`, `force`: the planner's options (`force` one path for every operation:
-    benchmarks and tests). `loop`: the compiled loop to submit through (default: the process's,
-    on a CUDA device pool; None: never; tests pass a stand-in runtime's).
+    benchmarks and tests); without `costs`, on CUDA, the costs measured on this machine
+    (`kvtier.transfer.probe.measured_costs`, once per process), else `PathCosts()`. `loop`: the
+    compiled loop to submit through (default: the process's, on a CUDA device pool; None: never;
+    tests pass a stand-in runtime's).
     """
 
     def __init__(
@@ -102,12 +104,14 @@ class Transfers:
         host_pool: HostPool,
         device_pool: DevicePool,
         *,
-        costs: PathCosts | None = None,
+        costs: PathCosts | MeasuredCosts | None = None,
         kernel: KernelOptions | None = None,
         force: TransferPath | None = None,
         loop: native.Native | object | None = DEFAULT_LOOP,
     ) -> None:
         self.host_pool, self.device_pool = host_pool, device_pool
+        if costs is None and force is None:
+            costs = probe.measured_costs(device_pool.device)
         self.planner = Planner(host_pool, device_pool, costs, kernel, force)
         if loop is DEFAULT_LOOP:
             loop = native.library() if device_pool.device.type == "cuda" else None
