@@ -5,15 +5,17 @@ A cache is a list of tiers, top first: a device tier (`DeviceTier`, kvtier's own
 tier (`kvtier.cache.storage_tier.StorageTier`). Each tier answers four questions and
 moves nothing itself:
 
-- `holds(node)`: whether the node's state puts it in this tier's eviction queue;
-- `alloc(n)` / `free(slots)`: room for `n` tokens, and its return;
+- `holds(node)`: whether the node's state says this tier holds its pages (for a tier with
+  an eviction queue: whether the node is in it);
+- `alloc(n)` / `free(grant)`: room for `n` tokens, and its return (slots for the device
+  and host tiers; the storage tier's room is its write budget);
 - `candidates()`: what it would evict first (its `EvictionQueue` in policy order,
-  filtered by `evictable`, its own leaf rule);
+  filtered by `evictable`, its own leaf rule; the storage tier evicts nothing itself);
 - `owner`: `Owner.KVTIER` (kvtier allocates and evicts) or `Owner.ENGINE` (another engine
   does and tells the cache: `CacheController.device_freed`).
 
-Every tier below the top carries `mover`, which moves bytes between it and the tier above
-(`DeviceHostMover` for the host, `HostStorageMover` for storage). The manager's moves
+Every tier below the top carries `mover`, a `kvtier.cache.movers.Mover` between it and the
+tier above (`DeviceHostMover` for the host, `HostStorageMover` for storage). The manager's moves
 (`kvtier.cache.moves`) change nodes' states, then `place` them, so each queue holds exactly
 what its tier may evict:
 
@@ -61,10 +63,12 @@ class Tier(ABC):
 
     name: str
     owner: Owner = Owner.KVTIER
+    #: Moves bytes between this tier and the one above (None for the top tier).
+    mover: Mover | None = None
 
     @abstractmethod
     def holds(self, n: Node) -> bool:
-        """Whether `n`'s state puts it in this tier's eviction queue."""
+        """Whether `n`'s state says this tier holds its pages."""
 
     @abstractmethod
     def alloc(self, n: int) -> object | None:
