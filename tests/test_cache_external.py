@@ -229,3 +229,50 @@ def test_a_list_that_is_not_a_cache_is_refused() -> None:
         CacheController.of([HostTier(host, LRU()), DeviceTier(dev, LRU())])
     with pytest.raises(ConfigError, match="a device tier, a host tier"):
         CacheController.of([DeviceTier(dev, LRU())])
+
+
+def scan(tier: ExternalDeviceTier, slots: np.ndarray) -> set[tuple[int, int]]:
+    """The reference for `nodes_on`: every node on the device, each checked for the slots."""
+    freed = np.zeros(tier.num_slots, dtype=bool)
+    freed[slots] = True
+    out = set()
+    for n in tier.queue.nodes():
+        pages = freed[n.device_slots.numpy()].reshape(-1, PS).any(axis=1)
+        if pages.any():
+            out.add((n.id, int(pages.argmax())))
+    return out
+
+
+def test_the_freed_blocks_index_finds_what_a_scan_of_every_node_finds() -> None:
+    """`device_freed` reads an index of slots by node, kept through inserts, splits, loads into
+    reused blocks and evictions; at every step it answers what a scan of every node answers."""
+    spec = preset("tiny-mha", PS)
+    engine = StandInEngine(spec, num_blocks=20)
+    rng = np.random.default_rng(5)
+    with external_cache(engine, host_slots=512):
+        tier = engine.tier
+        for tokens in conversations(n=5, turns=6):
+            engine.run(tokens)  # checks the invariants, the index's among them
+            for _ in range(4):
+                blocks = rng.choice(engine.num_blocks, size=int(rng.integers(1, 7)), replace=False)
+                slots = tier.slots(blocks).numpy()
+                got = {(n.id, first) for n, first in tier.nodes_on(slots)}
+                assert got == scan(tier, slots)
+        assert engine.stats["evicted_blocks"] > 0 and engine.stats["loaded"] > 0
+        assert tier.nodes_on(np.empty(0, dtype=np.int64)) == []
+
+
+def test_a_block_freed_inside_a_node_splits_it_there() -> None:
+    spec = preset("tiny-mha", PS)
+    engine = StandInEngine(spec, num_blocks=8)
+    with external_cache(engine, host_slots=64) as c:
+        tokens = np.arange(3 * PS)
+        engine.run(tokens)  # one node on blocks 0, 1, 2
+        assert len(c.tree.nodes()) == 1
+        c.flush()  # its backup is done: it leaves the device with its host copy kept
+        assert c.device_freed(engine.tier.slots([1])) == 2 * PS  # pages 1-2 leave, page 0 stays
+        m = c.match(tokens)
+        assert (m.device_tokens, m.host_tokens) == (PS, 2 * PS)
+        assert c.device_freed(engine.tier.slots([1, 2])) == 0  # freed already: nothing on them
+        assert c.device_freed(engine.tier.slots([0])) == PS
+        c.check_invariants()

@@ -14,7 +14,7 @@ from kvtier.cache.inflight import InFlight
 from kvtier.cache.insert import check_insert
 from kvtier.cache.policy import LRU
 from kvtier.cache.states import NodeState
-from kvtier.cache.storage_mover import open_storage
+from kvtier.cache.storage_mover import LookupPages, open_storage
 from kvtier.cache.tiers import DeviceTier
 from kvtier.errors import CacheFullError, SlotError
 from kvtier.pool import DevicePool, HostPool
@@ -174,5 +174,5 @@ def test_storage_tier_hashes_a_path_as_the_keys_chain_it_and_caps_pending_writes
     assert st.metrics.writes_dropped == 1
     p.moves.finish_stores()
     assert a.state is NodeState.BOTH_STORED and st.pending_write_tokens == 0
-    assert st.mover.lookup(a.page_hashes) == 2
+    assert st.mover.submit(LookupPages(a.page_hashes)).pages == 2
     st.close()

@@ -20,7 +20,7 @@ import torch
 from conftest import poison_device
 
 from kvtier.cache import CacheConfig, CacheController
-from kvtier.cache.storage_mover import open_storage
+from kvtier.cache.storage_mover import LookupPages, open_storage
 from kvtier.errors import ConfigError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.spec import preset
@@ -239,9 +239,13 @@ def test_a_bad_value_is_a_miss_counted_never_wrong_kv(tmp_path, how, reason) -> 
         c.check_invariants()
 
 
-def test_a_damaged_value_is_deleted_and_the_next_store_writes_it_again(tmp_path, store_url) -> None:
-    """A value refused on read leaves its backend: the next store of the page writes it again (it is
-    not skipped as present), and a later reload gets the whole prefix from storage."""
+@pytest.mark.parametrize(("damage", "reason"), [("flip", "checksum"), ("longer", "oversize")])
+def test_a_damaged_value_is_deleted_and_the_next_store_writes_it_again(
+    tmp_path, store_url, damage, reason
+) -> None:
+    """A value refused on read (a flipped byte; or longer than a page's value, which `get_into` answers
+    -1 for) leaves its backend: the next store of the page writes it again (it is not skipped as
+    present), and a later reload gets the whole prefix from storage."""
     model = f"damaged-{uuid.uuid4().hex}"  # the Redis servers are shared: keys of this test only
     tokens = np.arange(50, 74)  # 6 pages; page 3 goes bad
     with make_cache(tmp_path, url=store_url, model=model) as c:
@@ -252,12 +256,16 @@ def test_a_damaged_value_is_deleted_and_the_next_store_writes_it_again(tmp_path,
         backend = c.storage.backend
         value = bytearray(c.storage.codec.value_bytes + 1)
         n = backend.get_into([bad], [[memoryview(value)]])[0]
-        value[n - 1] ^= 0xFF  # one flipped payload byte, written back through the backend
+        if damage == "flip":
+            value[n - 1] ^= 0xFF  # one flipped payload byte, written back through the backend
+        else:
+            value[n:] = b"\0" * 8  # the value and 8 bytes more
+            n += 8
         assert backend.put([bad], [[bytes(value[:n])]]) == [True]
 
         m, h, lease = reload(c, tokens)
         assert m.storage_tokens_used == 12  # pages 0-2: page 3 was refused
-        assert c.storage.metrics.snapshot()["rejected"]["checksum"] == 1
+        assert c.storage.metrics.snapshot()["rejected"][reason] == 1
         assert backend.exists([bad]) == 0  # refused, and deleted
         assert_kv(c.device_pool, tokens[:12], h.device_slots)
         c.release(lease)
@@ -268,7 +276,7 @@ def test_a_damaged_value_is_deleted_and_the_next_store_writes_it_again(tmp_path,
         m, h, lease = reload(c, tokens)
         assert m.storage_tokens_used == 24  # the whole prefix from storage again
         assert_kv(c.device_pool, tokens, h.device_slots)
-        assert c.storage.metrics.snapshot()["rejected"]["checksum"] == 1
+        assert c.storage.metrics.snapshot()["rejected"][reason] == 1
         c.release(lease)
         c.check_invariants()
 
@@ -385,10 +393,10 @@ def test_write_back_stores_a_page_when_the_host_evicts_it_and_at_close(tmp_path)
         c.evict_device(64)  # b's backup evicts a from the host: a goes to storage first
         c.flush()
         c.poll()
-        assert c.storage.lookup(_hashes(c, a)) == 8
+        assert c.storage.submit(LookupPages(_hashes(c, a))).pages == 8
         c.check_invariants()
     with make_cache(tmp_path) as c:  # b, still on the host at close, was written then
-        assert c.storage.lookup(_hashes(c, b)) == 8
+        assert c.storage.submit(LookupPages(_hashes(c, b))).pages == 8
 
 
 def _hashes(c: CacheController, tokens: np.ndarray) -> list[bytes]:

@@ -15,7 +15,7 @@ import pytest
 
 import kvtier
 from kvtier.errors import ClosedError, ConfigError, StorageError
-from kvtier.storage.backend import open_backend
+from kvtier.storage.backend import ValueBuffers, open_backend
 from kvtier.storage.file import FileBackend
 from kvtier.storage.redis import RedisBackend, RedisTarget, parse_redis_url
 
@@ -140,6 +140,20 @@ def test_missing_longer_and_shorter_values(store, keys):
     assert got == [1000, -1, 1000]
     assert joined(exact) == value
     assert joined(short) == value + b"\x5a" * 500  # what follows a shorter value is untouched
+
+
+def test_a_value_found_names_its_source_and_an_absent_key_does_not(store, keys):
+    """A -1 with its source named is a value too long, which the reader can discard; one without is
+    an absent key."""
+    present, absent = keys(2)
+    assert store.put([present], [[random_bytes(1000, 7)]]) == [True]
+    short, missing = ValueBuffers([memoryview(bytearray(999))]), ValueBuffers([memoryview(bytearray(10))])
+    fits = ValueBuffers([memoryview(bytearray(1000))])
+    assert store.get_into([present, absent, present], [short, missing, fits]) == [-1, -1, 1000]
+    assert short.source == (store, present) and fits.source == (store, present) and missing.source is None
+    assert not missing.discard() and missing.discarded is None
+    assert short.discard() and short.discarded is True
+    assert store.exists([present]) == 0
 
 
 def test_put_overwrites(store, keys):

@@ -1,7 +1,7 @@
 """Where a file-backend fetch of DeepSeek-V3 pages spends its time, beside plain reads (one JSON line each).
 
 Variants over the same files (page cache warm, destinations touched first): `raw` readinto into
-distinct memory on N threads; `one_preadv_then_hash` HostStorageMover.fetch as the tier is (the
+distinct memory on N threads; `one_preadv_then_hash` HostStorageMover ReadPages as the tier is (the
 first run's `kvtier` column; its `stretches_K` columns came from a reader, since removed, that
 checksummed each K KiB stretch while in cache); `one_preadv_no_hash` the same reads with every
 checksum taken as matching (what the hash costs).
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
-from kvtier.cache.storage_mover import open_storage
+from kvtier.cache.storage_mover import ReadPages, WritePages, open_storage
 from kvtier.pool import HostPool
 from kvtier.spec import preset
 from kvtier.storage import values
@@ -33,7 +33,7 @@ root = tempfile.mkdtemp(dir="/tmp")
 setup = open_storage(StorageConfig(f"file://{root}"), host, Fingerprint.of("probe", spec))
 hashes = setup.keys.chain(setup.keys.root, np.arange(tokens))
 pages = list(zip(hashes, range(0, tokens, 64), strict=True))
-setup.store(pages).wait()
+setup.submit(WritePages(pages)).wait()
 files = [setup.backend.path_of(k) for k in setup.keys.keys(hashes)]
 sizes = [os.path.getsize(f) for f in files]
 total = sum(sizes)
@@ -90,7 +90,7 @@ for workers in (4, 8):
     out["raw_gbps"] = total / raw(workers) / 1e9
 
     def fetch(st=st):
-        f = st.fetch(pages)
+        f = st.submit(ReadPages(pages))
         f.wait()
         assert f.arrived() == len(pages)
 

@@ -1,8 +1,8 @@
 """`kvtier bench storage`, throughput: kvtier's page get and put beside the raw store's, in one run.
 
 For one backend, spec and page size, `pages` pages of random bytes sit in a `HostPool`.
-kvtier puts them (`HostStorageMover.store`, one store per `batch_pages` pages, as the cache
-issues one per node) and gets them back (one `fetch` of every page into the pool). The raw
+kvtier puts them (`HostStorageMover`, one `WritePages` per `batch_pages` pages, as the cache
+issues one per node) and gets them back (one `ReadPages` of every page into the pool). The raw
 store moves values of the same length, as many of them, with the threads and batches the
 mover uses (its `writers` for puts, its `workers` for gets), and nothing of kvtier:
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.bench.storage_stores import FileSide, RawFiles, RawRedis, RedisSide, drop_page_cache
-from kvtier.cache.storage_mover import HostStorageMover, open_storage
+from kvtier.cache.storage_mover import HostStorageMover, ReadPages, WritePages, open_storage
 from kvtier.pool import HostPool
 from kvtier.spec import KVSpec
 from kvtier.storage.config import StorageConfig
@@ -138,7 +138,7 @@ def _kvtier_put(sample: Sample, slots: list[int], batch: int) -> tuple[float, st
     """Seconds to store every page, one store per `batch` pages; why not all were stored, or ''."""
     pages = sample.pages(slots)
     t0 = time.perf_counter()
-    stores = [sample.mover.store(pages[at : at + batch]) for at in range(0, len(pages), batch)]
+    stores = [sample.mover.submit(WritePages(pages[at : at + batch])) for at in range(0, len(pages), batch)]
     for s in stores:
         s.wait()
     seconds = time.perf_counter() - t0
@@ -149,7 +149,7 @@ def _kvtier_put(sample: Sample, slots: list[int], batch: int) -> tuple[float, st
 def _kvtier_get(sample: Sample, slots: list[int]) -> tuple[float, str]:
     """Seconds to fetch every page into its slots; why not every page arrived verified, or ''."""
     t0 = time.perf_counter()
-    f = sample.mover.fetch(sample.pages(slots))
+    f = sample.mover.submit(ReadPages(sample.pages(slots)))
     f.wait()
     seconds, arrived = time.perf_counter() - t0, f.arrived()
     if arrived == len(slots):

@@ -6,8 +6,12 @@ holds this order and fails on any cycle, type-only imports included):
 - `states.py`: a node's lifecycle, one state machine (`NodeState`, `Event`, `TABLE`,
   `transition`); its transition table is in its docstring.
 - `metrics.py`: the counters (`CacheMetrics`, `StorageMetrics`, `Histogram`).
-- `movers.py`: the `Mover` interface and `DeviceHostMover` (device <-> host bytes).
-- `storage_mover.py`: `HostStorageMover` (host <-> storage bytes, on worker threads).
+- `movers.py`: the `Mover` interface (`submit(op) -> handle`, `drain`, `close`) and
+  `DeviceHostMover` (device <-> host bytes).
+- `storage_io.py`: the storage mover's operations (`LookupPages`, `ReadPages`, `WritePages`)
+  and their handles (`Found`, `Fetch`, `Store`).
+- `storage_mover.py`: `HostStorageMover`, the `Mover` of host <-> storage bytes (worker
+  threads, faults as misses, refused values deleted or written over).
 - `radix.py`: the radix tree over token ids at page granularity (`RadixTree`, `Node`).
 - `policy.py`: eviction policies (`LRU`, `LFU`) and the per-tier `EvictionQueue`.
 - `tiers.py`: the `Tier` interface and the slot tiers (`DeviceTier`, `ExternalDeviceTier`
@@ -39,10 +43,11 @@ What a new tier needs:
   `StorageBackend` subclass and its URL scheme); the cache reaches it through
   `HostStorageMover` unchanged.
 - a fourth tier (e.g. below storage, or between host and storage): a `Tier` subclass in
-  its own module (what it holds, `alloc` / `free`, `candidates`), a mover between it and
-  the tier above, its states and transitions in `states.py` (rows in both tables), the
-  moves that use them in `moves.py` (or a collaborator of its own, as `storage_tier.py`),
-  its place in `compose.py`'s list check, and its checks in `invariants.py`.
+  its own module (what it holds, `alloc` / `free`, `candidates`), a `Mover` between it
+  and the tier above (its operation and handle types), its states and transitions in
+  `states.py` (rows in both tables), the moves that use them in `moves.py` (or a
+  collaborator of its own, as `storage_tier.py`), its place in `compose.py`'s list check,
+  and its checks in `invariants.py`.
 """
 
 from kvtier.cache.handles import CacheConfig, Lease, LoadHandle, Match, WritePolicy

@@ -15,7 +15,7 @@ from kvtier.alloc import AllocPolicy
 from kvtier.cache.movers import Transfer
 from kvtier.cache.policy import PolicyName
 from kvtier.cache.radix import Node
-from kvtier.cache.storage_mover import Fetch
+from kvtier.cache.storage_io import Fetch
 from kvtier.errors import ConfigError
 from kvtier.transfer import KernelOptions, PathCosts, TransferPath, TransferPlan
 from kvtier.transfer.lanes import Signal

@@ -2,7 +2,8 @@
 
 O(cache): for tests and debugging, never on a hot path. What it checks:
 - every slot of a tier is free or owned exactly once (by a node, or by a request's hold);
-- the allocators agree with the owners;
+- the allocators agree with the owners; an engine's device tier finds each node on its
+  slots (`ExternalDeviceTier.nodes_on`, what `device_freed` reads);
 - every node's lock count equals the leases and loads in flight that hold its path;
 - each node's host runs describe its host slots, and device residency is closed under
   prefixes;
@@ -24,6 +25,7 @@ import torch
 from kvtier.cache.compose import CacheParts
 from kvtier.cache.handles import Lease
 from kvtier.cache.radix import Node, NodeState
+from kvtier.cache.tiers import ExternalDeviceTier
 from kvtier.errors import InvariantError
 from kvtier.pool.rows import as_words
 
@@ -68,6 +70,11 @@ def _check_owners(c: CacheParts, nodes: list[Node]) -> None:
         c.device.allocator is None or (owned.astype(bool) == c.device.allocator.allocated_mask()).all(),
         "device allocator disagrees with owners",
     )
+    if isinstance(c.device, ExternalDeviceTier):
+        for n in nodes:
+            if n.device_slots is not None:
+                found = c.device.nodes_on(n.device_slots.numpy())
+                _require(found == [(n, 0)], f"{n}: the engine's device tier finds {found} on its slots")
     _require(host_owner.max(initial=0) <= 1, "a host slot is owned by two nodes")
     _require(
         (host_owner.astype(bool) == c.host.allocator.allocated_mask()).all(),

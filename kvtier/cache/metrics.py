@@ -82,7 +82,7 @@ class CacheMetrics:
 # Operations whose failures are counted apart (`errors[op]`).
 OPERATIONS = ("exists", "get", "put")
 # Why a value read back was refused (`rejected[reason]`); each is a miss, never wrong KV.
-REJECTIONS = ("checksum", "truncated", "header", "fingerprint", "tokens")
+REJECTIONS = ("checksum", "truncated", "oversize", "header", "fingerprint", "tokens")
 
 
 @dataclass

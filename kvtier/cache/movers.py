@@ -1,22 +1,30 @@
 """Movers: the half of the cache that moves bytes, one per pair of tiers.
 
 The manager decides what moves and when; a mover only moves bytes between two tiers and
-reports completion through signals, never touching the tree, the allocators or a node.
+reports completion, never touching the tree, the allocators or a node.
 
-Contract of a `Mover`: `submit(op)` starts one operation on the lane of its direction
-and returns a `Transfer` at once (`signals`: per layer for loads, one otherwise; `done()`,
-`wait()`); it raises before submitting anything or, failing part-way, after draining that
-lane, so the caller may free the destination slots. A lane completes its operations in
-order. `drain()` waits for everything submitted; `close()` drains and takes no more.
+Contract of a `Mover[Op, H]` (one interface for every pair of tiers):
 
-`DeviceHostMover` moves between a `DevicePool` and a `HostPool` through
-`kvtier.transfer.submit.Transfers`, loads and backups on separate lanes, so a reload never
-waits behind a backup. A tier below the host plugs in as another mover.
+- `submit(op: Op) -> H`: start one operation and return its handle at once. Each mover
+  names its operation types and handle types; every handle is a `Handle`: `done()` polls
+  without waiting, `wait()` blocks until the operation ends. `submit` raises before
+  submitting anything or, failing part-way, after draining what it started, so the caller
+  may free the destination slots.
+- `drain()`: wait for every operation submitted so far.
+- `close()`: drain (a mover may stop what it can cut short first) and take no more.
+
+`DeviceHostMover` (`Mover[Operation, Transfer]`) moves between a `DevicePool` and a
+`HostPool` through `kvtier.transfer.submit.Transfers`: one `Operation` per load or backup,
+loads and backups on separate lanes (each completes its operations in order), so a reload
+never waits behind a backup; a `Transfer`'s `signals` are per layer for loads, one
+otherwise. `kvtier.cache.storage_mover.HostStorageMover` moves between the host and a
+storage backend: its operations look pages up, read and write them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Generic, Protocol, TypeVar
 
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
@@ -26,12 +34,26 @@ from kvtier.transfer.options import MeasuredCosts
 from kvtier.transfer.submit import DEFAULT_LOOP, Operation, Transfer, Transfers
 
 
-class Mover(ABC):
+class Handle(Protocol):
+    """What `Mover.submit` returns: an operation in flight."""
+
+    def done(self) -> bool:
+        """Whether the operation has ended (no waiting)."""
+
+    def wait(self) -> object:
+        """Block until the operation has ended."""
+
+
+Op = TypeVar("Op")
+H = TypeVar("H", bound=Handle)
+
+
+class Mover(ABC, Generic[Op, H]):
     """Moves bytes between two tiers; see the module docstring for the contract."""
 
     @abstractmethod
-    def submit(self, op: Operation) -> Transfer:
-        """Start moving `op`; returns at once."""
+    def submit(self, op: Op) -> H:
+        """Start `op`; returns its handle at once."""
 
     @abstractmethod
     def drain(self) -> None:
@@ -42,7 +64,7 @@ class Mover(ABC):
         self.drain()
 
 
-class DeviceHostMover(Mover):
+class DeviceHostMover(Mover[Operation, Transfer]):
     """Device <-> host: loads on `load_lane`, backups on `backup_lane` (see the module docstring).
 
     `lanes`: `(load lane, backup lane)` instead of new ones on the device pool's device, and

@@ -86,13 +86,15 @@ class NodeMoves:
             self.host.queue.touch(n)
 
     def split(self, node: Node, at: int) -> Node:
-        """Split `node` after `at` tokens; the head joins its transfers and queues."""
+        """Split `node` after `at` tokens; the head joins its transfers and queues (and the tail is
+        placed again: its slots moved)."""
         head = self.tree.split(node, at)
         if head.transfer in self.inflight:
             self.inflight.add_node(head.transfer, head)
         if self.storage is not None:
             self.storage.split(node, head)
         self.place(head)
+        self.place(node)
         return head
 
     # -- device ------------------------------------------------------------------------
@@ -116,15 +118,10 @@ class NodeMoves:
     def device_freed(self, slots: np.ndarray) -> int:
         """The pages on `slots` (`[k]` int64), every page after them in their nodes, and those nodes'
         device descendants leave the device, deepest first (device residency stays closed under
-        prefixes); `CacheStateError` before anything changes where one is locked."""
+        prefixes); `CacheStateError` before anything changes where one is locked. The nodes hit
+        come from the tier's index (`ExternalDeviceTier.nodes_on`): no pass over the others."""
         ps = self.tree.page_size
-        freed = np.zeros(self.device.num_slots, dtype=bool)
-        freed[slots] = True
-        hit = []  # (node, its first freed page)
-        for n in self.device.queue.nodes():
-            pages = freed[n.device_slots.numpy()].reshape(-1, ps).any(axis=1)
-            if pages.any():
-                hit.append((n, int(pages.argmax())))
+        hit = self.device.nodes_on(slots)  # (node, its first freed page)
         locked = [n for n in _device_subtrees([n for n, _ in hit]) if n.lock]
         if locked:
             raise CacheStateError(f"device_freed: {locked[0]} is locked (a lease or a load holds it)")

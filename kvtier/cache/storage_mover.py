@@ -1,21 +1,34 @@
-"""The host <-> storage mover: background reads into host slots and writes out of them.
+"""The host <-> storage mover: a `Mover` whose operations look pages up, read them into host
+slots and write them out of them.
 
-`HostStorageMover` moves pages between a `HostPool` and a `StorageBackend`; like every
-mover it never touches the tree. A page is `(page hash, first host slot)`.
+`HostStorageMover` moves pages between a `HostPool` and a `StorageBackend`; like every mover
+(`kvtier.cache.movers`) it never touches the tree: `submit(op)` returns the operation's handle
+at once (`done()`, `wait()`), `drain()` waits for every read and write submitted, `close()`
+stops the reads, finishes the writes and closes the backend (idempotent); a `submit` after it
+raises `ClosedError`. A page is `(page hash, first host slot)`. One type per operation, each
+with its handle (both in `kvtier.cache.storage_io`):
 
-- `lookup(hashes)`: how many leading pages storage holds (one `exists` batch, on the
-  caller's thread: the only storage call that is).
-- `fetch(pages) -> Fetch`: read the pages into their host slots on the read workers, in
+- `LookupPages(hashes) -> Found`: `Found.pages`, how many of the pages, from the first,
+  storage holds (one `exists` batch, on the caller's thread: the only storage call that is,
+  so the handle is done when returned).
+- `ReadPages(pages) -> Fetch`: read the pages into their host slots on the read workers, in
   batches of `batch_pages` spread over the workers; each value is checked
-  (`PageCodec.check`) before it counts. `Fetch.arrived()` is how many leading pages hold
-  their verified bytes; the first page that is absent, refused or failed ends it.
-  `Fetch.stop()` starts no batch after it; `Fetch.wait()` returns once no worker writes
-  the fetch's slots any more, after which the slots past `arrived()` may be reused.
-- `store(pages) -> Store`: write the pages' values on the write workers (pages storage
-  already holds, from the first, are skipped); `Store.wait()`; `Store.ok`. The host
+  (`PageCodec.check`) before it counts. `Fetch.arrived()`: how many leading pages hold
+  their verified bytes; the first page that is absent, refused or failed ends it (no later
+  batch starts). `Fetch.stop()` starts no batch after it; `Fetch.wait()` returns once no
+  worker writes the fetch's slots any more (`done()`), after which the slots past
+  `arrived()` may be reused.
+- `WritePages(pages) -> Store`: write the pages' values on the write workers, skipping the
+  leading pages storage already holds (one `exists` batch) unless one of them was refused
+  on read and kept by its backend; `Store.ok` once done: every page is stored. The host
   slots must stay unchanged until the store is done.
-- `drain()`: wait for every fetch and store; `close()`: stop fetches, finish stores, close
-  the backend.
+
+A value refused on read (damaged, torn, another model's, longer than a page's value) is
+deleted from its backend where the backend can (`ValueBuffers.discard`); where it cannot (a
+backend without `discard`, or one that does not name its values' sources) the page is kept
+in `overwrite` (at most `OVERWRITE_PAGES`, oldest forgotten first), so the next write of the
+page replaces the value instead of skipping it as present. Either way the refusal is a miss
+now and not for ever.
 
 Faults: every backend call is in `try`; an exception or a refused value is counted in
 `metrics` (`errors` by operation, `rejected` by reason), logged (at most once per
@@ -28,95 +41,36 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import overload
 
 from kvtier.cache.metrics import StorageMetrics
+from kvtier.cache.movers import Mover
+from kvtier.cache.storage_io import (
+    Fetch,
+    Found,
+    LookupPages,
+    Page,
+    ReadPages,
+    StorageHandle,
+    StorageOp,
+    Store,
+    WritePages,
+)
+from kvtier.errors import ClosedError, InvariantError
 from kvtier.pool import HostPool
-from kvtier.storage.backend import StorageBackend, open_backend
+from kvtier.storage.backend import StorageBackend, ValueBuffers, open_backend
 from kvtier.storage.config import StorageConfig
 from kvtier.storage.keys import Fingerprint, PageKeys
-from kvtier.storage.values import PageCodec
+from kvtier.storage.values import ABSENT, PageCodec
 
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 10.0
-Page = tuple[bytes, int]  # (page hash, first host slot)
-
-
-class Fetch:
-    """Pages being read from storage into host slots; see the module docstring."""
-
-    def __init__(self, pages: Sequence[Page], batch: int) -> None:
-        self.pages = list(pages)
-        self.started = time.perf_counter()
-        self._batch = batch
-        self._lock = threading.Lock()
-        self._ok = [-1] * -(-len(self.pages) // batch)  # per batch: verified leading pages, -1 = not done
-        self._running = len(self._ok)
-        self._idle = threading.Event()
-        self._stopped = False
-        if not self._running:
-            self._idle.set()
-
-    def arrived(self) -> int:
-        """Leading pages whose bytes are in their host slots and verified."""
-        with self._lock:
-            n = 0
-            for i, ok in enumerate(self._ok):
-                if ok < 0:
-                    break
-                n += ok
-                if ok < self._size(i):
-                    break
-            return n
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until no batch is running or waiting (or `timeout` s); True when idle."""
-        return self._idle.wait(timeout)
-
-    @property
-    def idle(self) -> bool:
-        return self._idle.is_set()
-
-    def _size(self, i: int) -> int:
-        return min(self._batch, len(self.pages) - i * self._batch)
-
-    def _should_run(self, i: int) -> bool:
-        with self._lock:
-            if self._stopped:
-                return False
-            return all(ok == self._size(j) or ok < 0 for j, ok in enumerate(self._ok[:i]))
-
-    def _finish(self, i: int, ok: int) -> None:
-        with self._lock:
-            self._ok[i] = ok
-            self._running -= 1
-            if ok < self._size(i):
-                self._stopped = True  # later pages cannot count: start no more batches
-            if self._running == 0:
-                self._idle.set()
-
-
-class Store:
-    """Pages being written to storage; `ok` once `wait()` returns: every page is stored."""
-
-    def __init__(self, pages: Sequence[Page]) -> None:
-        self.pages = list(pages)
-        self.started = time.perf_counter()
-        self.ok = False
-        self._done = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
+# Pages refused on read that their backend kept, remembered so the next write replaces them.
+OVERWRITE_PAGES = 65536
 
 
 def open_storage(config: StorageConfig, host_pool: HostPool, fingerprint: Fingerprint) -> HostStorageMover:
@@ -132,7 +86,7 @@ def open_storage(config: StorageConfig, host_pool: HostPool, fingerprint: Finger
     return HostStorageMover(host_pool, backend, keys, codec, config)
 
 
-class HostStorageMover:
+class HostStorageMover(Mover[StorageOp, StorageHandle]):
     """Pages between `host_pool` and `backend` under `keys` and `codec`, as `config` says.
 
     See the module docstring. `config`'s `workers`, `writers` and `batch_pages` size the
@@ -151,6 +105,7 @@ class HostStorageMover:
         self.config = config
         self.batch_pages = config.batch_pages
         self.metrics = StorageMetrics()
+        self.overwrite: OrderedDict[bytes, None] = OrderedDict()  # page hashes, oldest first
         self._readers = ThreadPoolExecutor(config.workers, thread_name_prefix="kvtier-storage-read")
         self._writers = ThreadPoolExecutor(config.writers, thread_name_prefix="kvtier-storage-write")
         self._fetches: set[Fetch] = set()
@@ -161,30 +116,24 @@ class HostStorageMover:
 
     # -- the caller's side -------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """How many of the pages `hashes` names, from the first, storage holds (0 on a fault)."""
-        if not hashes:
-            return 0
-        try:
-            return min(len(hashes), max(0, int(self.backend.exists(self.keys.keys(list(hashes))))))
-        except Exception as e:
-            self._fault("exists", e)
-            return 0
+    @overload
+    def submit(self, op: LookupPages) -> Found: ...
+    @overload
+    def submit(self, op: ReadPages) -> Fetch: ...
+    @overload
+    def submit(self, op: WritePages) -> Store: ...
 
-    def fetch(self, pages: Sequence[Page]) -> Fetch:
-        f = Fetch(pages, self.batch_pages)
-        with self._lock:
-            self._fetches.add(f)
-        for i in range(0, len(f.pages), self.batch_pages):
-            self._readers.submit(self._read, f, i // self.batch_pages)
-        return f
-
-    def store(self, pages: Sequence[Page]) -> Store:
-        s = Store(pages)
-        with self._lock:
-            self._stores.add(s)
-        self._writers.submit(self._write, s)
-        return s
+    def submit(self, op: StorageOp) -> StorageHandle:
+        """Start `op` (see the module docstring); `ClosedError` after `close()`."""
+        if self._closed:
+            raise ClosedError(f"storage mover on {self.backend.name} used after close()")
+        if isinstance(op, LookupPages):
+            return Found(self._present(op.hashes))
+        if isinstance(op, ReadPages):
+            return self._fetch(op.pages)
+        if isinstance(op, WritePages):
+            return self._store(op.pages)
+        raise InvariantError(f"the storage mover moves LookupPages, ReadPages or WritePages, not {op!r}")
 
     def drain(self) -> None:
         with self._lock:
@@ -211,18 +160,43 @@ class HostStorageMover:
         except Exception as e:
             self._fault("close", e)
 
+    def _present(self, hashes: Sequence[bytes]) -> int:
+        """How many of the pages `hashes` names, from the first, storage holds (0 on a fault)."""
+        if not hashes:
+            return 0
+        try:
+            return min(len(hashes), max(0, int(self.backend.exists(self.keys.keys(list(hashes))))))
+        except Exception as e:
+            self._fault("exists", e)
+            return 0
+
+    def _fetch(self, pages: Sequence[Page]) -> Fetch:
+        f = Fetch(pages, self.batch_pages)
+        with self._lock:
+            self._fetches.add(f)
+        for i in range(f.batches):
+            self._readers.submit(self._read, f, i)
+        return f
+
+    def _store(self, pages: Sequence[Page]) -> Store:
+        s = Store(pages)
+        with self._lock:
+            self._stores.add(s)
+        self._writers.submit(self._write, s)
+        return s
+
     # -- the workers' side -------------------------------------------------------------
 
     def _read(self, f: Fetch, i: int) -> None:
         ok = 0
         try:
             if f._should_run(i):
-                ok = self._read_pages(f.pages[i * self.batch_pages :][: f._size(i)])
+                ok = self._read_pages(f._batch_pages(i))
         except Exception as e:  # a fault is a miss, never a dead worker
             self._fault("get", e)
         finally:
             f._finish(i, ok)
-            if f.idle:
+            if f.done():
                 with self._lock:
                     self._fetches.discard(f)
 
@@ -233,17 +207,27 @@ class HostStorageMover:
         lengths = self.backend.get_into(self.keys.keys([h for h, _ in pages]), bufs)
         m, ok = self.metrics, 0
         for (h, _), n, b in zip(pages, lengths, bufs, strict=True):
-            if n < 0:
-                break
             why = self.codec.check(h, n, b)
             if why is not None:
-                m.reject(why)
-                log.warning("storage value of page %s refused (%s): a miss", h.hex()[:16], why)
+                if why != ABSENT:
+                    m.reject(why)
+                    log.warning("storage value of page %s refused (%s): a miss", h.hex()[:16], why)
+                self._refused(h, b)  # (an absent page too: a backend may not tell it from one too long)
                 break
             ok += 1
             m.add("bytes_read", n)
         m.add("pages_read", ok)
         return ok
+
+    def _refused(self, h: bytes, buffers: ValueBuffers) -> None:
+        """Page `h`'s value was refused: where its backend kept it, the next write replaces it."""
+        if buffers.discarded:
+            return
+        with self._lock:
+            self.overwrite[h] = None
+            self.overwrite.move_to_end(h)
+            while len(self.overwrite) > OVERWRITE_PAGES:
+                self.overwrite.popitem(last=False)
 
     def _write(self, s: Store) -> None:
         try:
@@ -258,7 +242,10 @@ class HostStorageMover:
 
     def _write_pages(self, pages: list[Page]) -> bool:
         m = self.metrics
-        present = self.lookup([h for h, _ in pages])
+        present = self._present([h for h, _ in pages])
+        with self._lock:  # a refused value its backend kept is written over, not skipped
+            kept = self.overwrite
+            present = next((i for i, (h, _) in enumerate(pages[:present]) if h in kept), present)
         m.add("writes_present", present)
         stored = True
         for at in range(present, len(pages), self.batch_pages):
@@ -269,10 +256,13 @@ class HostStorageMover:
             except Exception as e:
                 self._fault("put", e)
                 done = [False] * len(batch)
-            for ok, value in zip(done, values, strict=True):
+            for (h, _), ok, value in zip(batch, done, values, strict=True):
                 if ok:
                     m.add("pages_written")
                     m.add("bytes_written", sum(len(c) for c in value))
+                    if self.overwrite:
+                        with self._lock:
+                            self.overwrite.pop(h, None)
                 else:
                     m.add("writes_failed")
                     stored = False

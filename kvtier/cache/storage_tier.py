@@ -1,8 +1,9 @@
 """The storage tier's bookkeeping: what to look up, prefetch and write, and the I/O in flight.
 
-`StorageTier` drives a `HostStorageMover` and never reads or writes a byte itself. Storage
-holds pages the tree may no longer know: a `match` walks the tree, then asks storage (one
-`lookup`) how many of the following pages it holds.
+`StorageTier` drives a `HostStorageMover` through its operations (`LookupPages`,
+`ReadPages`, `WritePages`) and never reads or writes a byte itself. Storage holds pages the
+tree may no longer know: a `match` walks the tree, then asks storage (one `LookupPages`) how
+many of the following pages it holds.
 
     acquire: leading storage pages -> a `fetching` leaf (fresh host slots, locked by the lease)
     load_back: wait as the prefetch policy says, stop the fetch, keep what arrived:
@@ -33,7 +34,7 @@ from kvtier.cache.handles import Lease, Match
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.radix import Node, RadixTree
 from kvtier.cache.states import Event, NodeState, transition
-from kvtier.cache.storage_mover import Fetch, HostStorageMover, Store
+from kvtier.cache.storage_mover import Fetch, HostStorageMover, LookupPages, ReadPages, Store, WritePages
 from kvtier.cache.tiers import HostTier, Tier
 from kvtier.errors import InvariantError
 from kvtier.spec import KVSpec
@@ -150,7 +151,7 @@ class StorageTier(Tier):
         hashes = self.mover.keys.chain(parent, rest)
         m = self.metrics
         m.add("lookups")
-        k = self.mover.lookup(hashes)
+        k = self.mover.submit(LookupPages(hashes)).pages
         tokens = k * self.spec.page_size
         if 0 < tokens < self.config.min_tokens:
             m.add("skipped_short_tokens", tokens)
@@ -194,7 +195,7 @@ class StorageTier(Tier):
         self.tree.lock_path(node, +1)  # the lease now holds the path down to the fetch
         self.tree.lock_path(lease.node, -1)
         lease.node = node
-        fetch = self.mover.fetch(list(zip(node.page_hashes, slots[::ps].tolist(), strict=True)))
+        fetch = self.mover.submit(ReadPages(list(zip(node.page_hashes, slots[::ps].tolist(), strict=True))))
         self._fetching[id(fetch)] = (fetch, node, lease)
         match.prefetch = fetch
         self.metrics.add("prefetches")
@@ -270,7 +271,7 @@ class StorageTier(Tier):
             return False
         ps = self.spec.page_size
         pages = list(zip(self.hashes(n), n.host_slots[::ps].tolist(), strict=True))
-        store = self.mover.store(pages)
+        store = self.mover.submit(WritePages(pages))
         transition(n, Event.WRITE_BACK if evict else Event.STORE)
         self._store_of[n.id] = store
         self._storing[id(store)] = (store, [n])
@@ -308,7 +309,7 @@ class StorageTier(Tier):
     def poll(self) -> list[Node]:
         """Complete the writes that ended; returns the nodes write-back may drop now."""
         out: list[Node] = []
-        for store, _ in [r for r in self._storing.values() if r[0].done]:
+        for store, _ in [r for r in self._storing.values() if r[0].done()]:
             out += self._store_done(store)
         return out
 

@@ -5,15 +5,17 @@ A cache is a list of tiers, top first: a device tier (`DeviceTier`, kvtier's own
 tier (`kvtier.cache.storage_tier.StorageTier`). Each tier answers four questions and
 moves nothing itself:
 
-- `holds(node)`: whether the node's state puts it in this tier's eviction queue;
-- `alloc(n)` / `free(slots)`: room for `n` tokens, and its return;
+- `holds(node)`: whether the node's state says this tier holds its pages (for a tier with
+  an eviction queue: whether the node is in it);
+- `alloc(n)` / `free(grant)`: room for `n` tokens, and its return (slots for the device
+  and host tiers; the storage tier's room is its write budget);
 - `candidates()`: what it would evict first (its `EvictionQueue` in policy order,
-  filtered by `evictable`, its own leaf rule);
+  filtered by `evictable`, its own leaf rule; the storage tier evicts nothing itself);
 - `owner`: `Owner.KVTIER` (kvtier allocates and evicts) or `Owner.ENGINE` (another engine
   does and tells the cache: `CacheController.device_freed`).
 
-Every tier below the top carries `mover`, which moves bytes between it and the tier above
-(`DeviceHostMover` for the host, `HostStorageMover` for storage). The manager's moves
+Every tier below the top carries `mover`, a `kvtier.cache.movers.Mover` between it and the
+tier above (`DeviceHostMover` for the host, `HostStorageMover` for storage). The manager's moves
 (`kvtier.cache.moves`) change nodes' states, then `place` them, so each queue holds exactly
 what its tier may evict:
 
@@ -25,7 +27,10 @@ what its tier may evict:
 `DeviceTier` also knows which of its slots requests hold (`hold` / `unhold`): slots
 handed out by `alloc_device` and not yet inserted or freed. `ExternalDeviceTier` holds no
 allocator: its slots are the engine's blocks (`slots(block_ids)`), which kvtier only reads
-(backups) and writes (loads into blocks the engine allocated).
+(backups) and writes (loads into blocks the engine allocated). It indexes its slots by the
+node on them (kept by `place`, which the moves call whenever a node's device slots change,
+a split's both halves included), so `nodes_on(slots)`, what `device_freed` asks, costs
+O(k log k) for k freed slots, never a pass over the nodes.
 """
 
 from __future__ import annotations
@@ -61,10 +66,12 @@ class Tier(ABC):
 
     name: str
     owner: Owner = Owner.KVTIER
+    #: Moves bytes between this tier and the one above (None for the top tier).
+    mover: Mover | None = None
 
     @abstractmethod
     def holds(self, n: Node) -> bool:
-        """Whether `n`'s state puts it in this tier's eviction queue."""
+        """Whether `n`'s state says this tier holds its pages."""
 
     @abstractmethod
     def alloc(self, n: int) -> object | None:
@@ -179,6 +186,44 @@ class ExternalDeviceTier(DeviceTier):
         super().__init__(pool, policy)
         self.allocator = None  # type: ignore[assignment]
         self.num_blocks = self.num_slots // self.page_size
+        # Per slot: the id of the node placed on it (0: none) and the slot's position in that node.
+        # An entry outlives its node's leaving the slot; `nodes_on` checks it against the node.
+        self._node_id = np.zeros(self.num_slots, dtype=np.int64)
+        self._at = np.zeros(self.num_slots, dtype=np.int64)
+        self._on_device: dict[int, Node] = {}  # by id: the nodes this tier holds
+
+    def place(self, n: Node) -> None:
+        """Queue `n` as every tier does, and index its slots (or forget it, where it left)."""
+        super().place(n)
+        if self.holds(n):
+            s = n.device_slots.numpy()
+            self._node_id[s] = n.id
+            self._at[s] = np.arange(len(s))
+            self._on_device[n.id] = n
+        else:
+            self._on_device.pop(n.id, None)
+
+    def nodes_on(self, slots: np.ndarray) -> list[tuple[Node, int]]:
+        """The nodes on `slots` (`[k]` int64), each once with the first of its pages among them."""
+        if not len(slots):
+            return []
+        ids, at = self._node_id[slots], self._at[slots]
+        order = np.lexsort((at, ids))  # by node, then by position in it
+        ids, at, slots = ids[order], at[order], slots[order]
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]).tolist()
+        out = []
+        for lo, hi in zip(starts, [*starts[1:], len(ids)], strict=True):
+            n = self._on_device.get(int(ids[lo]))
+            if n is None:
+                continue  # no node, or one no longer on the device
+            mine = n.device_slots.numpy()
+            pos = at[lo:hi]
+            inside = pos < len(mine)
+            now = np.zeros(len(pos), dtype=bool)
+            now[inside] = mine[pos[inside]] == slots[lo:hi][inside]  # (else the node has left the slot)
+            if now.any():
+                out.append((n, int(pos[now][0]) // self.page_size))
+        return out
 
     def slots(self, block_ids: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
         """`[len(block_ids) * block_size]` int64 slots of the blocks, in order; SlotError for a bad id."""

@@ -10,7 +10,9 @@ checksums (`kvtier.storage.values` makes and checks the values). Every call is b
   C-contiguous memoryviews, pinned host slots where the caller has them); the entry is
   the value's length, or `-1` where the key is absent or the value is longer than its
   buffers (nothing of a `-1` value counts as written; a shorter value fills the buffers
-  from the start and its length says so).
+  from the start and its length says so). A `-1` is a miss, never an error; the reader
+  tells the two kinds apart by the source (below) and makes sure neither stays a miss
+  for ever (`kvtier.cache.storage_mover`: a value too long is deleted or written over).
 - `put(keys, values) -> list[bool]`: store `values[i]` (a list of byte chunks, written as
   one value in order) under `keys[i]`; True where it was stored. A key written by two
   writers at once ends with one of the two values whole, never a mix.
@@ -19,12 +21,16 @@ checksums (`kvtier.storage.values` makes and checks the values). Every call is b
   the backend must ask (`PROBE_KEY` is a key no value is ever stored under).
 - `usage() -> (pages, bytes) | None`: what the backend holds now where it knows (the
   file backend does; a shared server may not), for metrics.
-- `discard(keys)` (optional; the default keeps everything): delete the keys' values.
-  A backend that implements it names, in `get_into`, where each value it read came from
-  (`note_source(buffers[i], self, key)`); a reader that refuses the value
-  (`kvtier.storage.values.PageCodec.check`: damaged, torn, another model's) then has it
-  discarded (`ValueBuffers.discard`), so the page is a miss that the next store writes
-  again, not a key that stays present and refused for ever.
+- `discard(keys) -> bool | None` (optional): delete the keys' values (absent ones are no
+  error); anything but False means they are gone. A backend that implements it names, in
+  `get_into`, where each value it found came from (`note_source(buffers[i], self, key)`,
+  for found values only: a `-1` with a source is a value too long, one without is an
+  absent key); a reader that refuses the value (`kvtier.storage.values.PageCodec.check`:
+  damaged, torn, another model's, too long) then has it discarded (`ValueBuffers.discard`),
+  so the page is a miss that the next store writes again, not a key that stays present
+  and refused for ever. The default (a backend written before `discard` existed) deletes
+  nothing, logs that once per backend and returns False: the reader then has the next
+  store write over the value instead of skipping it as present.
 - `close()`: release connections and files; idempotent.
 
 Keys are 1-200 characters of `[A-Za-z0-9._-]` (`check_keys`; kvtier's are
@@ -83,8 +89,17 @@ class StorageBackend(ABC):
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
         """Store each value (its chunks in order) under its key; per key whether it was stored."""
 
-    def discard(self, keys: Sequence[str]) -> None:  # noqa: B027 (optional: see the module docstring)
-        """Delete the values of `keys` (absent ones are no error); the default deletes nothing."""
+    def discard(self, keys: Sequence[str]) -> bool | None:
+        """Delete the values of `keys` (absent ones are no error); False where it cannot: the default
+        deletes nothing and logs so once (see the module docstring)."""
+        if not getattr(self, "_told_no_discard", False):
+            self._told_no_discard = True
+            log.warning(
+                "storage backend %s cannot delete a refused value (no discard): the next store of its "
+                "page writes over it instead",
+                self.name,
+            )
+        return False
 
     def reachable(self) -> bool:
         """Whether the store answers now (see the module docstring); the default cannot tell: True."""
@@ -110,12 +125,14 @@ class StorageBackend(ABC):
 class ValueBuffers(list):
     """The buffers one value is read into (a list of memoryviews), and where the value came from.
 
-    `source`: `(backend, key)`, named by a backend's `get_into` (`note_source`) where it can
-    delete the value; `discard()` deletes it (a fault is logged, never raised: the read is a
-    miss either way). A plain list of buffers works too; nothing is recorded for it.
+    `source`: `(backend, key)`, named by a backend's `get_into` (`note_source`) where it found
+    the value and can delete it; `discard()` deletes it (a fault is logged, never raised: the
+    read is a miss either way) and `discarded` says whether the value is gone (None: no
+    deletion asked). A plain list of buffers works too; nothing is recorded for it.
     """
 
     source: tuple[StorageBackend, str] | None = None
+    discarded: bool | None = None
 
     def discard(self) -> bool:
         """Delete the value read into these buffers from its backend; whether a deletion was asked."""
@@ -123,8 +140,9 @@ class ValueBuffers(list):
             return False
         backend, key = self.source
         self.source = None
+        self.discarded = False
         try:
-            backend.discard([key])
+            self.discarded = backend.discard([key]) is not False
         except Exception as e:
             log.warning(
                 "storage %s: deleting the refused value %s failed (%s: %s)",
@@ -137,7 +155,8 @@ class ValueBuffers(list):
 
 
 def note_source(buffers: Sequence[memoryview], backend: StorageBackend, key: str) -> None:
-    """Name where the value read into `buffers` came from, where they are `ValueBuffers`."""
+    """Name where the value read into `buffers` came from (a value found, however long), where they
+    are `ValueBuffers`."""
     if isinstance(buffers, ValueBuffers):
         buffers.source = (backend, key)
 

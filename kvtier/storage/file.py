@@ -107,9 +107,7 @@ class FileBackend(StorageBackend):
         if len(buffers) != len(keys):
             raise StorageError(f"file storage: {len(keys)} keys but {len(buffers)} buffer lists")
         views = [byte_views(b, writable=True) for b in buffers]
-        for key, b in zip(keys, buffers, strict=True):
-            note_source(b, self, key)
-        return [self._read(key, v) for key, v in zip(keys, views, strict=True)]
+        return [self._read(key, v, b) for key, v, b in zip(keys, views, buffers, strict=True)]
 
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
         self._check_open()
@@ -119,13 +117,14 @@ class FileBackend(StorageBackend):
         views = [byte_views(v) for v in values]
         return [self._write(key, v) for key, v in zip(keys, views, strict=True)]
 
-    def discard(self, keys: Sequence[str]) -> None:
+    def discard(self, keys: Sequence[str]) -> bool:
         """Unlink the keys' files (a reader refused their values)."""
         self._check_open()
         check_keys(keys)
         for key in keys:
             _unlink(self.path_of(key))
             self._forget(key)
+        return True
 
     def reachable(self) -> bool:
         """Whether the directory is still there and writable."""
@@ -140,7 +139,7 @@ class FileBackend(StorageBackend):
 
     # -- one value ------------------------------------------------------------------------
 
-    def _read(self, key: str, views: list[memoryview]) -> int:
+    def _read(self, key: str, views: list[memoryview], buffers: Sequence[memoryview]) -> int:
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -148,6 +147,7 @@ class FileBackend(StorageBackend):
             return -1
         except OSError as e:
             raise StorageError(f"file storage: open of {key!r} failed: {e}") from e
+        note_source(buffers, self, key)  # found: a -1 below is a value too long, to be discarded
         capacity = sum(len(v) for v in views)
         try:
             # One byte past the buffers tells a longer value from one that fits exactly.

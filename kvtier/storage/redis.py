@@ -203,8 +203,9 @@ class RedisBackend(StorageBackend):
             raise StorageError(f"{self._where}: {len(keys)} keys but {len(buffers)} buffer lists")
         views = [byte_views(b, writable=True) for b in buffers]
         values = self._pipeline(lambda p: [p.get(k) for k in keys])
-        for key, b in zip(keys, buffers, strict=True):
-            note_source(b, self, key)
+        for key, b, v in zip(keys, buffers, values, strict=True):
+            if isinstance(v, bytes):  # found: a -1 below is a value too long, to be discarded
+                note_source(b, self, key)
         return [_scatter(v, dest) for v, dest in zip(values, views, strict=True)]
 
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:
@@ -223,10 +224,11 @@ class RedisBackend(StorageBackend):
                 self._pipeline(lambda p: [p.exists(PROBE_KEY)])
         return not self._backoff.failing
 
-    def discard(self, keys: Sequence[str]) -> None:
+    def discard(self, keys: Sequence[str]) -> bool:
         """Delete the keys (a reader refused their values)."""
         check_keys(keys)
         self._pipeline(lambda p: [p.delete(k) for k in keys])
+        return True
 
     def close(self) -> None:
         with self._lock:

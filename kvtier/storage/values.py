@@ -15,9 +15,11 @@ raw. A reader decodes either kind, whatever its own setting.
 
 `PageCodec.check` refuses a value (returns why, a `REJECTIONS` name) unless every field
 matches what the reader expects, the length is exact and the checksum holds: a refused
-value is a miss, never KV. A refused value read into `read_buffers` is also deleted from
-its backend where the backend can (`ValueBuffers.discard`): the next store of the page
-writes it again. Nothing here raises for a bad value.
+value is a miss, never KV. A `get_into` length of -1 is `ABSENT` (not a refusal) unless the
+backend named the value's source, which says it found a value too long for the buffers:
+refused as `oversize`. A refused value read into `read_buffers` is also deleted from its
+backend where the backend can (`ValueBuffers.discard`; `discarded` says whether it was):
+the next store of the page writes it again. Nothing here raises for a bad value.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from kvtier.storage.config import Compression
 from kvtier.storage.keys import Fingerprint
 
 MAGIC = b"KVTP"
+# What `check` says of a key with no value: a miss, not a refusal.
+ABSENT = "absent"
 VERSION = 1
 _FIXED = struct.Struct("<4sHBBIIQQ16s32s")
 _CODES = {Compression.NONE: 0, Compression.LZ4: 1, Compression.ZSTD: 2}
@@ -105,10 +109,14 @@ class PageCodec:
         """Verify a value read into `buffers` (from `read_buffers`); None when the page's views hold it.
 
         A compressed value is decompressed into the views here. Returns the `REJECTIONS`
-        reason of a refused value, which is then discarded from its backend (see the module
-        docstring); `length` is what `get_into` returned (>= 0).
+        reason of a refused value, which is then discarded from its backend, or `ABSENT` (see
+        the module docstring); `length` is what `get_into` returned.
         """
-        why = self._check(page_hash, length, buffers)
+        if length < 0:  # a value too long for its buffers where the backend says it found one
+            found = isinstance(buffers, ValueBuffers) and buffers.source is not None
+            why = "oversize" if found else ABSENT
+        else:
+            why = self._check(page_hash, length, buffers)
         if why is not None and isinstance(buffers, ValueBuffers):
             buffers.discard()
         return why

@@ -178,7 +178,7 @@ class HostBlocks:
         except Exception as e:  # a storage fault is a miss
             log.warning("kvtier: storage read failed (%s); the block is recomputed", e)
             return False
-        why = "absent" if length < 0 else self.codec.check(page_hash, length, buffers)
+        why = self.codec.check(page_hash, length, buffers)  # (`ABSENT` for -1 of a key with no value)
         if why is not None:
             self.counts["storage_rejected"] += 1
             log.info(
