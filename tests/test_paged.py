@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kvtier.engine import paged  # noqa: E402
-from kvtier.engine.paged import KVView  # noqa: E402
+from kvtier.engine import paged
+from kvtier.engine.paged import KVView
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if not paged.runs_on(DEVICE):  # pragma: no cover - depends on the environment

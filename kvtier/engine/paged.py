@@ -17,10 +17,9 @@ transient buffer. Three kernels, one job each:
 Scores are `q . k * scale`, soft-capped (`cap * tanh(s / cap)`) where a cap is given, then a
 softmax in fp32 (keys a query cannot see take no weight; a query that sees none gets zeros).
 
-MLA (absorbed): K is split in two parts read from the same row, `k1` (the latent, also V) and
-`k2` (the rotary part): `KVView.mla` makes both strided views of the pool's "kv" buffer, and
-the query brings the matching two parts (`q1` the latent query, `q2` the rotary one).
-Standard attention has `k1 = k`, no `k2`, `v` its own buffer.
+MLA (absorbed): K is two parts of one row, `k1` (the latent, also V) and `k2` (the rotary
+part), strided views of the pool's "kv" buffer (`KVView.mla`); the query brings both parts
+(`q1` latent, `q2` rotary). Standard attention: `k1 = k`, no `k2`, `v` its own buffer.
 
 Tensors (last dim contiguous): queries `q1` `[T, Hq, D1]`, `q2` `[T, Hq, D2]`; pool views
 `k1` `[S, Hkv, D1]`, `k2` `[S, Hkv, D2]`, `v` `[S, Hkv, DV]`; tables `[R, W]` int64 (W >= every
@@ -83,24 +82,34 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
-def _scores(q1, q2, k1_ptr, k2_ptr, slots, kvh, sk1_s, sk1_h, sk2_s, sk2_h, nmask, d1, d2, D1, D2,
-            HAS_D2: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """`[M, N]` fp32 `q . k` of `M` queries over the `N` keys in pool rows `slots` of KV head `kvh`."""
-    k1_rows = k1_ptr + slots[:, None] * sk1_s + kvh * sk1_h
-    k1 = tl.load(k1_rows + d1[None, :], mask=nmask[:, None] & (d1[None, :] < D1))
+def _attend_block(
+    q1, q2, m_i, l_i, acc, seen, slots, kvh, k1_ptr, k2_ptr, v_ptr, sk1_s, sk1_h, sk2_s, sk2_h, sv_s, sv_h,
+    d1, d2, dv, D1, D2, DV, scale, softcap, HAS_D2: tl.constexpr, SOFTCAP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One block of `N` keys (pool rows `slots` of KV head `kvh`) into the online softmax of `M` queries.
+
+    `seen`: `[M, N]` which keys each query sees; returns the updated `(m_i, l_i, acc)`.
+    """
+    nmask = slots >= 0
+    k1 = tl.load(k1_ptr + slots[:, None] * sk1_s + kvh * sk1_h + d1[None, :], mask=nmask[:, None] & (d1 < D1))
     s = _dot_jit(q1, tl.trans(k1), PREC, UPCAST)
     if HAS_D2:
-        k2_rows = k2_ptr + slots[:, None] * sk2_s + kvh * sk2_h
-        k2 = tl.load(k2_rows + d2[None, :], mask=nmask[:, None] & (d2[None, :] < D2))
+        k2 = tl.load(
+            k2_ptr + slots[:, None] * sk2_s + kvh * sk2_h + d2[None, :], mask=nmask[:, None] & (d2 < D2)
+        )
         s += _dot_jit(q2, tl.trans(k2), PREC, UPCAST)
-    return s
-
-
-def _capped(s, scale, softcap, SOFTCAP: tl.constexpr):
     s = s * scale
     if SOFTCAP:  # cap * tanh(s / cap), tanh from exp (one formula on the GPU and the interpreter)
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
-    return s
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: no NaN from -inf - -inf
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    v = tl.load(v_ptr + slots[:, None] * sv_s + kvh * sv_h + dv[None, :], mask=nmask[:, None] & (dv < DV))
+    acc = acc * alpha[:, None] + _dot_jit(p.to(v.dtype), v, PREC, UPCAST)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 def _decode_kernel(
@@ -142,19 +151,11 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        slots = tl.load(table_ptr + b * st_r + n, mask=nmask, other=0).to(tl.int64)
-        s = _scores_jit(
-            q1, q2, k1_ptr, k2_ptr, slots, kvh, sk1_s, sk1_h, sk2_s, sk2_h, nmask, d1, d2, D1, D2, HAS_D2, PREC, UPCAST,
+        slots = tl.load(table_ptr + b * st_r + n, mask=nmask, other=-1).to(tl.int64)
+        m_i, l_i, acc = _attend_block_jit(
+            q1, q2, m_i, l_i, acc, nmask[None, :], slots, kvh, k1_ptr, k2_ptr, v_ptr, sk1_s, sk1_h,
+            sk2_s, sk2_h, sv_s, sv_h, d1, d2, dv, D1, D2, DV, scale, softcap, HAS_D2, SOFTCAP, PREC, UPCAST,
         )  # fmt: skip
-        s = tl.where(nmask[None, :], _capped_jit(s, scale, softcap, SOFTCAP), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slots[:, None] * sv_s + kvh * sv_h + dv[None, :], mask=nmask[:, None] & (dv < DV))
-        acc = acc * alpha[:, None] + _dot_jit(p.to(v.dtype), v, PREC, UPCAST)
-        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     omask = gmask[:, None] & (dv[None, :] < DV)
     if DIRECT:
@@ -227,24 +228,14 @@ def _prefill_kernel(
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < hi
-            slots = tl.load(table_ptr + r * st_r + n, mask=nmask, other=0).to(tl.int64)
-            s = _scores_jit(
-                q1, q2, k1_ptr, k2_ptr, slots, kvh, sk1_s, sk1_h, sk2_s, sk2_h, nmask, d1, d2, D1, D2, HAS_D2, PREC, UPCAST,
-            )  # fmt: skip
+            slots = tl.load(table_ptr + r * st_r + n, mask=nmask, other=-1).to(tl.int64)
             seen = nmask[None, :] & (n[None, :] <= pos[:, None])
             if WINDOW:
                 seen = seen & (n[None, :] > pos[:, None] - window)
-            s = tl.where(seen, _capped_jit(s, scale, softcap, SOFTCAP), float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr + slots[:, None] * sv_s + kvh * sv_h + dv[None, :], mask=nmask[:, None] & (dv < DV)
-            )
-            acc = acc * alpha[:, None] + _dot_jit(p.to(v.dtype), v, PREC, UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block_jit(
+                q1, q2, m_i, l_i, acc, seen, slots, kvh, k1_ptr, k2_ptr, v_ptr, sk1_s, sk1_h, sk2_s, sk2_h,
+                sv_s, sv_h, d1, d2, dv, D1, D2, DV, scale, softcap, HAS_D2, SOFTCAP, PREC, UPCAST,
+            )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = o_ptr + rows[:, None] * so_t + h * so_h + dv[None, :]
         tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & (dv[None, :] < DV))
@@ -252,12 +243,11 @@ def _prefill_kernel(
 
 # Bound by the `ModeJit`s: the Triton-wrapped helpers the kernels call.
 _dot_jit: Any = None
-_scores_jit: Any = None
-_capped_jit: Any = None
+_attend_block_jit: Any = None
 _write_rows = ModeJit(_write_rows_kernel)
-_decode = ModeJit(_decode_kernel, _dot, _scores, _capped)
+_decode = ModeJit(_decode_kernel, _dot, _attend_block)
 _reduce = ModeJit(_reduce_kernel)
-_prefill = ModeJit(_prefill_kernel, _dot, _scores, _capped)
+_prefill = ModeJit(_prefill_kernel, _dot, _attend_block)
 
 
 def _block(n: int) -> int:
@@ -265,7 +255,7 @@ def _block(n: int) -> int:
     return max(16, next_power_of_2(n))
 
 
-def _device(t: torch.Tensor):
+def _device(t: torch.Tensor) -> Any:  # the launch's device (the interpreter has none)
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -278,10 +268,8 @@ def write_rows(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> Non
     t, h, d = src.shape
     if dst.shape[1:] != (h, d) or src.stride(-1) != 1 or dst.stride(-1) != 1 or slots.shape != (t,):
         raise InvariantError(
-            f"write_rows: src {tuple(src.shape)}, dst {tuple(dst.shape)}, slots {tuple(slots.shape)}"
+            f"write_rows: src {tuple(src.shape)}, dst {tuple(dst.shape)}, slots {slots.shape}"
         )
-    if t == 0:
-        return
     with _device(dst):
         _write_rows()[(t,)](
             src, dst, slots, h, d, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
@@ -374,7 +362,7 @@ def decode(
         )  # fmt: skip
         if not direct:
             _reduce()[(b, out.shape[1])](
-                part, lse, out, *part.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1), dv, splits,
+                part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2], dv, splits,
                 BLOCK_S=next_power_of_2(splits), BLOCK_DV=blocks["BLOCK_DV"],
             )  # fmt: skip
 
