@@ -311,8 +311,7 @@ def _common(q1: torch.Tensor, q2: torch.Tensor | None, kv: KVView, out: torch.Te
     return ptrs, strides, blocks, hq // hkv, hkv, d1, d2, dv
 
 
-def decode_block(d: int) -> int:
-    """Keys per block of the decode kernel for keys of `d` values (fewer for wide rows)."""
+def decode_block(d: int) -> int:  # keys per block of the decode kernel: fewer for wide rows
     return 64 if d <= 128 else 32 if d <= 256 else 16
 
 
