@@ -66,7 +66,18 @@ except ImportError:  # pragma: no cover - the engine extra is not installed
 ATTENTION = "kvtier"
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-_active: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("kvtier_step", default=None)
+# The step `attend` serves: a `StepBatch`, or a `kvtier.engine.paged_step.PagedStep`.
+_active: contextvars.ContextVar[Any] = contextvars.ContextVar("kvtier_step", default=None)
+
+
+@contextmanager
+def stepping(step: Any) -> Iterator[Any]:
+    """Make `attend` call `step.attend` within the block (for the current thread or task)."""
+    token = _active.set(step)
+    try:
+        yield step
+    finally:
+        _active.reset(token)
 
 
 @dataclass(frozen=True)
@@ -172,12 +183,8 @@ class StepBatch(Cache):
         SDPA's cuDNN backend is left out: it builds a plan per shape, and a step's shapes
         change every step (contexts grow by a token), bench/FINDINGS.md.
         """
-        token = _active.set(self)
-        try:
-            with sdpa_kernel(_BACKENDS):
-                yield self
-        finally:
-            _active.reset(token)
+        with stepping(self), sdpa_kernel(_BACKENDS):
+            yield self
 
     def update_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Write the step's rows of `layer` and return every context: `[1, H, N, D]` each (N = reads)."""
@@ -247,10 +254,12 @@ class StepBatch(Cache):
         layer: int,
         scale: float | None,
         softcap: float | None = None,
+        module: Any = None,
     ):
         """`[1, T, Hq, Dv]`: each piece's queries over its own context; see the module docstring.
 
         `query`: `[1, Hq, T, Dq]`; `key` / `value`: `[1, Hkv, N, D]` in `read_index` order.
+        (`module`, the model's attention, is the paged step's concern.)
         """
         if not 0 <= layer < len(self.windows):
             raise InvariantError(f"attention of layer {layer} in a step of {len(self.windows)} layers")
@@ -319,7 +328,7 @@ def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise InvariantError(f"{type(module).__name__} has no layer_idx; kvtier's step needs it")
-    return step.attend(query, key, value, layer, kwargs.get("scaling"), softcap)
+    return step.attend(query, key, value, layer, kwargs.get("scaling"), softcap, module)
 
 
 def _softcap(module: Any, kwargs: dict) -> float | None:
