@@ -1,5 +1,9 @@
 """One step's forward over many requests, reading and writing KV where it lives in the device pool.
 
+This is the reference path (the CPU's): it gathers each context per layer and runs SDPA. On CUDA
+the engine runs `kvtier.engine.paged_step.PagedStep` instead, the same math with kernels that
+read the pool in place; `attend` below serves both (whichever step is active).
+
 A step packs the tokens of every scheduled request into one sequence (`[1, T]`): a
 decode request brings its one new token, a prefilling request a piece of its prompt.
 `StepBatch` is the transformers `Cache` of that forward: at layer i it waits for the
