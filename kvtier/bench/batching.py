@@ -149,8 +149,11 @@ def run(
     device_tokens: int | None = None,
     max_num_batched_tokens: int = 2048,
     progress: Callable[[str], None] = quiet,
+    enforce_eager: bool = False,
 ) -> tuple[dict | None, list[DecodeRow], dict]:
-    """Both parts on one engine: `(concurrent summary or None, decode rows, engine summary)`."""
+    """Both parts on one engine: `(concurrent summary or None, decode rows, engine summary)`.
+
+    `enforce_eager`: the engine's (no CUDA graphs for decode steps)."""
     vocab = vocab_size(model)
     rng = np.random.default_rng(bench.seed)
     tokens = device_tokens or bench.device_tokens()
@@ -161,6 +164,7 @@ def run(
         host_tokens=tokens,
         max_num_seqs=bench.max_num_seqs(),
         max_num_batched_tokens=max_num_batched_tokens,
+        enforce_eager=enforce_eager,
     )
     try:
         run_alone(eng, rng.integers(0, vocab, 16).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
@@ -172,7 +176,7 @@ def run(
         for n in bench.running if "decode" in bench.parts else ():
             progress(f"decode with {n} running")
             rows.append(decode_rate(eng, n, bench, rng, vocab))
-        summary = eng.summary()
+        summary = {**eng.summary(), "enforce_eager": enforce_eager}
     finally:
         close(eng)
     return together, rows, summary

@@ -274,6 +274,7 @@ def _bench_batching(bench) -> None:
     b.add_argument("--steps", type=positive, default=16, help="timed decode steps per row")
     _engine_bench_flags(b)
     b.add_argument("--device-tokens", type=positive, help="device KV pool (default: what the parts need)")
+    b.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def add_bench(sub) -> None:

@@ -34,7 +34,13 @@ def bench_batching(args: Namespace) -> int:
         report("building the model")
         model, tokenizer, name = bench_model(args.model, args.shape, dev, args.dtype)
         together, rows, summary = batching.run(
-            model, tokenizer, bench, args.device_tokens, args.max_num_batched_tokens, report
+            model,
+            tokenizer,
+            bench,
+            args.device_tokens,
+            args.max_num_batched_tokens,
+            report,
+            args.enforce_eager,
         )
     meta = {**environment(dev), **summary, "model": name, **asdict(bench)}
     console.print(batching.render(together, rows, meta))

@@ -85,13 +85,15 @@ def cache_config(args: Namespace) -> CacheConfig:
     )
 
 
-def engine_sizes(args: Namespace) -> dict[str, int]:
-    """The `Engine` sizes the serve and demo flags give: both pools, running requests, batched tokens."""
+def engine_sizes(args: Namespace) -> dict[str, Any]:
+    """The `Engine` sizes the serve and demo flags give: both pools, running requests, batched tokens
+    (and `--enforce-eager`)."""
     return {
         "device_tokens": args.device_tokens,
         "host_tokens": args.host_tokens,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enforce_eager": getattr(args, "enforce_eager", False),
     }
 
 

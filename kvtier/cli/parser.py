@@ -90,6 +90,9 @@ def _model_flags(p: argparse.ArgumentParser, device_tokens: int, host_tokens: in
     )
     p.add_argument("--max-num-seqs", type=positive, default=64, help="requests running at once")
     p.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=positive,
         default=2048,

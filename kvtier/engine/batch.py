@@ -1,5 +1,9 @@
 """One step's forward over many requests, reading and writing KV where it lives in the device pool.
 
+This is the reference path (the CPU's): it gathers each context per layer and runs SDPA. On CUDA
+the engine runs `kvtier.engine.paged_step.PagedStep` instead, the same math with kernels that
+read the pool in place; `attend` below serves both (whichever step is active).
+
 A step packs the tokens of every scheduled request into one sequence (`[1, T]`): a
 decode request brings its one new token, a prefilling request a piece of its prompt.
 `StepBatch` is the transformers `Cache` of that forward: at layer i it waits for the
@@ -66,7 +70,18 @@ except ImportError:  # pragma: no cover - the engine extra is not installed
 ATTENTION = "kvtier"
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-_active: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("kvtier_step", default=None)
+# The step `attend` serves: a `StepBatch`, or a `kvtier.engine.paged_step.PagedStep`.
+_active: contextvars.ContextVar[Any] = contextvars.ContextVar("kvtier_step", default=None)
+
+
+@contextmanager
+def stepping(step: Any) -> Iterator[Any]:
+    """Make `attend` call `step.attend` within the block (for the current thread or task)."""
+    token = _active.set(step)
+    try:
+        yield step
+    finally:
+        _active.reset(token)
 
 
 @dataclass(frozen=True)
@@ -172,12 +187,8 @@ class StepBatch(Cache):
         SDPA's cuDNN backend is left out: it builds a plan per shape, and a step's shapes
         change every step (contexts grow by a token), bench/FINDINGS.md.
         """
-        token = _active.set(self)
-        try:
-            with sdpa_kernel(_BACKENDS):
-                yield self
-        finally:
-            _active.reset(token)
+        with stepping(self), sdpa_kernel(_BACKENDS):
+            yield self
 
     def update_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Write the step's rows of `layer` and return every context: `[1, H, N, D]` each (N = reads)."""
@@ -247,10 +258,12 @@ class StepBatch(Cache):
         layer: int,
         scale: float | None,
         softcap: float | None = None,
+        module: Any = None,
     ):
         """`[1, T, Hq, Dv]`: each piece's queries over its own context; see the module docstring.
 
         `query`: `[1, Hq, T, Dq]`; `key` / `value`: `[1, Hkv, N, D]` in `read_index` order.
+        (`module`, the model's attention, is the paged step's concern.)
         """
         if not 0 <= layer < len(self.windows):
             raise InvariantError(f"attention of layer {layer} in a step of {len(self.windows)} layers")
@@ -319,7 +332,7 @@ def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise InvariantError(f"{type(module).__name__} has no layer_idx; kvtier's step needs it")
-    return step.attend(query, key, value, layer, kwargs.get("scaling"), softcap)
+    return step.attend(query, key, value, layer, kwargs.get("scaling"), softcap, module)
 
 
 def _softcap(module: Any, kwargs: dict) -> float | None:

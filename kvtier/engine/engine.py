@@ -79,7 +79,8 @@ class Engine(Owner):
     by default 1, or `STORAGE_PAGE_SIZE` with a storage tier, whose values are one page
     each (a one-token value is far too small to read at the store's rate: bench/FINDINGS.md).
     `ranks`: the tensor-parallel ranks `model` is sharded over (see the module docstring;
-    None: one process). A context manager.
+    None: one process). `paged_attention` (default: on CUDA) and `enforce_eager` (no CUDA
+    graphs): `kvtier.engine.runner`. A context manager.
     """
 
     def __init__(
@@ -98,6 +99,8 @@ class Engine(Owner):
         model_name: str | None = None,
         page_size: int | None = None,
         ranks: RankGroup | None = None,
+        paged_attention: bool | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         ranks = ranks or RankGroup.single()
         sharded = getattr(model, "tp_size", None) or 1  # transformers' tensor-parallel size
@@ -107,8 +110,7 @@ class Engine(Owner):
             storage = StorageConfig(storage)
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ConfigError(
-                f"max_num_batched_tokens and max_num_seqs must be positive, got {max_num_batched_tokens}, "
-                f"{max_num_seqs}"
+                f"max_num_batched_tokens, max_num_seqs must be > 0: {max_num_batched_tokens}, {max_num_seqs}"
             )
         ps = page_size if page_size is not None else (STORAGE_PAGE_SIZE if storage is not None else 1)
         if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
@@ -144,7 +146,8 @@ class Engine(Owner):
             self.lockstep = Lockstep(ranks) if ranks.world > 1 else None
             undo.pop_all()
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache)
-        self.runner = ModelRunner(self.model, self.spec, self.device_pool, self.text)
+        graphs = 0 if enforce_eager or ranks.world > 1 else max_num_seqs
+        self.runner = ModelRunner(self.model, self.spec, self.device_pool, self.text, paged_attention, graphs)
 
     @property
     def num_running(self) -> int:
@@ -315,9 +318,8 @@ class Engine(Owner):
         sched, updates = self.scheduler, []
         done = [(i, req, n) for i, (req, n) in enumerate(plan) if sched.computed(req, n)]
         mine = None
-        if self.lockstep is None or self.lockstep.leads:
-            greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request of the step
-            mine = [self.runner.choose(req, logits[i], greedy[i]) for i, req, _ in done]
+        if self.lockstep is None or self.lockstep.leads:  # one read from the device for the step
+            mine = self.runner.choose_all([(req, i) for i, req, _ in done], logits)
         choices = mine if self.lockstep is None else self.lockstep.choices(mine)
         now = time.perf_counter()
         for (i, req, n), c in zip(done, choices, strict=True):
@@ -325,7 +327,7 @@ class Engine(Owner):
                 self._end(req, "error")
                 updates.append(Update(req, error=c.error or InvariantError(f"rank 0 failed on {req.id}")))
                 continue
-            if not req.tokens:
+            if mine is None and not req.tokens:  # (a follower: the leader's `choose_all` sets its own)
                 req.first_logits = logits[i].float().cpu()
             if n > 1 or not req.tokens:
                 sched.publish(req)  # its prompt's pages, for requests arriving meanwhile

@@ -8,6 +8,11 @@ Penalties follow OpenAI's definition over the tokens generated so far (the promp
 counted): `logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]`,
 applied before temperature and `top_p`, and before the argmax of a greedy request.
 
+A step samples all its requests at once on the device (`sample_rows`): greedy rows take the
+argmax, sampled rows race exponential noise (`argmax(p / e)`, `e ~ Exp(1)` from the row's own
+generator: a draw from `p` exactly), so no row is read back on its own; `pick` is the same
+rule for one row, where a step samples a request alone.
+
 Logprobs (`TokenLogprob`) are the log-softmax of the raw logits: before penalties and
 temperature (vLLM's default), so they say what the model thought, not how it was sampled.
 
@@ -21,8 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvtier.engine.hostio import to_device
 from kvtier.errors import ConfigError
 
 # The most alternatives a token's logprobs may list (OpenAI's limit for `top_logprobs`).
@@ -109,6 +116,46 @@ class TokenLogprob:
 GREEDY_BELOW = 1e-5
 
 
+def sample_rows(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    generated: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """`[R]` int64 on `logits`' device: each row's next token by `params[r]` (penalties over
+    `generated[r]`, then the argmax, or a draw at its temperature within its `top_p` from
+    `generators[r]`), with nothing read back from the device. `logits`: `[R, V]`."""
+    dev, vocab = logits.device, logits.shape[-1]
+    rows = logits.float()
+    pen = [i for i, p in enumerate(params) if p.penalized and generated[i]]
+    if pen:
+        penalty = torch.stack([_penalty(params[i], generated[i], vocab, dev) for i in pen])
+        rows = rows.index_add(0, to_device(np.array(pen), dev), penalty, alpha=-1)
+    tokens = rows.argmax(dim=-1)
+    hot = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+    if not hot:
+        return tokens
+    at = to_device(np.array(hot), dev)
+    temps = to_device(np.array([params[i].temperature for i in hot], np.float32), dev)
+    probs = torch.softmax(rows.index_select(0, at) / temps.unsqueeze(1), dim=-1)
+    top_p = np.array([params[i].top_p for i in hot], np.float32)
+    if (top_p < 1).any():
+        sorted_p, order = torch.sort(probs, descending=True, dim=-1)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < to_device(top_p, dev).unsqueeze(1)
+        keep[:, 0] = True  # the likeliest token stays, however small `top_p`
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
+    noise = torch.stack([torch.empty(vocab, device=dev).exponential_(generator=generators[i]) for i in hot])
+    return tokens.index_copy(0, at, (probs / noise).argmax(dim=-1))
+
+
+def _penalty(params: SamplingParams, generated: Sequence[int], vocab: int, dev: torch.device) -> torch.Tensor:
+    """`[V]` float32: the presence and frequency penalties over the `generated` tokens."""
+    counts = torch.bincount(to_device(np.asarray(generated, np.int64), dev), minlength=vocab).to(
+        torch.float32
+    )
+    return params.presence_penalty * (counts > 0) + params.frequency_penalty * counts
+
+
 def pick(
     logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, generated: Sequence[int]
 ) -> int:
@@ -117,24 +164,14 @@ def pick(
     logits = penalized(logits, params, generated)
     if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
-        keep[0] = True  # the likeliest token stays, however small `top_p`
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+    return int(sample_rows(logits.unsqueeze(0), [params], [gen], [()])[0])
 
 
 def penalized(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int]) -> torch.Tensor:
     """`[V]` float32 logits less the presence and frequency penalties over the `generated` tokens."""
     if not params.penalized or not generated:
         return logits
-    ids = torch.as_tensor(list(generated), dtype=torch.long, device=logits.device)
-    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(torch.float32)
-    penalty = params.presence_penalty * (counts > 0) + params.frequency_penalty * counts
-    return logits.float() - penalty
+    return logits.float() - _penalty(params, generated, logits.shape[-1], logits.device)
 
 
 def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
