@@ -148,10 +148,20 @@ def test_three_configurations_two_lengths_two_repeats_through_the_cli(tmp_path: 
     both = tmp_path / "both.json"
     assert cli.main(["bench", "multiturn", "--from-json", str(out), str(out), "--json", str(both)]) == 0
     shown = capsys.readouterr().out
-    assert (
-        "figures overlap across the reports" in shown and " NO " not in shown
-    )  # a report agrees with itself
+    assert "37 of 37 figures with a range overlap across the reports" in shown  # it agrees with itself
     assert json.loads(both.read_text())["reports"] == [report, report]
+
+
+def test_alternating_orders_are_compared_order_against_order(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "alt.json"
+    argv = ["bench", "multiturn", *SMALL, "--output-tokens", "1", "--repeats", "4", "--order", "alternate"]
+    assert cli.main([*argv, "--configs", "kvtier,device-only", "--json", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "each order's median (min-max); orders kvtier,device-only | device-only,kvtier" in shown
+    assert "figures with a range overlap across the orders" in shown
+    (table,) = json.loads(out.read_text())["tables"]
+    assert [r["order"] for r in table["runs"]] == [["kvtier", "device-only"], ["device-only", "kvtier"]] * 2
+    assert table["spread"]["kvtier"]["requests_per_s"]["n"] == 4
 
 
 def _one_run(c: dict, n: int) -> None:

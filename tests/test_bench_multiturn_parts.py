@@ -10,6 +10,7 @@ import pytest
 
 from kvtier.bench.multiturn import CONFIGS, Order, config_orders
 from kvtier.bench.multiturn_plan import ClosedLoop, Plan, PoissonArrivals, ScheduledArrivals, Turn, Workload
+from kvtier.bench.multiturn_report import by_order
 from kvtier.bench.multiturn_stats import (
     RequestRecord,
     aggregate,
@@ -150,10 +151,35 @@ def test_the_spread_is_over_repeats_and_ratios_are_paired_within_each_repeat() -
 
 
 def test_two_reports_agree_where_their_ranges_overlap() -> None:
-    a = aggregate([{"configs": [summary("kvtier", x, 1.0)]} for x in (1.0, 2.0)])["spread"]
-    b = aggregate([{"configs": [summary("kvtier", x, 1.0)]} for x in (1.5, 3.0)])["spread"]
-    c = aggregate([{"configs": [summary("kvtier", x, 9.0)]} for x in (2.5, 3.0)])["spread"]
-    by = {r["figure"]: r["overlap"] for r in agreement([a, b])}
-    assert by == {"requests_per_s": True, "warm_ttft_p50_s": True}
-    by = {r["figure"]: r["overlap"] for r in agreement([a, c])}
-    assert by == {"requests_per_s": False, "warm_ttft_p50_s": False}
+    def agg(rps: tuple[float, ...], warm: float, dev_warm: float = 2.0) -> dict:
+        return aggregate(
+            [{"configs": [summary("kvtier", x, warm), summary("device-only", 1.0, dev_warm)]} for x in rps]
+        )
+
+    a, b, c = agg((1.0, 2.0), 1.0), agg((1.5, 3.0), 1.0), agg((2.5, 3.0), 9.0)
+    by = {(r["config"], r["figure"]): r["overlap"] for r in agreement([a, b])}
+    assert by[("kvtier", "requests_per_s")] and by[("kvtier", "warm_ttft_p50_s")]
+    assert by[("kvtier / device-only", "warm_ttft_p50_s")]
+    by = {(r["config"], r["figure"]): r["overlap"] for r in agreement([a, c])}
+    assert not by[("kvtier", "requests_per_s")] and not by[("kvtier", "warm_ttft_p50_s")]
+    assert not by[("kvtier / device-only", "warm_ttft_p50_s")]  # 0.5 against 4.5
+    assert by[("device-only", "requests_per_s")]
+    assert ("kvtier", "itl_p50_s") not in by  # no report had it
+    once = agg((1.0,), 1.0)
+    assert {r["overlap"] for r in agreement([a, once])} == {None}  # a single repeat is no range
+
+
+def test_a_report_splits_into_one_report_per_order_its_repeats_ran() -> None:
+    fwd, rev = ["kvtier", "device-only"], ["device-only", "kvtier"]
+    runs = [
+        {"repeat": r + 1, "order": order, "configs": [summary(c, 1.0 + r, 1.0) for c in order]}
+        for r, order in enumerate([fwd, rev, fwd, rev])
+    ]
+    report = {"meta": {}, "tables": [{"label": "t", "runs": runs, **aggregate(runs)}]}
+    a, b = by_order(report)
+    assert [r["repeat"] for r in a["tables"][0]["runs"]] == [1, 3]
+    assert [r["repeat"] for r in b["tables"][0]["runs"]] == [2, 4]
+    kv_a, kv_b = (r["tables"][0]["spread"]["kvtier"]["requests_per_s"] for r in (a, b))
+    assert kv_a == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 2} and kv_b["median"] == 3.0
+    (once,) = by_order({"meta": {}, "tables": [{"label": "t", "runs": runs[:1]}]})
+    assert once["tables"][0]["runs"] == runs[:1]

@@ -161,29 +161,47 @@ def machine_line(report: dict) -> str:
     return threads + (f"load average {min(loads):.1f}-{max(loads):.1f} over the runs" if loads else "")
 
 
-def render_agreement(reports: list[dict]) -> Group:
+def render_agreement(reports: list[dict], what: str = "report") -> Group:
     """Per table of the same label in every report: each figure's range per report, and whether they
     overlap (the figures agree within their spread)."""
     parts = []
     for table in reports[0]["tables"]:
-        same = [next((t for t in r["tables"] if t["label"] == table["label"]), None) for r in reports]
+        same = [
+            next((t for t in r["tables"] if t["label"] == table["label"] and t.get("spread")), None)
+            for r in reports
+        ]
         if any(t is None for t in same):
             continue
-        t = Table(title=f"{table['label']}: each report's median (min-max), orders {orders_of(reports)}")
-        for col in ("config", "figure", *(f"report {i + 1}" for i in range(len(reports))), "overlap"):
+        t = Table(title=f"{table['label']}: each {what}'s median (min-max); orders {orders_of(same)}")
+        for col in ("config", "figure", *(f"{what} {i + 1}" for i in range(len(reports))), "overlap"):
             t.add_column(col, justify="left" if col in ("config", "figure") else "right")
         digits = {key: d for _, key, d in ROWS}
-        rows = agreement([s["spread"] for s in same])
+        rows = agreement(same)
         for row in rows:
-            cells = [cell(s, digits.get(row["figure"], 3)) for s in row["spreads"]]
-            t.add_row(row["config"], row["figure"], *cells, "yes" if row["overlap"] else "NO")
-        agree = sum(r["overlap"] for r in rows)
-        parts += [t, f"{agree} of {len(rows)} figures overlap across the reports", ""]
+            d = 3 if row["config"] == "kvtier / device-only" else digits.get(row["figure"], 3)
+            overlap = {True: "yes", False: "NO", None: "one repeat"}[row["overlap"]]
+            t.add_row(row["config"], row["figure"], *(cell(s, d) for s in row["spreads"]), overlap)
+        told = [r["overlap"] for r in rows if r["overlap"] is not None]
+        parts += [t, f"{sum(told)} of {len(told)} figures with a range overlap across the {what}s", ""]
     return Group(*parts)
 
 
-def orders_of(reports: list[dict]) -> str:
-    return " | ".join(",".join(r["tables"][0]["runs"][0]["order"]) for r in reports)
+def orders_of(tables: list[dict]) -> str:
+    """Each table's orders of configurations, `;` between its repeats' distinct orders."""
+    return " | ".join("; ".join(dict.fromkeys(",".join(r["order"]) for r in t["runs"])) for t in tables)
+
+
+def by_order(report: dict) -> list[dict]:
+    """`report` split by the order its repeats ran the configurations in: a report per order."""
+    orders = list(dict.fromkeys(tuple(r["order"]) for t in report["tables"] for r in t.get("runs", ())))
+    out = []
+    for order in orders:
+        tables = []
+        for t in report["tables"]:
+            runs = [r for r in t.get("runs", ()) if tuple(r["order"]) == order]
+            tables.append({**t, "runs": runs, **aggregate(runs)} if runs else {**t, "runs": []})
+        out.append({"meta": report["meta"], "tables": tables})
+    return out
 
 
 def write_plot(path: Path, report: dict) -> None:
@@ -198,8 +216,8 @@ def write_plot(path: Path, report: dict) -> None:
     fig, axes = plt.subplots(len(tables), 2, figsize=(12, 4.5 * len(tables)), squeeze=False)
     for (left, right), table in zip(axes, tables, strict=True):
         first = table["runs"][0]["configs"]
+        n = max(len(c["per_round"]) for c in first)
         for config in table["spread"]:
-            n = max(len(c["per_round"]) for c in first)
             ys = [
                 (spread(per_round(table["runs"], config, k)) or {"median": np.nan})["median"]
                 for k in range(n)
@@ -208,6 +226,7 @@ def write_plot(path: Path, report: dict) -> None:
         left.set(
             xlabel="round", ylabel="TTFT p50 (s)", title=f"{table['label']}: TTFT per round", ylim=(0, None)
         )
+        left.set_xticks(range(1, n + 1))
         left.legend()
         names = [c["config"] for c in first]
         bottom = np.zeros(len(first))

@@ -186,17 +186,26 @@ def aggregate(runs: list[dict]) -> dict:
     return out
 
 
-def agreement(spreads: list[dict]) -> list[dict]:
-    """Per configuration and figure, whether the reports' ranges (min..max over repeats) overlap.
+def agreement(aggregates: list[dict]) -> list[dict]:
+    """Per configuration and figure, and per kvtier / device-only ratio, whether the reports' ranges
+    (min..max over repeats) overlap (None where a report has a single repeat of it).
 
-    `spreads`: each report's `aggregate(...)["spread"]` of the same table.
+    `aggregates`: each report's `aggregate(...)` of the same table.
     """
     rows = []
-    for config in spreads[0]:
+    for config in aggregates[0]["spread"]:
         for f in FIGURES:
-            each = [s.get(config, {}).get(f) for s in spreads]
-            if any(e is None for e in each):
-                continue
-            overlap = max(e["min"] for e in each) <= min(e["max"] for e in each)
-            rows.append({"config": config, "figure": f, "spreads": each, "overlap": overlap})
-    return rows
+            rows.append(_overlap(config, f, [a["spread"].get(config, {}).get(f) for a in aggregates]))
+    for ratio, f in RATIOS.items():
+        rows.append(_overlap("kvtier / device-only", f, [a.get("ratios", {}).get(ratio) for a in aggregates]))
+    return [r for r in rows if r is not None]
+
+
+def _overlap(config: str, f: str, each: list[dict | None]) -> dict | None:
+    if any(e is None for e in each):
+        return None
+    # One sample is no range: whether it would agree cannot be told.
+    overlap = (
+        max(e["min"] for e in each) <= min(e["max"] for e in each) if min(e["n"] for e in each) > 1 else None
+    )
+    return {"config": config, "figure": f, "spreads": each, "overlap": overlap}
