@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import re
 import subprocess
 import sys
 import weakref
@@ -125,6 +126,7 @@ def test_three_configurations_two_lengths_two_repeats_through_the_cli(tmp_path: 
             "cold_ttft_p50_kvtier_over_device_only",
             "throughput_kvtier_over_device_only",
             "output_tokens_per_s_kvtier_over_device_only",
+            "cpu_s_kvtier_over_device_only",
         }
         assert all(len(r["values"]) == 2 for r in table["ratios"].values())
         for config in multiturn.CONFIGS:
@@ -148,7 +150,8 @@ def test_three_configurations_two_lengths_two_repeats_through_the_cli(tmp_path: 
     both = tmp_path / "both.json"
     assert cli.main(["bench", "multiturn", "--from-json", str(out), str(out), "--json", str(both)]) == 0
     shown = capsys.readouterr().out
-    assert "37 of 37 figures with a range overlap across the reports" in shown  # it agrees with itself
+    agree = re.findall(r"(\d+) of (\d+) figures with a range overlap across the reports", shown)
+    assert len(agree) == 2 and all(a == b and int(a) > 30 for a, b in agree)  # a report agrees with itself
     assert json.loads(both.read_text())["reports"] == [report, report]
 
 

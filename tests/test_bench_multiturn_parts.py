@@ -183,3 +183,11 @@ def test_a_report_splits_into_one_report_per_order_its_repeats_ran() -> None:
     assert kv_a == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 2} and kv_b["median"] == 3.0
     (once,) = by_order({"meta": {}, "tables": [{"label": "t", "runs": runs[:1]}]})
     assert once["tables"][0]["runs"] == runs[:1]
+
+
+def test_the_cpu_share_is_the_cpu_seconds_over_what_the_threads_had_in_the_wall_time() -> None:
+    run = {"config": "kvtier", "duration_s": 4.0, "machine": {"cpu_s": 2.0, "threads": 2}}
+    agg = aggregate([{"configs": [run]}])["spread"]["kvtier"]
+    assert agg["cpu_share"]["median"] == 0.25 and agg["cpu_s"]["median"] == 2.0
+    on_a_gpu = {**run, "machine": {"cpu_s": 2.0, "threads": None}}  # the GPU computes: no share
+    assert aggregate([{"configs": [on_a_gpu]}])["spread"]["kvtier"]["cpu_share"] is None

@@ -250,7 +250,7 @@ def run_config(
         records, duration, longest = drive(eng, plan, vocab, progress, config)
         machine = {
             "cpu_s": round(time.process_time() - cpu, 3),
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads() if eng.device.type == "cpu" else None,  # the CPU's compute
             "load_before": round(load, 2),
             "load_after": round(os.getloadavg()[0], 2),
             "longest_step_s": round(longest, 4),

@@ -34,6 +34,8 @@ ROWS = (  # (label, figure, digits); digits below 0: milliseconds with -digits d
     ("ITL p90 ms", "itl_p90_s", -1),
     ("ITL p99 ms", "itl_p99_s", -1),
     ("longest step s", "longest_step_s", 2),
+    ("CPU s (process)", "cpu_s", 1),
+    ("CPU share", "cpu_share", 2),
 )
 COUNTS = (
     ("host hit tokens", "host_hit_tokens"),
@@ -46,8 +48,9 @@ def load(report: dict) -> list[dict]:
     """The reports in `report` (one, several, or one of the older shape), each `{"meta", "tables"}`."""
     if "reports" in report:
         return [r for one in report["reports"] for r in load(one)]
-    if "tables" in report:
-        return [report]
+    if "tables" in report:  # spreads and ratios anew, as this version aggregates
+        tables = [{**t, **aggregate(t["runs"])} if t.get("runs") else t for t in report["tables"]]
+        return [{**report, "tables": tables}]
     meta, w = report["meta"], report["meta"]["workload"]
     configs = []
     for c in report["configs"]:

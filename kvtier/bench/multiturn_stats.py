@@ -21,21 +21,48 @@ kvtier / device-only ratios paired by repeat (each ratio from one repeat, then i
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
 TIERS = ("device", "host", "storage", "miss")
 QUANTILES = (50, 90, 99)
-# The headline figures: name -> path into a run's summary.
-FIGURES = {
-    "requests_per_s": ("requests_per_s",),
-    "output_tokens_per_s": ("output_tokens_per_s",),
-    "input_tokens_per_s": ("input_tokens_per_s",),
-    **{f"warm_ttft_p{q}_s": ("warm", f"ttft_p{q}_s") for q in QUANTILES},
-    "cold_ttft_p50_s": ("cold", "ttft_p50_s"),
-    **{f"itl_p{q}_s": (f"itl_p{q}_s",) for q in QUANTILES},
-    "longest_step_s": ("machine", "longest_step_s"),
+
+
+def _at(*path: str) -> Callable[[dict], float | None]:
+    """A getter of the number at `path` in a run's summary (None where it lacks one)."""
+
+    def get(summary: dict) -> float | None:
+        value: object = summary
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    return get
+
+
+def _cpu_share(summary: dict) -> float | None:
+    """On the CPU device, the process's CPU seconds over what its torch threads could have used in the
+    run's wall time: well below 1, the machine's other work had the cores (and the wall-clock figures
+    measure that work too)."""
+    m = summary.get("machine") or {}
+    if "cpu_s" not in m or not m.get("threads") or not summary.get("duration_s"):
+        return None
+    return round(m["cpu_s"] / (summary["duration_s"] * m["threads"]), 3)
+
+
+# The headline figures: name -> its getter from a run's summary.
+FIGURES: dict[str, Callable[[dict], float | None]] = {
+    "requests_per_s": _at("requests_per_s"),
+    "output_tokens_per_s": _at("output_tokens_per_s"),
+    "input_tokens_per_s": _at("input_tokens_per_s"),
+    **{f"warm_ttft_p{q}_s": _at("warm", f"ttft_p{q}_s") for q in QUANTILES},
+    "cold_ttft_p50_s": _at("cold", "ttft_p50_s"),
+    **{f"itl_p{q}_s": _at(f"itl_p{q}_s") for q in QUANTILES},
+    "longest_step_s": _at("machine", "longest_step_s"),
+    "cpu_s": _at("machine", "cpu_s"),
+    "cpu_share": _cpu_share,
 }
 # kvtier / device-only, per repeat: name -> figure.
 RATIOS = {
@@ -43,6 +70,7 @@ RATIOS = {
     "cold_ttft_p50_kvtier_over_device_only": "cold_ttft_p50_s",
     "throughput_kvtier_over_device_only": "requests_per_s",
     "output_tokens_per_s_kvtier_over_device_only": "output_tokens_per_s",
+    "cpu_s_kvtier_over_device_only": "cpu_s",
 }
 
 
@@ -152,10 +180,7 @@ def summarize(
 
 def figure(summary: dict, name: str) -> float | None:
     """One of `FIGURES` from a run's summary (None where the summary lacks it)."""
-    value: object = summary
-    for key in FIGURES[name]:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value if isinstance(value, int | float) else None
+    return FIGURES[name](summary)
 
 
 def spread(values: list[float | None]) -> dict | None:
