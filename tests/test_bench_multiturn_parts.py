@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.bench.multiturn import CONFIGS, Order, config_orders
 from kvtier.bench.multiturn_plan import ClosedLoop, Plan, PoissonArrivals, ScheduledArrivals, Turn, Workload
-from kvtier.bench.multiturn_report import by_order
+from kvtier.bench.multiturn_report import by_order, machine_line
 from kvtier.bench.multiturn_stats import (
     RequestRecord,
     aggregate,
@@ -191,3 +191,14 @@ def test_the_cpu_share_is_the_cpu_seconds_over_what_the_threads_had_in_the_wall_
     assert agg["cpu_share"]["median"] == 0.25 and agg["cpu_s"]["median"] == 2.0
     on_a_gpu = {**run, "machine": {"cpu_s": 2.0, "threads": None}}  # the GPU computes: no share
     assert aggregate([{"configs": [on_a_gpu]}])["spread"]["kvtier"]["cpu_share"] is None
+
+
+def test_runs_that_waited_for_the_cpu_are_counted_in_the_header() -> None:
+    busy = {"config": "kvtier", "duration_s": 4.0, "machine": {"cpu_s": 1.0, "threads": 1}}
+    busy["machine"] |= {"load_before": 5.0, "load_after": 6.5}
+    quiet = {**busy, "machine": {**busy["machine"], "cpu_s": 3.9}}
+    report = {"meta": {"threads": 1, "cores": 2}, "tables": [{"runs": [{"configs": [busy, quiet]}]}]}
+    line = machine_line(report)
+    assert "1 torch thread(s) on 2 cores; load average 5.0-6.5" in line
+    assert "1 of 2 runs got under 80% of their threads' CPU time" in line
+    assert "got under" not in machine_line({**report, "tables": [{"runs": [{"configs": [quiet]}]}]})

@@ -20,7 +20,16 @@ import numpy as np
 from rich.console import Group
 from rich.table import Table
 
-from kvtier.bench.multiturn_stats import RATIOS, TIERS, RequestRecord, aggregate, agreement, spread, summarize
+from kvtier.bench.multiturn_stats import (
+    FIGURES,
+    RATIOS,
+    TIERS,
+    RequestRecord,
+    aggregate,
+    agreement,
+    spread,
+    summarize,
+)
 
 ROWS = (  # (label, figure, digits); digits below 0: milliseconds with -digits decimals
     ("requests/s", "requests_per_s", 3),
@@ -37,6 +46,7 @@ ROWS = (  # (label, figure, digits); digits below 0: milliseconds with -digits d
     ("CPU s (process)", "cpu_s", 1),
     ("CPU share", "cpu_share", 2),
 )
+BUSY_SHARE = 0.8  # a run that got less of its threads' CPU time waited for the machine's other work
 COUNTS = (
     ("host hit tokens", "host_hit_tokens"),
     ("miss tokens", "miss_tokens"),
@@ -156,12 +166,23 @@ def render(report: dict) -> Group:
 
 
 def machine_line(report: dict) -> str:
-    """torch's threads, the cores, and the 1-minute load average before and after each run."""
-    machines = [s["machine"] for t in report["tables"] for run in t.get("runs", ()) for s in run["configs"]]
-    loads = [m[k] for m in machines if m for k in ("load_before", "load_after")]
+    """torch's threads, the cores, the 1-minute load average around the runs, and how many runs got
+    less than `BUSY_SHARE` of their threads' CPU time (a busy machine: their wall-clock figures
+    include waiting for a core)."""
+    summaries = [s for t in report["tables"] for run in t.get("runs", ()) for s in run["configs"]]
+    loads = [s["machine"][k] for s in summaries if s.get("machine") for k in ("load_before", "load_after")]
     meta = report["meta"]
-    threads = f"{meta['threads']} torch thread(s) on {meta['cores']} cores; " if "threads" in meta else ""
-    return threads + (f"load average {min(loads):.1f}-{max(loads):.1f} over the runs" if loads else "")
+    out = f"{meta['threads']} torch thread(s) on {meta['cores']} cores; " if "threads" in meta else ""
+    out += f"load average {min(loads):.1f}-{max(loads):.1f} over the runs" if loads else ""
+    shares = [x for x in (FIGURES["cpu_share"](s) for s in summaries) if x is not None]
+    busy = sum(x < BUSY_SHARE for x in shares)
+    if busy:
+        out += (
+            f"\n{busy} of {len(shares)} runs got under {BUSY_SHARE:.0%} of their threads' CPU time (CPU "
+            "share): the machine was busy, their wall-clock figures include waiting for a core; CPU s is "
+            "the work done"
+        )
+    return out
 
 
 def render_agreement(reports: list[dict], what: str = "report") -> Group:
