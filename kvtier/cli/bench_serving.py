@@ -66,11 +66,10 @@ def bench_multiturn(args: Namespace) -> int:
         console.print(multiturn_report.render(report))
     if len(reports) > 1:
         console.print(multiturn_report.render_agreement(reports))
-    elif (
-        len(orders := multiturn_report.by_order(reports[0])) > 1
-        and min(len(t["runs"]) for o in orders for t in o["tables"] if t["runs"]) > 1
-    ):  # each order ran at least twice: a range to compare
-        console.print(multiturn_report.render_agreement(orders, "order"))
+    for report in reports:
+        orders = multiturn_report.by_order(report)
+        if len(orders) > 1 and min(len(t["runs"]) for o in orders for t in o["tables"] if t["runs"]) > 1:
+            console.print(multiturn_report.render_agreement(orders, "order"))  # each order twice or more
     if args.plot is not None:
         multiturn_report.write_plot(args.plot, reports[0])
         console.print(f"wrote {args.plot}")
