@@ -5,19 +5,23 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import re
 import subprocess
 import sys
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
 from kvtier import cli
-from kvtier.bench import batching, engines, multiturn
+from kvtier.bench import batching, engines, multiturn, multiturn_report
+from kvtier.bench.multiturn_plan import Workload
 from kvtier.cli import args as cli_args
+from kvtier.cli.bench_args import MULTITURN_ORDERS
 from kvtier.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -46,7 +50,12 @@ SUMMARY_FIELDS = {
     "ttft_p50_s",
     "ttft_p90_s",
     "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p90_s",
+    "itl_p99_s",
     "latency_p50_s",
+    "warm",
+    "cold",
     "device_hit_tokens",
     "host_hit_tokens",
     "storage_hit_tokens",
@@ -54,10 +63,17 @@ SUMMARY_FIELDS = {
     "preemptions",
     "per_round",
     "cache",
+    "machine",
     "records",
 }
-ROUND_FIELDS = {"round", "requests", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s"}
-ROUND_FIELDS |= {"device_hit_tokens", "host_hit_tokens", "storage_hit_tokens", "miss_tokens"}
+LATENCY_FIELDS = {"requests", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "itl_p99_s"}
+ROUND_FIELDS = LATENCY_FIELDS | {
+    "round",
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "storage_hit_tokens",
+    "miss_tokens",
+}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +83,7 @@ def tiny():
 
 def test_the_cli_choices_match_what_they_name() -> None:
     assert cli_args.MULTITURN_CONFIGS == multiturn.CONFIGS
+    assert tuple(o.value for o in multiturn.Order) == MULTITURN_ORDERS
     assert cli_args.SHAPES == engines.SHAPES
     assert cli_args.BATCHING_PARTS == batching.PARTS
 
@@ -82,93 +99,133 @@ def test_the_shape_is_made_in_the_dtype_asked_and_leaves_the_defaults_alone() ->
         engines.bench_model("some/path", "tiny", CPU, torch.float32)
 
 
-def test_the_workload_comes_from_the_seed_alone() -> None:
-    w = multiturn.Workload(clients=2, rounds=3, context_tokens=5, question_tokens=4, output_tokens=2, seed=7)
-    qs = w.questions(100)
-    assert qs == w.questions(100)
-    assert qs != multiturn.Workload(2, 3, 5, 4, 2, seed=8).questions(100)
-    assert [[len(q) for q in client] for client in qs] == [[9, 4, 4], [9, 4, 4]]
-    assert qs[0][0][:5] != qs[1][0][:5]  # each client its own context
-    assert w.arrivals() is None
-    rated = multiturn.Workload(2, 3, 5, 4, 2, request_rate=50.0, seed=7)
-    assert rated.questions(100) == qs  # a rate changes no conversation
-    ticks = rated.arrivals()
-    assert len(ticks) == 6 and (ticks[1:] > ticks[:-1]).all() and ticks[0] > 0
-    with pytest.raises(ConfigError, match="request_rate"):
-        multiturn.Workload(2, 3, request_rate=0.0)
-    with pytest.raises(ConfigError, match="clients"):
-        multiturn.Workload(0, 3)
-
-
-def test_three_configurations_through_the_cli_write_json_and_plot(tmp_path: Path, capsys) -> None:
+def test_three_configurations_two_lengths_two_repeats_through_the_cli(tmp_path: Path, capsys) -> None:
     out, png = tmp_path / "multiturn.json", tmp_path / "multiturn.png"
-    assert cli.main(["bench", "multiturn", *SMALL, "--json", str(out), "--plot", str(png)]) == 0
+    argv = ["bench", "multiturn", *SMALL, "--output-tokens", "1,4", "--repeats", "2", "--threads", "1"]
+    assert cli.main([*argv, "--json", str(out), "--plot", str(png)]) == 0
     shown = capsys.readouterr().out
-    assert "TTFT p50 per round" in shown and "kvtier / device-only: TTFT p50" in shown
-    assert "working set 3 x 140 = 420 tokens" in shown
+    assert "kvtier / device-only, warm turns: TTFT p50" in shown and "round 1 TTFT p50 s (cold)" in shown
+    assert "output 1: 3 conversations, 9 requests; working set 393 tokens" in shown
+    assert "output 4: 3 conversations, 9 requests; working set 420 tokens" in shown
     report = json.loads(out.read_text())
     meta = report["meta"]
-    assert meta["working_set_tokens"] == 420 and meta["device_tokens"] == 256
+    assert (meta["repeats"], meta["order"], meta["threads"], meta["workload"]["output_tokens"]) == (
+        2,
+        "rotate",
+        1,
+        [1, 4],
+    )
     assert meta["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # 2 layers of K and V, 2 KV heads of 16 floats
-    assert set(meta["ratios"]) == {"ttft_p50_kvtier_over_device_only", "throughput_kvtier_over_device_only"}
-    by = {c["config"]: c for c in report["configs"]}
-    assert list(by) == list(multiturn.CONFIGS)
-    for c in by.values():
-        assert set(c) == SUMMARY_FIELDS
-        assert c["requests"] == 9 and c["output_tokens"] == 9 * 4
-        assert len(c["per_round"]) == 3 and all(set(r) == ROUND_FIELDS for r in c["per_round"])
-        assert [r["requests"] for r in c["per_round"]] == [3, 3, 3]
-        assert 0 < c["ttft_p50_s"] <= c["ttft_p90_s"] <= c["ttft_p99_s"]
-        assert c["input_tokens"] == 3 * (64 + 100 + 136)
-        assert c["miss_tokens"] >= 9  # every request computes at least its last prompt token
-        # The engine's cache saw the hits the requests report (both counted at admission).
-        assert c["cache"]["host_hit_tokens"] >= c["host_hit_tokens"]
-        _conversations_grow(c["records"])
-    assert by["no-cache"]["device_hit_tokens"] + by["no-cache"]["host_hit_tokens"] == 0
-    assert by["device-only"]["host_hit_tokens"] == 0
-    kv = by["kvtier"]
-    assert kv["device_hit_tokens"] + kv["host_hit_tokens"] > 0 and kv["host_hit_tokens"] > 0
-    assert kv["miss_tokens"] < by["device-only"]["miss_tokens"] <= by["no-cache"]["miss_tokens"]
+    assert [t["label"] for t in report["tables"]] == ["output 1", "output 4"]
+    for table, n in zip(report["tables"], (1, 4), strict=True):
+        assert table["working_set_tokens"] == 3 * (64 + 2 * 32 + 3 * n)
+        runs = table["runs"]
+        assert [r["order"] for r in runs] == [list(multiturn.CONFIGS), [*multiturn.CONFIGS[1:], "kvtier"]]
+        assert set(table["ratios"]) == {
+            "warm_ttft_p50_kvtier_over_device_only",
+            "cold_ttft_p50_kvtier_over_device_only",
+            "throughput_kvtier_over_device_only",
+            "output_tokens_per_s_kvtier_over_device_only",
+            "cpu_s_kvtier_over_device_only",
+        }
+        assert all(len(r["values"]) == 2 for r in table["ratios"].values())
+        for config in multiturn.CONFIGS:
+            spread = table["spread"][config]
+            assert spread["requests_per_s"]["n"] == 2 and spread["warm_ttft_p50_s"]["n"] == 2
+            assert (spread["itl_p50_s"] is None) == (n == 1)
+        for run in runs:
+            by = {c["config"]: c for c in run["configs"]}
+            for c in by.values():
+                _one_run(c, n)
+            assert by["no-cache"]["device_hit_tokens"] + by["no-cache"]["host_hit_tokens"] == 0
+            assert by["device-only"]["host_hit_tokens"] == 0
+            kv = by["kvtier"]
+            assert kv["host_hit_tokens"] > 0
+            assert kv["miss_tokens"] < by["device-only"]["miss_tokens"] <= by["no-cache"]["miss_tokens"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = tmp_path / "again.png"
     assert cli.main(["bench", "multiturn", "--from-json", str(out), "--plot", str(again)]) == 0
-    assert capsys.readouterr().out.count("TTFT p50 per round") == 1
+    assert capsys.readouterr().out.count("round 1 TTFT p50 s (cold)") == 2
     assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    both = tmp_path / "both.json"
+    assert cli.main(["bench", "multiturn", "--from-json", str(out), str(out), "--json", str(both)]) == 0
+    shown = capsys.readouterr().out
+    agree = re.findall(r"(\d+) of (\d+) figures with a range overlap across the reports", shown)
+    assert len(agree) == 2 and all(a == b and int(a) > 30 for a, b in agree)  # a report agrees with itself
+    assert json.loads(both.read_text())["reports"] == [report, report]
 
 
-def _conversations_grow(records: list[dict]) -> None:
-    """Each answer is exactly as long as asked, and each round's prompt is the last one, its answer
-    and a new question; the last request ends where the conversation's length says."""
-    for client in {r["client"] for r in records}:
-        mine = sorted((r for r in records if r["client"] == client), key=lambda r: r["round"])
+def test_alternating_orders_are_compared_order_against_order(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "alt.json"
+    argv = ["bench", "multiturn", *SMALL, "--output-tokens", "1", "--repeats", "4", "--order", "alternate"]
+    assert cli.main([*argv, "--configs", "kvtier,device-only", "--json", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "each order's median (min-max); orders kvtier,device-only | device-only,kvtier" in shown
+    assert "figures with a range overlap across the orders" in shown
+    (table,) = json.loads(out.read_text())["tables"]
+    assert [r["order"] for r in table["runs"]] == [["kvtier", "device-only"], ["device-only", "kvtier"]] * 2
+    assert table["spread"]["kvtier"]["requests_per_s"]["n"] == 4
+
+
+def _one_run(c: dict, n: int) -> None:
+    """A configuration's run: every request, warm and cold apart, answers as long as asked, ITL gaps
+    one fewer than the tokens, conversations that grow by the answer and a question each round."""
+    assert set(c) == SUMMARY_FIELDS
+    assert c["requests"] == 9 and c["output_tokens"] == 9 * n
+    assert set(c["warm"]) == LATENCY_FIELDS and (c["warm"]["requests"], c["cold"]["requests"]) == (6, 3)
+    assert len(c["per_round"]) == 3 and all(set(r) == ROUND_FIELDS for r in c["per_round"])
+    assert 0 < c["warm"]["ttft_p50_s"] <= c["warm"]["ttft_p90_s"] <= c["warm"]["ttft_p99_s"]
+    assert c["input_tokens"] == 3 * (64 + (64 + n + 32) + (64 + 2 * (n + 32)))
+    assert c["miss_tokens"] >= 9  # every request computes at least its last prompt token
+    assert c["cache"]["host_hit_tokens"] >= c["host_hit_tokens"]  # the cache saw what the requests report
+    assert set(c["machine"]) == {"cpu_s", "threads", "load_before", "load_after", "longest_step_s"}
+    for client in range(3):
+        mine = sorted((r for r in c["records"] if r["client"] == client), key=lambda r: r["round"])
         assert [r["round"] for r in mine] == [1, 2, 3]
-        assert [r["prompt_tokens"] for r in mine] == [64, 64 + 4 + 32, 64 + 2 * (4 + 32)]
-        assert all(r["output_tokens"] == 4 and r["finish_reason"] == "length" for r in mine)
-        assert mine[-1]["prompt_tokens"] + mine[-1]["output_tokens"] == 140
+        assert [r["prompt_tokens"] for r in mine] == [64, 64 + n + 32, 64 + 2 * (n + 32)]
+        assert all(r["output_tokens"] == n and len(r["token_gaps_s"]) == n - 1 for r in mine)
+        assert all(r["finish_reason"] == "length" and r["ttft_s"] > 0 for r in mine)
+
+
+def test_a_report_of_the_older_shape_is_shown_from_its_records(capsys) -> None:
+    old = ROOT / "bench" / "results" / "multiturn_cpu_2026-12-01.json"
+    assert cli.main(["bench", "multiturn", "--from-json", str(old)]) == 0
+    shown = capsys.readouterr().out
+    assert "output 16: 8 conversations, 32 requests" in shown and "warm TTFT p50 s" in shown
+    (report,) = multiturn_report.load(json.loads(old.read_text()))
+    (table,) = report["tables"]
+    kv = table["runs"][0]["configs"][0]
+    assert (kv["config"], kv["warm"]["requests"], kv["cold"]["requests"], kv["itl_p50_s"]) == (
+        "kvtier",
+        24,
+        8,
+        None,
+    )
 
 
 def test_poisson_rounds_go_at_their_instants_and_never_before_the_previous_round(tiny) -> None:
-    w = multiturn.Workload(2, 3, question_tokens=16, output_tokens=3, request_rate=40.0, seed=3)
+    plan = Workload(2, 3, question_tokens=16, output_tokens=3, request_rate=40.0, seed=3).plan()
     setup = multiturn.EngineSetup(device_tokens=256, host_tokens=1024)
     eng = multiturn.build_engine("kvtier", tiny, None, setup)
     try:
-        records, duration = multiturn.drive(eng, w, engines.vocab_size(tiny))
+        records, duration, _ = multiturn.drive(eng, plan, engines.vocab_size(tiny))
     finally:
         eng.close()
-    ticks = w.arrivals()
-    sent = sorted(r.submitted_s for r in records)
-    assert all(s >= t for s, t in zip(sent, ticks, strict=True))
+    ticks = plan.arrivals().ticks
+    arrived = sorted(r.arrived_s for r in records)
+    assert all(a >= t - 1e-6 for a, t in zip(arrived, ticks, strict=True))
+    assert all(r.submitted_s >= r.arrived_s for r in records)
     assert duration >= ticks[-1]
     for client in (0, 1):
         mine = sorted((r for r in records if r.client == client), key=lambda r: r.round)
         for before, after in itertools.pairwise(mine):
-            assert after.submitted_s >= before.submitted_s + before.total_s - 1e-3
+            assert after.arrived_s >= before.arrived_s + before.total_s - 1e-6
 
 
 def test_a_failed_step_stops_the_run_with_its_error(tiny, monkeypatch) -> None:
     """The engine finishes the requests of a failed forward with the error; the bench raises it
     instead of waiting for answers that never come."""
-    w = multiturn.Workload(2, 2, question_tokens=16, output_tokens=2)
+    plan = Workload(2, 2, question_tokens=16, output_tokens=2).plan()
     eng = multiturn.build_engine(
         "kvtier", tiny, None, multiturn.EngineSetup(device_tokens=128, host_tokens=512)
     )
@@ -179,7 +236,7 @@ def test_a_failed_step_stops_the_run_with_its_error(tiny, monkeypatch) -> None:
     monkeypatch.setattr(tiny, "forward", lost)
     try:
         with pytest.raises(RuntimeError, match="device lost"):
-            multiturn.drive(eng, w, engines.vocab_size(tiny))
+            multiturn.drive(eng, plan, engines.vocab_size(tiny))
     finally:
         eng.close()
 
@@ -201,26 +258,47 @@ def test_each_engine_is_closed_and_collected_before_the_next(tiny, monkeypatch) 
             self.cycle = self
 
     monkeypatch.setattr(multiturn, "Engine", Recording)
-    w = multiturn.Workload(2, 2, question_tokens=16, output_tokens=2)
+    plan = Workload(2, 2, question_tokens=16, output_tokens=2).plan()
     setup = multiturn.EngineSetup(device_tokens=128, host_tokens=512)
     saved: list[list[str]] = []
     gc.collect()
     gc.disable()
     try:
-        configs = multiturn.run(
+        (table,) = multiturn.run(
             tiny,
             None,
             multiturn.CONFIGS,
             setup,
-            w,
-            on_config=lambda done: saved.append([c["config"] for c in done]),
+            [{"label": "t"}],
+            [plan],
+            on_run=lambda tables: saved.append([c["config"] for c in tables[0]["runs"][-1]["configs"]]),
         )
     finally:
         gc.enable()
-    assert [c["config"] for c in configs] == list(multiturn.CONFIGS)
+    assert [c["config"] for c in table["runs"][0]["configs"]] == list(multiturn.CONFIGS)
     assert saved == [list(multiturn.CONFIGS[:k]) for k in (1, 2, 3)]  # what a run cut short keeps
     assert alive_at_build == [0, 0, 0] and len(live) == 0
     assert host_tokens == [512, 1, 1]
+
+
+def test_the_warm_up_leaves_an_empty_cache_in_every_configuration(tiny) -> None:
+    """The timed run starts with no page of the warm-up in either tier: a warm-up prompt again
+    matches nothing."""
+    plan = Workload(3, 2, question_tokens=16, output_tokens=2).plan()
+    vocab = engines.vocab_size(tiny)
+    for config in multiturn.CONFIGS:
+        eng = multiturn.build_engine(
+            config, tiny, None, multiturn.EngineSetup(device_tokens=256, host_tokens=1024)
+        )
+        try:
+            multiturn.warm_up(eng, plan, vocab, seed=0)
+            assert eng.cache.device.available() == eng.device_pool.num_slots
+            assert eng.cache.host.available() == eng.host_pool.num_slots
+            prompt = np.random.default_rng(2).integers(0, vocab, multiturn.WARMUP_TOKENS).tolist()
+            result = engines.run_alone(eng, prompt, multiturn.WARMUP)
+            assert result.device_hit_tokens + result.host_hit_tokens == 0
+        finally:
+            eng.close()
 
 
 def test_a_conversation_longer_than_the_device_pool_is_refused_before_any_engine(capsys) -> None:
@@ -272,6 +350,9 @@ def test_batching_sizes_are_checked() -> None:
     [
         (["multiturn", "--configs", "kvtier,lmcache"], "invalid choice(s) lmcache"),
         (["multiturn", "--request-rate", "0"], "expected a positive number, got '0'"),
+        (["multiturn", "--output-tokens", "1,0"], "expected a positive integer, got 0"),
+        (["multiturn", "--repeats", "0"], "expected a positive integer, got 0"),
+        (["multiturn", "--order", "sideways"], "invalid choice: 'sideways'"),
         (["multiturn", "--request-rate", "inf"], "expected a positive number, got 'inf'"),
         (["multiturn", "--clients", "0"], "expected a positive integer, got 0"),
         (["multiturn", "--context-tokens", "-1"], "expected a non-negative integer"),
@@ -297,6 +378,14 @@ def test_a_bad_flag_is_refused_by_the_parser(argv: list[str], says: str, capsys)
 def test_the_flags_default_to_a_closed_loop_over_all_three_configurations() -> None:
     p = cli.build_parser()
     m = p.parse_args(["bench", "multiturn"])
+    assert (m.configs, m.output_tokens, m.repeats, m.order, m.trace, m.threads) == (
+        multiturn.CONFIGS,
+        None,
+        1,
+        "rotate",
+        None,
+        None,
+    )
     assert (m.configs, m.request_rate, m.shape, m.model, m.dtype, m.plot, m.from_json) == (
         multiturn.CONFIGS,
         None,

@@ -1,41 +1,47 @@
-"""`kvtier bench multiturn`: many clients in multi-turn conversations over one engine, three caches.
+"""`kvtier bench multiturn`: many conversations over one engine, three caches, repeated, in any order.
 
 The shape of SGLang's `benchmark/hicache/bench_multiturn.py`, in process (no HTTP in the
-timed path). `Workload`: `clients` conversations of `rounds` rounds; a conversation starts
-with `context_tokens` random tokens, each round appends a question of `question_tokens`
-random tokens to it (the previous prompt, then the answer the engine gave) and asks for
-`output_tokens` tokens (`ignore_eos`, so every answer is exactly that long). The tokens
-come from the seed alone, so every configuration runs the same conversations.
+timed path). What runs is a `Plan` (`kvtier.bench.multiturn_plan`: synthetic conversations,
+closed loop or at a Poisson rate, or a replayed trace, `kvtier.bench.multiturn_trace`).
+The numbers are `kvtier.bench.multiturn_stats`'s.
 
-Arrivals: closed loop by default (each client sends its next round as soon as its
-previous one finished); with `request_rate` R, rounds go at the instants of a Poisson
-process of rate R, each to the client that has waited longest since its previous round
-finished, and an instant at which no client is ready waits for the first that is (a
-client's round never goes before its previous one finished).
+Configurations: `kvtier` (device and host tiers), `device-only` (nothing is ever backed up,
+and the host pool is one page: a server without a hierarchical cache) and `no-cache` (no
+prefix cache). `run` runs each table (a plan: one per answer length, or the trace) `repeats`
+times; each repeat runs every configuration once, in the order `Order` gives that repeat.
 
-The driver runs the engine in the calling thread: submit what has arrived, `step()`,
-route the updates, repeat. TTFT is the engine's, from `submit`; throughput counts every
-prompt token (cached or not) as input. Each configuration gets its own engine, warmed by
-one short request outside the workload, run, closed and collected before the next:
-`kvtier` (device and host tiers), `device-only` (nothing is ever backed up, and the host
-pool is one page: a server without a hierarchical cache) and `no-cache` (no prefix cache).
+One run of a configuration (`run_config`), the same for every configuration and position:
+build its engine (the model is built once, before any); warm it with as many short requests
+at once as the plan has conversations (up to `max_num_seqs`), so the first steps of each
+batch size are not timed; settle the cache's transfers and evict the warm-up's pages from
+both tiers (the timed run starts from an empty cache); collect and freeze the garbage
+collector's heap (a collection over the model's objects never lands in a timed step); run
+the plan, timing each engine step (`longest_step_s` shows a stall) and the process's CPU
+seconds and the load average (a machine busy with other work shows there); then close the
+engine and collect, so nothing of it is alive when the next is built.
+
+The driver runs the engine in the calling thread: submit what has arrived, `step()`, route
+the updates, repeat; with nothing running and nothing due it sleeps until the next arrival.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
+import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import torch
 
 from kvtier.bench.common import close, collect, environment, quiet
-from kvtier.bench.engines import context_of, run_alone, step, vocab_size
-from kvtier.bench.multiturn_report import RequestRecord, summarize
+from kvtier.bench.engines import context_of, drain, step, vocab_size
+from kvtier.bench.multiturn_plan import Plan, Turn
+from kvtier.bench.multiturn_stats import RequestRecord, aggregate, summarize, token_gaps
 from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.hf import spec_from_hf_config
@@ -57,63 +63,41 @@ CACHE_COUNTERS = (
     "bytes_h2d",
     "bytes_d2h",
 )
-WARMUP = SamplingParams(max_tokens=2, ignore_eos=True)
+WARMUP = SamplingParams(max_tokens=4, ignore_eos=True)
 WARMUP_TOKENS = 32
 
 
-@dataclass(frozen=True)
-class Workload:
-    """The conversations and how their rounds arrive (see the module docstring)."""
+class Order(str, Enum):
+    """How the configurations' order changes from repeat to repeat (`config_orders`)."""
 
-    clients: int
-    rounds: int
-    context_tokens: int = 0
-    question_tokens: int = 128
-    output_tokens: int = 16
-    request_rate: float | None = None  # rounds per second; None: closed loop
-    seed: int = 0
+    FIXED = "fixed"  # as given, every repeat
+    ALTERNATE = "alternate"  # as given, then reversed, in turn
+    ROTATE = "rotate"  # repeat r starts at the r-th configuration given
+    SHUFFLE = "shuffle"  # a random order per repeat, from the seed
 
-    def __post_init__(self) -> None:
-        if min(self.clients, self.rounds, self.question_tokens, self.output_tokens) < 1:
-            raise ConfigError(
-                f"clients ({self.clients}), rounds ({self.rounds}), question_tokens ({self.question_tokens}) "
-                f"and output_tokens ({self.output_tokens}) must be at least 1"
-            )
-        if self.context_tokens < 0 or (self.request_rate is not None and not self.request_rate > 0):
-            raise ConfigError(
-                f"context_tokens must be >= 0 and request_rate positive, got {self.context_tokens}, "
-                f"{self.request_rate}"
-            )
 
-    @property
-    def final_tokens(self) -> int:
-        """A conversation's length after its last answer: also its last request's prompt plus output."""
-        return self.context_tokens + self.rounds * (self.question_tokens + self.output_tokens)
-
-    @property
-    def working_set_tokens(self) -> int:
-        return self.clients * self.final_tokens
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.output_tokens, temperature=0.0, ignore_eos=True)
-
-    def questions(self, vocab: int) -> list[list[list[int]]]:
-        """`[client][round]` token ids each round appends; round 0 starts with the context."""
-        rng = np.random.default_rng(self.seed)
-        out = []
-        for _ in range(self.clients):
-            context = rng.integers(0, vocab, self.context_tokens).tolist()
-            qs = [rng.integers(0, vocab, self.question_tokens).tolist() for _ in range(self.rounds)]
-            qs[0] = context + qs[0]
-            out.append(qs)
-        return out
-
-    def arrivals(self) -> np.ndarray | None:
-        """Seconds from the start of each Poisson instant (one per round), or None in a closed loop."""
-        if self.request_rate is None:
-            return None
-        rng = np.random.default_rng(self.seed + 1)  # apart from the tokens: a rate changes no conversation
-        return np.cumsum(rng.exponential(1 / self.request_rate, self.clients * self.rounds))
+def config_orders(
+    configs: tuple[str, ...], repeats: int, order: Order, seed: int = 0
+) -> list[tuple[str, ...]]:
+    """Each repeat's order of `configs`; `ConfigError` for an empty or repeated configuration."""
+    if not configs or len(set(configs)) != len(configs) or repeats < 1:
+        raise ConfigError(
+            f"configurations must be distinct and at least one, repeats >= 1: {configs}, {repeats}"
+        )
+    order = Order(order)
+    rng = np.random.default_rng(seed + 3)
+    out = []
+    for r in range(repeats):
+        if order is Order.ALTERNATE:
+            out.append(configs if r % 2 == 0 else configs[::-1])
+        elif order is Order.ROTATE:
+            k = r % len(configs)
+            out.append(configs[k:] + configs[:k])
+        elif order is Order.SHUFFLE:
+            out.append(tuple(configs[i] for i in rng.permutation(len(configs))))
+        else:
+            out.append(configs)
+    return out
 
 
 @dataclass(frozen=True)
@@ -148,74 +132,136 @@ def build_engine(config: str, model, tokenizer, setup: EngineSetup) -> Engine:
 
 @dataclass(eq=False)
 class _Conversation:
+    """The driver's state of one conversation: what it said so far and its next turn."""
+
     client: int
-    questions: list[list[int]]
+    turns: tuple[Turn, ...]
+    tokens: list[list[int]]
     history: list[int] = field(default_factory=list)
-    round: int = 0  # the round it sends next
+    round: int = 0  # the turn it sends next
+    ready_s: float = 0.0  # when its previous turn finished
+
+    @property
+    def next_arrival_s(self) -> float | None:
+        return self.turns[self.round].arrival_s
 
     def prompt(self) -> list[int]:
-        return self.history + self.questions[self.round]
+        return self.history + self.tokens[self.round]
 
 
 def drive(
-    eng: Engine, workload: Workload, vocab: int, progress: Callable[[str], None] = quiet, label: str = ""
-) -> tuple[list[RequestRecord], float]:
-    """Run every round of the workload on `eng`; `(one record per request, seconds from start to last)`."""
-    params = workload.params()
-    ready = deque(_Conversation(c, qs) for c, qs in enumerate(workload.questions(vocab)))
-    ticks = workload.arrivals()
-    sent = 0
-    inflight: dict[int, tuple[_Conversation, list[int], float]] = {}
+    eng: Engine, plan: Plan, vocab: int, progress: Callable[[str], None] = quiet, label: str = ""
+) -> tuple[list[RequestRecord], float, float]:
+    """Run every turn of `plan` on `eng`: `(a record per request, seconds to the last, longest step s)`."""
+    arrivals = plan.arrivals()
+    ready = [
+        _Conversation(c, turns, toks)
+        for c, (turns, toks) in enumerate(zip(plan.conversations, plan.tokens(vocab), strict=True))
+    ]
+    inflight: dict[int, tuple[_Conversation, list[int], float, float]] = {}
     records: list[RequestRecord] = []
-    total = workload.clients * workload.rounds
+    total, longest = plan.total_turns, 0.0
     t0 = time.perf_counter()
     while len(records) < total:
         now = time.perf_counter() - t0
-        while ready and (ticks is None or ticks[sent] <= now):
-            conv = ready.popleft()
+        due = arrivals.due(ready, now)
+        for i, at in due:
+            conv = ready[i]
             prompt = conv.prompt()
-            req = eng.submit(prompt, params)
-            inflight[req.id] = (conv, prompt, now)
-            sent += 1
+            req = eng.submit(prompt, conv.turns[conv.round].params())
+            inflight[req.id] = (conv, prompt, max(at, conv.ready_s), now)
+        taken = {i for i, _ in due}
+        ready = [c for i, c in enumerate(ready) if i not in taken]
         if not eng.busy:
-            if not ready or ticks is None:
+            wake = arrivals.wake_at(ready)
+            if wake is None:
                 raise InvariantError(
                     f"engine idle with {len(records)} of {total} requests done and none ready to send"
                 )
-            time.sleep(max(0.0, ticks[sent] - (time.perf_counter() - t0)))
+            time.sleep(max(0.0, wake - (time.perf_counter() - t0)))
             continue
-        for update in step(eng):
+        began = time.perf_counter()
+        updates = step(eng)
+        longest = max(longest, time.perf_counter() - began)
+        for update in updates:
             if update.result is None:
                 continue
-            conv, prompt, at = inflight.pop(update.request.id)
-            records.append(RequestRecord.of(conv.client, conv.round + 1, at, update.result))
+            conv, prompt, arrived, sent = inflight.pop(update.request.id)
+            records.append(_record(conv, arrived, sent, update.result, t0))
             conv.history = prompt + list(update.result.tokens)
+            conv.ready_s = update.result.token_times[-1] - t0
             conv.round += 1
-            if conv.round < workload.rounds:
+            if conv.round < len(conv.turns):
                 ready.append(conv)
             if len(records) % max(1, total // 10) == 0:
                 progress(f"{label}: {len(records)}/{total} requests, {time.perf_counter() - t0:.1f} s")
-    return records, time.perf_counter() - t0
+    return records, time.perf_counter() - t0, longest
+
+
+def _record(conv: _Conversation, arrived: float, sent: float, r, t0: float) -> RequestRecord:
+    """A finished request's record; latencies from its arrival (`t0 + arrived`)."""
+    start = t0 + arrived
+    return RequestRecord(
+        client=conv.client,
+        round=conv.round + 1,
+        arrived_s=round(arrived, 6),
+        submitted_s=round(sent, 6),
+        prompt_tokens=r.prompt_tokens,
+        output_tokens=len(r.tokens),
+        ttft_s=round(r.token_times[0] - start, 6),
+        total_s=round(r.token_times[-1] - start, 6),
+        device_hit_tokens=r.device_hit_tokens,
+        host_hit_tokens=r.host_hit_tokens,
+        storage_hit_tokens=r.storage_hit_tokens,
+        preemptions=r.preemptions,
+        finish_reason=r.finish_reason,
+        token_gaps_s=token_gaps(r.token_times),
+    )
+
+
+def warm_up(eng: Engine, plan: Plan, vocab: int, seed: int) -> None:
+    """Short requests at once, as many as the plan's conversations (up to `max_num_seqs`), then an
+    empty cache: their transfers settled and their pages evicted from both tiers."""
+    n = min(len(plan.conversations), eng.scheduler.max_num_seqs)
+    rng = np.random.default_rng(seed + 2)
+    for _ in range(n):
+        eng.submit(rng.integers(0, vocab, WARMUP_TOKENS).tolist(), WARMUP)
+    drain(eng)
+    eng.settle()
+    eng.cache.evict_device(eng.device_pool.num_slots)
+    eng.settle()
+    eng.cache.evict_host(eng.host_pool.num_slots)
+    eng.settle()
 
 
 def run_config(
-    config: str, model, tokenizer, setup: EngineSetup, workload: Workload, progress: Callable[[str], None]
+    config: str, model, tokenizer, setup: EngineSetup, plan: Plan, progress: Callable[[str], None]
 ) -> dict:
-    """One configuration: build its engine, warm it, run the workload, close it; its summary."""
+    """One configuration's run (see the module docstring); its summary."""
     vocab = vocab_size(model)
     eng = build_engine(config, model, tokenizer, setup)
     try:
-        warm = np.random.default_rng(workload.seed + 2).integers(0, vocab, WARMUP_TOKENS).tolist()
-        run_alone(eng, warm, WARMUP)
+        warm_up(eng, plan, vocab, plan.seed)
         before = dataclasses.replace(eng.cache.metrics)
         preempted = eng.stats.preemptions
-        records, duration = drive(eng, workload, vocab, progress, config)
+        gc.collect()
+        gc.freeze()
+        load, cpu = os.getloadavg()[0], time.process_time()
+        records, duration, longest = drive(eng, plan, vocab, progress, config)
+        machine = {
+            "cpu_s": round(time.process_time() - cpu, 3),
+            "threads": torch.get_num_threads() if eng.device.type == "cpu" else None,  # the CPU's compute
+            "load_before": round(load, 2),
+            "load_after": round(os.getloadavg()[0], 2),
+            "longest_step_s": round(longest, 4),
+        }
         cache = {k: getattr(eng.cache.metrics, k) - getattr(before, k) for k in CACHE_COUNTERS}
         preemptions = eng.stats.preemptions - preempted
         log.info("%s: %d requests in %.2f s, %d preemptions", config, len(records), duration, preemptions)
     finally:
+        gc.unfreeze()
         close(eng)
-    return summarize(config, records, duration, workload.rounds, preemptions, cache)
+    return summarize(config, records, duration, preemptions, cache, machine)
 
 
 def run(
@@ -223,27 +269,40 @@ def run(
     tokenizer,
     configs: tuple[str, ...],
     setup: EngineSetup,
-    workload: Workload,
+    tables: list[dict],
+    plans: list[Plan],
+    repeats: int = 1,
+    order: Order = Order.ROTATE,
     progress: Callable[[str], None] = quiet,
-    on_config: Callable[[list[dict]], None] = lambda _done: None,
+    on_run: Callable[[list[dict]], None] = lambda _tables: None,
 ) -> list[dict]:
-    """Each configuration in turn over the same model and workload, one engine alive at a time.
+    """Each plan's table: `repeats` repeats of every configuration, one engine alive at a time.
 
-    `on_config` gets the summaries so far after each configuration (a run cut short keeps them).
+    `tables`: one dict per plan (its label and sizes), filled in place with `runs` (each repeat's
+    order and summaries) and `aggregate`'s spreads and ratios; `on_run` gets them after each
+    configuration's run (a run cut short keeps what finished). Every plan is checked first.
     """
-    check_fits(model, setup, workload)
-    out: list[dict] = []
-    for config in configs:
-        progress(f"{config}: {workload.clients} clients x {workload.rounds} rounds")
-        out.append(run_config(config, model, tokenizer, setup, workload, progress))
-        collect()  # the engine run_config closed is unreachable now
-        on_config(out)
-    return out
+    orders = config_orders(configs, repeats, order, plans[0].seed if plans else 0)
+    for plan in plans:
+        check_fits(model, setup, plan)
+    for table in tables:
+        table["runs"] = []
+    for table, plan in zip(tables, plans, strict=True):
+        for r, this in enumerate(orders):
+            run_: dict = {"repeat": r + 1, "order": list(this), "configs": []}
+            table["runs"].append(run_)
+            for config in this:
+                progress(f"{table['label']}, repeat {r + 1}/{repeats}: {config}")
+                run_["configs"].append(run_config(config, model, tokenizer, setup, plan, progress))
+                collect()  # the engine run_config closed is unreachable now
+                table.update(aggregate(table["runs"]))
+                on_run(tables)
+    return tables
 
 
-def check_fits(model, setup: EngineSetup, workload: Workload) -> None:
-    """`ConfigError` unless a conversation's last request fits the model's context and the device pool."""
-    need, context = workload.final_tokens, context_of(model)
+def check_fits(model, setup: EngineSetup, plan: Plan) -> None:
+    """`ConfigError` unless every conversation's last request fits the model's context and the device pool."""
+    need, context = plan.longest_tokens, context_of(model)
     if context and need > context:
         raise ConfigError(f"a conversation grows to {need} tokens; the model's context is {context}")
     if need > setup.device_tokens:
@@ -253,8 +312,24 @@ def check_fits(model, setup: EngineSetup, workload: Workload) -> None:
         )
 
 
-def meta_of(model, name: str, setup: EngineSetup, workload: Workload, device: torch.device) -> dict:
-    """What the run was: machine, model, workload, pools, and the working set against the device."""
+def table_of(label: str, plan: Plan, setup: EngineSetup, per_token: int) -> dict:
+    """A table's label and sizes: conversations, requests, working set against the device budget."""
+    ws = plan.working_set_tokens
+    outputs = sorted({t.output_tokens for conv in plan.conversations for t in conv})
+    return {
+        "label": label,
+        "conversations": len(plan.conversations),
+        "requests": plan.total_turns,
+        "output_tokens": outputs[0] if len(outputs) == 1 else outputs,
+        "longest_conversation_tokens": plan.longest_tokens,
+        "working_set_tokens": ws,
+        "working_set_bytes": ws * per_token,
+        "working_set_over_device": round(ws / setup.device_tokens, 2),
+    }
+
+
+def meta_of(model, name: str, setup: EngineSetup, workload: dict, device: torch.device) -> dict:
+    """What the run was: machine, model, pools, and `workload` (the flags that made the plans)."""
     dtype = next(model.parameters()).dtype
     per_token = spec_from_hf_config(model.config, dtype=dtype).bytes_per_token()
     return {
@@ -263,26 +338,6 @@ def meta_of(model, name: str, setup: EngineSetup, workload: Workload, device: to
         "dtype": str(dtype).removeprefix("torch."),
         "kv_bytes_per_token": per_token,
         **dataclasses.asdict(setup),
-        "workload": dataclasses.asdict(workload),
-        "final_conversation_tokens": workload.final_tokens,
-        "working_set_tokens": workload.working_set_tokens,
-        "working_set_bytes": workload.working_set_tokens * per_token,
         "device_kv_bytes": setup.device_tokens * per_token,
-        "working_set_over_device": round(workload.working_set_tokens / setup.device_tokens, 2),
+        "workload": workload,
     }
-
-
-def ratios(configs: list[dict]) -> dict:
-    """kvtier / device-only for TTFT p50 and throughput (requests/s), where both ran."""
-    by = {c["config"]: c for c in configs}
-    if "kvtier" not in by or "device-only" not in by:
-        return {}
-    kv, dev = by["kvtier"], by["device-only"]
-    return {
-        "ttft_p50_kvtier_over_device_only": _ratio(kv["ttft_p50_s"], dev["ttft_p50_s"]),
-        "throughput_kvtier_over_device_only": _ratio(kv["requests_per_s"], dev["requests_per_s"]),
-    }
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 4) if b > 0 else None

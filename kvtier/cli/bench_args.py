@@ -235,6 +235,10 @@ def _engine_bench_flags(p: argparse.ArgumentParser) -> None:
     json_flag(p)
 
 
+# How the configurations' order changes from repeat to repeat (kvtier.bench.multiturn.Order).
+MULTITURN_ORDERS = ("fixed", "alternate", "rotate", "shuffle")
+
+
 def _bench_multiturn(bench) -> None:
     m = bench.add_parser(
         "multiturn", help="N clients x M rounds of growing conversations: kvtier, device-only, no cache"
@@ -243,21 +247,51 @@ def _bench_multiturn(bench) -> None:
     m.add_argument("--rounds", type=positive, default=4, help="rounds of each conversation")
     m.add_argument("--context-tokens", type=non_negative, default=0, help="random tokens before question 1")
     m.add_argument("--question-tokens", type=positive, default=128, help="tokens each round appends")
-    m.add_argument("--output-tokens", type=positive, default=16, help="tokens each answer has")
+    m.add_argument(
+        "--output-tokens",
+        type=positive_list,
+        help="tokens each answer has, a comma list: one table per length (default: 16)",
+    )
     m.add_argument(
         "--request-rate", type=positive_float, help="rounds per second, Poisson (default: closed loop)"
     )
+    m.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="replay this .csv/.jsonl of (arrival_s, conversation, input_tokens, output_tokens) rows "
+        "instead (kvtier.bench.multiturn_trace)",
+    )
     csv_flag(m, "--configs", MULTITURN_CONFIGS)
+    m.add_argument("--repeats", type=positive, default=1, help="run the whole comparison this many times")
+    m.add_argument(
+        "--order",
+        choices=MULTITURN_ORDERS,
+        default="rotate",
+        help="each repeat's order of --configs: fixed, alternate (reversed every other repeat), rotate "
+        "(repeat r starts at the r-th), shuffle (seeded) (default: rotate)",
+    )
     _engine_bench_flags(m)
     m.add_argument("--device-tokens", type=positive, default=1024, help="device KV pool in tokens")
     m.add_argument("--host-tokens", type=positive, default=65536, help="host KV pool of kvtier in tokens")
     m.add_argument("--page-size", type=positive, help="tokens per cache page (default: 1)")
     m.add_argument("--max-num-seqs", type=positive, default=64, help="running requests at most")
     m.add_argument(
+        "--threads",
+        type=positive,
+        help="torch's CPU threads on --device cpu (default: half the cores, at least 1: on a busy machine, "
+        "threads that wait for each other stall each step; bench/FINDINGS.md)",
+    )
+    m.add_argument(
         "--plot", type=Path, metavar="PNG", help="write TTFT per round and hit tokens per tier to this PNG"
     )
     m.add_argument(
-        "--from-json", type=Path, metavar="FILE", help="run nothing: show and --plot a report written before"
+        "--from-json",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="run nothing: show (and --plot the first) reports written before; with several, whether "
+        "their figures agree; --json keeps them all in one file",
     )
 
 

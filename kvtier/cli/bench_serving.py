@@ -4,17 +4,23 @@ tier, their flags made into each benchmark's config, the runs, the tables and th
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from argparse import Namespace
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from kvtier.bench import batching, multiturn, multiturn_report, served, storage
+import torch
+
+from kvtier.bench import batching, multiturn, multiturn_plan, multiturn_report, served, storage
 from kvtier.bench.common import environment
 from kvtier.bench.engines import bench_model
 from kvtier.bench.multiturn import EngineSetup
+from kvtier.bench.multiturn_plan import Plan
+from kvtier.bench.multiturn_trace import read_trace
 from kvtier.cli.build import device
 from kvtier.cli.console import console, progress, write_json
+from kvtier.errors import ConfigError
 
 
 def bench_batching(args: Namespace) -> int:
@@ -49,36 +55,61 @@ def bench_batching(args: Namespace) -> int:
 
 
 def bench_multiturn(args: Namespace) -> int:
-    """`kvtier bench multiturn`: the model, then each configuration; table, `--json`, `--plot`.
+    """`kvtier bench multiturn`: the model, then each table's repeats; tables, `--json`, `--plot`.
 
-    `--from-json FILE` runs nothing: it shows the table of a report written before, and plots it.
+    `--from-json FILE...` runs nothing: it shows the tables of reports written before (with
+    several, whether their figures agree), plots the first, and `--json` keeps them in one file.
     """
     if args.plot is not None:  # a missing matplotlib is refused before any work (`kvtier.cli.parser.main`)
         import matplotlib  # noqa: F401
     if args.from_json is not None:
-        report = json.loads(args.from_json.read_text())
-        meta, configs = report["meta"], report["configs"]
+        reports = [r for path in args.from_json for r in multiturn_report.load(json.loads(path.read_text()))]
+        if len(args.from_json) > 1 or len(reports) > 1:
+            write_json(args.json, {"reports": reports})
     else:
-        meta, configs = _multiturn(args)
-    console.print(multiturn_report.render(configs, meta))
+        reports = [_multiturn(args)]
+    for report in reports:
+        console.print(multiturn_report.render(report))
+    if len(reports) > 1:
+        console.print(multiturn_report.render_agreement(reports))
+    for report in reports:
+        orders = multiturn_report.by_order(report)
+        if len(orders) > 1 and min(len(t["runs"]) for o in orders for t in o["tables"] if t["runs"]) > 1:
+            console.print(multiturn_report.render_agreement(orders, "order"))  # each order twice or more
     if args.plot is not None:
-        multiturn_report.write_plot(args.plot, configs, meta)
+        multiturn_report.write_plot(args.plot, reports[0])
         console.print(f"wrote {args.plot}")
     return 0
 
 
-def _multiturn(args: Namespace) -> tuple[dict, list[dict]]:
-    """Build the model and run the configurations; `--json` is rewritten after each one."""
-    dev = device(args.device)
-    workload = multiturn.Workload(
+def _plans(args: Namespace) -> tuple[dict, list[tuple[str, Plan]]]:
+    """The flags that made the plans, and each table's label and plan (`ConfigError` before any work)."""
+    if args.trace is not None:
+        if args.request_rate is not None or args.output_tokens is not None:
+            raise ConfigError(
+                "--trace gives each request's arrival and answer length: drop --request-rate and "
+                "--output-tokens"
+            )
+        return {"trace": str(args.trace)}, [(f"trace {args.trace.name}", read_trace(args.trace, args.seed))]
+    workload = multiturn_plan.Workload(
         clients=args.clients,
         rounds=args.rounds,
         context_tokens=args.context_tokens,
         question_tokens=args.question_tokens,
-        output_tokens=args.output_tokens,
         request_rate=args.request_rate,
         seed=args.seed,
     )
+    lengths = args.output_tokens or (16,)
+    plans = [(f"output {n}", replace(workload, output_tokens=n).plan()) for n in lengths]
+    return {**asdict(workload), "output_tokens": list(lengths)}, plans
+
+
+def _multiturn(args: Namespace) -> dict:
+    """Build the model and run every table; `--json` is rewritten after each configuration's run."""
+    dev = device(args.device)
+    workload, plans = _plans(args)
+    if dev.type == "cpu":
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     setup = EngineSetup(
         device_tokens=args.device_tokens,
         host_tokens=args.host_tokens,
@@ -86,17 +117,27 @@ def _multiturn(args: Namespace) -> tuple[dict, list[dict]]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-
-    def save(done: list[dict]) -> None:
-        meta["ratios"] = multiturn.ratios(done)
-        write_json(args.json, {"meta": meta, "configs": done})
-
     with progress() as report:
         report("building the model")
         model, tokenizer, name = bench_model(args.model, args.shape, dev, args.dtype)
         meta = multiturn.meta_of(model, name, setup, workload, dev)
-        configs = multiturn.run(model, tokenizer, args.configs, setup, workload, report, save)
-    return meta, configs
+        meta.update(configs=list(args.configs), repeats=args.repeats, order=args.order)
+        meta.update(threads=torch.get_num_threads(), cores=os.cpu_count())
+        tables = [multiturn.table_of(label, plan, setup, meta["kv_bytes_per_token"]) for label, plan in plans]
+        out = {"meta": meta, "tables": tables}
+        multiturn.run(
+            model,
+            tokenizer,
+            args.configs,
+            setup,
+            tables,
+            [plan for _, plan in plans],
+            args.repeats,
+            multiturn.Order(args.order),
+            report,
+            lambda _tables: write_json(args.json, out),
+        )
+    return out
 
 
 def bench_served(args: Namespace) -> int:
