@@ -56,6 +56,7 @@ COMMANDS = {
     "bench storage": "kvtier.cli.bench_serving:bench_storage",
     "bench multiturn": "kvtier.cli.bench_serving:bench_multiturn",
     "bench batching": "kvtier.cli.bench_serving:bench_batching",
+    "bench vllm": "kvtier.cli.bench_serving:bench_vllm",
 }
 
 
