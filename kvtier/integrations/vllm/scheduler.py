@@ -84,6 +84,11 @@ class HostIndex:
     def __len__(self) -> int:
         return len(self._pages)
 
+    @property
+    def free(self) -> int:
+        """Slots that hold no page and are not staging one."""
+        return len(self._free)
+
     def __contains__(self, page_hash: bytes) -> bool:
         return page_hash in self._pages
 
@@ -250,6 +255,11 @@ class ConnectorScheduler:
             for slot in staging:
                 self.index.release(slot)
 
+    @property
+    def fetching(self) -> bool:
+        """Whether a fetch is planned or running that the workers have not reported done."""
+        return bool(self._held)
+
     def _held_slots(self) -> set[int]:
         return set().union(*(read for read, _ in self._held.values())) if self._held else set()
 
@@ -290,6 +300,23 @@ class ConnectorScheduler:
         """The request ended (its fetch, if any, stays held until `fetched`)."""
         self._requests.pop(req_id, None)
         self._matches.pop(req_id, None)
+
+    def state(self) -> dict[str, int]:
+        """What the scheduler holds now (a debug surface): once vLLM is idle and every fetch is
+        reported, `requests`, `matches`, `fetches`, `held_slots`, `staging` and `planned` are 0 and
+        `free_slots + indexed == host_slots`."""
+        plan = self._plan
+        return {
+            "requests": len(self._requests),
+            "matches": len(self._matches),
+            "fetches": len(self._held),
+            "held_slots": len(self._held_slots() | self._busy),
+            "staging": len(self._staging) + sum(len(st) for _, st in self._held.values()),
+            "planned": len(plan.loads) + len(plan.saves) + len(plan.fetches),
+            "host_slots": self.index.slots,
+            "free_slots": self.index.free,
+            "indexed": len(self.index),
+        }
 
     # -- per step ----------------------------------------------------------------------
 
