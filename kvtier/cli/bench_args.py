@@ -284,10 +284,21 @@ def _bench_vllm(bench) -> None:
         "--vllm-python", metavar="PATH", help="a venv's python with vLLM (default: $KVTIER_VLLM_PYTHON)"
     )
     model_flag(v)
-    v.add_argument("--tokens", type=positive_list, default=(1024, 2048, 4096, 8192), help="prompt lengths")
-    v.add_argument("--repeats", type=positive, default=3, help="timed requests per case and length")
-    v.add_argument("--max-tokens", type=positive, default=8, help="tokens of each (greedy) answer")
-    v.add_argument("--host-gb", type=positive_float, default=1.0, help="the connector's host pool, GiB")
+    v.add_argument(
+        "--tokens",
+        type=positive_list,
+        default=(1024, 2048, 4096, 8192),
+        help="prompt lengths (default: 1024,2048,4096,8192)",
+    )
+    v.add_argument(
+        "--repeats", type=positive, default=3, help="timed requests per case and length (default: 3)"
+    )
+    v.add_argument(
+        "--max-tokens", type=positive, default=8, help="tokens of each (greedy) answer (default: 8)"
+    )
+    v.add_argument(
+        "--host-gb", type=positive_float, default=1.0, help="the connector's host pool, GiB (default: 1)"
+    )
     v.add_argument("--store", type=Path, help="the file store's folder (default: a temporary one)")
     v.add_argument(
         "--dtype",

@@ -190,7 +190,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             try:
-                self._scheduler.fetched(list(connector_output.finished_recving or ()))
+                failed = connector_output.invalid_block_ids or ()  # sent with their fetch's end
+                self._scheduler.fetched(list(connector_output.finished_recving or ()), set(failed))
             except Exception:
                 log.exception("kvtier: releasing fetched slots failed")
 
