@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] == "kvtier":
             raise
-        extra = "bench" if e.name.split(".")[0] == "matplotlib" else "engine"
+        extra = "bench" if e.name.split(".")[0] in ("matplotlib", "openai", "httpx") else "engine"
         print(f"kvtier {name}: error: needs {e.name} (pip install 'kvtier[{extra}]')", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
