@@ -298,7 +298,7 @@ def test_the_spelled_out_choices_match_what_they_name() -> None:
         "serve",
         *(
             f"bench {b}"
-            for b in ("transfer", "overlap", "cache", "served", "storage", "multiturn", "batching")
+            for b in ("transfer", "overlap", "cache", "served", "storage", "multiturn", "batching", "vllm")
         ),
     }
 

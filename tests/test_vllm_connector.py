@@ -209,3 +209,53 @@ def test_servers_share_prefixes_through_redis_and_outlive_its_restarts(
         log.close()
     third = engine(storage=redis.url, prompts=[2], prefix_caching=True)
     assert third[0]["cached"] == CACHED
+
+
+def scenario(name: str, **args: object) -> dict:
+    """The `STATE` line of a scenario run (see vllm_run.py) once vLLM is idle."""
+    proc = subprocess.run(
+        engine_command(scenario=name, **args), capture_output=True, text=True, timeout=900, env=ENV
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("STATE ")]
+    return json.loads(line[len("STATE ") :])
+
+
+def assert_nothing_held(state: dict) -> None:
+    """vLLM's blocks all free (but its null block), and neither side of the connector holding a
+    request, a slot, a fetch, a planned move or a pending write."""
+    assert state["free_blocks"] == state["blocks"] - 1, state
+    sched = state["scheduler"]
+    for key in ("requests", "matches", "fetches", "held_slots", "staging", "planned"):
+        assert sched[key] == 0, (key, sched)
+    assert sched["free_slots"] + sched["indexed"] == sched["host_slots"], sched
+    for worker in state["workers"]:
+        assert worker["fetches"] == worker["pending_writes"] == worker["load_errors"] == 0, worker
+
+
+def test_preemption_leaves_nothing_held(store: Path) -> None:
+    """Four prompts of 7-8 blocks at once, 200 tokens each, in 16 blocks: vLLM preempts, the
+    preempted requests come back (matched again from kvtier's host or storage) and finish; then
+    nothing is held."""
+    state = scenario("preempt", store=str(store), blocks=17, max_tokens=200)
+    assert state["preempted"], "nothing was preempted"
+    assert state["finished"] == ["p0", "p1", "p2", "p3"]
+    assert all(len(t) == 200 for t in state["tokens"].values())
+    assert_nothing_held(state)
+
+
+def test_aborts_mid_prefill_and_mid_fetch_leave_nothing_held(tmp_path: Path) -> None:
+    """A request aborted after its first chunk of prefill, and one aborted while its blocks are
+    fetched from a slow store (the host pool of 14 blocks lost them to a later prompt): once vLLM
+    is idle nothing is held, and the same prompt is answered after."""
+    slow = f"vllm_run:SlowFiles?path={tmp_path}&delay=0.3"  # a fetch of 11 blocks: over 3 s
+    state = scenario("abort", storage=slow, host_gb=0.04, batched=256)
+    assert 0 < state["cut_at"] < 1024, state["cut_at"]  # aborted mid-prefill
+    assert state["fetch_status"] == "WAITING_FOR_REMOTE_KVS"  # aborted while fetching
+    # With no request left, vLLM stepped on until the aborted fetch ended and freed its blocks.
+    after = state["after_abort"]
+    assert after["requests"] == 0 and after["free_blocks"] == state["blocks"] - 1, after
+    assert after["scheduler"]["fetches"] == 0, after
+    assert state["finished"] == ["again", "fill", "first"]
+    assert len(state["tokens"]["again"]) == 12
+    assert_nothing_held(state)

@@ -97,11 +97,26 @@ def test_storage_hits_are_fetched_in_the_background_their_slots_held_until_done(
     plan = sched.take_plan()
     assert len(plan.saves) == 2 and staged.isdisjoint({sv.slot for sv in plan.saves})
     sched.fetched(["r"])
-    # Once scheduled, the fetched blocks are saved to the host, not stored again.
+    # The fetched pages stay in their slots, on the host now: the request saves nothing, and the
+    # same tokens are a host hit (loaded in the step) for the next request.
     sched.scheduled("r", [5, 6, 7], True, 9)
-    plan = sched.take_plan()
-    assert [(sv.block, sv.store) for sv in plan.saves] == [(5, False), (6, False)]
+    assert not sched.take_plan().saves
+    assert {sched.index.slot(h) for h in KEYS.chain(KEYS.root, np.arange(8))} == staged
+    tokens["s"] = list(range(9))
+    assert sched.match("s", 0) == (8, False)
     assert len(sched.index) == 4
+
+
+def test_a_page_that_failed_to_load_never_joins_the_host_index() -> None:
+    tokens = Tokens(r=list(range(9)))
+    sched = ConnectorScheduler(BS, 4, KEYS, tokens, lambda keys: len(keys))
+    assert sched.match("r", 0) == (8, True)
+    sched.allocated("r", [5, 6, 7], 8)
+    (fetch,) = sched.take_plan().fetches.values()
+    sched.fetched(["r"], {6})  # vLLM block 6's page was refused
+    first, second = KEYS.chain(KEYS.root, np.arange(8))
+    assert sched.index.slot(first) == fetch[0].slot and second not in sched.index
+    assert sched.index.free == 3 and len(sched.index) == 1
 
 
 def test_a_fetch_with_no_free_slot_fails_its_block_instead_of_raising() -> None:
@@ -307,3 +322,27 @@ def test_staging_a_storage_page_never_evicts_a_host_hit_of_the_same_request() ->
     (fetch,) = sched.take_plan().fetches.values()
     assert [(ld.slot, ld.from_storage) for ld in fetch] == [(0, False), (-1, True)]
     assert len(sched.index) == 1  # the host hit's page is still indexed
+
+
+def test_the_scheduler_state_shows_what_it_holds_until_released() -> None:
+    """`state()` counts a request, its fetch, its held slots and the step's plan while they exist,
+    and nothing once the fetch is reported and the request ends (the tests with a real vLLM check
+    it after preemptions and aborts)."""
+    tokens = Tokens(r=list(range(9)))
+    sched = ConnectorScheduler(BS, 4, KEYS, tokens, lambda keys: len(keys))
+    assert sched.match("r", 0) == (8, True)
+    sched.allocated("r", [5, 6, 7], 8)
+    held = sched.state()
+    assert held["requests"] == 1 and held["fetches"] == 1 and held["planned"] == 1
+    assert held["held_slots"] == held["staging"] == 2 and held["free_slots"] == 2
+    assert sched.fetching
+    sched.take_plan()
+    assert sched.state()["planned"] == 0 and sched.fetching
+    sched.fetched(["r"])
+    sched.finished("r")
+    idle = sched.state()
+    assert not sched.fetching
+    assert {
+        k: idle[k] for k in ("requests", "matches", "fetches", "held_slots", "staging", "planned")
+    } == dict.fromkeys(("requests", "matches", "fetches", "held_slots", "staging", "planned"), 0)
+    assert idle["free_slots"] + idle["indexed"] == idle["host_slots"] == 4

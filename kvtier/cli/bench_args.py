@@ -1,5 +1,5 @@
 """`kvtier bench`'s subcommands and their flags (transfer, overlap, served, cache, storage,
-multiturn, batching); `add_bench(sub)` adds them under `kvtier bench`.
+multiturn, batching, vllm); `add_bench(sub)` adds them under `kvtier bench`.
 
 Like `kvtier.cli.parser`, this module parses and runs nothing: each benchmark's command
 (`kvtier.cli.bench_*`, named in `kvtier.cli.parser.COMMANDS`) takes the parsed flags.
@@ -40,7 +40,7 @@ from kvtier.cli.args import (
 )
 
 # The benchmarks `add_bench` adds, each run by its command in `kvtier.cli.parser.COMMANDS`.
-BENCHES = ("transfer", "overlap", "cache", "served", "storage", "multiturn", "batching")
+BENCHES = ("transfer", "overlap", "cache", "served", "storage", "multiturn", "batching", "vllm")
 
 
 def kernel_shape(text: str):
@@ -311,6 +311,46 @@ def _bench_batching(bench) -> None:
     b.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
+def _bench_vllm(bench) -> None:
+    v = bench.add_parser(
+        "vllm", help="TTFT of a vLLM server with kvtier's connector: host hit, storage hit, miss"
+    )
+    v.add_argument(
+        "--vllm-python", metavar="PATH", help="a venv's python with vLLM (default: $KVTIER_VLLM_PYTHON)"
+    )
+    model_flag(v)
+    v.add_argument(
+        "--tokens",
+        type=positive_list,
+        default=(1024, 2048, 4096, 8192),
+        help="prompt lengths (default: 1024,2048,4096,8192)",
+    )
+    v.add_argument(
+        "--repeats", type=positive, default=3, help="timed requests per case and length (default: 3)"
+    )
+    v.add_argument(
+        "--max-tokens", type=positive, default=8, help="tokens of each (greedy) answer (default: 8)"
+    )
+    v.add_argument(
+        "--host-gb", type=positive_float, default=1.0, help="the connector's host pool, GiB (default: 1)"
+    )
+    v.add_argument("--store", type=Path, help="the file store's folder (default: a temporary one)")
+    v.add_argument(
+        "--dtype",
+        choices=DTYPES[1:],
+        default="bfloat16",
+        help="both servers' weights and KV (default: bfloat16)",
+    )
+    v.add_argument("--no-kvtier-server", action="store_true", help="skip kvtier's own server")
+    v.add_argument(
+        "--vllm-arg",
+        action="append",
+        metavar="ARG",
+        help="passed to vLLM's server (default: --enforce-eager)",
+    )
+    json_flag(v)
+
+
 def add_bench(sub) -> None:
     """`kvtier bench` and its subcommands under `sub` (the subparsers of `kvtier`)."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -321,3 +361,4 @@ def add_bench(sub) -> None:
     _bench_storage(bench)
     _bench_multiturn(bench)
     _bench_batching(bench)
+    _bench_vllm(bench)

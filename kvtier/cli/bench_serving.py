@@ -1,4 +1,4 @@
-"""`kvtier bench batching | multiturn | served | storage`: the benchmarks of the engine and the storage
+"""`kvtier bench batching | multiturn | served | storage | vllm`: the benchmarks of the engine and the storage
 tier, their flags made into each benchmark's config, the runs, the tables and the JSON reports."""
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench import batching, multiturn, multiturn_plan, multiturn_report, served, storage
+from kvtier.bench import (
+    batching,
+    multiturn,
+    multiturn_plan,
+    multiturn_report,
+    served,
+    storage,
+    vllm,
+    vllm_report,
+)
 from kvtier.bench.common import environment
 from kvtier.bench.engines import bench_model
 from kvtier.bench.multiturn import EngineSetup
@@ -180,3 +189,26 @@ def bench_storage(args: Namespace) -> int:
     checks = [r["identical"] for part in ("throughput", "compression") for r in result[part]]
     checks += [r["same_first_token"] for r in result["ttft"]]
     return 0 if all(checks) else 1
+
+
+def bench_vllm(args: Namespace) -> int:
+    """`kvtier bench vllm`: 0 when every kvtier hit in vLLM answered as vLLM's own prefix cache did."""
+    from kvtier.engine.models import checkpoint_folder
+
+    bench = vllm.VLLMBench(
+        vllm_python=vllm.vllm_python(args.vllm_python),
+        model=Path(checkpoint_folder(args.model)),
+        tokens=args.tokens,
+        repeats=args.repeats,
+        max_tokens=args.max_tokens,
+        host_gb=args.host_gb,
+        store=args.store,
+        kvtier_server=not args.no_kvtier_server,
+        dtype=args.dtype,
+        vllm_args=tuple(args.vllm_arg) if args.vllm_arg else vllm.VLLMBench.vllm_args,
+    )
+    with progress() as report:
+        result = vllm.run(bench, report)
+    console.print(vllm_report.render(result))
+    write_json(args.json, result)
+    return 0 if all(r["same_as_prefix_cache"] is not False for r in result["rows"]) else 1

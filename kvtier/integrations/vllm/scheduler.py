@@ -14,11 +14,12 @@ least recently used out first), asks storage which pages it has, and plans per s
   the request done (`fetched`), while vLLM keeps it waiting in its queue, not in a step;
 - saves: every block a step completes that the host index does not hold yet, into a free slot or
   the least recently used one not in use this step, then (unless it came from storage) written
-  through to storage by the worker.
+  through to storage by the worker. A page fetched from storage whole stays in its staging slot,
+  which joins the index: it is on the host from then on, and needs no save.
 
 A block's life as the scheduler sees it:
 
-    absent --save planned--> on host --slot reused for another page--> absent
+    absent --save planned, or fetched whole--> on host --slot reused for another page--> absent
     in storage (independent of the host index; never removed by the connector)
 
 The worker finishes a step's loads before its forward and its saves before the next step, so a
@@ -29,7 +30,7 @@ nor a slot a fetch reads before the fetch is done.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,6 +84,11 @@ class HostIndex:
 
     def __len__(self) -> int:
         return len(self._pages)
+
+    @property
+    def free(self) -> int:
+        """Slots that hold no page and are not staging one."""
+        return len(self._free)
 
     def __contains__(self, page_hash: bytes) -> bool:
         return page_hash in self._pages
@@ -156,7 +162,7 @@ class ConnectorScheduler:
         self._plan = StepPlan()
         self._busy: set[int] = set()
         self._staging: list[int] = []
-        self._held: dict[str, tuple[set[int], list[int]]] = {}  # per fetch: slots read, staging slots
+        self._held: dict[str, tuple[set[int], list[Load]]] = {}  # per fetch: slots read, its staged loads
         self.counts = {"host_hit_blocks": 0, "storage_hit_blocks": 0, "saved_blocks": 0}
 
     # -- per request -------------------------------------------------------------------
@@ -219,7 +225,7 @@ class ConnectorScheduler:
             read.add(slot)
         if fetch:
             self._plan.fetches[req_id] = loads
-            self._held[req_id] = (read, staging)
+            self._held[req_id] = (read, [ld for ld in loads if ld.from_storage and ld.slot >= 0])
         else:
             self._plan.loads.extend(loads)
             self._staging.extend(staging)
@@ -243,12 +249,22 @@ class ConnectorScheduler:
         else:
             self._plan.loads.extend(loads)
 
-    def fetched(self, req_ids: Sequence[str]) -> None:
-        """The workers finished these requests' fetches: their slots are free to reuse."""
+    def fetched(self, req_ids: Sequence[str], failed_blocks: Collection[int] = ()) -> None:
+        """The workers finished these requests' fetches (`failed_blocks`: the vLLM blocks that did
+        not load): each staging slot that received its page whole joins the host index with it (a
+        host hit from now on, and the request's blocks need no save), the others are freed."""
         for req_id in req_ids:
-            _, staging = self._held.pop(req_id, (set(), []))
-            for slot in staging:
-                self.index.release(slot)
+            _, staged = self._held.pop(req_id, (set(), []))
+            for load in staged:
+                if load.block in failed_blocks or load.page_hash in self.index:
+                    self.index.release(load.slot)
+                else:
+                    self.index.put(load.page_hash, load.slot)
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a fetch is planned or running that the workers have not reported done."""
+        return bool(self._held)
 
     def _held_slots(self) -> set[int]:
         return set().union(*(read for read, _ in self._held.values())) if self._held else set()
@@ -290,6 +306,23 @@ class ConnectorScheduler:
         """The request ended (its fetch, if any, stays held until `fetched`)."""
         self._requests.pop(req_id, None)
         self._matches.pop(req_id, None)
+
+    def state(self) -> dict[str, int]:
+        """What the scheduler holds now (a debug surface): once vLLM is idle and every fetch is
+        reported, `requests`, `matches`, `fetches`, `held_slots`, `staging` and `planned` are 0 and
+        `free_slots + indexed == host_slots`."""
+        plan = self._plan
+        return {
+            "requests": len(self._requests),
+            "matches": len(self._matches),
+            "fetches": len(self._held),
+            "held_slots": len(self._held_slots() | self._busy),
+            "staging": len(self._staging) + sum(len(st) for _, st in self._held.values()),
+            "planned": len(plan.loads) + len(plan.saves) + len(plan.fetches),
+            "host_slots": self.index.slots,
+            "free_slots": self.index.free,
+            "indexed": len(self.index),
+        }
 
     # -- per step ----------------------------------------------------------------------
 
