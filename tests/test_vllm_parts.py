@@ -10,7 +10,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.blocks import BlockViews, HostBlocks, byte_views
-from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.config import ConnectorConfig, rank_identity
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, HostIndex
 from kvtier.storage.backend import open_backend
 from kvtier.storage.keys import Fingerprint, PageKeys
@@ -171,6 +171,36 @@ def test_blocks_round_trip_through_host_and_storage_bit_for_bit(tmp_path) -> Non
         assert torch.isnan(got[2].float()).all()  # untouched
     host.close()
     other.close()
+
+
+def test_mla_pages_are_named_once_and_written_by_rank_zero(tmp_path) -> None:
+    """K/V split by heads: a page per rank, each rank writes; MLA: one name for every rank and any
+    tensor-parallel size, rank 0 writes, the others read what it wrote."""
+    assert rank_identity("FullAttentionSpec", 1, 2) == ([1, 2], True)
+    assert rank_identity("MLAAttentionSpec", 0, 4) == ("replicated", True)
+    assert rank_identity("MLAAttentionSpec", 3, 4) == ("replicated", False)
+    assert rank_identity("MLAAttentionSpec", 0, 1)[0] == rank_identity("MLAAttentionSpec", 1, 8)[0]
+    with pytest.raises(ConfigError, match="rank 2 of a tensor-parallel size 2"):
+        rank_identity("FullAttentionSpec", 2, 2)
+    gen = torch.Generator().manual_seed(3)
+    src = {"mla": torch.randn(4, BS, 24, generator=gen).to(torch.bfloat16)}  # [blocks, block, latent]
+    page = KEYS.chain(KEYS.root, np.arange(BS))[0]
+    follower = HostBlocks(BlockViews(src, 4), 2, KEYS, open_backend(f"file://{tmp_path}"), store=False)
+    follower.save_layer("mla", [1], [0])
+    follower.store(0, page)
+    follower.flush()
+    assert follower.pending_writes == 0 and follower.counts["stored"] == 0
+    assert not follower.read(1, page)  # the store holds nothing yet
+    leader = HostBlocks(BlockViews(src, 4), 2, KEYS, open_backend(f"file://{tmp_path}"))
+    leader.save_layer("mla", [1], [0])
+    leader.store(0, page)
+    leader.flush()
+    assert leader.counts["stored"] == 1
+    follower.rows.fill_(0xA5)
+    assert follower.read(1, page)  # the follower reads the leader's page
+    assert torch.equal(follower.rows[1], leader.rows[0])
+    leader.close()
+    follower.close()
 
 
 def test_a_damaged_or_foreign_page_is_refused(tmp_path) -> None:

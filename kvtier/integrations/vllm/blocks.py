@@ -10,8 +10,9 @@ layer's bytes of it in `BlockViews` order (pinned where the KV is on a GPU). A r
 page: `kvtier.storage.values.PageCodec` writes it with its fingerprint and checksum and refuses
 any value that does not match on the way back (a refused page is a failed load, never KV).
 Writes to storage go through one background thread; a slow or failing store drops writes
-(counted), never blocks a step. `Fetches` loads a request whose pages are in storage on another
-thread, outside any step.
+(counted), never blocks a step. MLA's latent is the same on every tensor-parallel rank: its pages
+are named once for all ranks and written by rank 0 alone (`config.rank_identity`). `Fetches`
+loads a request whose pages are in storage on another thread, outside any step.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class HostBlocks:
         keys: PageKeys,
         backend: StorageBackend | None = None,
         max_pending_writes: int = 4096,
+        store: bool = True,
     ) -> None:
         self.views, self.keys, self.backend = views, keys, backend
         pin = views.device.type == "cuda"
@@ -99,7 +101,7 @@ class HostBlocks:
         self._loaded: dict[str, torch.cuda.Event] = {}
         self._writes: queue.Queue = queue.Queue(maxsize=max(1, max_pending_writes))
         self._writer: threading.Thread | None = None
-        if backend is not None:
+        if backend is not None and store:  # (`store` False: another rank writes these pages)
             self._writer = threading.Thread(
                 target=self._write_loop, args=(backend,), name="kvtier-vllm-store", daemon=True
             )
@@ -188,8 +190,9 @@ class HostBlocks:
         return True
 
     def store(self, slot: int, page_hash: bytes) -> None:
-        """Queue host slot `slot`'s page for storage (a copy: the slot may be reused at once)."""
-        if self.backend is None:
+        """Queue host slot `slot`'s page for storage (a copy: the slot may be reused at once); nothing
+        where this worker writes no storage (none, or another rank writes these pages)."""
+        if self._writer is None:
             return
         try:
             self._writes.put_nowait((page_hash, self.rows[slot].numpy().tobytes()))

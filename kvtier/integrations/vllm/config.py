@@ -67,3 +67,22 @@ def vllm_version() -> str:
             return str(vllm.__version__)
         except Exception:
             return "unknown"
+
+
+# vLLM's KV cache specs whose rows every tensor-parallel rank holds whole (MLA's latent is not split
+# by heads), by class name, so this module needs no vLLM import.
+REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec"})
+
+
+def rank_identity(spec_name: str, rank: int, tp: int) -> tuple[object, bool]:
+    """`(what a page's fingerprint says of the rank, whether this rank writes storage)`.
+
+    K/V split by heads: each rank's pages are its own (`[rank, tp]`), and every rank writes them.
+    A replicated spec (MLA): every rank holds the same bytes, so the pages are named once for all
+    ranks and any tensor-parallel size, and rank 0 alone writes them; every rank reads them.
+    """
+    if not 0 <= rank < tp:
+        raise ConfigError(f"kvtier connector: rank {rank} of a tensor-parallel size {tp}")
+    if spec_name in REPLICATED_SPECS:
+        return "replicated", rank == 0
+    return [rank, tp], True

@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.errors import BackendUnavailableError, ConfigError, InvariantError
 from kvtier.integrations.vllm import stats
 from kvtier.integrations.vllm.blocks import BlockViews, Fetches, HostBlocks
-from kvtier.integrations.vllm.config import ConnectorConfig, vllm_version
+from kvtier.integrations.vllm.config import ConnectorConfig, rank_identity, vllm_version
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, StepPlan
 from kvtier.storage.backend import StorageBackend, open_backend
 from kvtier.storage.keys import FINGERPRINT_BYTES, Fingerprint, PageKeys
@@ -89,6 +89,8 @@ class KVTierConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
+        spec_name = type(group.kv_cache_spec).__name__
+        rank_id, self._writes_storage = rank_identity(spec_name, rank, tp)
         model = self.config.model or str(vllm_config.model_config.model)
         identity = {
             "model": model,
@@ -97,8 +99,8 @@ class KVTierConnector(KVConnectorBase_V1):
             "block_size": self.block_size,
             "block_bytes": self.block_bytes,
             "layers": list(group.layer_names),
-            "spec": type(group.kv_cache_spec).__name__,
-            "tp": [rank, tp],
+            "spec": spec_name,
+            "tp": rank_id,
             "vllm": vllm_version(),
         }
         blob = json.dumps(identity, sort_keys=True).encode()
@@ -237,9 +239,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 raise ConfigError(
                     f"vLLM's KV tensors hold {views.block_bytes} bytes a block, not {self.block_bytes}"
                 )
-            self._host = HostBlocks(
-                views, self.host_slots, self.keys, self._backend, self.config.max_pending_writes
-            )
+            pool = (views, self.host_slots, self.keys, self._backend, self.config.max_pending_writes)
+            self._host = HostBlocks(*pool, store=self._writes_storage)
             self._fetches = Fetches(self._host)
         except Exception:
             log.exception(
