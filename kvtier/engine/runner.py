@@ -103,7 +103,7 @@ class ModelRunner:
         for req, n in plan:
             lo = req.computed
             pieces.append(Piece(torch.from_numpy(req.table[: lo + n]), n, req.load))
-            ids.append(req.context(lo + n)[lo:])
+            ids.append(req.span(lo, lo + n))
         input_ids = torch.from_numpy(np.concatenate(ids)).to(self.device_pool.device).unsqueeze(0)
         batch = StepBatch(self.spec, self.device_pool, pieces, self.windows, input_ids[0])
         pos = batch.positions
@@ -121,7 +121,7 @@ class ModelRunner:
 
     def _forward_paged(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
         pieces = [(req.table[: req.computed + n], n) for req, n in plan]
-        ids = np.concatenate([req.context(req.computed + n)[req.computed :] for req, n in plan])
+        ids = np.concatenate([req.span(req.computed, req.computed + n) for req, n in plan])
         host = HostLayout.of(pieces, ids)
         loads = [req.load for req, _ in plan if req.load is not None]
         if self.graphs is not None and self.graphs.takes(host, len(loads)):

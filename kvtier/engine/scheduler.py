@@ -110,6 +110,14 @@ class Request:
             return self.prompt[:n]
         return np.concatenate([self.prompt, np.asarray(self.tokens[: n - len(self.prompt)], dtype=np.int64)])
 
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """`[hi - lo]` int64: context tokens `[lo, hi)` (`context(hi)[lo:]` without building the context)."""
+        p = len(self.prompt)
+        if hi <= p:
+            return self.prompt[lo:hi]
+        tail = np.array(self.tokens[max(lo - p, 0) : hi - p], dtype=np.int64)
+        return tail if lo >= p else np.concatenate([self.prompt[lo:], tail])
+
     @property
     def remaining(self) -> int:
         return self.context_len - self.computed
@@ -140,7 +148,9 @@ class Scheduler:
         """`(request, tokens to compute)` of the next step, decodes first; admits as it goes."""
         budget = self.max_num_batched_tokens
         plan: list[tuple[Request, int]] = []
-        for req in sorted(self.running, key=lambda r: r.remaining > 1):
+        order = sorted(self.running, key=lambda r: r.remaining > 1)
+        self._grow_decodes(order[:budget])
+        for req in order:
             if budget == 0:
                 break
             if req.state is not RequestState.RUNNING:
@@ -293,6 +303,29 @@ class Scheduler:
         req.table[req.filled : req.filled + want] = slots.numpy()
         req.filled += want
         return True
+
+    def _grow_decodes(self, reqs: list[Request]) -> None:
+        """Give the decodes among `reqs` (one token each) their next pages in one allocation.
+
+        One call into the cache per step instead of one per request. Where the pool is short,
+        nothing is taken (the slots given back): `_grow` then takes them request by request,
+        evicting and preempting as the module docstring says; a short pool evicts the same
+        nodes either way, since each eviction takes the fewest nodes in policy order.
+        """
+        wants = [(r, self.pages(r.computed + 1) - r.filled) for r in reqs if r.remaining == 1]
+        wants = [(r, w) for r, w in wants if w > 0]
+        total = sum(w for _, w in wants)
+        if not total:
+            return
+        try:
+            slots = self.cache.alloc_device(total).numpy()
+        except CacheFullError:
+            return
+        at = 0
+        for req, w in wants:
+            req.table[req.filled : req.filled + w] = slots[at : at + w]
+            req.filled += w
+            at += w
 
     def _victim(self, req: Request) -> Request | None:
         """The most recently admitted running request admitted after `req`, if any."""
