@@ -1,6 +1,6 @@
 """A step's host-side metadata: `HostLayout.of` (the paged path's positions, write slots and slot
 tables), the CUDA graphs' staging into their static buffers (`kvtier.engine.graphs.fill`, here
-over CPU tensors), and `Request.span`, each against a plain construction piece by piece."""
+over CPU tensors), and `Request.span` / `token_at`, each against a plain construction piece by piece."""
 
 from __future__ import annotations
 
@@ -113,3 +113,4 @@ def test_a_requests_span_is_the_slice_of_its_context() -> None:
             got = req.span(lo, hi)
             assert got.dtype == np.int64
             np.testing.assert_array_equal(got, req.context(hi)[lo:])
+    assert [req.token_at(i) for i in range(n)] == req.context().tolist()

@@ -110,6 +110,11 @@ class Request:
             return self.prompt[:n]
         return np.concatenate([self.prompt, np.asarray(self.tokens[: n - len(self.prompt)], dtype=np.int64)])
 
+    def token_at(self, i: int) -> int:
+        """Context token `i` (of the prompt, else generated)."""
+        p = len(self.prompt)
+        return int(self.prompt[i]) if i < p else self.tokens[i - p]
+
     def span(self, lo: int, hi: int) -> np.ndarray:
         """`[hi - lo]` int64: context tokens `[lo, hi)` (`context(hi)[lo:]` without building the context)."""
         p = len(self.prompt)
@@ -148,14 +153,14 @@ class Scheduler:
         """`(request, tokens to compute)` of the next step, decodes first; admits as it goes."""
         budget = self.max_num_batched_tokens
         plan: list[tuple[Request, int]] = []
-        order = sorted(self.running, key=lambda r: r.remaining > 1)
-        self._grow_decodes(order[:budget])
-        for req in order:
+        order = sorted(((req, req.remaining) for req in self.running), key=lambda rl: rl[1] > 1)
+        self._grow_decodes([req for req, left in order[:budget] if left == 1])
+        for req, left in order:  # (`left` holds while the request runs: only a preemption changes it)
             if budget == 0:
                 break
             if req.state is not RequestState.RUNNING:
                 continue  # preempted by an earlier request of this step
-            n = min(req.remaining, budget)
+            n = min(left, budget)
             if self._grow(req, req.computed + n, plan):
                 plan.append((req, n))
                 budget -= n
@@ -305,15 +310,15 @@ class Scheduler:
         return True
 
     def _grow_decodes(self, reqs: list[Request]) -> None:
-        """Give the decodes among `reqs` (one token each) their next pages in one allocation.
+        """Give decodes `reqs` (one token each) their next pages in one allocation.
 
         One call into the cache per step instead of one per request. Where the pool is short,
         nothing is taken (the slots given back): `_grow` then takes them request by request,
         evicting and preempting as the module docstring says; a short pool evicts the same
         nodes either way, since each eviction takes the fewest nodes in policy order.
         """
-        wants = [(r, self.pages(r.computed + 1) - r.filled) for r in reqs if r.remaining == 1]
-        wants = [(r, w) for r, w in wants if w > 0]
+        ps = self.page_size
+        wants = [(r, w) for r in reqs if (w := -(-(r.computed + 1) // ps) * ps - r.filled) > 0]
         total = sum(w for _, w in wants)
         if not total:
             return
