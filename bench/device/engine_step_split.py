@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, "bench/device")
-from engine_bound import weight_copy_s  # noqa: E402
+from engine_bound import weight_copy_s
 
-from kvtier.bench.common import environment  # noqa: E402
-from kvtier.bench.engines import bench_model  # noqa: E402
-from kvtier.engine import Engine, SamplingParams, graphs, runner  # noqa: E402
+from kvtier.bench.common import environment
+from kvtier.bench.engines import bench_model
+from kvtier.engine import Engine, SamplingParams, graphs, runner
 
 STEPS = 30
 PROMPT = 512
