@@ -312,10 +312,12 @@ class Scheduler:
     def _grow_decodes(self, reqs: list[Request]) -> None:
         """Give decodes `reqs` (one token each) their next pages in one allocation.
 
-        One call into the cache per step instead of one per request. Where the pool is short,
-        nothing is taken (the slots given back): `_grow` then takes them request by request,
-        evicting and preempting as the module docstring says; a short pool evicts the same
-        nodes either way, since each eviction takes the fewest nodes in policy order.
+        One call into the cache per step instead of one per request. Where the pool cannot give
+        them all even after evicting every unlocked node, none is taken and `_grow` takes them
+        request by request, preempting as the module docstring says. The nodes evicted are the
+        ones the request-by-request path evicts: the fewest in policy order that cover the
+        step's pages, or, when those do not, every one (that path too evicts them all before it
+        preempts anyone).
         """
         ps = self.page_size
         wants = [(r, w) for r in reqs if (w := -(-(r.computed + 1) // ps) * ps - r.filled) > 0]
