@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvtier.engine import paged
-from kvtier.engine.hostio import to_device
+from kvtier.engine.hostio import host_buffer, to_device
 from kvtier.engine.paged_step import HostLayout, PagedStep, StepLayout
 from kvtier.errors import InvariantError
 from kvtier.pool import DevicePool
@@ -177,17 +177,19 @@ def static_layout(bucket: int, width: int, device: torch.device) -> tuple[torch.
     return head, layout
 
 
-def staged_inputs(host: HostLayout, bucket: int) -> np.ndarray:
-    """`[4 * bucket + B * W]` int64: a decode-only step's `head` rows (`static_layout`), its rows past
-    `B` padding (id 0, position 0, slot -1, length 0), then its `[B, W]` slot table."""
+def staged_inputs(host: HostLayout, bucket: int, device: torch.device) -> torch.Tensor:
+    """`[4 * bucket + B * W]` int64 on the host (pinned for CUDA, `host_buffer`): a decode-only step's
+    `head` rows (`static_layout`), its rows past `B` padding (id 0, position 0, slot -1, length 0),
+    then its `[B, W]` slot table."""
     a = host.arrays
     b, w = a["dec_table"].shape
-    out = np.empty(4 * bucket + b * w, np.int64)
+    buf = host_buffer(4 * bucket + b * w, device)
+    out = buf.numpy()
     head = out[: 4 * bucket].reshape(4, bucket)
     head[0, :b], head[1, :b], head[2, :b], head[3, :b] = a["ids"], a["positions"], a["write"], a["dec_lens"]
     head[:, b:] = _PADDING
     out[4 * bucket :] = a["dec_table"].reshape(-1)
-    return out
+    return buf
 
 
 _PADDING = np.array([[0], [0], [-1], [0]], np.int64)  # a padding row's id, position, slot, length
@@ -198,6 +200,6 @@ def fill(head: torch.Tensor, layout: StepLayout, host: HostLayout) -> None:
     device, then two device copies (the four `head` rows at once, the table's `[B, W]` corner)."""
     bucket = head.shape[1]
     b, w = host.arrays["dec_table"].shape
-    staged = to_device(staged_inputs(host, bucket), head.device)
+    staged = to_device(staged_inputs(host, bucket, head.device), head.device)
     head.copy_(staged[: 4 * bucket].view(4, bucket))
     layout.dec_table[:b, :w].copy_(staged[4 * bucket :].view(b, w))

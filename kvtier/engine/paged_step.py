@@ -29,7 +29,7 @@ import torch
 
 from kvtier.engine import paged
 from kvtier.engine.batch import Cache, DynamicLayer, stepping
-from kvtier.engine.hostio import to_device
+from kvtier.engine.hostio import host_buffer, to_device
 from kvtier.engine.indexer import on_layer, token_rows
 from kvtier.engine.paged import KVView
 from kvtier.errors import InvariantError
@@ -132,7 +132,12 @@ class HostLayout:
 
     def stage(self, device: torch.device) -> StepLayout:
         """The arrays on `device` through one pinned buffer and one copy that the host does not wait for."""
-        buf = to_device(np.concatenate([a.reshape(-1) for a in self.arrays.values()]), device)
+        staged = host_buffer(sum(a.size for a in self.arrays.values()), device)
+        flat, at = staged.numpy(), 0
+        for a in self.arrays.values():
+            flat[at : at + a.size] = a.reshape(-1)
+            at += a.size
+        buf = to_device(staged, device)
         views, at = {}, 0
         for name, a in self.arrays.items():
             views[name] = buf[at : at + a.size].view(a.shape)
