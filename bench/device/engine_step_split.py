@@ -10,7 +10,9 @@ Llama-3.1-8B shape, bf16, random weights, 512-token prompts, graphs on; for 1, 1
 - `sample_gpu_ms`: events at `choose_all`'s entry and before its read-back: batched sampling;
 - `choose_ms`: `choose_all`'s host wall (waits for the replay and sampling, reads back);
 - `host_post_ms`: `choose_all`'s return to the step's end (each request's bookkeeping);
-- `step_ms`: the step's wall; `weight_copy_ms`: the same run's device copy of the weights' bytes.
+- `step_ms`: the step's wall; `weight_copy_ms`: the same run's device copy of the weights' bytes;
+- `eager_kernels`: one more step run eagerly under torch's profiler, its kernels by device time
+  (the graph replays the same kernels): which of them grows with the running requests.
 If `replay_gpu_ms` grows with running requests as `step_ms` does, the slope is the device's
 (attention over the slot tables, the splits), not the host's.
 
@@ -95,12 +97,39 @@ def split(eng: Engine, n: int, vocab: int) -> dict:
                     "step_ms": (t1 - t0) * 1e3,
                 }
             )
+        out = {"running": n, **{k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}}
+        out["eager_kernels"] = eager_kernels(eng)
     finally:
         graphs.fill, runner.read_back = fill, read_back
         del eng.runner.choose_all
         for r in reqs:
             eng.cancel(r)
-    return {"running": n, **{k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}}
+    return out
+
+
+def eager_kernels(eng: Engine, top: int = 12) -> list[dict]:
+    """The same step run eagerly under torch's profiler: its `top` kernels by device time (ms in
+    the step, launches), the graph's kernels being the same ones."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    eng.runner.graphs.enabled = False
+    try:
+        eng.step()  # the eager step's shapes once before the profiled one
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            eng.step()
+            torch.cuda.synchronize()
+    finally:
+        eng.runner.graphs.enabled = True
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0)
+        if device_us:
+            rows.append({"name": e.key[:90], "ms": round(device_us / 1e3, 3), "count": e.count})
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def main() -> None:
@@ -119,7 +148,9 @@ def main() -> None:
     finally:
         eng.close()
     for r in rows:
-        print(json.dumps(r), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k != "eager_kernels"}), flush=True)
+        for k in r["eager_kernels"][:6]:
+            print(f"   {k['ms']:8.3f} ms {k['count']:5d}x {k['name']}", flush=True)
     print(f"weight copy {report['weight_copy_ms']} ms", flush=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
