@@ -7,6 +7,7 @@ forwards of the model (no cache) and with the same request run alone through the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,6 +144,32 @@ def test_preemption_under_memory_pressure_resumes_with_the_same_tokens(model) ->
     assert sum(res.preemptions for res in results.values()) == eng.stats.preemptions
     for r, p in zip(reqs, ps, strict=True):
         assert results[r.id].tokens == reference(model, p, 14)
+    assert_nothing_held(eng)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_decode_step_takes_its_pages_in_one_allocation(model, page_size: int) -> None:
+    """Decodes that need a page get it from one `alloc_device` call a step, each a distinct slot."""
+    ps = prompts(6, [9, 12, 7, 10])
+    eng = Engine(model, device_tokens=256, host_tokens=512, page_size=page_size)
+    reqs = [eng.submit(p, params(9)) for p in ps]
+    eng.step()  # every prompt in one step
+    calls = []
+    alloc = eng.cache.alloc_device
+    eng.cache.alloc_device = lambda n: calls.append(n) or alloc(n)
+    try:
+        for _ in range(6):
+            calls.clear()
+            need = sum(r.computed + 1 > r.filled for r in reqs)
+            eng.step()
+            assert calls == ([need * page_size] if need else [])
+            tables = np.concatenate([r.table[: r.filled] for r in reqs])
+            assert len(np.unique(tables)) == len(tables)
+    finally:
+        del eng.cache.alloc_device
+    results = run_all(eng, [])
+    for r, p in zip(reqs, ps, strict=True):
+        assert results[r.id].tokens == reference(model, p, 9)
     assert_nothing_held(eng)
 
 

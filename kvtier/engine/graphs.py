@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvtier.engine import paged
-from kvtier.engine.hostio import to_device
+from kvtier.engine.hostio import host_buffer, to_device
 from kvtier.engine.paged_step import HostLayout, PagedStep, StepLayout
 from kvtier.errors import InvariantError
 from kvtier.pool import DevicePool
@@ -53,8 +53,10 @@ def buckets_up_to(max_batch: int) -> tuple[int, ...]:
 
 @dataclass
 class _Graph:
-    """One captured bucket: its static layout, its step, the graph and its logits `[bucket, V]`."""
+    """One captured bucket: its static inputs (`static_layout`), its step, the graph and its logits
+    `[bucket, V]`."""
 
+    head: torch.Tensor
     layout: StepLayout
     step: PagedStep
     graph: torch.cuda.CUDAGraph
@@ -110,30 +112,18 @@ class DecodeGraphs:
             if g is None:
                 return None
         else:
-            _fill(g.layout, host)
+            fill(g.head, g.layout, host)
             g.graph.replay()
         return g.logits[:b]
 
     def _capture(self, bucket: int, width: int, host: HostLayout) -> _Graph | None:
         dev = self.pool.device
-        layout = StepLayout(
-            ids=torch.zeros(bucket, dtype=torch.int64, device=dev),
-            positions=torch.zeros(bucket, dtype=torch.int64, device=dev),
-            write=torch.full((bucket,), -1, dtype=torch.int64, device=dev),
-            last=torch.arange(bucket, device=dev),
-            dec_table=torch.full((bucket, width), -1, dtype=torch.int64, device=dev),
-            dec_lens=torch.zeros(bucket, dtype=torch.int64, device=dev),
-            pf_table=torch.zeros(0, 0, dtype=torch.int64, device=dev),
-            pf_lens=torch.zeros(0, dtype=torch.int64, device=dev),
-            pf_news=torch.zeros(0, dtype=torch.int64, device=dev),
-            pf_starts=torch.zeros(0, dtype=torch.int64, device=dev),
-            max_new=0,
-        )
+        head, layout = static_layout(bucket, width, dev)
         hkv, group = self.groups
         programs = bucket * hkv * -(-group // 64)
         splits = paged.decode_splits(programs, width, paged.decode_block(128), self.sms)
         step = PagedStep(self.spec, self.pool, layout, self.windows, (), splits)
-        _fill(layout, host)
+        fill(head, layout, host)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # the warm-up forward: compiles, writes the step's rows
@@ -158,27 +148,58 @@ class DecodeGraphs:
         log.info(
             "captured the decode graph of %d requests, tables of %d slots, %d splits", bucket, width, splits
         )
-        self._graphs[bucket] = g = _Graph(layout, step, graph, logits, width)
+        self._graphs[bucket] = g = _Graph(head, layout, step, graph, logits, width)
         return g
 
 
-def _fill(layout: StepLayout, host: HostLayout) -> None:
-    """Copy a decode-only step's arrays into a graph's static buffers (its rows past B: padding)."""
-    a = host.arrays
-    b, bucket = a["dec_lens"].size, layout.dec_lens.shape[0]
-    pad = bucket - b
-    head = np.concatenate(
-        [
-            np.pad(a["ids"], (0, pad)),
-            np.pad(a["positions"], (0, pad)),
-            np.pad(a["write"], (0, pad), constant_values=-1),
-            np.pad(a["dec_lens"], (0, pad)),
-            a["dec_table"].reshape(-1),
-        ]
+def static_layout(bucket: int, width: int, device: torch.device) -> tuple[torch.Tensor, StepLayout]:
+    """A graph's static buffers for `bucket` decodes of tables up to `width` slots, all padding.
+
+    Returns `head` `[4, bucket]` int64, whose rows are the layout's `ids`, `positions`, `write`
+    and `dec_lens` (views: one copy refills the four), and the layout (`dec_table` `[bucket, width]`).
+    """
+    head = torch.zeros(4, bucket, dtype=torch.int64, device=device)
+    head[2].fill_(-1)
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    layout = StepLayout(
+        ids=head[0],
+        positions=head[1],
+        write=head[2],
+        last=torch.arange(bucket, device=device),
+        dec_table=torch.full((bucket, width), -1, dtype=torch.int64, device=device),
+        dec_lens=head[3],
+        pf_table=torch.zeros(0, 0, dtype=torch.int64, device=device),
+        pf_lens=none,
+        pf_news=none.clone(),
+        pf_starts=none.clone(),
+        max_new=0,
     )
-    staged = to_device(head, layout.ids.device)
-    n = bucket
-    for i, dst in enumerate((layout.ids, layout.positions, layout.write, layout.dec_lens)):
-        dst.copy_(staged[i * n : (i + 1) * n])
-    w = a["dec_table"].shape[1]
-    layout.dec_table[:b, :w].copy_(staged[4 * n :].view(b, w))
+    return head, layout
+
+
+def staged_inputs(host: HostLayout, bucket: int, device: torch.device) -> torch.Tensor:
+    """`[4 * bucket + B * W]` int64 on the host (pinned for CUDA, `host_buffer`): a decode-only step's
+    `head` rows (`static_layout`), its rows past `B` padding (id 0, position 0, slot -1, length 0),
+    then its `[B, W]` slot table."""
+    a = host.arrays
+    b, w = a["dec_table"].shape
+    buf = host_buffer(4 * bucket + b * w, device)
+    out = buf.numpy()
+    head = out[: 4 * bucket].reshape(4, bucket)
+    head[0, :b], head[1, :b], head[2, :b], head[3, :b] = a["ids"], a["positions"], a["write"], a["dec_lens"]
+    head[:, b:] = _PADDING
+    out[4 * bucket :] = a["dec_table"].reshape(-1)
+    return buf
+
+
+_PADDING = np.array([[0], [0], [-1], [0]], np.int64)  # a padding row's id, position, slot, length
+
+
+def fill(head: torch.Tensor, layout: StepLayout, host: HostLayout) -> None:
+    """Copy a decode-only step's arrays into a graph's static buffers: one pinned copy to the
+    device, then two device copies (the four `head` rows at once, the table's `[B, W]` corner)."""
+    bucket = head.shape[1]
+    b, w = host.arrays["dec_table"].shape
+    staged = to_device(staged_inputs(host, bucket, head.device), head.device)
+    head.copy_(staged[: 4 * bucket].view(4, bucket))
+    layout.dec_table[:b, :w].copy_(staged[4 * bucket :].view(b, w))

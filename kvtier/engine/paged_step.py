@@ -29,7 +29,7 @@ import torch
 
 from kvtier.engine import paged
 from kvtier.engine.batch import Cache, DynamicLayer, stepping
-from kvtier.engine.hostio import to_device
+from kvtier.engine.hostio import host_buffer, to_device
 from kvtier.engine.indexer import on_layer, token_rows
 from kvtier.engine.paged import KVView
 from kvtier.errors import InvariantError
@@ -75,28 +75,56 @@ class HostLayout:
 
     @classmethod
     def of(cls, pieces: Sequence[tuple[np.ndarray, int]], ids: np.ndarray) -> HostLayout:
-        """`pieces`: `(slots [L] int64, new)` per request, one-token pieces (decodes) first."""
-        b = next((i for i, (_, new) in enumerate(pieces) if new != 1), len(pieces))
+        """`pieces`: `(slots [L] int64, new)` per request, one-token pieces (decodes) first.
+
+        Per piece only its length, its count and its table row are read in Python; the
+        positions and write slots are whole-array operations over the padded tables.
+        """
+        r = len(pieces)
         lens = np.array([len(s) for s, _ in pieces], np.int64)
         news = np.array([n for _, n in pieces], np.int64)
-        if np.any(news < 1) or np.any(news > lens) or np.any(news[:b] != 1):
+        if ((news < 1) | (news > lens)).any():
             raise InvariantError(f"a step's pieces: {news.tolist()} new of contexts {lens.tolist()}")
+        ids = np.asarray(ids, np.int64)
+        if int(news.sum()) == r:  # every piece one token: a decode-only step
+            table = _table([s for s, _ in pieces], lens)
+            positions = lens - 1
+            none = np.zeros(0, np.int64)
+            arrays = {
+                "ids": ids,
+                "positions": positions,
+                "write": table[np.arange(r), positions],
+                "last": np.arange(r, dtype=np.int64),
+                "dec_table": table,
+                "dec_lens": lens,
+                "pf_table": np.zeros((0, 0), np.int64),
+                "pf_lens": none,
+                "pf_news": none,
+                "pf_starts": none,
+            }
+            return cls(arrays, 0)
+        b = int(np.argmax(news != 1))
         ends = np.cumsum(news)
-        write = np.concatenate([s[len(s) - n :] for s, n in pieces])
-        positions = np.concatenate([np.arange(len(s) - n, len(s)) for s, n in pieces])
+        starts = ends - news  # each piece's first token in the pack
+        # token t of piece i sits at position lens[i] - news[i] + (t - starts[i])
+        positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(lens - news - starts, news)
+        dec_table = _table([s for s, _ in pieces[:b]], lens[:b])
+        pf_table = _table([s for s, _ in pieces[b:]], lens[b:])
+        pf_rows = np.repeat(np.arange(r - b), news[b:])
+        write = np.concatenate([dec_table[np.arange(b), lens[:b] - 1], pf_table[pf_rows, positions[b:]]])
         arrays = {
-            "ids": np.asarray(ids, np.int64),
-            "positions": positions.astype(np.int64),
-            "write": write.astype(np.int64),
+            "ids": ids,
+            "positions": positions,
+            "write": write,
             "last": ends - 1,
-            "dec_table": _table([s for s, _ in pieces[:b]]),
+            "dec_table": dec_table,
             "dec_lens": lens[:b],
-            "pf_table": _table([s for s, _ in pieces[b:]]),
+            "pf_table": pf_table,
             "pf_lens": lens[b:],
             "pf_news": news[b:],
-            "pf_starts": (ends - news)[b:],
+            "pf_starts": starts[b:],
         }
-        return cls(arrays, int(news[b:].max(initial=0)))
+        return cls(arrays, int(news[b:].max()))
 
     @property
     def decode_only(self) -> bool:
@@ -104,7 +132,12 @@ class HostLayout:
 
     def stage(self, device: torch.device) -> StepLayout:
         """The arrays on `device` through one pinned buffer and one copy that the host does not wait for."""
-        buf = to_device(np.concatenate([a.reshape(-1) for a in self.arrays.values()]), device)
+        staged = host_buffer(sum(a.size for a in self.arrays.values()), device)
+        flat, at = staged.numpy(), 0
+        for a in self.arrays.values():
+            flat[at : at + a.size] = a.reshape(-1)
+            at += a.size
+        buf = to_device(staged, device)
         views, at = {}, 0
         for name, a in self.arrays.items():
             views[name] = buf[at : at + a.size].view(a.shape)
@@ -112,11 +145,11 @@ class HostLayout:
         return StepLayout(**views, max_new=self.max_new)
 
 
-def _table(rows: list[np.ndarray]) -> np.ndarray:
-    """`[R, max len]` int64: each row's slots, padded with -1."""
-    out = np.full((len(rows), max((len(r) for r in rows), default=0)), -1, np.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
+def _table(rows: list[np.ndarray], lens: np.ndarray) -> np.ndarray:
+    """`[R, max len]` int64: each row's slots (`lens` `[R]` their lengths), padded with -1."""
+    out = np.full((len(rows), int(lens.max(initial=0))), -1, np.int64)
+    for i, row in enumerate(rows):  # a row's copy is one memcpy (a boolean-mask fill is far slower)
+        out[i, : len(row)] = row
     return out
 
 

@@ -103,7 +103,7 @@ class ModelRunner:
         for req, n in plan:
             lo = req.computed
             pieces.append(Piece(torch.from_numpy(req.table[: lo + n]), n, req.load))
-            ids.append(req.context(lo + n)[lo:])
+            ids.append(req.span(lo, lo + n))
         input_ids = torch.from_numpy(np.concatenate(ids)).to(self.device_pool.device).unsqueeze(0)
         batch = StepBatch(self.spec, self.device_pool, pieces, self.windows, input_ids[0])
         pos = batch.positions
@@ -121,8 +121,7 @@ class ModelRunner:
 
     def _forward_paged(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
         pieces = [(req.table[: req.computed + n], n) for req, n in plan]
-        ids = np.concatenate([req.context(req.computed + n)[req.computed :] for req, n in plan])
-        host = HostLayout.of(pieces, ids)
+        host = HostLayout.of(pieces, _tokens(plan))
         loads = [req.load for req, _ in plan if req.load is not None]
         if self.graphs is not None and self.graphs.takes(host, len(loads)):
             logits = self.graphs.run(host)
@@ -157,8 +156,10 @@ class ModelRunner:
         if not rows:
             return []
         reqs = [req for req, _ in rows]
-        index = to_device(np.array([i for _, i in rows], np.int64), logits.device)
-        sub = logits.index_select(0, index)  # [n, V]
+        if len(rows) == logits.shape[0] and all(i == j for j, (_, i) in enumerate(rows)):
+            sub = logits  # every row samples, in order: no gather
+        else:
+            sub = logits.index_select(0, to_device(np.array([i for _, i in rows], np.int64), logits.device))
         try:
             tokens = sample_rows(
                 sub, [r.params for r in reqs], [r.generator for r in reqs], [r.tokens for r in reqs]
@@ -216,3 +217,10 @@ class ModelRunner:
         if len(req.tokens) + 1 >= p.max_tokens:
             return "length"
         return None
+
+
+def _tokens(plan: list[tuple[Request, int]]) -> np.ndarray:
+    """`[T]` int64: the tokens each `(request, n)` computes this step, packed in plan order."""
+    if all(n == 1 for _, n in plan):  # a decode-only step: one token each, no array per request
+        return np.array([req.token_at(req.computed) for req, _ in plan], np.int64)
+    return np.concatenate([req.span(req.computed, req.computed + n) for req, n in plan])

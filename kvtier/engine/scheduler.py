@@ -110,6 +110,19 @@ class Request:
             return self.prompt[:n]
         return np.concatenate([self.prompt, np.asarray(self.tokens[: n - len(self.prompt)], dtype=np.int64)])
 
+    def token_at(self, i: int) -> int:
+        """Context token `i` (of the prompt, else generated)."""
+        p = len(self.prompt)
+        return int(self.prompt[i]) if i < p else self.tokens[i - p]
+
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """`[hi - lo]` int64: context tokens `[lo, hi)` (`context(hi)[lo:]` without building the context)."""
+        p = len(self.prompt)
+        if hi <= p:
+            return self.prompt[lo:hi]
+        tail = np.array(self.tokens[max(lo - p, 0) : hi - p], dtype=np.int64)
+        return tail if lo >= p else np.concatenate([self.prompt[lo:], tail])
+
     @property
     def remaining(self) -> int:
         return self.context_len - self.computed
@@ -140,12 +153,14 @@ class Scheduler:
         """`(request, tokens to compute)` of the next step, decodes first; admits as it goes."""
         budget = self.max_num_batched_tokens
         plan: list[tuple[Request, int]] = []
-        for req in sorted(self.running, key=lambda r: r.remaining > 1):
+        order = sorted(((req, req.remaining) for req in self.running), key=lambda rl: rl[1] > 1)
+        self._grow_decodes([req for req, left in order[:budget] if left == 1])
+        for req, left in order:  # (`left` holds while the request runs: only a preemption changes it)
             if budget == 0:
                 break
             if req.state is not RequestState.RUNNING:
                 continue  # preempted by an earlier request of this step
-            n = min(req.remaining, budget)
+            n = min(left, budget)
             if self._grow(req, req.computed + n, plan):
                 plan.append((req, n))
                 budget -= n
@@ -293,6 +308,31 @@ class Scheduler:
         req.table[req.filled : req.filled + want] = slots.numpy()
         req.filled += want
         return True
+
+    def _grow_decodes(self, reqs: list[Request]) -> None:
+        """Give decodes `reqs` (one token each) their next pages in one allocation.
+
+        One call into the cache per step instead of one per request. Where the pool cannot give
+        them all even after evicting every unlocked node, none is taken and `_grow` takes them
+        request by request, preempting as the module docstring says. The nodes evicted are the
+        ones the request-by-request path evicts: the fewest in policy order that cover the
+        step's pages, or, when those do not, every one (that path too evicts them all before it
+        preempts anyone).
+        """
+        ps = self.page_size
+        wants = [(r, w) for r in reqs if (w := -(-(r.computed + 1) // ps) * ps - r.filled) > 0]
+        total = sum(w for _, w in wants)
+        if not total:
+            return
+        try:
+            slots = self.cache.alloc_device(total).numpy()
+        except CacheFullError:
+            return
+        at = 0
+        for req, w in wants:
+            req.table[req.filled : req.filled + w] = slots[at : at + w]
+            req.filled += w
+            at += w
 
     def _victim(self, req: Request) -> Request | None:
         """The most recently admitted running request admitted after `req`, if any."""
