@@ -102,10 +102,11 @@ class Piece:
         return int(self.slots.numel())
 
 
-class _StepLayer(DynamicLayer):
-    """One layer of a `StepBatch`: `update` writes the new rows and returns the gathered contexts."""
+class StepLayer(DynamicLayer):
+    """One layer of a step's `Cache` (`StepBatch`, `kvtier.engine.paged_step.PagedStep`): `update`
+    hands the layer's new rows to the owner's `update_layer` and returns what it returns."""
 
-    def __init__(self, owner: StepBatch, layer: int) -> None:
+    def __init__(self, owner: Any, layer: int) -> None:
         super().__init__()
         self.owner, self.layer = owner, layer
 
@@ -144,7 +145,7 @@ class StepBatch(Cache):
         windows = tuple(windows) if windows is not None else (None,) * spec.num_layers
         if len(windows) != spec.num_layers:
             raise InvariantError(f"{len(windows)} layer windows for a spec of {spec.num_layers} layers")
-        super().__init__(layers=[_StepLayer(self, i) for i in range(spec.num_layers)])
+        super().__init__(layers=[StepLayer(self, i) for i in range(spec.num_layers)])
         self.spec, self.pool, self.pieces, self.windows = spec, pool, list(pieces), windows
         self._mla = spec.buffers[0].kind is BufferKind.MLA_LATENT
         dev = pool.device

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvtier.engine import paged
-from kvtier.engine.batch import Cache, DynamicLayer, stepping
+from kvtier.engine.batch import Cache, StepLayer, stepping
 from kvtier.engine.hostio import host_buffer, to_device
 from kvtier.engine.indexer import on_layer, token_rows
 from kvtier.engine.paged import KVView
@@ -153,20 +153,6 @@ def _table(rows: list[np.ndarray], lens: np.ndarray) -> np.ndarray:
     return out
 
 
-class _PagedLayer(DynamicLayer):
-    """One layer of a `PagedStep`: `update` writes the new rows and returns them."""
-
-    def __init__(self, owner: PagedStep, layer: int) -> None:
-        super().__init__()
-        self.owner, self.layer = owner, layer
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.owner.update_layer(self.layer, key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return 0
-
-
 class PagedStep(Cache):
     """The `Cache` of one step whose attention reads the pool in place; see the module docstring.
 
@@ -186,7 +172,7 @@ class PagedStep(Cache):
     ) -> None:
         if len(windows) != spec.num_layers:
             raise InvariantError(f"{len(windows)} layer windows for a spec of {spec.num_layers} layers")
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(spec.num_layers)])
+        super().__init__(layers=[StepLayer(self, i) for i in range(spec.num_layers)])
         self.spec, self.pool, self.layout, self.windows = spec, pool, layout, tuple(windows)
         self.loads, self.splits = list(loads), splits
         self._mla = spec.buffers[0].kind is BufferKind.MLA_LATENT
