@@ -61,8 +61,13 @@ def matmul_tflops(dev) -> float:
 
 def prefill_s(model, dev, tokens: int, repeats: int) -> list[float]:
     """Seconds of one step that prefills a fresh `tokens`-token prompt (one piece), per repeat."""
-    eng = Engine(model, device_tokens=4 * tokens, host_tokens=4 * tokens, max_num_batched_tokens=tokens,
-                 prefix_cache=False)
+    eng = Engine(
+        model,
+        device_tokens=4 * tokens,
+        host_tokens=4 * tokens,
+        max_num_batched_tokens=tokens,
+        prefix_cache=False,
+    )
     rng = np.random.default_rng(1)
     vocab = int(model.get_input_embeddings().num_embeddings)
     out = []
@@ -93,7 +98,8 @@ def main() -> None:
     report = {"meta": {**environment(dev), "model": name, "weight_bytes": nbytes, "params": params}}
     report["weight_copy_s"] = copy_s = weight_copy_s(nbytes, dev)
     report["matmul_tflops"] = peak = matmul_tflops(dev)
-    print(f"weights {nbytes / 1e9:.2f} GB: copy {copy_s * 1e3:.2f} ms; bf16 matmul {peak:.0f} TFLOP/s", flush=True)
+    copy_ms = copy_s * 1e3
+    print(f"weights {nbytes / 1e9:.2f} GB: copy {copy_ms:.2f} ms; bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     running = (1, 4) if smoke else (1, 16, 64)
     bench = batching.BatchingBench(running=running, decode_prompt_tokens=512, steps=20, parts=("decode",))
     for mode, eager in (("eager", True), ("graphs", False)):
@@ -102,18 +108,29 @@ def main() -> None:
             {**asdict(r), "x_weight_copy": round(r.ms_per_step / 1e3 / copy_s, 3)} for r in rows
         ]
         for r in rows:
-            print(f"decode {mode} {r.running:3d} running: {r.ms_per_step:.2f} ms/step "
-                  f"({r.ms_per_step / 1e3 / copy_s:.2f}x the weight copy)", flush=True)
+            print(
+                f"decode {mode} {r.running:3d} running: {r.ms_per_step:.2f} ms/step "
+                f"({r.ms_per_step / 1e3 / copy_s:.2f}x the weight copy)",
+                flush=True,
+            )
     piece = 256 if smoke else 2048
     times = prefill_s(model, dev, piece, 3)
     cfg = model.config
     attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * piece * piece / 2
     flops = 2 * (params - embed) * piece + attn
     s = float(np.median(times))
-    report["prefill"] = {"tokens": piece, "seconds": times, "tokens_per_s": round(piece / s, 1),
-                         "tflops": round(flops / s / 1e12, 1), "of_matmul": round(flops / s / 1e12 / peak, 3)}
-    print(f"prefill {piece}: {s * 1e3:.1f} ms, {flops / s / 1e12:.0f} TFLOP/s = "
-          f"{flops / s / 1e12 / peak:.2f} of the matmul", flush=True)
+    report["prefill"] = {
+        "tokens": piece,
+        "seconds": times,
+        "tokens_per_s": round(piece / s, 1),
+        "tflops": round(flops / s / 1e12, 1),
+        "of_matmul": round(flops / s / 1e12 / peak, 3),
+    }
+    print(
+        f"prefill {piece}: {s * 1e3:.1f} ms, {flops / s / 1e12:.0f} TFLOP/s = "
+        f"{flops / s / 1e12 / peak:.2f} of the matmul",
+        flush=True,
+    )
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
 
