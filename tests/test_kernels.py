@@ -24,9 +24,10 @@ from conftest import on_device, on_host
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier import jit
 from kvtier.errors import TransferError
 from kvtier.pool.rows import flat_words, word_dtype
-from kvtier.transfer import kernel_args, kernels, launch
+from kvtier.transfer import kernels
 from kvtier.transfer.kernels import runs_on
 
 CUDA = torch.cuda.is_available()
@@ -227,7 +228,7 @@ def test_odd_rows_per_program_and_repeated_sources(gen: torch.Generator) -> None
 
 
 def test_offsets_alignment_is_found_on_the_host() -> None:
-    from kvtier.transfer.kernel_args import common_alignment
+    from kvtier.transfer.kernels import common_alignment
 
     assert common_alignment(np.array([0, 4, 12]), np.array([8])) == 4
     assert common_alignment(np.array([0, 6]), np.array([2])) == 2
@@ -299,7 +300,7 @@ def test_random_cases(
 
 
 def test_rows_in_flight_follows_the_row_size() -> None:
-    from kvtier.transfer.launch import rows_in_flight
+    from kvtier.transfer.kernels import rows_in_flight
 
     # About 64 KiB of whole rows per program, at most 256 rows.
     assert rows_in_flight(1152) == 56
@@ -311,7 +312,7 @@ def test_rows_in_flight_follows_the_row_size() -> None:
 
 
 def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
-    from kvtier.transfer.launch import programs_for, rows_in_flight, tile_bytes, warps_for
+    from kvtier.transfer.kernels import programs_for, rows_in_flight, tile_bytes, warps_for
 
     # ~512 KiB across the grid: 2 programs of 4 stages of 64 KiB; unpipelined, 4 of 128 KiB.
     assert [programs_for(1152, 8, stages) for stages in (4, 3, 2, 1)] == [2, 3, 4, 4]
@@ -320,9 +321,9 @@ def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
     # Over a wide host span, twice the lean programs within the budget; short rows keep the budget.
     assert [programs_for(1152, 8, stages, wide=True) for stages in (4, 3, 1)] == [4, 6, 8]
     assert programs_for(1152, 3, 4, wide=True) == 3 and programs_for(656, 8, 1, wide=True) == 8
-    span, piece = launch.WIDE_SPAN_BYTES, launch.WIDE_PIECE_BYTES
-    assert not launch.is_wide(span, 1152) and launch.is_wide(span + 1, 1152)
-    assert launch.is_wide(span + 1, piece - 1) and not launch.is_wide(span + 1, piece)
+    span, piece = kernels.WIDE_SPAN_BYTES, kernels.WIDE_PIECE_BYTES
+    assert not kernels.is_wide(span, 1152) and kernels.is_wide(span + 1, 1152)
+    assert kernels.is_wide(span + 1, piece - 1) and not kernels.is_wide(span + 1, piece)
     # Pipelined tiles are 64 KiB whatever the grid; unpipelined, 512 KiB / programs in [64, 128] KiB.
     assert [tile_bytes(p, 4) for p in (1, 2, 8)] == [65536] * 3
     assert [tile_bytes(p) for p in (1, 2, 4, 5, 8, 16)] == [131072, 131072, 131072, 104857, 65536, 65536]
@@ -334,7 +335,7 @@ def test_long_rows_take_the_programs_that_keep_512_kib_in_flight() -> None:
 
 
 def test_only_whole_aligned_lines_are_pipelined() -> None:
-    from kvtier.transfer.launch import pipelines, stages_for
+    from kvtier.transfer.kernels import pipelines, stages_for
 
     assert pipelines(1152, 1152) and pipelines(2048, 128)
     # 656-byte fp8 rows and 2112-byte indexer pages straddle lines; 1152-byte rows 16 bytes off do too.
@@ -355,12 +356,12 @@ def test_stages_are_what_the_device_s_shared_memory_holds(
     from kvtier.transfer import KernelOptions
 
     # A device with `shared` bytes per program (the query of the device itself stands in).
-    monkeypatch.setattr(launch, "device_shared_bytes", lambda index: shared)
+    monkeypatch.setattr(kernels, "device_shared_bytes", lambda index: shared)
     gpu = torch.device("cuda", 0)
-    assert launch.shared_bytes(gpu) == shared and launch.stages_for(1152, 1152, shared) == stages
+    assert kernels.shared_bytes(gpu) == shared and kernels.stages_for(1152, 1152, shared) == stages
     # Planning on the CPU (or under the interpreter) assumes a device that holds them all.
-    assert launch.shared_bytes(torch.device("cpu")) is launch.shared_bytes(None) is None
-    assert launch.stages_for(1152, 1152, None) == 4
+    assert kernels.shared_bytes(torch.device("cpu")) is kernels.shared_bytes(None) is None
+    assert kernels.stages_for(1152, 1152, None) == 4
     shape = KernelOptions(sm_budget=7).launch(1152, 1152, gpu)
     assert (shape.programs, shape.stages) == ({4: 2, 3: 3, 2: 4, 1: 4}[stages], stages)
     assert shape.rows == (56 if stages > 1 else 113)
@@ -370,7 +371,7 @@ def test_stages_are_what_the_device_s_shared_memory_holds(
 def test_kernel_options_take_fewer_programs_for_long_rows() -> None:
     from kvtier.pool.device import Direction
     from kvtier.transfer import KernelOptions
-    from kvtier.transfer.launch import KernelLaunch
+    from kvtier.transfer.kernels import KernelLaunch
 
     lean, full = KernelOptions(), KernelOptions(lean=False)
     # Rows of 1 KiB or more: 2 programs of 4 stages of 56 rows when they are whole, aligned lines,
@@ -479,10 +480,10 @@ def _identity(x):
 
 def test_kernels_are_wrapped_once_per_mode_and_again_when_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton reads TRITON_INTERPRET when it wraps a function: a switched mode wraps again."""
-    wrapped = kernel_args.ModeJit(_identity, do_not_specialize=["x"])
+    wrapped = jit.ModeJit(_identity, do_not_specialize=["x"])
     first = wrapped()
     assert wrapped() is first
-    monkeypatch.setenv("TRITON_INTERPRET", "0" if kernel_args.interpreting() else "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if jit.interpreting() else "1")
     other = wrapped()
     assert other is not first and wrapped() is other
     assert type(other) is not type(first)  # a compiled function against an interpreted one

@@ -17,7 +17,7 @@ from kvtier.errors import CudaRuntimeError, PlanError
 from kvtier.pool import DevicePool, HostPool
 from kvtier.pool.device import Direction
 from kvtier.spec import preset
-from kvtier.transfer import PathCosts, TransferPath, dma, kernels, native
+from kvtier.transfer import PathCosts, TransferPath, cudart, kernels, native
 from kvtier.transfer.compiled import CompiledLaunch
 from kvtier.transfer.cudart import MEMCPY_DEFAULT
 from kvtier.transfer.lanes import DeferredLane, Signal
@@ -212,7 +212,7 @@ def test_the_loop_makes_the_calls_of_its_runs(lib, small, layout, direction, per
     every page), host runs over several regions (a small chunk size), batched and plain calls,
     one stream or three (layer l on the l-th, forked from and joined into the first).
     """
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=small))
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP, small_batch=small))
     spec = preset("tiny-dsa", 4)
     host = HostPool(spec, 1024, layout, chunk_bytes=16 << 10)
     assert host.num_segments() > 1
@@ -235,7 +235,7 @@ def test_the_loop_makes_the_calls_of_its_runs(lib, small, layout, direction, per
 @needs_cc
 def test_the_loop_refuses_work_and_buffers_of_other_pools(lib, pin) -> None:
     """Raw addresses of one pool pair never serve runs planned for another: refused before any call."""
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = raw_planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
@@ -246,7 +246,7 @@ def test_the_loop_refuses_work_and_buffers_of_other_pools(lib, pin) -> None:
 
 @needs_cc
 def test_the_loop_names_the_failing_layer_and_stops(lib, pin) -> None:
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = raw_planner(host, dev).copies(64, ([(0, 64)], [(64, 64)]))
@@ -274,7 +274,7 @@ def test_the_loop_names_the_failing_layer_and_stops(lib, pin) -> None:
 @needs_cc
 def test_a_call_the_runtime_lacks_fails_before_any_call(lib, pin) -> None:
     """The loop's own checks (behind the Python ones): nothing submitted, not even the ordering."""
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=1))
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP, small_batch=1))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     copies = raw_planner(host, dev, force="copy").copies(64, ([(0, 32), (128, 32)], [(0, 64)]))
@@ -295,7 +295,7 @@ def test_a_call_the_runtime_lacks_fails_before_any_call(lib, pin) -> None:
 
 @needs_cc
 def test_short_runs_fan_out_over_layers_and_a_missing_batch_call_is_seen(lib, pin) -> None:
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=2))
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP, small_batch=2))
     spec = preset("tiny-mla", 4)
     host, dev = HostPool(spec, 4096), DevicePool(spec, 4096)
     runs = ([(i * 64, 32) for i in range(20)], [(0, 640)])
@@ -348,7 +348,7 @@ def loop_cache(dev: DevicePool, host: HostPool, config: CacheConfig, loop: nativ
 def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(lib, monkeypatch, pin) -> None:
     """The cache's reload of nodes whose runs it knows: one loop call making the calls of its runs
     (the plan built only when asked for); a failing call leaves the tree as it was."""
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP))
     spec = preset("tiny-dsa", 2)
     rt = FakeRuntime()
     c = loop_cache(DevicePool(spec, 64), HostPool(spec, 64), CacheConfig(), rt.native(lib))
@@ -375,7 +375,7 @@ def test_a_reload_from_runs_goes_out_from_the_loop_with_the_calls_of_its_plan(li
     )
     streams = (5, *(0x50 + i for i in range(1, part.streams)))  # `_LoopLane`'s
     assert rt.calls == expected_calls(
-        runs, c.host_pool, c.device_pool, Direction.LOAD, events, dma.small_batch(), streams
+        runs, c.host_pool, c.device_pool, Direction.LOAD, events, cudart.small_batch(), streams
     )
     c.poll()
     c.check_invariants(compare_bytes=False)  # the stand-in runtime moved nothing
@@ -405,7 +405,7 @@ def test_reloads_through_the_loop_are_byte_identical(lib, layout, host_runs, for
 
     from kvtier.pool.rows import as_words
 
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP, small_batch=2))
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP, small_batch=2))
     spec = preset("tiny-dsa", 4)
     run_len = 320 // host_runs  # the prefix's host copy: `host_runs` runs of `run_len` slots
     # Room for the prefix in exactly those runs, the gaps between them, and 4 slots more.

@@ -13,6 +13,7 @@ from conftest import host_row, poison_device, poison_host, random_rows, run_and_
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier import jit
 from kvtier.errors import ConfigError, PlanError, SlotError, SpecError
 from kvtier.pool import DevicePool, HostLayout, HostPool
 from kvtier.pool.chunks import HostChunks
@@ -25,10 +26,8 @@ from kvtier.transfer import (
     TransferPath,
     TransferPlan,
     backup,
-    dma,
-    kernel_args,
+    cudart,
     kernels,
-    launch,
     load_layer,
     load_layers,
 )
@@ -547,7 +546,7 @@ def test_the_kernel_cannot_be_forced_where_it_cannot_run(monkeypatch) -> None:
     """A CPU pool without Triton's interpreter: forcing the kernel is refused, and a planner allowed it
     makes no kernel part."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not kernel_args.interpreting() and not kernels.runs_on(torch.device("cpu"))
+    assert not jit.interpreting() and not kernels.runs_on(torch.device("cpu"))
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 256), DevicePool(spec, 256)
     with pytest.raises(PlanError, match="kernel path needs Triton"):
@@ -699,8 +698,8 @@ def test_the_kernel_on_a_small_budget_loops_over_many_tiles_byte_identically(dir
         stages_of[row_bytes] = only.shape.kwargs["STAGES"]
     # Whole lines only where every base of the launch is line-aligned (CPU allocations may not be).
     ptrs = [*host.region_ptrs("kv").ravel().tolist(), *dev.layer_ptrs("kv").tolist()]
-    lines = all(a % launch.LINE_BYTES == 0 for a in ptrs)
-    pipelined = (stages or launch.MAX_STAGES) if direction == "load" and lines else 1
+    lines = all(a % kernels.LINE_BYTES == 0 for a in ptrs)
+    pipelined = (stages or kernels.MAX_STAGES) if direction == "load" and lines else 1
     assert stages_of == {1152: pipelined, 132: 1}
     before = snapshot(host, dev)
     run_plan(plan, host, dev)
@@ -730,7 +729,7 @@ def test_long_rows_take_fewer_programs_than_the_budget_unless_lean_is_off(direct
 def test_long_rows_over_a_wide_host_span_take_more_programs(direction, gen, monkeypatch) -> None:
     """1152-byte single rows spread over more than `WIDE_SPAN_BYTES` (here 2 MiB) take more programs
     than the same rows within 1 MiB, or runs of 16 rows over the whole span; all byte for byte."""
-    monkeypatch.setattr(launch, "WIDE_SPAN_BYTES", 2 << 20)
+    monkeypatch.setattr(kernels, "WIDE_SPAN_BYTES", 2 << 20)
     host, dev = _glm5_pools(gen)
     ds = torch.randperm(4096, generator=gen)[:800]
     spread, near = torch.randperm(4096, generator=gen)[:800], torch.randperm(800, generator=gen)
@@ -906,7 +905,7 @@ def test_kernel_option_flags_must_be_booleans() -> None:
     """A flag given as a string ("no" would read as on) is refused before anything is planned."""
     spec = preset("tiny-mla", 1)
     host, dev = HostPool(spec, 64), DevicePool(spec, 64)
-    with pytest.raises(ConfigError, match="lean must be True or False, got 'no'"):
+    with pytest.raises(ConfigError, match=r"lean True or False, got .*lean='no'"):
         TransferPlan.build(
             "load", host, dev, torch.arange(8), torch.arange(8), kernel=KernelOptions(lean="no")
         )
@@ -943,14 +942,13 @@ def test_raw_runtime_is_absent_without_a_mapped_libcudart_and_errors_name_the_ca
 
 
 def test_batches_start_at_two_copies_only_with_the_direct_batch_call(pin) -> None:
-    """Through `cuda.bindings` a batch pays per Python int: plain copies up to 4 there, up to 1 direct."""
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.BATCH))
-    pin(dma.DIRECT, lambda *_a: None)
-    assert dma.small_batch() == 1
-    pin(dma.DIRECT, None)
-    assert dma.small_batch() == 4
-    pin(dma.RUNTIME, dma.DmaRuntime(dma.DmaMode.LOOP))
-    assert dma.small_batch() == 4
+    """Where copies loop, plain copies up to 4; with the runtime's batch call, up to 1."""
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.BATCH, lambda *_a: None))
+    assert cudart.small_batch() == 1
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP))
+    assert cudart.small_batch() == 4
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP, small_batch=2))
+    assert cudart.small_batch() == 2
 
 
 def test_plans_refuse_pools_they_were_not_built_for(gen) -> None:
@@ -1136,7 +1134,7 @@ def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
         check_parts(plan)
         for p in plan.parts:
             if isinstance(p, CopyPart):
-                assert p.batched == (dma.dma_mode() is not dma.DmaMode.TORCH)
+                assert p.batched == (cudart.dma_mode() is not cudart.DmaMode.TORCH)
                 if p.batched and hs is fanned:  # 32 runs of 4.6 KB: fanned out
                     assert p.streams == costs.copy_streams
         run_and_check(plan, host, dev, hs, ds, stream)

@@ -69,7 +69,7 @@ class BenchConfig:
     kernel_sweep: tuple[KernelOptions, ...] = ()
     seed: int = 0
     # Slots of the host pool the sets are drawn from (None: 2 x `tokens`): a production pool's
-    # span per layer, for the kernel's wide grids (`launch.WIDE_SPAN_BYTES`).
+    # span per layer, for the kernel's wide grids (`kernels.WIDE_SPAN_BYTES`).
     host_slots: int | None = None
 
     # Layers each timed call moves (`load_layers` / `backup` of layers 0..layers-1).

@@ -10,7 +10,7 @@ import torch
 
 from kvtier.bench.common import environment
 from kvtier.pool.device import Direction
-from kvtier.transfer import KernelOptions, launch
+from kvtier.transfer import KernelOptions, kernels
 
 if TYPE_CHECKING:
     from kvtier.bench.transfer import BenchConfig
@@ -23,10 +23,10 @@ def kernel_text(opts: KernelOptions, device: torch.device) -> str:
     """The kernel's shape in words: `8 programs x 56 rows`, or how it is chosen."""
     if opts.rows_per_program is not None:
         return f"{opts.sm_budget} programs x {opts.rows_per_program} rows"
-    lines = opts.launch(launch.LEAN_ROW_BYTES, launch.LINE_BYTES, device)
-    other = opts.launch(launch.LEAN_ROW_BYTES + 16, 16, device)
+    lines = opts.launch(kernels.LEAN_ROW_BYTES, kernels.LINE_BYTES, device)
+    other = opts.launch(kernels.LEAN_ROW_BYTES + 16, 16, device)
     return (
-        f"{opts.sm_budget} programs x rows by size; rows of {launch.LEAN_ROW_BYTES} bytes or more: loads "
+        f"{opts.sm_budget} programs x rows by size; rows of {kernels.LEAN_ROW_BYTES} bytes or more: loads "
         f"of whole 128-byte lines on {lines.programs} programs of {lines.stages} tiles in flight, others "
         f"on {other.programs} of {other.stages}"
     )

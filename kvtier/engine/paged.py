@@ -34,14 +34,10 @@ from typing import Any
 
 import torch
 
+from kvtier import jit
 from kvtier.errors import InvariantError
-from kvtier.transfer import kernel_args
-from kvtier.transfer.kernel_args import ModeJit, next_power_of_2, tl
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the paged kernels run on `device` here (CUDA, or Triton's CPU interpreter)."""
-    return kernel_args.triton is not None and (device.type == "cuda" or kernel_args.interpreting())
+from kvtier.jit import ModeJit, next_power_of_2, tl
+from kvtier.jit import runs_on as runs_on  # the paged kernels run where Triton does
 
 
 @dataclass(frozen=True)
@@ -306,7 +302,7 @@ def _common(q1: torch.Tensor, q2: torch.Tensor | None, kv: KVView, out: torch.Te
     blocks = dict(
         BLOCK_D1=_block(d1), BLOCK_D2=_block(d2), BLOCK_DV=_block(dv), HAS_D2=q2 is not None,
         PREC="ieee" if q1.dtype == torch.float32 else "tf32",
-        UPCAST=kernel_args.interpreting() and q1.dtype != torch.float32,
+        UPCAST=jit.interpreting() and q1.dtype != torch.float32,
     )  # fmt: skip
     return ptrs, strides, blocks, hq // hkv, hkv, d1, d2, dv
 

@@ -21,7 +21,7 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.pool.rows import as_words, flat_words, rows_contiguous
 from kvtier.spec import BufferSpec
-from kvtier.transfer import dma
+from kvtier.transfer import cudart
 from kvtier.transfer.parts import CopyPart, KernelPart, ReferencePart
 from kvtier.transfer.plan import TransferPlan
 
@@ -120,9 +120,9 @@ def _move(
         host_ptrs = host_pool.region_ptrs(b.name)[local, rb.region] + rb.host
         dev_ptrs = int(device_pool.layer_ptrs(b.name)[local]) + rb.device
         if load:
-            dma.copy_runs(dev_ptrs, host_ptrs, rb.nbytes, stream)
+            cudart.copy_runs(dev_ptrs, host_ptrs, rb.nbytes, stream)
         else:
-            dma.copy_runs(host_ptrs, dev_ptrs, rb.nbytes, stream)
+            cudart.copy_runs(host_ptrs, dev_ptrs, rb.nbytes, stream)
     elif isinstance(part, CopyPart):
         _per_run(part, host_pool, as_words(device_pool.layer(b.name, layer)), b, layer, load)
     else:

@@ -20,7 +20,7 @@ import numpy as np
 from kvtier.errors import InvariantError, PlanError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
-from kvtier.transfer import dma
+from kvtier.transfer import cudart
 from kvtier.transfer.execute import kernel_views
 from kvtier.transfer.native import Native
 from kvtier.transfer.parts import CopyPart, KernelBuffer, KernelPart
@@ -71,7 +71,7 @@ class Buffers:
 
 def run_buffers(host_pool: HostPool, device_pool: DevicePool) -> Buffers | None:
     """The pools' buffers as the loop addresses them, or None where some buffer cannot take raw copies."""
-    if dma.dma_mode() is dma.DmaMode.TORCH or not all(
+    if cudart.dma_mode() is cudart.DmaMode.TORCH or not all(
         device_pool.raw_rows(b.name) for b in host_pool.spec.buffers
     ):
         return None
@@ -117,9 +117,9 @@ class Work:
         self.most_runs = max(self.most_runs, runs.shape[1])
 
     def takes(self, lib: Native) -> bool:
-        """Whether `lib` can make these calls (a buffer of more runs than `dma.small_batch()` needs the
+        """Whether `lib` can make these calls (a buffer of more runs than `cudart.small_batch()` needs the
         batched call)."""
-        return self.most_runs <= dma.small_batch() or lib.has_batch
+        return self.most_runs <= cudart.small_batch() or lib.has_batch
 
 
 def copies_work(copies: RunCopies, buffers: Buffers) -> Work:
@@ -204,4 +204,4 @@ def run_work(
     load = direction is Direction.LOAD
     at = ctypes.addressof(work.rows)
     where = (buffers.address, buffers.count, buffers.layers, load, events, streams, forks, (order, current))
-    lib.run(at, *where, dma.small_batch())
+    lib.run(at, *where, cudart.small_batch())

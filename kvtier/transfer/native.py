@@ -29,7 +29,7 @@ from typing import Any
 
 from kvtier import paths
 from kvtier.errors import ConfigError, CudaRuntimeError
-from kvtier.transfer import compiled, cudart, dma
+from kvtier.transfer import compiled, cudart
 from kvtier.transfer.cudart import MEMCPY_DEFAULT
 
 log = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ def _find_library() -> Native | None:
     if lib is None:
         log.info("no compiled submission loop: transfers use the plan executor")
         return None
-    batch, attrs = dma.direct_batch_fn() or (None, 0)
+    batch, attrs = cudart.direct_batch_fn() or (None, 0)
     entries = (rt.memcpy_async, batch, rt.event_record, rt.stream_wait_event)
     driver = cudart.driver()
     launch = 0 if driver is None else _address(driver.launch_kernel)

@@ -15,19 +15,14 @@ import torch
 from kvtier.errors import ConfigError, PlanError
 from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
-from kvtier.transfer import launch as rules
-from kvtier.transfer.launch import LINE_BYTES, KernelLaunch
+from kvtier.transfer import kernels
+from kvtier.transfer.kernels import LINE_BYTES, KernelLaunch
 
 
 class TransferPath(str, Enum):
-    """What a plan does as a whole (for logs, benchmarks and `Planner`'s `force`).
-
-    - `COPY`: the copy engine, one copy per joint run (batched per buffer and layer); no SMs.
-    - `KERNEL`: the row kernel reading or writing pinned host memory directly; any runs.
-    - `MIXED`: the long joint runs by the copy engine, the rest by the kernel (the planner's
-      choice only; it cannot be forced).
-    - `REFERENCE`: per-token gather and scatter through host memory; synchronises the host.
-    """
+    """What a plan does as a whole (for logs, benchmarks and `Planner`'s `force`): `COPY` (the copy
+    engine, no SMs), `KERNEL` (the row kernel), `MIXED` (long joint runs copied, the rest by the
+    kernel; never forced), `REFERENCE` (per token through host memory; synchronises the host)."""
 
     COPY = "copy"
     KERNEL = "kernel"
@@ -98,15 +93,11 @@ class MeasuredCosts:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """The gather/scatter kernel's budget and shape (the rules: `kvtier.transfer.launch`).
-
-    Up to `sm_budget` programs with `rows_per_program` rows per tile each (None: by row
-    size) and up to `stages` tiles in flight each (None: as many as shared memory holds,
-    where rows are pipelined; 1: none). Runs move in units of up to `max_unit_bytes`. With
-    `lean` (and rows by size), long rows take only the programs that keep the grid's bytes
-    in flight (`launch.programs_for`), twice that for scattered rows over a wide host span.
-    `launch` gives one launch's shape.
-    """
+    """The row kernel's budget and shape (the rules: `kvtier.transfer.kernels`): up to `sm_budget`
+    programs of `rows_per_program` rows a tile (None: by row size) and `stages` tiles in flight
+    (None: as shared memory holds, where pipelined); runs move in units of up to `max_unit_bytes`;
+    with `lean`, long rows take only the programs that keep the grid's bytes in flight
+    (`kernels.programs_for`). `launch` gives one launch's shape."""
 
     sm_budget: int = 8
     rows_per_program: int | None = None
@@ -124,8 +115,8 @@ class KernelOptions:
     ) -> KernelLaunch:
         """The launch for rows of `row_bytes` at offsets that are multiples of `align_bytes`, moved in
         `direction` on `device` (None or the CPU: as for a GPU whose shared memory holds every stage),
-        the host rows over a `wide` span (`launch.is_wide`) or not."""
-        shared = rules.shared_bytes(device)
+        the host rows over a `wide` span (`kernels.is_wide`) or not."""
+        shared = kernels.shared_bytes(device)
         return _launch(self, row_bytes, align_bytes, shared, direction is Direction.LOAD, wide)
 
 
@@ -134,12 +125,12 @@ def _launch(
     opts: KernelOptions, row_bytes: int, align_bytes: int, shared: int | None, gather: bool, wide: bool
 ) -> KernelLaunch:
     """`KernelOptions.launch` on a device with `shared` bytes per program, kept per argument set."""
-    stages = rules.stages_for(row_bytes, align_bytes, shared, opts.stages, gather)
+    stages = kernels.stages_for(row_bytes, align_bytes, shared, opts.stages, gather)
     if opts.rows_per_program is not None or not opts.lean:
         programs = opts.sm_budget
     else:
-        programs = rules.programs_for(row_bytes, opts.sm_budget, stages, wide)
-    rows = opts.rows_per_program or rules.rows_in_flight(row_bytes, programs, stages)
+        programs = kernels.programs_for(row_bytes, opts.sm_budget, stages, wide)
+    rows = opts.rows_per_program or kernels.rows_in_flight(row_bytes, programs, stages)
     return KernelLaunch(programs, rows, stages)
 
 
@@ -165,21 +156,16 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
     counts = {"sm_budget": kernel.sm_budget, "rows_per_program": kernel.rows_per_program}
     counts |= {"stages": kernel.stages, "max_unit_bytes": kernel.max_unit_bytes}
     bad = {k: v for k, v in counts.items() if v is not None and (isinstance(v, bool) or v < 1)}
-    if bad:
-        raise ConfigError(f"kernel options must be positive, got {bad} in {kernel}")
-    if not isinstance(kernel.lean, bool):
-        raise ConfigError(f"kernel option lean must be True or False, got {kernel.lean!r}")
-    fixed = {"copy_fixed_s": costs.copy_fixed_s, "launch_fixed_s": costs.launch_fixed_s}
-    fixed |= {"python_copy_s": costs.python_copy_s, "copy_call_s": costs.copy_call_s}
-    fixed |= {"copy_host_s": costs.copy_host_s}
-    fixed |= {"copy_min_bytes": costs.copy_min_bytes}
-    if any(v < 0 for v in fixed.values()) or costs.reference_gbps <= 0:
+    if bad or not isinstance(kernel.lean, bool):
+        raise ConfigError(f"kernel options must be positive and lean True or False, got {bad or kernel}")
+    fixed = ("copy_fixed_s", "launch_fixed_s", "python_copy_s", "copy_call_s", "copy_host_s")
+    negative = {k: getattr(costs, k) for k in (*fixed, "copy_min_bytes") if getattr(costs, k) < 0}
+    if negative or costs.reference_gbps <= 0:
         raise ConfigError(
-            f"fixed costs must not be negative, nor reference_gbps zero, got {fixed}, "
+            f"fixed costs must not be negative, nor reference_gbps zero, got {negative}, "
             f"reference_gbps {costs.reference_gbps}"
         )
-    pieces = [p for p, _ in costs.kernel_share]
-    shares = [s for _, s in costs.kernel_share]
+    pieces, shares = [p for p, _ in costs.kernel_share], [s for _, s in costs.kernel_share]
     if not pieces or pieces != sorted(set(pieces)) or pieces[0] < 1 or not all(0 < s <= 1 for s in shares):
         raise ConfigError(
             f"kernel_share must be (piece bytes, share) pairs, pieces ascending and positive, "

@@ -23,8 +23,6 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.spec import BufferSpec
 from kvtier.transfer import kernels, rule
-from kvtier.transfer import launch as rules
-from kvtier.transfer.kernel_args import common_alignment
 from kvtier.transfer.options import KernelOptions, TransferPath
 from kvtier.transfer.runs import RunTable
 
@@ -161,7 +159,7 @@ def _kernel_buffer(
     dev_off = devs * r
     load = direction is Direction.LOAD
     bases = [int(a) for a in ptrs[:, 0]] + [int(a) for a in device_pool.layer_ptrs(b.name)]
-    align = common_alignment(dev_off, *host_offs)
+    align = kernels.common_alignment(dev_off, *host_offs)
     launch = opts.launch(unit_bytes, align, device_pool.device, direction, _wide(host_offs[0], unit_bytes))
     out = []
     for host_off in host_offs:
@@ -175,12 +173,12 @@ def _kernel_buffer(
 
 def _wide(host_off: np.ndarray, unit_bytes: int) -> bool:
     """Whether units of `unit_bytes` at host byte offsets `host_off` (`[m]` int64, in launch order) take
-    the wide grid (`launch.is_wide`): their span, and the pieces they join into."""
+    the wide grid (`kernels.is_wide`): their span, and the pieces they join into."""
     if not len(host_off):
         return False
     pieces = 1 + int(np.count_nonzero(np.diff(host_off) != unit_bytes))
     span = int(host_off.max() - host_off.min()) + unit_bytes
-    return rules.is_wide(span, len(host_off) * unit_bytes / pieces)
+    return kernels.is_wide(span, len(host_off) * unit_bytes / pieces)
 
 
 def reference_part(

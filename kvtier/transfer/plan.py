@@ -23,7 +23,7 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.slots import as_slot_tensor
 from kvtier.spec import BufferSpec
-from kvtier.transfer import dma, kernels, options, parts, rule
+from kvtier.transfer import cudart, kernels, options, parts, rule
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.options import KernelOptions, MeasuredCosts, PathCosts, TransferPath
 from kvtier.transfer.parts import KernelPart, Part
@@ -148,7 +148,7 @@ class Planner:
                 f"the kernel path needs Triton and a CUDA device pool (or TRITON_INTERPRET=1), not "
                 f"{device_pool.device}"
             )
-        self.batched = cuda and dma.dma_mode() is not dma.DmaMode.TORCH
+        self.batched = cuda and cudart.dma_mode() is not cudart.DmaMode.TORCH
         self.raw = [b for b in host_pool.spec.buffers if device_pool.raw_rows(b.name)]
         for b in host_pool.spec.buffers:
             if b not in self.raw:

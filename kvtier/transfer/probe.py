@@ -1,25 +1,17 @@
 """The planner's costs measured on this machine, once per device and process (`measured_costs`).
 
-Why: how fast the row kernel reads pinned host memory from the SMs depends on the host, not only
-the GPU (on three H100 hosts: 0.92 of the copy ceiling on one, 0.55-0.63 on two others), and so
-does the rate of short copies (18 KiB runs at 0.11-0.90 of the ceiling on the first, 0.81-1.0 on
-the others); bench/FINDINGS.md, "The planner's costs". The fixed `PathCosts` were measured on the
-first kind of host; on the others they give the kernel loads the copy engine would move up to
-0.4 of the ceiling faster.
+Why: the rate at which the SMs read pinned host memory belongs to the host, not only the GPU
+(0.92 of the copy ceiling on one H100 host, 0.55-0.63 on two others), and so does the rate of
+short copies (bench/FINDINGS.md, "The planner's costs"); there the fixed `PathCosts` give the
+kernel loads the copy engine moves up to 0.4 of the ceiling faster.
 
-What is measured, per direction, on scratch pools of `ROW_BYTES` rows (`ROWS` rows a transfer,
-about 9 MiB), each the median of `REPEATS` timings with the stream held by a GPU sleep:
-1. the ceiling: the rows as one contiguous copy;
-2. the kernel on the same contiguous rows: its share of the ceiling against the fixed rule's share
-   for its unit gives `kernel_scale`;
-3. copies of host runs of `RUN_ROWS` rows each (a gap after each run) into contiguous device rows,
-   and the kernel on the same runs: the shortest run size from which copies beat the kernel (at
-   that size and every longer one) gives `copy_min_bytes`, and the time per copy of the shortest
-   runs `copy_host_s`.
-
-The measurement moves the fixed rule only where it contradicts it by more than `MARGIN` of the
-ceiling: the kernel is scaled down, never up; `copy_min_bytes` is lowered, never raised. So where
-the fixed rule holds, the plans are the fixed rule's. `KVTIER_MEASURE_COSTS=0` turns it off.
+Per direction, on scratch pools of `ROWS` rows of `ROW_BYTES` (about 9 MiB a transfer), each the
+median of `REPEATS` timings with the stream held by a GPU sleep: the ceiling (one contiguous
+copy); the kernel on the same rows (its share against the fixed rule's gives `kernel_scale`); and
+copies and the kernel on host runs of `RUN_ROWS` rows (a gap after each): the shortest run size
+from which copies win at every longer size gives `copy_min_bytes`, its time per copy `copy_host_s`.
+The fixed rule moves only where the measurement contradicts it by more than `MARGIN`: the kernel
+scaled down, never up; `copy_min_bytes` lowered, never raised. `KVTIER_MEASURE_COSTS=0`: off.
 """
 
 from __future__ import annotations

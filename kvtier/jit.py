@@ -1,8 +1,8 @@
-"""Triton, optional, and the host side of the row kernel: its wrapping, word widths and launch.
+"""Triton, optional, for kvtier's kernels (the transfer's row kernel, the engine's paged attention).
 
-Without Triton `triton` and `tl` are None and the kernel does not run (`kernels.runs_on`). Triton
-reads `TRITON_INTERPRET` when it wraps a function, so the kernel is wrapped on first use, not at
-import, and again when the interpreter is switched on or off (`ModeJit`).
+Without Triton `triton` and `tl` are None and no kernel runs (`runs_on`). Triton reads
+`TRITON_INTERPRET` when it wraps a function, so kernels are wrapped on first use, not at import,
+and again when the interpreter is switched on or off (`ModeJit`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 import os
 from typing import Any
 
-import numpy as np
 import torch
 
 try:
@@ -25,6 +24,11 @@ except ImportError:  # pragma: no cover - depends on the environment
 def interpreting() -> bool:
     """Whether Triton's CPU interpreter is on (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether a Triton kernel can run here with its tensors on `device` (CUDA, or the interpreter)."""
+    return triton is not None and (device.type == "cuda" or interpreting())
 
 
 class ModeJit:
@@ -43,26 +47,6 @@ class ModeJit:
                 self.fn.__globals__[f"{helper.__name__}_jit"] = triton.jit(helper)
             self.jit, self.mode = triton.jit(self.fn, **self.options), mode
         return self.jit
-
-
-def word_size(row_bytes: int, aligns: list[int]) -> int:
-    """The widest word size (8, 4, 2, 1) dividing `row_bytes` and every value of `aligns`."""
-    bits = row_bytes
-    for a in aligns:
-        bits |= a
-    for size in (8, 4, 2):
-        if bits % size == 0:
-            return size
-    return 1
-
-
-def common_alignment(*offsets: np.ndarray) -> int:
-    """The largest power of two (up to 2**20) dividing every value of `offsets` (`[m]` int64 each)."""
-    acc = 0
-    for o in offsets:
-        if len(o):
-            acc |= int(np.bitwise_or.reduce(o))
-    return acc & -acc if acc else 1 << 20
 
 
 def next_power_of_2(x: int) -> int:
