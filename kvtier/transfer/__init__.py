@@ -5,7 +5,7 @@ moves; `load_layer`, `load_layers` and `backup` run the plan layer by layer on a
 `submit.Transfers` is the one entry point the cache calls.
 
 The mechanisms (`parts`):
-- the copy engine, one copy per joint run, every run of a layer in one batched call (`dma`); it
+- the copy engine, one copy per joint run, every run of a layer in one batched call (`cudart`); it
   holds no SMs;
 - the row kernel (`kernels`), reading or writing pinned host memory directly, runs cut into
   units of up to `KernelOptions.max_unit_bytes`; any layout of slots;
