@@ -1,11 +1,9 @@
 """The row kernel as the compiled loop launches it (`find`): Triton's compiled kernel for one launch
 shape, found once per shape and checked against the parameters the loop passes.
 
-The loop calls the driver's `cuLaunchKernel` with (src, src offsets, dst, dst offsets, n, row
-vectors) and null pointers for any parameters Triton appends (its scratch buffers, unused by this
-kernel). `find` gives None, and the plan executor launches through Triton, wherever that could be
-wrong: another Triton's parameters, a kernel that wants scratch memory, clusters or cooperative
-launch, or no driver to ask.
+The loop calls `cuLaunchKernel` with (src, src offsets, dst, dst offsets, n, row vectors) and null
+pointers for Triton's scratch parameters. Where that could be wrong (other parameters, scratch
+memory, clusters, cooperative launch, no driver) `find` gives None and Triton launches it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The CUDA runtime this process already uses, called through ctypes on the hot paths, and the
 copy engine's transfers of many runs at once (`copy_runs`).
 
-Through a bindings package and torch most of a runtime call's host cost is argument conversion and
-wrappers (bench/FINDINGS.md). Here the functions of the `libcudart` torch loaded are called with raw
-integers; `runtime()` is None where it cannot be found (no CUDA, a static runtime). Every
-once-per-process finding of this package (`RUNTIME`, `DMA`, `native.LIBRARY`) is a
-`Probed`: a test pins a stand-in with `set`, `reset` forgets it.
-
-`copy_runs`: one `cudaMemcpyBatchAsync` (CUDA 13 runtime) submits every run of a layer in one
-call, on the arrays' memory; with an older runtime, a loop of `cudaMemcpyAsync`; without CUDA, no
-raw copies (`DmaMode.TORCH`). The legacy default stream is refused (the batch call rejects it).
-Fanning copies out over several streams is the compiled loop's (`loop`, `native`).
+Through bindings and torch most of a runtime call's host cost is argument conversion (bench/
+FINDINGS.md): here the `libcudart` torch loaded is called with raw integers (`runtime()`: None
+without CUDA or with a static runtime). `copy_runs`: one `cudaMemcpyBatchAsync` (CUDA 13) a layer,
+else a loop of `cudaMemcpyAsync`, else no raw copies (`DmaMode.TORCH`); never on the legacy default
+stream. Once-per-process findings (`RUNTIME`, `DMA`, `DRIVER`, `native.LIBRARY`) are `Probed`.
 """
 
 from __future__ import annotations

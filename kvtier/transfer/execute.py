@@ -1,12 +1,9 @@
 """Executing transfer plans: layers host -> device (`load_layer`, `load_layers`) or back (`backup`).
 
-Everything is stream-ordered and reads no device value back, so a load can be submitted layer
-by layer while the model runs (only the reference path waits for the stream). Rows move as raw
-words, bit for bit, each part by its mechanism with what the plan computed; a layer's parts run one
-after the other on the caller's stream.
-
-Concurrency contract: the caller orders a load after any backup that writes the same host slots,
-and keeps the plan alive until its stream has run.
+Stream-ordered, reading no device value back (but the reference path), so a load can be submitted
+layer by layer while the model runs; rows move as raw words, a layer's parts one after the other.
+Contract: the caller orders a load after any backup writing the same host slots, and keeps the plan
+alive until its stream has run.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class CudaLane(Lane):
         self._raw_wait = rt.stream_wait_event if rt is not None else None
         # The current stream's raw handle without building a torch Stream object (which cost
         # a reload's submission more than its runtime calls: bench/FINDINGS.md).
-        self._current_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._current_raw = torch._C._cuda_getCurrentRawStream
 
     def _record(self) -> CudaSignal:
         # A pooled event already has its CUDA handle (torch makes it on the first record): record
@@ -142,47 +142,37 @@ class CudaLane(Lane):
     def signal(self) -> Signal:
         return self._record()
 
-    def wait_for(self, stream: torch.cuda.Stream) -> None:
-        """Order this lane's later work after everything queued on `stream` so far (no host wait)."""
-        event = self._events.pop() if self._events else torch.cuda.Event()
-        event.record(stream)
-        self._stream.wait_event(event)
-        self._events.append(event)  # the wait is enqueued: a later record cannot change it
-
     def wait_for_current(self) -> None:
-        if self._raw_wait is None or self._current_raw is None or not self._events:
-            self.wait_for(torch.cuda.current_stream(self._stream.device))
-            return
-        event = self._events.pop()  # pooled: it has its handle
-        handle = event.cuda_event
-        cudart.check(self._raw_record(handle, self._current_handle()), "cudaEventRecord")
-        cudart.check(self._raw_wait(self._stream.cuda_stream, handle, 0), "cudaStreamWaitEvent")
-        self._events.append(event)
-
-    def _current_handle(self) -> int:
-        """The raw handle of the current stream of the lane's device."""
-        if self._current_raw is not None:
-            return self._current_raw(self._device_index)
-        return torch.cuda.current_stream(self._stream.device).cuda_stream
+        if self._raw_wait is None or not self._events:
+            event = self._events.pop() if self._events else torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._stream.device))
+            self._stream.wait_event(event)
+        else:
+            event = self._events.pop()  # pooled: it has its handle
+            current = self._current_raw(self._device_index)
+            cudart.check(self._raw_record(event.cuda_event, current), "cudaEventRecord")
+            cudart.check(self._raw_wait(self._stream.cuda_stream, event.cuda_event, 0), "cudaStreamWaitEvent")
+        self._events.append(event)  # the wait is enqueued: a later record cannot change it
 
     def drain(self) -> None:
         self._stream.synchronize()
 
     def run_native(self, submit: NativeSubmit, signals: int, streams: int = 1) -> Sequence[Signal]:
-        """Submit one operation from compiled code, after the work queued on the current stream.
-
-        `submit(current, order, events, streams, forks)` makes the operation's calls on the raw
-        `streams` (this lane's, then `streams - 1` side streams of its own), first recording the
-        raw event `order` on the raw stream `current` (the current stream) and making the lane's
-        stream wait for it, the side streams for the lane's (`forks`: a raw event per stream, to
-        fork and join them), then recording the raw event handles `events` where the signals
-        belong (after each layer, or once at the end, on the lane's stream after the join).
-        Returns `signals` signals; if `submit` raises, the events go back to the pool.
-        """
+        """Submit one operation from compiled code, after the work queued on the current stream:
+        `submit(current, order, events, streams, forks)` orders the lane's stream after raw stream
+        `current` with raw event `order`, forks `streams` (the lane's, then side streams) with the
+        raw events `forks`, and records `events` where the `signals` belong (after each layer, or
+        at the end after the join). If `submit` raises, the events go back to the pool."""
         order, *events = self._take_events(signals + 1)
         fan, forks, _ = self._fan(streams)
         try:
-            submit(self._current_handle(), order.cuda_event, [e.cuda_event for e in events], fan, forks)
+            submit(
+                self._current_raw(self._device_index),
+                order.cuda_event,
+                [e.cuda_event for e in events],
+                fan,
+                forks,
+            )
         except BaseException:
             self._events += events  # no signal holds them
             raise

@@ -2,10 +2,8 @@
 (`Buffers`), and per operation each buffer's copies and kernel launches (`Work`), from run lists
 (`copies_work`) or from a plan whose every part the loop can make (`plan_work`); `run_work` submits.
 
-Streams: a copy-only operation whose runs are short goes out over the planner's `copy_streams`
-streams, layer l on the l-th (so several layers' copies are in flight and each copy's fixed cost
-overlaps the others'); an operation with a kernel launch stays on one stream, so the SMs it takes
-stay those of one launch.
+A copy-only operation of short runs goes out over `copy_streams` streams, layer l on the l-th (each
+copy's fixed cost overlaps the others'); one with a kernel launch stays on one stream.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """One foreign call that submits a whole operation: the compiled loop.
 
-A reload makes a few runtime calls per model layer (its copies, its kernel launch, its event); from
-Python they cost several times the driver's own work (bench/FINDINGS.md). `kvtier_run_layers`
-computes every layer's addresses in C and makes the calls itself, layer l on the l-th of the
-operation's streams (k streams: k layers' copies in flight, each copy's fixed cost hidden by the
-others'). `loop` builds what it reads from a plan or from run lists. The loop is compiled on first
-use with the system C compiler into the user's cache directory and calls the process's `libcudart`
-(and the driver's `cuLaunchKernel`) through function pointers (`cudart`). Without a compiler, or
-with `KVTIER_NATIVE=0`, `library()` is None and callers submit through the plan executor.
+A reload's few runtime calls a layer (copies, kernel launch, event) cost from Python several times
+the driver's work (bench/FINDINGS.md): `kvtier_run_layers` computes every layer's addresses in C
+and makes the calls, layer l on the l-th of the operation's streams, from what `loop` builds. It is
+compiled on first use with the system C compiler into the user's cache directory and calls the
+process's `libcudart` and `cuLaunchKernel` through pointers; without a compiler, or with
+`KVTIER_NATIVE=0`, `library()` is None and callers use the plan executor.
 
 Contract: the calls are made in order per stream, exactly as the same calls made one by one; the
 first failing call stops the loop and raises `CudaRuntimeError` naming its layer.

@@ -1,13 +1,9 @@
 """The parts of a plan, one small type per mechanism, and how each is built from runs.
 
-`CopyPart`: joint runs the copy engine moves, per buffer in bytes (`RunBytes`); `KernelPart`: joint
-runs cut into units the row kernel moves, one prepared launch per buffer and layer class
-(`KernelBuffer`); `ReferencePart`: rows moved token by token (device tensors that are not packed
-rows, or a plan where neither of the others pays).
-
-The kernel reads every host region of a layer from one base, the first region's first row: a row's
-offset from it is its region's distance from the first region (`HostPool.region_classes`; layers
-whose regions lie alike share one offsets array) plus its row.
+`CopyPart`: joint runs the copy engine moves, in bytes per buffer; `KernelPart`: units of joint runs
+the row kernel moves, a launch per buffer and layer class; `ReferencePart`: rows token by token.
+The kernel reads a layer's host regions from one base, the first region's first row: a row's offset
+is its region's distance from that base (`HostPool.region_classes`) plus its row.
 """
 
 from __future__ import annotations

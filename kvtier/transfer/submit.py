@@ -1,15 +1,14 @@
 """The one entry point through which KV moves between a host pool and a device pool.
 
-`Transfers(host_pool, device_pool, ...)` is built once per pool pair; `submit(op, lane, per_layer)`
-moves one `Operation` on a lane and returns a `Transfer`. The route: the compiled loop (`native`)
-from the run lists where the planner gives every row to the copy engine (a plan is built only if
-someone reads it), else from the plan where the loop can make every part of it (`loop.plan_work`),
-else the plan executor, layer by layer.
+`Transfers(host_pool, device_pool, ...)`, once per pool pair; `submit(op, lane, per_layer)` moves
+one `Operation` and returns a `Transfer`: through the compiled loop (`native`) from the run lists
+where the planner copies every row (a plan built only if read), else from the plan where the loop
+makes every part (`loop.plan_work`), else through the plan executor, layer by layer.
 
-Contract: the operation is ordered after the work queued on the current compute stream and nothing
-waits for the device; `per_layer` gives one signal per model layer, else one after every layer; the
-slots are trusted (from the cache's allocators and tree) and `op.runs`, where given, describe them;
-if `submit` raises, the caller drains the lane before reusing the slots.
+Contract: the operation is ordered after the current compute stream's work and nothing waits for
+the device; `per_layer`: a signal per model layer, else one at the end; the slots are trusted (the
+cache's allocators and tree), `op.runs` describes them where given; if `submit` raises, the caller
+drains the lane before reusing the slots.
 """
 
 from __future__ import annotations
@@ -40,14 +39,10 @@ DEFAULT_LOOP = object()
 
 @dataclass(frozen=True)
 class Operation:
-    """One transfer: `host_slots[i]` <-> `device_slots[i]`, in `direction`.
-
-    `host_parts`: the host slots as `[n_i]` int64 CPU tensors in order (one per cache node;
-    joined only if a plan is built); `device_slots`: `[n]` int64 CPU. `runs`: their
-    `(host runs, device runs)` as `(first slot, length)` lists in order, where known.
-    `whole_pages`: both sides are whole allocator pages, each page's slots consecutive
-    from a page-aligned id (so runs are found per page, not per slot).
-    """
+    """One transfer, `host_slots[i]` <-> `device_slots[i]` in `direction`: `host_parts`, `[n_i]` int64
+    CPU tensors in order (one per cache node; joined only for a plan); `device_slots`, `[n]` int64 CPU;
+    `runs`, their `(host runs, device runs)` as `(first slot, length)` lists, where known;
+    `whole_pages`: both sides whole allocator pages (runs found per page, not per slot)."""
 
     direction: Direction
     host_parts: tuple[torch.Tensor, ...]
@@ -90,14 +85,9 @@ class Transfer:
 
 
 class Transfers:
-    """Moves operations between one host pool and one device pool; see the module docstring.
-
-    `costs`, `kernel`, `force`: the planner's options (`force` one path for every operation:
-    benchmarks and tests); without `costs`, on CUDA, the costs measured on this machine
-    (`kvtier.transfer.probe.measured_costs`, once per process), else `PathCosts()`. `loop`: the
-    compiled loop to submit through (default: the process's, on a CUDA device pool; None: never;
-    tests pass a stand-in runtime's).
-    """
+    """Moves operations between one host pool and one device pool (module docstring). `costs`,
+    `kernel`, `force`: the planner's (without `costs`, on CUDA, those `probe.measured_costs` finds
+    once per process); `loop`: the compiled loop (default: the process's on CUDA; None: never)."""
 
     def __init__(
         self,
