@@ -1,10 +1,9 @@
 """The Triton kernel that copies scattered KV rows between pinned host memory and the GPU.
 
-A launch moves `n` rows of `row_vecs` vectors, each at its own word offset, from one 1-D words
-tensor to another: a gather (load) reads pinned host memory over PCIe, a scatter (backup) writes
-it. A tile of `ROWS_PER_BLOCK` whole rows is loaded whole before any of it is stored; the grid is
-persistent (`min(programs, tiles)` programs loop over tiles), so the copy holds that many SMs and
-no more; gathers of whole 128-byte lines are pipelined over `STAGES` tiles in shared memory.
+A launch moves `n` rows of `row_vecs` vectors, each at its own word offset, between 1-D words
+tensors: a gather (load) reads pinned host memory over PCIe, a scatter (backup) writes it. A tile
+of `ROWS_PER_BLOCK` rows is loaded whole before it is stored; the grid is persistent, so the copy
+holds `min(programs, tiles)` SMs; gathers of whole 128-byte lines are pipelined over `STAGES` tiles.
 `prepare_rows` shapes one launch (`RowLaunch`) from host-side offsets by the rules below; the plan
 executor or the compiled loop runs it per layer.
 

@@ -1,12 +1,9 @@
 """Where transfers run: CUDA streams and events, or a deferred CPU stand-in with the same contract.
 
-A mover submits work to a `Lane` (a stream) and gets `Signal`s (events) back; nothing
-waits on a device except through a signal. On CUDA a lane is a
-`torch.cuda.Stream` and a signal a `torch.cuda.Event`. On the CPU a lane queues
-its work and runs it only when a signal on it is waited for or the lane is
-drained, so tests see the same asynchrony a GPU has: bytes are not in place until
-the signal fires, and a bug that frees memory before a transfer completes corrupts
-data instead of passing by luck.
+A mover submits work to a `Lane` (a stream) and gets `Signal`s (events) back; nothing waits on a
+device but through a signal. On the CPU a lane runs its queue only when a signal on it is waited
+for or it is drained, so tests see a GPU's asynchrony: a bug that frees memory before a transfer
+completes corrupts data instead of passing by luck.
 """
 
 from __future__ import annotations

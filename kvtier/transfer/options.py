@@ -35,22 +35,17 @@ class PathCosts:
     """The planner's cost model: fixed costs per copy and per launch, and each mechanism's share of
     the link (the ceiling: one contiguous pinned copy), so a choice holds from 1k to 128k tokens.
 
-    - `copy_fixed_s`: what the copy engine spends per copy beyond its bytes (copies fanned out over
-      `copy_streams` hide most of it), `copy_call_s` per part and layer (the fan-out's fork and join),
-      `copy_host_s` the host's time to issue one copy in a batched call;
-    - `copy_min_bytes`: the shortest run the copy engine takes (where there is more than one run):
-      shorter copies are bound by their issue and run at an erratic fraction of the link;
-    - `launch_fixed_s`: what one kernel launch costs beyond its bytes (launch, ramp-up, tail);
+    - `copy_fixed_s` per copy beyond its bytes, `copy_call_s` per part and layer (fork and join),
+      `copy_host_s` the host's time to issue one copy of a batched call;
+    - `copy_min_bytes`: the shortest run copied (of several): shorter ones are bound by their issue;
+    - `launch_fixed_s`: a kernel launch beyond its bytes (launch, ramp-up, tail);
     - `kernel_share`: `(piece bytes, share)` pairs, ascending: the kernel's rate against the ceiling
-      on contiguous pieces of that many bytes (a row, or a unit of rows contiguous on both sides),
-      log-linear between pairs, flat past the ends;
-    - `python_copy_s`, `reference_gbps`: where the kernel cannot run, one torch copy per run from
-      Python against the per-token reference path (`rule.without_kernel`);
-    - `copy_streams`: streams a layer's copies fan out over where its runs average under
-      `fan_out_below_bytes` (each copy's fixed cost then overlaps the others');
-    - `kernel_scale`: a factor on every `kernel_share` (a host whose SMs read its memory slower,
-      `kvtier.transfer.probe`).
-    """
+      on contiguous pieces of that size, log-linear between pairs, flat past the ends; `kernel_scale`
+      a factor on every share (a host whose SMs read its memory slower: `probe`);
+    - `python_copy_s`, `reference_gbps`: without the kernel, a torch copy per run against the
+      per-token reference path (`rule.without_kernel`);
+    - `copy_streams`: streams a layer's copies fan out over where runs average under
+      `fan_out_below_bytes`."""
 
     copy_fixed_s: float = 0.05e-6
     copy_call_s: float = 15e-6

@@ -1,11 +1,9 @@
 """Transfer plans: decided once per operation, on CPU indices, before any layer moves.
 
-A `Planner` holds one pool pair and one set of options, checked once. A plan pairs
-`host_slots[i]` with `device_slots[i]`, finds their joint runs (`runs`) and gives every row of
-every buffer to one part (`parts`) by the rule of `rule`. Every layer reuses the same plan, so all
-buffers of a token move together. Only planning inspects indices: every index the device needs is
-uploaded once, here, ordered by the plan's `ready` event, and executing never reads a device
-tensor back. A plan records its pools; the executors refuse others.
+A `Planner` holds one pool pair and one set of options, checked once. A plan pairs `host_slots[i]`
+with `device_slots[i]`, finds their joint runs (`runs`) and gives every row of every buffer to one
+part (`parts`) by `rule`; every layer reuses it. Every index the device needs is uploaded here, once,
+before the plan's `ready` event; executing never reads a device tensor back, nor runs other pools.
 """
 
 from __future__ import annotations
@@ -117,12 +115,9 @@ class RunCopies:
 
 
 class Planner:
-    """The planner's choices for one pool pair and one set of options, checked once.
-
-    `costs`: one `PathCosts` for both directions, or `MeasuredCosts` (default: `PathCosts()`).
-    `force` picks one path instead of the rule (benchmarks and tests; not `MIXED`; `KERNEL` only
-    where it runs). `use_kernel` lets the planner use the kernel (default: on CUDA with Triton).
-    """
+    """The planner's choices for one pool pair and one set of options, checked once: `costs`, one
+    `PathCosts` for both directions or `MeasuredCosts` (default `PathCosts()`); `force`, one path
+    instead of the rule (not `MIXED`); `use_kernel` (default: on CUDA with Triton)."""
 
     def __init__(
         self,
@@ -163,11 +158,8 @@ class Planner:
         device_slots: torch.Tensor | Sequence[int],
         stream: torch.cuda.Stream | None = None,
     ) -> TransferPlan:
-        """Validate the pairs and plan the operation; raises before anything is written.
-
-        `host_slots`, `device_slots`: `[n]` integer slot ids, CPU (`kvtier.slots.as_slots`); the
-        destinations distinct. On CUDA the device indices are uploaded on `stream`.
-        """
+        """Validate the pairs (`[n]` integer slot ids, CPU, the destinations distinct) and plan the
+        operation, raising before anything is written; on CUDA the indices are uploaded on `stream`."""
         direction = Direction(direction)
         load = direction is Direction.LOAD
         h = as_slot_tensor("host_slots", host_slots, self.host_pool.num_slots, distinct=not load)
@@ -186,12 +178,9 @@ class Planner:
         stream: torch.cuda.Stream | None = None,
         whole_pages: bool = True,
     ) -> TransferPlan:
-        """Plan an operation on slots from kvtier's allocators and tree, unchecked.
-
-        `host_slots`, `device_slots`: `[n]` int64 CPU, in range, the destinations distinct;
-        `runs`: theirs as run lists, from which the joint runs are found without a pass over the
-        slots; else `whole_pages`: both are whole allocator pages (runs found per page).
-        """
+        """Plan an operation on slots from kvtier's allocators and tree, unchecked (`[n]` int64 CPU, in
+        range, the destinations distinct): from `runs`, their run lists, without a pass over the
+        slots; else with `whole_pages` (both whole allocator pages) runs are found per page."""
         direction = Direction(direction)
         n = host_slots.numel()
         if n != device_slots.numel():
