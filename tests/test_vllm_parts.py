@@ -376,3 +376,53 @@ def test_the_scheduler_state_shows_what_it_holds_until_released() -> None:
         k: idle[k] for k in ("requests", "matches", "fetches", "held_slots", "staging", "planned")
     } == dict.fromkeys(("requests", "matches", "fetches", "held_slots", "staging", "planned"), 0)
     assert idle["free_slots"] + idle["indexed"] == idle["host_slots"] == 4
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash", "mla"])
+def test_the_row_kernel_moves_blocks_as_the_index_copies_do(layout, monkeypatch) -> None:
+    """The GPU path (kvtier's row kernel reading and writing the host rows directly, one launch per
+    layer view, rows cut into units) under Triton's interpreter on the CPU: saves write the same host
+    bytes as the index copies and nothing else; loads fill poisoned blocks bit for bit."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(7)
+    src = {f"l{i}": vllm_layer(layout, 6, 16, "cpu", gen) for i in range(2)}
+    blocks, slots = [4, 0, 5], [2, 0, 3]
+    fast = HostBlocks(BlockViews(src, 6), 5, KEYS, kernel=True)
+    plain = HostBlocks(BlockViews(src, 6), 5, KEYS, kernel=False)
+    assert fast.kernel is not None and plain.kernel is None
+    fast.rows.fill_(0xA5)
+    plain.rows.fill_(0xA5)
+    for name in src:
+        fast.save_layer(name, blocks, slots)
+        plain.save_layer(name, blocks, slots)
+    fast.saved()
+    assert torch.equal(fast.rows, plain.rows)
+    assert (fast.rows[[1, 4]] == 0xA5).all()  # slots not saved to are untouched
+    dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
+    back = HostBlocks(BlockViews(dst, 6), 5, KEYS, kernel=True)
+    back.rows.copy_(fast.rows)
+    back.load([1, 3, 2], slots)
+    for name in src:
+        got, want = dst[name], src[name]
+        if layout == "flash":
+            got, want = got.transpose(0, 1), want.transpose(0, 1)
+        for a, b in ((1, 4), (3, 0), (2, 5)):
+            assert torch.equal(got[a].view(torch.int16), want[b].view(torch.int16)), (name, a)
+        for a in (0, 4, 5):
+            assert torch.isnan(got[a].float()).all()
+    for h in (fast, plain, back):
+        h.close()
+
+
+def test_a_block_row_is_cut_into_equal_units_within_the_kernel_budget() -> None:
+    from kvtier.integrations.vllm.rows import unit_bytes
+
+    assert unit_bytes(8192, 16384) == 8192
+    assert unit_bytes(32768, 16384) == 16384
+    assert unit_bytes(18432, 16384) == 9216
+    assert unit_bytes(73728, 16384) == 12288
+    assert unit_bytes(524288, 16384) == 16384
+    for size in (1152 * 64, 576 * 2 * 16, 4096 * 2 * 64, 130):
+        u = unit_bytes(size, 16384)
+        assert size % u == 0 and (u <= 16384 or size <= 16384)

@@ -6,9 +6,15 @@ separate halves, as vLLM's CUDA layout `[2, num_blocks, ...]` has them). A block
 opaque bytes, so any element order works (vLLM's CPU layout interleaves K and V per ISA).
 
 `HostBlocks` is the host pool: `[slots, block bytes]` uint8, one row per vLLM block holding every
-layer's bytes of it in `BlockViews` order (pinned where the KV is on a GPU). A row is one storage
-page: `kvtier.storage.values.PageCodec` writes it with its fingerprint and checksum and refuses
-any value that does not match on the way back (a refused page is a failed load, never KV).
+layer's bytes of it in `BlockViews` order (pinned where the KV is on a GPU). On a GPU kvtier's row
+kernel moves blocks between the pinned rows and vLLM's tensors (`rows.BlockRows`): loads layer by
+layer on a stream of their own, each layer's end an event `wait_for_layer_load` waits on; saves on
+another stream after the layer's attention, waited for only where the CPU reads the rows (a page
+written to storage). Without Triton, and on vLLM's CPU build, index copies through the CPU.
+
+A row is one storage page: `kvtier.storage.values.PageCodec` writes it with its fingerprint and
+checksum and refuses any value that does not match on the way back (a refused page is a failed
+load, never KV).
 Writes to storage go through one background thread; a slow or failing store drops writes
 (counted), never blocks a step. MLA's latent is the same on every tensor-parallel rank: its pages
 are named once for all ranks and written by rank 0 alone (`config.rank_identity`). `Fetches`
@@ -22,14 +28,17 @@ import queue
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.rows import BlockRows
 from kvtier.integrations.vllm.scheduler import Load
 from kvtier.spec import BufferKind, BufferSpec, KVSpec
 from kvtier.storage.backend import StorageBackend
 from kvtier.storage.keys import PageKeys
 from kvtier.storage.values import PageCodec
+from kvtier.transfer import kernels
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +98,18 @@ class HostBlocks:
         backend: StorageBackend | None = None,
         max_pending_writes: int = 4096,
         store: bool = True,
+        kernel: bool | None = None,
     ) -> None:
         self.views, self.keys, self.backend = views, keys, backend
-        pin = views.device.type == "cuda"
-        self.rows = torch.empty((slots, views.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        cuda = views.device.type == "cuda"
+        self.rows = torch.empty((slots, views.block_bytes), dtype=torch.uint8, pin_memory=cuda)
+        # The row kernel moves blocks where it runs (default: on CUDA; `kernel=True` under Triton's
+        # interpreter in tests); else index copies through the CPU.
+        use = kernels.runs_on(views.device) and (cuda if kernel is None else kernel)
+        self.kernel = BlockRows(views, self.rows) if use else None
+        self._save_stream: torch.cuda.Stream | None = None
+        self._saves: tuple[tuple[int, ...], tuple[int, ...], dict] | None = None  # the step's launches
+        self._saved: torch.cuda.Event | None = None  # after the last save's copies
         self.codec = PageCodec(page_spec(views.block_bytes, keys.page_size), keys.fingerprint)
         self.counts = {"loaded": 0, "saved": 0, "stored": 0, "store_failed": 0, "store_dropped": 0}
         self.counts |= {"storage_read": 0, "storage_rejected": 0}
@@ -117,38 +134,45 @@ class HostBlocks:
         return not load.from_storage or self.read(load.slot, load.page_hash)
 
     def load(self, blocks: Sequence[int], slots: Sequence[int], wait: bool = False) -> None:
-        """vLLM blocks `blocks[i]` <- host slots `slots[i]`, every layer. On a GPU the copies run on
-        a stream of the pool's, layer by layer, each layer's end recorded (`wait_layer`), and where
-        `wait` (a background fetch) this thread waits for them; on the CPU they are done when this
-        returns."""
+        """vLLM blocks `blocks[i]` <- host slots `slots[i]`, every layer. On a GPU they move on a
+        stream of the pool's, after the current stream's work and the last save, layer by layer,
+        each layer's end recorded (`wait_layer`); where `wait` (a background fetch) this thread waits
+        for them. Elsewhere they are done when this returns."""
         if not blocks:
             return
         device = self.views.device
-        b = torch.tensor(blocks, dtype=torch.int64)
-        rows = self.rows[torch.tensor(slots, dtype=torch.int64)]
         if device.type != "cuda":
-            self._copy_layers(b, rows, None)
+            self._load_layers(blocks, slots, _same, record=False)
         else:
             stream = torch.cuda.Stream(device) if wait else self._stream or torch.cuda.Stream(device)
             if not wait:
                 self._stream = stream
                 stream.wait_stream(torch.cuda.current_stream(device))  # the blocks are free to write
+            if self._saved is not None:
+                stream.wait_event(self._saved)  # the host rows are whole
             with torch.cuda.stream(stream):
-                b = b.pin_memory().to(device, non_blocking=True)
-                rows = rows.pin_memory().to(device, non_blocking=True)
-                self._copy_layers(b, rows, None if wait else stream)
+                self._load_layers(blocks, slots, _uploader(device), record=not wait)
             if wait:
                 stream.synchronize()
         self.counts["loaded"] += len(blocks)
 
-    def _copy_layers(self, b: torch.Tensor, rows: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-        """Every layer's share of `rows` (`[n, block bytes]`) into blocks `b` (`[n]` int64), in order."""
+    def _load_layers(self, blocks: Sequence[int], slots: Sequence[int], upload, record: bool) -> None:
+        """Every layer in order on the current stream: by the row kernel, else by index copies of the
+        gathered rows (`upload`ed to the device); `record`: an event after each layer."""
+        if self.kernel is not None:
+            launches = self.kernel.prepare(np.asarray(blocks), np.asarray(slots), True, upload)
+        else:
+            b = upload(torch.tensor(blocks, dtype=torch.int64))
+            rows = upload(self.rows[torch.tensor(slots, dtype=torch.int64)])
         for name, views in self.views.views.items():
-            for v, at in zip(views, self.views.offsets[name], strict=True):
-                v.index_copy_(0, b, rows[:, at : at + v.shape[1]])
-            if stream is not None:
+            if self.kernel is not None:
+                self.kernel.run(name, launches, True)
+            else:
+                for v, at in zip(views, self.views.offsets[name], strict=True):
+                    v.index_copy_(0, b, rows[:, at : at + v.shape[1]])
+            if record:
                 event = self._loaded[name] = torch.cuda.Event()
-                event.record(stream)
+                event.record()
 
     def wait_layer(self, name: str) -> None:
         """Make the current stream wait for layer `name`'s loads (no host wait; nothing on the CPU)."""
@@ -157,14 +181,41 @@ class HostBlocks:
             torch.cuda.current_stream(self.views.device).wait_event(event)
 
     def save_layer(self, name: str, blocks: Sequence[int], slots: Sequence[int]) -> None:
-        """Host slots `slots[i]` <- vLLM blocks `blocks[i]`, layer `name` only."""
+        """Host slots `slots[i]` <- vLLM blocks `blocks[i]`, layer `name` only. With the row kernel on
+        a GPU it runs on a stream of the pool's after the current stream's work (the layer's KV) and
+        nothing waits: `saved()` waits for every save so far. The blocks and slots of a step's layers
+        are the same: their launches are shaped once."""
         if not blocks:
             return
-        b = torch.tensor(blocks, dtype=torch.int64, device=self.views.device)
-        s = torch.tensor(slots, dtype=torch.int64)
-        for v, at in zip(self.views.views[name], self.views.offsets[name], strict=True):
-            # `.cpu()` waits for the layer's attention on a GPU: the host row is complete after it.
-            self.rows[s, at : at + v.shape[1]] = v.index_select(0, b).cpu()
+        device = self.views.device
+        if self.kernel is None:
+            b = torch.tensor(blocks, dtype=torch.int64, device=device)
+            s = torch.tensor(slots, dtype=torch.int64)
+            for v, at in zip(self.views.views[name], self.views.offsets[name], strict=True):
+                # `.cpu()` waits for the layer's attention on a GPU: the host row is complete after it.
+                self.rows[s, at : at + v.shape[1]] = v.index_select(0, b).cpu()
+            return
+        key = (tuple(blocks), tuple(slots))
+        if device.type != "cuda":  # Triton's interpreter (tests)
+            self.kernel.run(name, self._save_launches(key, _same), False)
+            return
+        stream = self._save_stream = self._save_stream or torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self.kernel.run(name, self._save_launches(key, _uploader(device)), False)
+            self._saved = torch.cuda.Event()
+            self._saved.record(stream)
+
+    def _save_launches(self, key: tuple[tuple[int, ...], tuple[int, ...]], upload) -> dict:
+        if self._saves is None or self._saves[:2] != key:
+            blocks, slots = (np.asarray(k, dtype=np.int64) for k in key)
+            self._saves = (*key, self.kernel.prepare(blocks, slots, False, upload))
+        return self._saves[2]
+
+    def saved(self) -> None:
+        """Wait until the host rows hold every save submitted so far (before reading them on the CPU)."""
+        if self._saved is not None:
+            self._saved.synchronize()
 
     # -- host <-> storage -------------------------------------------------------------
 
@@ -173,6 +224,7 @@ class HostBlocks:
         page is absent, unreadable or refused by its checks."""
         if self.backend is None:
             return False
+        self.saved()  # no save still writes the slot
         self.counts["storage_read"] += 1
         buffers = self.codec.read_buffers([memoryview(self.rows[slot].numpy())])
         try:
@@ -194,6 +246,7 @@ class HostBlocks:
         where this worker writes no storage (none, or another rank writes these pages)."""
         if self._writer is None:
             return
+        self.saved()
         try:
             self._writes.put_nowait((page_hash, self.rows[slot].numpy().tobytes()))
         except queue.Full:
@@ -210,6 +263,7 @@ class HostBlocks:
             self._writes.join()
 
     def close(self) -> None:
+        self.saved()  # no kernel still writes the rows
         if self._writer is not None:
             self.flush()
             self._writes.put(None)
@@ -233,6 +287,15 @@ class HostBlocks:
                 log.warning("kvtier: storage write failed (%s)", e)
             finally:
                 self._writes.task_done()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _uploader(device: torch.device):
+    """Copies a CPU tensor to `device` on the current stream, without a host wait."""
+    return lambda t: t.pin_memory().to(device, non_blocking=True)
 
 
 class Fetches:
