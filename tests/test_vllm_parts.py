@@ -379,14 +379,15 @@ def test_the_scheduler_state_shows_what_it_holds_until_released() -> None:
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flash", "mla"])
-def test_the_row_kernel_moves_blocks_as_the_index_copies_do(layout, monkeypatch) -> None:
+@pytest.mark.parametrize("block", [16, 64])
+def test_the_row_kernel_moves_blocks_as_the_index_copies_do(layout, block, monkeypatch) -> None:
     """The GPU path (kvtier's row kernel reading and writing the host rows directly, one launch per
     layer view, rows cut into units) under Triton's interpreter on the CPU: saves write the same host
     bytes as the index copies and nothing else; loads fill poisoned blocks bit for bit."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(7)
-    src = {f"l{i}": vllm_layer(layout, 6, 16, "cpu", gen) for i in range(2)}
+    src = {f"l{i}": vllm_layer(layout, 6, block, "cpu", gen) for i in range(2)}
     blocks, slots = [4, 0, 5], [2, 0, 3]
     fast = HostBlocks(BlockViews(src, 6), 5, KEYS, kernel=True)
     plain = HostBlocks(BlockViews(src, 6), 5, KEYS, kernel=False)
