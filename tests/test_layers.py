@@ -15,7 +15,19 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvtier"
 # The library packages below the server: none of them imports `kvtier.server`.
-BELOW_SERVER = ("alloc", "slots", "spec", "paths", "errors", "pool", "transfer", "storage", "cache", "engine")
+BELOW_SERVER = (
+    "alloc",
+    "slots",
+    "spec",
+    "paths",
+    "errors",
+    "jit",
+    "pool",
+    "transfer",
+    "storage",
+    "cache",
+    "engine",
+)
 ENTRY = re.compile(r"kvtier(\.\w+)+:\w+")
 
 
