@@ -303,6 +303,19 @@ def vllm_layer(layout: str, num_blocks: int, block: int, device: str, gen: torch
     return torch.randn(*shape[layout], generator=gen).to(torch.bfloat16).to(device)
 
 
+def assert_blocks(dst: dict, src: dict, layout: str, pairs, untouched) -> None:
+    """Every layer's block `a` of `dst` holds block `b` of `src` bit for bit for each `(a, b)` of
+    `pairs`, and the blocks `untouched` (poisoned with NaN) are still NaN."""
+    for name in src:
+        got, want = dst[name], src[name]
+        if layout == "flash":  # `[2, blocks, ...]`: blocks first
+            got, want = got.transpose(0, 1), want.transpose(0, 1)
+        for a, b in pairs:
+            assert torch.equal(got[a].view(torch.int16), want[b].view(torch.int16)), (name, a)
+        for a in untouched:
+            assert torch.isnan(got[a].float()).all(), (name, a)
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no GPU"))]
 )
@@ -329,13 +342,7 @@ def test_vllm_layouts_round_trip_through_host_and_storage(device, layout, block,
     other.load([0, 7, 5], [3, 2, 1])
     if device == "cuda":
         torch.cuda.synchronize()
-    for name in src:
-        got, want = dst[name], src[name]
-        if layout == "flash":
-            got, want = got.transpose(0, 1), want.transpose(0, 1)
-        for a, b in ((0, 1), (7, 6), (5, 3)):
-            assert torch.equal(got[a].view(torch.int16), want[b].view(torch.int16)), (name, a)
-        assert torch.isnan(got[2].float()).all()
+    assert_blocks(dst, src, layout, ((0, 1), (7, 6), (5, 3)), untouched=(2,))
     host.close()
     other.close()
 
@@ -404,14 +411,7 @@ def test_the_row_kernel_moves_blocks_as_the_index_copies_do(layout, block, monke
     back = HostBlocks(BlockViews(dst, 6), 5, KEYS, kernel=True)
     back.rows.copy_(fast.rows)
     back.load([1, 3, 2], slots)
-    for name in src:
-        got, want = dst[name], src[name]
-        if layout == "flash":
-            got, want = got.transpose(0, 1), want.transpose(0, 1)
-        for a, b in ((1, 4), (3, 0), (2, 5)):
-            assert torch.equal(got[a].view(torch.int16), want[b].view(torch.int16)), (name, a)
-        for a in (0, 4, 5):
-            assert torch.isnan(got[a].float()).all()
+    assert_blocks(dst, src, layout, ((1, 4), (3, 0), (2, 5)), untouched=(0, 4, 5))
     for h in (fast, plain, back):
         h.close()
 
