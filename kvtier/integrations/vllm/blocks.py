@@ -39,6 +39,7 @@ from kvtier.storage.backend import StorageBackend
 from kvtier.storage.keys import PageKeys
 from kvtier.storage.values import PageCodec
 from kvtier.transfer import kernels
+from kvtier.transfer.plan import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class HostBlocks:
             return
         device = self.views.device
         if device.type != "cuda":
-            self._load_layers(blocks, slots, _same, record=False)
+            self._load_layers(blocks, slots, record=False)
         else:
             stream = torch.cuda.Stream(device) if wait else self._stream or torch.cuda.Stream(device)
             if not wait:
@@ -151,14 +152,15 @@ class HostBlocks:
             if self._saved is not None:
                 stream.wait_event(self._saved)  # the host rows are whole
             with torch.cuda.stream(stream):
-                self._load_layers(blocks, slots, _uploader(device), record=not wait)
+                self._load_layers(blocks, slots, record=not wait)
             if wait:
                 stream.synchronize()
         self.counts["loaded"] += len(blocks)
 
-    def _load_layers(self, blocks: Sequence[int], slots: Sequence[int], upload, record: bool) -> None:
+    def _load_layers(self, blocks: Sequence[int], slots: Sequence[int], record: bool) -> None:
         """Every layer in order on the current stream: by the row kernel, else by index copies of the
-        gathered rows (`upload`ed to the device); `record`: an event after each layer."""
+        gathered rows (uploaded to the device); `record`: an event after each layer."""
+        upload = Uploader(self.views.device, None)
         if self.kernel is not None:
             launches = self.kernel.prepare(np.asarray(blocks), np.asarray(slots), True, upload)
         else:
@@ -197,18 +199,21 @@ class HostBlocks:
             return
         key = (tuple(blocks), tuple(slots))
         if device.type != "cuda":  # Triton's interpreter (tests)
-            self.kernel.run(name, self._save_launches(key, _same), False)
+            self.kernel.run(name, self._save_launches(key), False)
             return
         stream = self._save_stream = self._save_stream or torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self.kernel.run(name, self._save_launches(key, _uploader(device)), False)
+            self.kernel.run(name, self._save_launches(key), False)
             self._saved = torch.cuda.Event()
             self._saved.record(stream)
 
-    def _save_launches(self, key: tuple[tuple[int, ...], tuple[int, ...]], upload) -> dict:
+    def _save_launches(self, key: tuple[tuple[int, ...], tuple[int, ...]]) -> dict:
+        """The launches of a save of `key` (blocks, slots), shaped on the first layer of a step (their
+        offsets uploaded on the current stream)."""
         if self._saves is None or self._saves[:2] != key:
             blocks, slots = (np.asarray(k, dtype=np.int64) for k in key)
+            upload = Uploader(self.views.device, None)
             self._saves = (*key, self.kernel.prepare(blocks, slots, False, upload))
         return self._saves[2]
 
@@ -287,15 +292,6 @@ class HostBlocks:
                 log.warning("kvtier: storage write failed (%s)", e)
             finally:
                 self._writes.task_done()
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _uploader(device: torch.device):
-    """Copies a CPU tensor to `device` on the current stream, without a host wait."""
-    return lambda t: t.pin_memory().to(device, non_blocking=True)
 
 
 class Fetches:
