@@ -11,6 +11,20 @@ from collections.abc import Sequence
 from kvtier.storage.backend import Chunks, StorageBackend
 
 
+def read_into(value: bytes | None, views) -> int:
+    """`value` spread over `views` in order, as `get_into` answers for one key: its length, or -1
+    where it is absent or longer than the views (nothing written then)."""
+    flat = [memoryview(v).cast("B") for v in views]
+    if value is None or len(value) > sum(len(v) for v in flat):
+        return -1
+    at = 0
+    for v in flat:
+        n = min(len(v), len(value) - at)
+        v[:n] = value[at : at + n]
+        at += n
+    return len(value)
+
+
 class MemoryBackend(StorageBackend):
     name = "memory"
 
@@ -28,16 +42,7 @@ class MemoryBackend(StorageBackend):
         for key, views in zip(keys, buffers, strict=True):
             with self._lock:
                 value = self._values.get(key)
-            flat = [memoryview(v).cast("B") for v in views]
-            if value is None or len(value) > sum(len(v) for v in flat):
-                out.append(-1)
-                continue
-            off = 0
-            for v in flat:
-                n = min(len(v), len(value) - off)
-                v[:n] = value[off : off + n]
-                off += n
-            out.append(len(value))
+            out.append(read_into(value, views))
         return out
 
     def put(self, keys: Sequence[str], values: Sequence[Chunks]) -> list[bool]:

@@ -18,6 +18,8 @@ from kvtier.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "bench" / "traces" / "multiturn_example.csv"
+# `kvtier bench multiturn` on the tiny shape, on the CPU, replaying the trace that follows.
+TINY_TRACE = ["bench", "multiturn", "--shape", "tiny", "--device", "cpu", "--trace"]
 GOOD = """arrival_s,conversation,input_tokens,output_tokens,model
 100.5,x,20,3,m
 100.0,y,10,2,m
@@ -139,39 +141,11 @@ def test_a_missing_trace_is_a_config_error(tmp_path: Path) -> None:
 def test_a_bad_trace_stops_the_cli_before_the_model_is_built(tmp_path: Path, capsys) -> None:
     bad, out = tmp_path / "bad.csv", tmp_path / "out.json"
     bad.write_text("arrival_s,conversation,input_tokens,output_tokens\n0,a,10,4\n1,a,12,1\n")
-    assert (
-        cli.main(
-            [
-                "bench",
-                "multiturn",
-                "--shape",
-                "tiny",
-                "--device",
-                "cpu",
-                "--trace",
-                str(bad),
-                "--json",
-                str(out),
-            ]
-        )
-        == 2
-    )
+    assert cli.main([*TINY_TRACE, str(bad), "--json", str(out)]) == 2
     captured = capsys.readouterr()
     assert "bad.csv:3" in captured.err and "building the model" not in captured.out + captured.err
     assert not out.exists()
-    argv = [
-        "bench",
-        "multiturn",
-        "--shape",
-        "tiny",
-        "--device",
-        "cpu",
-        "--trace",
-        str(EXAMPLE),
-        "--output-tokens",
-        "4",
-    ]
-    assert cli.main(argv) == 2
+    assert cli.main([*TINY_TRACE, str(EXAMPLE), "--output-tokens", "4"]) == 2
     assert "drop --request-rate and --output-tokens" in capsys.readouterr().err
 
 

@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 import pytest
-from storage_plugin import MemoryBackend
+from storage_plugin import MemoryBackend, read_into
 
 from kvtier.cache.movers import Mover
 from kvtier.cache.storage_mover import (
@@ -160,20 +160,7 @@ class Bare(StorageBackend):
         return next((n for n, k in enumerate(keys) if k not in self._values), len(keys))
 
     def get_into(self, keys, buffers):
-        out = []
-        for key, views in zip(keys, buffers, strict=True):
-            value = self._values.get(key)
-            flat = [memoryview(v).cast("B") for v in views]
-            if value is None or len(value) > sum(len(v) for v in flat):
-                out.append(-1)
-                continue
-            at = 0
-            for v in flat:
-                n = min(len(v), len(value) - at)
-                v[:n] = value[at : at + n]
-                at += n
-            out.append(len(value))
-        return out
+        return [read_into(self._values.get(k), views) for k, views in zip(keys, buffers, strict=True)]
 
     def put(self, keys, values):
         for k, v in zip(keys, values, strict=True):
