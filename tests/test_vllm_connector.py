@@ -259,3 +259,21 @@ def test_aborts_mid_prefill_and_mid_fetch_leave_nothing_held(tmp_path: Path) -> 
     assert state["finished"] == ["again", "fill", "first"]
     assert len(state["tokens"]["again"]) == 12
     assert_nothing_held(state)
+
+
+def test_vllm_finds_the_connector_by_its_module_path_and_keeps_its_hooks_out_of_full_graphs() -> None:
+    """vLLM resolves `KVTierConnector` from `kv_connector_module_path` (no connector of its own by
+    that name), and the connector asks vLLM for piecewise CUDA graphs: a full graph replays the
+    forward without calling `wait_for_layer_load` or `save_kv_layer`."""
+    code = (
+        "from vllm.config import KVTransferConfig\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+        "cfg = KVTransferConfig(kv_connector='KVTierConnector', "
+        "kv_connector_module_path='kvtier.integrations.vllm', kv_role='kv_both')\n"
+        "cls = KVConnectorFactory.get_connector_class(cfg)\n"
+        "print('FOUND', cls.__module__, cls.requires_piecewise_for_cudagraph({}))\n"
+    )
+    cmd = [VLLM_PYTHON or sys.executable, "-c", code]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "FOUND kvtier.integrations.vllm.connector True" in proc.stdout

@@ -232,7 +232,7 @@ def test_tensors_without_a_block_dimension_are_refused() -> None:
 def test_a_background_fetch_fills_blocks_and_reports_refused_pages(tmp_path) -> None:
     import time
 
-    from kvtier.integrations.vllm.blocks import Fetches
+    from kvtier.integrations.vllm.fetches import Fetches
     from kvtier.integrations.vllm.scheduler import Load
 
     gen = torch.Generator().manual_seed(2)
@@ -427,3 +427,126 @@ def test_a_block_row_is_cut_into_equal_units_within_the_kernel_budget() -> None:
     for size in (1152 * 64, 576 * 2 * 16, 4096 * 2 * 64, 130):
         u = unit_bytes(size, 16384)
         assert size % u == 0 and (u <= 16384 or size <= 16384)
+
+
+@pytest.mark.parametrize("fault", ["raises", "writes nothing"])
+def test_a_row_kernel_that_fails_its_check_leaves_the_index_copies(fault, monkeypatch, caplog) -> None:
+    """Where the row kernel cannot launch here, or moves the wrong bytes, the pool finds it when it
+    is made (a save of block 0 against an index copy), says so once and moves blocks by index copies:
+    the round trip is still bit for bit."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvtier.integrations.vllm.rows import BlockRows
+
+    def broken(self, name, launches, load):
+        if fault == "raises":
+            raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(BlockRows, "run", broken)
+    gen = torch.Generator().manual_seed(11)
+    src = {f"l{i}": vllm_layer("flash", 4, 16, "cpu", gen) for i in range(2)}
+    with caplog.at_level("WARNING", logger="kvtier.integrations.vllm.blocks"):
+        host = HostBlocks(BlockViews(src, 4), 3, KEYS, kernel=True)
+    assert host.kernel is None
+    (warning,) = [r.getMessage() for r in caplog.records if "row kernel failed its check" in r.getMessage()]
+    assert ("no kernel image" in warning) == (fault == "raises")
+    for name in src:
+        host.save_layer(name, [3, 1], [2, 0])
+    dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
+    back = HostBlocks(BlockViews(dst, 4), 3, KEYS, kernel=True)
+    back.rows.copy_(host.rows)
+    back.load([0, 2], [2, 0])
+    assert_blocks(dst, src, "flash", ((0, 3), (2, 1)), untouched=(1, 3))
+
+
+def test_a_row_kernel_that_passes_its_check_is_kept(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(12)
+    device = "cuda" if CUDA else "cpu"
+    src = {"l0": vllm_layer("mla", 3, 16, device, gen)}
+    host = HostBlocks(BlockViews(src, 3), 2, KEYS, kernel=True)
+    assert host.kernel is not None
+    assert torch.equal(host.rows[0], src["l0"][0].reshape(-1).view(torch.uint8).cpu())  # the check's save
+
+
+# On a GPU the moves run on streams of their own; each test below delays one stream with a sleep
+# kernel, so that a missing order between streams shows as wrong bytes (on the CPU nothing is
+# asynchronous: they skip).
+cuda_only = pytest.mark.skipif(not CUDA, reason="no GPU")
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of one SM's clock
+
+
+@cuda_only
+def test_a_save_reads_its_block_before_vllm_rewrites_it() -> None:
+    """vLLM may free a block after the step that saved it and write another request's KV into it on
+    its stream: the stream waits for the step's saves (`fence_saves`), so the host row holds the
+    block as it was, even when the save stream runs late."""
+    gen = torch.Generator().manual_seed(21)
+    src = {f"l{i}": vllm_layer("flash", 4, 16, "cuda", gen) for i in range(2)}
+    want = {k: v.clone() for k, v in src.items()}
+    host = HostBlocks(BlockViews(src, 4), 2, KEYS)
+    assert host.kernel is not None
+    host._save_stream = torch.cuda.Stream()
+    with torch.cuda.stream(host._save_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    for name in src:
+        host.save_layer(name, [1], [0])
+    host.fence_saves()  # (`wait_for_save`)
+    for v in src.values():
+        v.fill_(float("nan"))  # the block's next owner, on vLLM's stream
+    host.saved()
+    dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
+    back = HostBlocks(BlockViews(dst, 4), 2, KEYS)
+    back.rows.copy_(host.rows)
+    back.load([2], [0])
+    torch.cuda.synchronize()
+    assert_blocks(dst, want, "flash", ((2, 1),), untouched=(0, 1, 3))
+
+
+@cuda_only
+def test_a_page_read_from_storage_waits_for_a_load_still_reading_its_slot(tmp_path) -> None:
+    """A slot loaded from in one step may take a storage page in the next: the CPU writes it only
+    once the load, late on its stream, has read the slot's former bytes."""
+    gen = torch.Generator().manual_seed(22)
+    src = {"l0": vllm_layer("mla", 4, 16, "cuda", gen)}
+    keys = PageKeys(Fingerprint(b"o" * 16), 16)
+    _, b = keys.chain(keys.root, np.arange(32))
+    host = HostBlocks(BlockViews(src, 4), 2, keys, open_backend(f"file://{tmp_path}"))
+    for name in src:
+        host.save_layer(name, [0, 1], [0, 1])
+    host.store(1, b)  # storage holds block 1's bytes as page b
+    host.flush()
+    host._stream = torch.cuda.Stream()
+    with torch.cuda.stream(host._stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    dst = src["l0"][3]
+    dst.fill_(float("nan"))
+    host.load([3], [0])  # block 3 <- slot 0 (block 0's bytes), late
+    for name in src:
+        host.wait_layer(name)
+    assert host.read(0, b)  # slot 0 <- page b, on the CPU
+    torch.cuda.synchronize()
+    assert torch.equal(src["l0"][3].view(torch.int16), src["l0"][0].view(torch.int16))
+    assert not torch.equal(src["l0"][0].view(torch.int16), src["l0"][1].view(torch.int16))
+    host.close()
+
+
+@cuda_only
+def test_a_background_fetch_fills_its_blocks_after_the_step_that_handed_them_over(tmp_path) -> None:
+    """A fetch runs on another thread and stream: it fills its blocks only after the work vLLM had
+    queued on them when the step submitted it (`mark`), late as that work may run."""
+    gen = torch.Generator().manual_seed(23)
+    src = {"l0": vllm_layer("mla", 4, 16, "cuda", gen)}
+    host = HostBlocks(BlockViews(src, 4), 2, KEYS)
+    for name in src:
+        host.save_layer(name, [0], [0])
+    host.saved()
+    want = src["l0"][0].clone()
+    torch.cuda._sleep(SLEEP_CYCLES)  # vLLM's stream, busy
+    src["l0"][2].fill_(float("nan"))  # the block's former owner's last write, queued behind it
+    host.load([2], [0], wait=True, after=host.mark())
+    torch.cuda.synchronize()
+    assert torch.equal(src["l0"][2].view(torch.int16), want.view(torch.int16))
+    host.close()

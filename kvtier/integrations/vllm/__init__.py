@@ -4,7 +4,8 @@
       "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both"}'
 
 `config` (the options), `scheduler` (the page index and each step's plan), `blocks` (the worker's
-host pool and storage moves): none of them imports vLLM; `connector` (the vLLM interface) and
+host pool and storage moves), `rows` (the row kernel's block moves), `fetches` (loads outside the
+steps): none of them imports vLLM; `connector` (the vLLM interface) and
 `stats` (its counters) do, imported when `KVTierConnector` is first asked for.
 """
 

@@ -9,16 +9,28 @@ opaque bytes, so any element order works (vLLM's CPU layout interleaves K and V 
 layer's bytes of it in `BlockViews` order (pinned where the KV is on a GPU). On a GPU kvtier's row
 kernel moves blocks between the pinned rows and vLLM's tensors (`rows.BlockRows`): loads layer by
 layer on a stream of their own, each layer's end an event `wait_for_layer_load` waits on; saves on
-another stream after the layer's attention, waited for only where the CPU reads the rows (a page
-written to storage). Without Triton, and on vLLM's CPU build, index copies through the CPU.
+another stream after the layer's attention. Every use across streams is ordered by an event, and
+the host waits only where the CPU touches the rows (a page written to or read from storage):
+
+- a load starts after the current stream's work (vLLM may still write the blocks it fills) and
+  after the last save (the rows it reads are whole); a background fetch, after the current
+  stream's work as of the step that submitted it (`mark`);
+- the current stream waits for a step's saves at its end (`fence_saves`, no host wait), so a block
+  vLLM frees and rewrites is read by its save first;
+- the CPU writes a row (a page read from storage) only once no load reads the rows and no save
+  writes them.
+
+The row kernel is checked once when the pool is made (a save of block 0 against an index copy;
+Triton compiles then, not in a step); where it fails, and without Triton or on vLLM's CPU build,
+blocks move by index copies through the CPU.
 
 A row is one storage page: `kvtier.storage.values.PageCodec` writes it with its fingerprint and
 checksum and refuses any value that does not match on the way back (a refused page is a failed
 load, never KV).
 Writes to storage go through one background thread; a slow or failing store drops writes
 (counted), never blocks a step. MLA's latent is the same on every tensor-parallel rank: its pages
-are named once for all ranks and written by rank 0 alone (`config.rank_identity`). `Fetches`
-loads a request whose pages are in storage on another thread, outside any step.
+are named once for all ranks and written by rank 0 alone (`config.rank_identity`). Requests whose
+pages are in storage are loaded outside the steps by `fetches.Fetches`.
 """
 
 from __future__ import annotations
@@ -88,6 +100,29 @@ def page_spec(block_bytes: int, block_size: int) -> KVSpec:
     return KVSpec("vllm", 1, (row,), block_size)
 
 
+def checked_kernel(views: BlockViews, rows: torch.Tensor) -> BlockRows | None:
+    """The row kernel between `views` and `rows`, where a save of block 0 through it into host slot
+    0 writes the bytes of an index copy; else None (logged): blocks then move by index copies."""
+    if not len(rows):
+        return None
+    try:
+        kernel = BlockRows(views, rows)
+        zero = np.zeros(1, dtype=np.int64)
+        launches = kernel.prepare(zero, zero, False, Uploader(views.device, None))
+        for name in views.views:
+            kernel.run(name, launches, False)
+        if views.device.type == "cuda":
+            torch.cuda.current_stream(views.device).synchronize()
+        want = torch.cat([v[0].cpu() for vs in views.views.values() for v in vs])
+        if torch.equal(rows[0], want):
+            return kernel
+        why = "its bytes differ from an index copy's"
+    except Exception as e:  # (Triton cannot compile or launch here)
+        why = f"{type(e).__name__}: {e}"
+    log.warning("kvtier connector: the row kernel failed its check (%s); blocks move by index copies", why)
+    return None
+
+
 class HostBlocks:
     """The host pool and the moves between it, vLLM's blocks and storage (see the module docstring)."""
 
@@ -107,10 +142,14 @@ class HostBlocks:
         # The row kernel moves blocks where it runs (default: on CUDA; `kernel=True` under Triton's
         # interpreter in tests); else index copies through the CPU.
         use = kernels.runs_on(views.device) and (cuda if kernel is None else kernel)
-        self.kernel = BlockRows(views, self.rows) if use else None
+        self.kernel = checked_kernel(views, self.rows) if use else None
+        log.info("kvtier connector: blocks move by %s", "the row kernel" if self.kernel else "index copies")
         self._save_stream: torch.cuda.Stream | None = None
+        self._fetch_stream: torch.cuda.Stream | None = None
         self._saves: tuple[tuple[int, ...], tuple[int, ...], dict] | None = None  # the step's launches
+        # Events are published once recorded: a thread that reads one never waits on an unrecorded one.
         self._saved: torch.cuda.Event | None = None  # after the last save's copies
+        self._loads_end: torch.cuda.Event | None = None  # after the last in-step load's copies
         self.codec = PageCodec(page_spec(views.block_bytes, keys.page_size), keys.fingerprint)
         self.counts = {"loaded": 0, "saved": 0, "stored": 0, "store_failed": 0, "store_dropped": 0}
         self.counts |= {"storage_read": 0, "storage_rejected": 0}
@@ -134,27 +173,52 @@ class HostBlocks:
             return False
         return not load.from_storage or self.read(load.slot, load.page_hash)
 
-    def load(self, blocks: Sequence[int], slots: Sequence[int], wait: bool = False) -> None:
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after the current stream's work so far (on a GPU; else None), for a fetch that
+        starts later on another thread: the blocks it fills are vLLM's to write until then."""
+        if self.views.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.views.device))
+        return event
+
+    def load(
+        self,
+        blocks: Sequence[int],
+        slots: Sequence[int],
+        wait: bool = False,
+        after: torch.cuda.Event | None = None,
+    ) -> None:
         """vLLM blocks `blocks[i]` <- host slots `slots[i]`, every layer. On a GPU they move on a
-        stream of the pool's, after the current stream's work and the last save, layer by layer,
-        each layer's end recorded (`wait_layer`); where `wait` (a background fetch) this thread waits
-        for them. Elsewhere they are done when this returns."""
+        stream of the pool's after the last save, layer by layer: in a step, after the current
+        stream's work, each layer's end recorded (`wait_layer`); where `wait` (a background fetch),
+        after `after` (`mark`, taken in the step that submitted it), and this thread waits for them.
+        Elsewhere they are done when this returns."""
         if not blocks:
             return
         device = self.views.device
         if device.type != "cuda":
             self._load_layers(blocks, slots, record=False)
+            self.counts["loaded"] += len(blocks)
+            return
+        if wait:
+            stream = self._fetch_stream = self._fetch_stream or torch.cuda.Stream(device)
+            if after is not None:
+                stream.wait_event(after)  # vLLM's work on these blocks before they were handed over
         else:
-            stream = torch.cuda.Stream(device) if wait else self._stream or torch.cuda.Stream(device)
-            if not wait:
-                self._stream = stream
-                stream.wait_stream(torch.cuda.current_stream(device))  # the blocks are free to write
-            if self._saved is not None:
-                stream.wait_event(self._saved)  # the host rows are whole
-            with torch.cuda.stream(stream):
-                self._load_layers(blocks, slots, record=not wait)
-            if wait:
-                stream.synchronize()
+            stream = self._stream = self._stream or torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the blocks are free to write
+        saved = self._saved
+        if saved is not None:
+            stream.wait_event(saved)  # the host rows are whole
+        with torch.cuda.stream(stream):
+            self._load_layers(blocks, slots, record=not wait)
+        if wait:
+            stream.synchronize()
+        else:
+            end = torch.cuda.Event()
+            end.record(stream)
+            self._loads_end = end
         self.counts["loaded"] += len(blocks)
 
     def _load_layers(self, blocks: Sequence[int], slots: Sequence[int], record: bool) -> None:
@@ -205,8 +269,9 @@ class HostBlocks:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self.kernel.run(name, self._save_launches(key), False)
-            self._saved = torch.cuda.Event()
-            self._saved.record(stream)
+        saved = torch.cuda.Event()
+        saved.record(stream)
+        self._saved = saved
 
     def _save_launches(self, key: tuple[tuple[int, ...], tuple[int, ...]]) -> dict:
         """The launches of a save of `key` (blocks, slots), shaped on the first layer of a step (their
@@ -219,8 +284,16 @@ class HostBlocks:
 
     def saved(self) -> None:
         """Wait until the host rows hold every save submitted so far (before reading them on the CPU)."""
-        if self._saved is not None:
-            self._saved.synchronize()
+        saved = self._saved
+        if saved is not None:
+            saved.synchronize()
+
+    def fence_saves(self) -> None:
+        """Make the current stream wait for every save so far (no host wait): whatever vLLM writes
+        next into the saved blocks, once it frees them, comes after the saves read them."""
+        saved = self._saved
+        if saved is not None:
+            torch.cuda.current_stream(self.views.device).wait_event(saved)
 
     # -- host <-> storage -------------------------------------------------------------
 
@@ -230,6 +303,9 @@ class HostBlocks:
         if self.backend is None:
             return False
         self.saved()  # no save still writes the slot
+        loads_end = self._loads_end
+        if loads_end is not None:
+            loads_end.synchronize()  # no load of an earlier step still reads it
         self.counts["storage_read"] += 1
         buffers = self.codec.read_buffers([memoryview(self.rows[slot].numpy())])
         try:
@@ -292,69 +368,3 @@ class HostBlocks:
                 log.warning("kvtier: storage write failed (%s)", e)
             finally:
                 self._writes.task_done()
-
-
-class Fetches:
-    """Loads that run in the background (a request with pages in storage): one thread reads each
-    request's pages into their host slots and fills its vLLM blocks, then marks it done. `take()`
-    gives the requests done since the last call and the blocks that failed among them; a block's
-    failure is recorded before its request is marked done."""
-
-    def __init__(self, host: HostBlocks) -> None:
-        self.host = host
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._done: set[str] = set()
-        self._failed: set[int] = set()
-        self.in_flight = 0  # requests submitted and not done yet
-        names = ("host_hit_blocks", "storage_hit_blocks", "load_failed_blocks", "loaded_bytes")
-        self.counts = dict.fromkeys(names, 0)
-        self._thread = threading.Thread(target=self._loop, name="kvtier-vllm-fetch", daemon=True)
-        self._thread.start()
-
-    def submit(self, req_id: str, loads: Sequence[Load]) -> None:
-        with self._lock:
-            self.in_flight += 1
-        self._jobs.put((req_id, list(loads)))
-
-    def untaken(self) -> int:
-        """Requests done whose end `take()` has not given yet."""
-        with self._lock:
-            return len(self._done)
-
-    def take(self) -> tuple[set[str], set[int]]:
-        with self._lock:
-            done, failed = self._done, self._failed
-            self._done, self._failed = set(), set()
-        return done, failed
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            req_id, loads = job
-            failed: set[int] = set()
-            try:
-                blocks, slots = [], []
-                for load in loads:
-                    if not self.host.loadable(load):
-                        failed.add(load.block)
-                        continue
-                    blocks.append(load.block)
-                    slots.append(load.slot)
-                    self.counts["storage_hit_blocks" if load.from_storage else "host_hit_blocks"] += 1
-                self.host.load(blocks, slots, wait=True)
-                self.counts["loaded_bytes"] += len(blocks) * self.host.views.block_bytes
-            except Exception as e:  # every block of the request fails; the thread goes on
-                log.warning("kvtier: a background load failed (%s); its blocks are recomputed", e)
-                failed |= {load.block for load in loads}
-            self.counts["load_failed_blocks"] += len(failed)
-            with self._lock:
-                self._failed |= failed
-                self._done.add(req_id)
-                self.in_flight -= 1

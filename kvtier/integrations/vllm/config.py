@@ -17,10 +17,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.storage.keys import FINGERPRINT_BYTES, Fingerprint
 
 KNOWN = {"host_gb", "storage", "model", "max_pending_writes"}
 
@@ -67,6 +70,13 @@ def vllm_version() -> str:
             return str(vllm.__version__)
         except Exception:
             return "unknown"
+
+
+def page_fingerprint(identity: dict[str, Any]) -> Fingerprint:
+    """The fingerprint a page's key and value carry: a hash of `identity` (what makes a block's bytes
+    what they are: model, dtypes, block size and bytes, layers, spec, rank) and this vLLM build."""
+    blob = json.dumps({**identity, "vllm": vllm_version()}, sort_keys=True).encode()
+    return Fingerprint(hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES).digest())
 
 
 # vLLM's KV cache specs whose rows every tensor-parallel rank holds whole (MLA's latent is not split

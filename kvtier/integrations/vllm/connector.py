@@ -15,8 +15,6 @@ vLLM's log and `/metrics`: `stats`.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -30,11 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import BackendUnavailableError, ConfigError, InvariantError
 from kvtier.integrations.vllm import stats
-from kvtier.integrations.vllm.blocks import BlockViews, Fetches, HostBlocks
-from kvtier.integrations.vllm.config import ConnectorConfig, rank_identity, vllm_version
+from kvtier.integrations.vllm.blocks import BlockViews, HostBlocks
+from kvtier.integrations.vllm.config import ConnectorConfig, page_fingerprint, rank_identity
+from kvtier.integrations.vllm.fetches import Fetches
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, StepPlan
 from kvtier.storage.backend import StorageBackend, open_backend
-from kvtier.storage.keys import FINGERPRINT_BYTES, Fingerprint, PageKeys
+from kvtier.storage.keys import PageKeys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,16 +44,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-
-def _log_through_vllm() -> None:
-    """kvtier's log lines (INFO and up: hits, refusals, failures) in vLLM's log, with its handlers,
-    unless the application configured the `kvtier` logger itself."""
-    ours = logging.getLogger("kvtier")
-    if not ours.handlers:
-        ours.handlers = list(logging.getLogger("vllm").handlers)
-        ours.setLevel(logging.INFO)
-        ours.propagate = not ours.handlers
 
 
 class KVTierMetadata(KVConnectorMetadata):
@@ -71,7 +60,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _log_through_vllm()
+        stats.log_through_vllm()
         self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError(
@@ -101,11 +90,8 @@ class KVTierConnector(KVConnectorBase_V1):
             "layers": list(group.layer_names),
             "spec": spec_name,
             "tp": rank_id,
-            "vllm": vllm_version(),
         }
-        blob = json.dumps(identity, sort_keys=True).encode()
-        fingerprint = Fingerprint(hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES).digest())
-        self.keys = PageKeys(fingerprint, self.block_size)
+        self.keys = PageKeys(page_fingerprint(identity), self.block_size)
         self._backend: StorageBackend | None = (
             open_backend(self.config.storage) if self.config.storage else None
         )
@@ -126,6 +112,12 @@ class KVTierConnector(KVConnectorBase_V1):
         where = (role.name.lower(), self.host_slots, self.block_bytes, self.config.host_gb)
         storage = self.config.storage or "none"
         log.info("kvtier connector (%s): %d host blocks of %d bytes (%.1f GiB), storage %s", *where, storage)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # A full CUDA graph replays the forward without calling `wait_for_layer_load` or
+        # `save_kv_layer`: layer-wise loads would race attention and saves would never run.
+        return True
 
     # -- scheduler side ---------------------------------------------------------------
     #
@@ -203,8 +195,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self._scheduler.fetching
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # A step's saves finish in that step (`wait_for_save` copies each page before it returns):
-        # the blocks may be freed at once.
+        # The blocks may be freed at once: a step's saves read them within that step (on the CPU,
+        # copied before `wait_for_save` returns; on a GPU, the compute stream waits for them there,
+        # so whatever vLLM writes into a freed block comes after its save).
         self._forget(request.request_id)
         return False, None
 
@@ -252,11 +245,13 @@ class KVTierConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is None:
             return
+        after = None
         for req_id, loads in plan.fetches.items():
             try:
-                if self._fetches is None:
+                if self._fetches is None or self._host is None:
                     raise BackendUnavailableError("no host pool (register_kv_caches failed)")
-                self._fetches.submit(req_id, loads)
+                after = after or self._host.mark()  # the blocks' earlier owners' work in this step
+                self._fetches.submit(req_id, loads, after)
             except Exception as e:
                 log.warning("kvtier: a fetch could not start (%s); its blocks are recomputed", e)
                 self._failed_fetches.add(req_id)
@@ -311,6 +306,7 @@ class KVTierConnector(KVConnectorBase_V1):
         host = self._host
         if plan is None or host is None:
             return
+        host.fence_saves()
         bad, self._step_bad = self._step_bad, set()
         host.bad -= {s.slot for s in plan.saves} - bad
         host.bad |= bad

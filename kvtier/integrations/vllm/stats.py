@@ -1,12 +1,13 @@
 """The connector's counters as vLLM carries them: `KVTierStats` from each worker to the logger
 process (its periodic "KV Transfer metrics" line), and `KVTierPromMetrics` on vLLM's `/metrics`
-as `vllm:kvtier_<name>_total` counters. Imports vLLM.
+as `vllm:kvtier_<name>_total` counters, and kvtier's log lines in vLLM's log. Imports vLLM.
 
 A worker reports what changed since its last report (`delta`), so every counter adds up.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,16 @@ COUNTERS = {
     "load_seconds": "seconds the worker spent loading blocks",
     "save_seconds": "seconds the worker spent saving blocks",
 }
+
+
+def log_through_vllm() -> None:
+    """kvtier's log lines (INFO and up: hits, refusals, failures) in vLLM's log, with its handlers,
+    unless the application configured the `kvtier` logger itself."""
+    ours = logging.getLogger("kvtier")
+    if not ours.handlers:
+        ours.handlers = list(logging.getLogger("vllm").handlers)
+        ours.setLevel(logging.INFO)
+        ours.propagate = not ours.handlers
 
 
 def delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
