@@ -19,6 +19,21 @@ BS = 4
 KEYS = PageKeys(Fingerprint(b"f" * 16), BS)
 
 
+def all_rows(host: HostBlocks) -> torch.Tensor:
+    """`[slots, block_bytes]`: a copy of every host row."""
+    return host.rows.gather(range(host.rows.slots))
+
+
+def fill_rows(host: HostBlocks, value: int) -> None:
+    for s in range(host.rows.slots):
+        host.rows.row(s).fill_(value)
+
+
+def copy_rows(dst: HostBlocks, src: HostBlocks) -> None:
+    for s in range(src.rows.slots):
+        dst.rows.row(s).copy_(src.rows.row(s))
+
+
 def test_options_are_checked_before_anything_starts() -> None:
     assert ConnectorConfig.from_extra(None) == ConnectorConfig()
     assert ConnectorConfig.from_extra({"host_gb": 2, "storage": "file:///tmp/x"}).host_gb == 2.0
@@ -159,7 +174,7 @@ def test_blocks_round_trip_through_host_and_storage_bit_for_bit(tmp_path) -> Non
     # Another worker: its blocks poisoned, its host rows too.
     dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
     other = HostBlocks(BlockViews(dst, 6), 4, KEYS, open_backend(f"file://{tmp_path}"))
-    other.rows.fill_(0xA5)
+    fill_rows(other, 0xA5)
     assert other.read(2, pages[1]) and other.read(1, pages[0])
     other.load([0, 5], [1, 2])
     for name in src:
@@ -196,9 +211,9 @@ def test_mla_pages_are_named_once_and_written_by_rank_zero(tmp_path) -> None:
     leader.store(0, page)
     leader.flush()
     assert leader.counts["stored"] == 1
-    follower.rows.fill_(0xA5)
+    fill_rows(follower, 0xA5)
     assert follower.read(1, page)  # the follower reads the leader's page
-    assert torch.equal(follower.rows[1], leader.rows[0])
+    assert torch.equal(follower.rows.row(1), leader.rows.row(0))
     leader.close()
     follower.close()
 
@@ -337,7 +352,7 @@ def test_vllm_layouts_round_trip_through_host_and_storage(device, layout, block,
     host.flush()
     dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
     other = HostBlocks(BlockViews(dst, 8), 4, keys, open_backend(f"file://{tmp_path}"))
-    other.rows.fill_(0x5A)
+    fill_rows(other, 0x5A)
     assert all(other.read(slot, page) for slot, page in zip((3, 2, 1), pages, strict=True))
     other.load([0, 7, 5], [3, 2, 1])
     if device == "cuda":
@@ -387,29 +402,34 @@ def test_the_scheduler_state_shows_what_it_holds_until_released() -> None:
 
 @pytest.mark.parametrize("layout", ["cpu", "flash", "mla"])
 @pytest.mark.parametrize("block", [16, 64])
-def test_the_row_kernel_moves_blocks_as_the_index_copies_do(layout, block, monkeypatch) -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_row_kernel_moves_blocks_as_the_index_copies_do(layout, block, chunked, monkeypatch) -> None:
     """The GPU path (kvtier's row kernel reading and writing the host rows directly, one launch per
     layer view, rows cut into units) under Triton's interpreter on the CPU: saves write the same host
-    bytes as the index copies and nothing else; loads fill poisoned blocks bit for bit."""
+    bytes as the index copies and nothing else; loads fill poisoned blocks bit for bit. `chunked`: the
+    host rows in chunks of two rows, which the kernel reaches from one base."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(7)
     src = {f"l{i}": vllm_layer(layout, 6, block, "cpu", gen) for i in range(2)}
-    blocks, slots = [4, 0, 5], [2, 0, 3]
-    fast = HostBlocks(BlockViews(src, 6), 5, KEYS, kernel=True)
-    plain = HostBlocks(BlockViews(src, 6), 5, KEYS, kernel=False)
+    blocks, slots = [4, 0, 5], [2, 0, 4]  # (chunked: slots of three chunks)
+    views = BlockViews(src, 6)
+    chunk = {"chunk_bytes": 2 * views.block_bytes} if chunked else {}
+    fast = HostBlocks(views, 5, KEYS, kernel=True, **chunk)
+    plain = HostBlocks(BlockViews(src, 6), 5, KEYS, kernel=False, **chunk)
     assert fast.kernel is not None and plain.kernel is None
-    fast.rows.fill_(0xA5)
-    plain.rows.fill_(0xA5)
+    assert fast.rows.pool.segment_slots == (2 if chunked else 5) * BS
+    fill_rows(fast, 0xA5)
+    fill_rows(plain, 0xA5)
     for name in src:
         fast.save_layer(name, blocks, slots)
         plain.save_layer(name, blocks, slots)
     fast.saved()
-    assert torch.equal(fast.rows, plain.rows)
-    assert (fast.rows[[1, 4]] == 0xA5).all()  # slots not saved to are untouched
+    assert torch.equal(all_rows(fast), all_rows(plain))
+    assert (all_rows(fast)[[1, 3]] == 0xA5).all()  # slots not saved to are untouched
     dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
-    back = HostBlocks(BlockViews(dst, 6), 5, KEYS, kernel=True)
-    back.rows.copy_(fast.rows)
+    back = HostBlocks(BlockViews(dst, 6), 5, KEYS, kernel=True, **chunk)
+    copy_rows(back, fast)
     back.load([1, 3, 2], slots)
     assert_blocks(dst, src, layout, ((1, 4), (3, 0), (2, 5)), untouched=(0, 4, 5))
     for h in (fast, plain, back):
@@ -454,7 +474,7 @@ def test_a_row_kernel_that_fails_its_check_leaves_the_index_copies(fault, monkey
         host.save_layer(name, [3, 1], [2, 0])
     dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
     back = HostBlocks(BlockViews(dst, 4), 3, KEYS, kernel=True)
-    back.rows.copy_(host.rows)
+    copy_rows(back, host)
     back.load([0, 2], [2, 0])
     assert_blocks(dst, src, "flash", ((0, 3), (2, 1)), untouched=(1, 3))
 
@@ -468,7 +488,7 @@ def test_a_row_kernel_that_passes_its_check_is_kept(monkeypatch) -> None:
     src = {"l0": vllm_layer("mla", 3, 16, device, gen)}
     host = HostBlocks(BlockViews(src, 3), 2, KEYS, kernel=True)
     assert host.kernel is not None
-    assert torch.equal(host.rows[0], src["l0"][0].reshape(-1).view(torch.uint8).cpu())  # the check's save
+    assert torch.equal(host.rows.row(0), src["l0"][0].reshape(-1).view(torch.uint8).cpu())  # the check's save
 
 
 # On a GPU the moves run on streams of their own; each test below delays one stream with a sleep
@@ -499,7 +519,7 @@ def test_a_save_reads_its_block_before_vllm_rewrites_it() -> None:
     host.saved()
     dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
     back = HostBlocks(BlockViews(dst, 4), 2, KEYS)
-    back.rows.copy_(host.rows)
+    copy_rows(back, host)
     back.load([2], [0])
     torch.cuda.synchronize()
     assert_blocks(dst, want, "flash", ((2, 1),), untouched=(0, 1, 3))
@@ -550,3 +570,18 @@ def test_a_background_fetch_fills_its_blocks_after_the_step_that_handed_them_ove
     torch.cuda.synchronize()
     assert torch.equal(src["l0"][2].view(torch.int16), want.view(torch.int16))
     host.close()
+
+
+def test_a_host_pool_larger_than_the_hosts_memory_is_refused_before_it_is_allocated() -> None:
+    """The rows are a `HostPool` of one layer: a pool over the RAM available (less its reserve) is
+    refused at once, with its size, rather than pinned until the host runs out."""
+    from kvtier.errors import HostMemoryError
+    from kvtier.pool.memory import host_memory_bytes
+
+    gen = torch.Generator().manual_seed(31)
+    views = BlockViews({"l0": vllm_layer("mla", 2, 16, "cpu", gen)}, 2)
+    too_many = 2 * host_memory_bytes()[1] // views.block_bytes
+    with pytest.raises(HostMemoryError, match="host pool needs"):
+        HostBlocks(views, too_many, PageKeys(Fingerprint(b"m" * 16), 16))
+    with pytest.raises(ConfigError, match="0 blocks"):
+        HostBlocks(views, 0, PageKeys(Fingerprint(b"m" * 16), 16))

@@ -5,12 +5,13 @@
 separate halves, as vLLM's CUDA layout `[2, num_blocks, ...]` has them). A block is moved as
 opaque bytes, so any element order works (vLLM's CPU layout interleaves K and V per ISA).
 
-`HostBlocks` is the host pool: `[slots, block bytes]` uint8, one row per vLLM block holding every
-layer's bytes of it in `BlockViews` order (pinned where the KV is on a GPU). On a GPU kvtier's row
-kernel moves blocks between the pinned rows and vLLM's tensors (`rows.BlockRows`): loads layer by
-layer on a stream of their own, each layer's end an event `wait_for_layer_load` waits on; saves on
-another stream after the layer's attention. Every use across streams is ordered by an event, and
-the host waits only where the CPU touches the rows (a page written to or read from storage):
+`HostBlocks` is the host pool: `rows.HostRows`, one row of `block_bytes` per slot holding every
+layer's bytes of one vLLM block in `BlockViews` order (pinned in chunks where the KV is on a GPU).
+On a GPU kvtier's row kernel moves blocks between the pinned rows and vLLM's tensors
+(`rows.BlockRows`): loads layer by layer on a stream of their own, each layer's end an event
+`wait_for_layer_load` waits on; saves on another stream after the layer's attention. Every use
+across streams is ordered by an event, and the host waits only where the CPU touches the rows (a
+page written to or read from storage):
 
 - a load starts after the current stream's work (vLLM may still write the blocks it fills) and
   after the last save (the rows it reads are whole); a background fetch, after the current
@@ -44,9 +45,9 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.rows import BlockRows
+from kvtier.integrations.vllm.rows import BlockRows, HostRows, page_spec
 from kvtier.integrations.vllm.scheduler import Load
-from kvtier.spec import BufferKind, BufferSpec, KVSpec
+from kvtier.pool.host import DEFAULT_CHUNK_BYTES
 from kvtier.storage.backend import StorageBackend
 from kvtier.storage.keys import PageKeys
 from kvtier.storage.values import PageCodec
@@ -92,19 +93,9 @@ class BlockViews:
         self.device = next(iter(kv_caches.values())).device
 
 
-def page_spec(block_bytes: int, block_size: int) -> KVSpec:
-    """The storage page of one vLLM block: `block_size` tokens of `block_bytes / block_size` bytes."""
-    if block_bytes % block_size:
-        raise ConfigError(f"a block of {block_bytes} bytes is not a whole number of {block_size} tokens")
-    row = BufferSpec("vllm_block", BufferKind.SIDECAR, (block_bytes // block_size,), torch.uint8, (0,))
-    return KVSpec("vllm", 1, (row,), block_size)
-
-
-def checked_kernel(views: BlockViews, rows: torch.Tensor) -> BlockRows | None:
+def checked_kernel(views: BlockViews, rows: HostRows) -> BlockRows | None:
     """The row kernel between `views` and `rows`, where a save of block 0 through it into host slot
     0 writes the bytes of an index copy; else None (logged): blocks then move by index copies."""
-    if not len(rows):
-        return None
     try:
         kernel = BlockRows(views, rows)
         zero = np.zeros(1, dtype=np.int64)
@@ -114,7 +105,7 @@ def checked_kernel(views: BlockViews, rows: torch.Tensor) -> BlockRows | None:
         if views.device.type == "cuda":
             torch.cuda.current_stream(views.device).synchronize()
         want = torch.cat([v[0].cpu() for vs in views.views.values() for v in vs])
-        if torch.equal(rows[0], want):
+        if torch.equal(rows.row(0), want):
             return kernel
         why = "its bytes differ from an index copy's"
     except Exception as e:  # (Triton cannot compile or launch here)
@@ -135,10 +126,11 @@ class HostBlocks:
         max_pending_writes: int = 4096,
         store: bool = True,
         kernel: bool | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.views, self.keys, self.backend = views, keys, backend
         cuda = views.device.type == "cuda"
-        self.rows = torch.empty((slots, views.block_bytes), dtype=torch.uint8, pin_memory=cuda)
+        self.rows = HostRows(slots, views.block_bytes, keys.page_size, cuda, chunk_bytes)
         # The row kernel moves blocks where it runs (default: on CUDA; `kernel=True` under Triton's
         # interpreter in tests); else index copies through the CPU.
         use = kernels.runs_on(views.device) and (cuda if kernel is None else kernel)
@@ -229,7 +221,7 @@ class HostBlocks:
             launches = self.kernel.prepare(np.asarray(blocks), np.asarray(slots), True, upload)
         else:
             b = upload(torch.tensor(blocks, dtype=torch.int64))
-            rows = upload(self.rows[torch.tensor(slots, dtype=torch.int64)])
+            rows = upload(self.rows.gather(slots))
         for name, views in self.views.views.items():
             if self.kernel is not None:
                 self.kernel.run(name, launches, True)
@@ -256,10 +248,11 @@ class HostBlocks:
         device = self.views.device
         if self.kernel is None:
             b = torch.tensor(blocks, dtype=torch.int64, device=device)
-            s = torch.tensor(slots, dtype=torch.int64)
             for v, at in zip(self.views.views[name], self.views.offsets[name], strict=True):
                 # `.cpu()` waits for the layer's attention on a GPU: the host row is complete after it.
-                self.rows[s, at : at + v.shape[1]] = v.index_select(0, b).cpu()
+                got = v.index_select(0, b).cpu()
+                for i, s in enumerate(slots):
+                    self.rows.row(s)[at : at + v.shape[1]] = got[i]
             return
         key = (tuple(blocks), tuple(slots))
         if device.type != "cuda":  # Triton's interpreter (tests)
@@ -307,7 +300,7 @@ class HostBlocks:
         if loads_end is not None:
             loads_end.synchronize()  # no load of an earlier step still reads it
         self.counts["storage_read"] += 1
-        buffers = self.codec.read_buffers([memoryview(self.rows[slot].numpy())])
+        buffers = self.codec.read_buffers([memoryview(self.rows.row(slot).numpy())])
         try:
             (length,) = self.backend.get_into([self.keys.key(page_hash)], [buffers])
         except Exception as e:  # a storage fault is a miss
@@ -329,7 +322,7 @@ class HostBlocks:
             return
         self.saved()
         try:
-            self._writes.put_nowait((page_hash, self.rows[slot].numpy().tobytes()))
+            self._writes.put_nowait((page_hash, self.rows.row(slot).numpy().tobytes()))
         except queue.Full:
             self.counts["store_dropped"] += 1
 
@@ -352,6 +345,7 @@ class HostBlocks:
             self._writer = None
         if self.backend is not None:
             self.backend.close()
+        self.rows.close()
 
     def _write_loop(self, backend: StorageBackend) -> None:
         while True:

@@ -72,6 +72,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self.num_blocks = kv_cache_config.num_blocks
         self.block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         self.host_slots = int(self.config.host_gb * (1 << 30)) // self.block_bytes
+        if self.host_slots <= 0:
+            gb, nbytes = self.config.host_gb, self.block_bytes
+            raise ConfigError(f"kvtier connector: host_gb {gb} holds no vLLM block of {nbytes} bytes")
         tp = vllm_config.parallel_config.tensor_parallel_size
         rank = 0
         if role is KVConnectorRole.WORKER:
