@@ -123,23 +123,25 @@ def test_the_indexer_carrying_engine_generates_greedys_tokens(model) -> None:
 
 
 def test_each_token_of_a_batch_gets_its_own_row_at_its_own_slots(model) -> None:
-    """Two requests in the same steps (prefill pieces, then decodes): every prompt token's row on
-    every indexer layer is the stand-in of its position and id, where the cache says it lives."""
+    """Two requests in the same steps (prefill pieces, then decodes, which replay CUDA graphs on a
+    GPU): every token's row on every indexer layer, prompt and answer, is the stand-in of its position
+    and id, where the cache says it lives."""
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (24, 37)]
     with Engine(model, device_tokens=256, host_tokens=1024, max_num_batched_tokens=32) as eng:
-        reqs = [eng.submit(p, SamplingParams(max_tokens=4)) for p in prompts]
+        reqs = [eng.submit(p, SamplingParams(max_tokens=6)) for p in prompts]
         while eng.busy:
             eng.step()
-        assert [r.tokens for r in reqs] == [greedy(model, p, 4) for p in prompts]
+        assert [r.tokens for r in reqs] == [greedy(model, p, 6) for p in prompts]
         eng.cache.flush()
-        for prompt in prompts:
-            m = eng.cache.match(prompt)
-            assert m.device_tokens == len(prompt)
+        for prompt, req in zip(prompts, reqs, strict=True):
+            tokens = prompt + req.tokens[:-1]  # (the last answer token has no KV yet)
+            m = eng.cache.match(tokens)
+            assert m.device_tokens == len(tokens)
             got = indexer_rows(eng, m.device_slots)
-            ids = torch.tensor(prompt)
+            ids = torch.tensor(tokens)
             for layer, rows in enumerate(got):
-                assert torch.equal(rows, standin_rows(torch.arange(len(prompt)), ids, layer)), layer
+                assert torch.equal(rows, standin_rows(torch.arange(len(tokens)), ids, layer)), layer
         assert not torch.equal(got[0], got[1])  # rows differ by layer
 
 

@@ -21,10 +21,11 @@ import pytest
 pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import tiny_deepseek_v3, tiny_gemma2, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
+from tiny_models import tiny_deepseek_v3, tiny_dsa, tiny_gemma2, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
 
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
 from kvtier.engine.hf import _transformers  # noqa: E402
+from kvtier.engine.indexer import standin_rows  # noqa: E402
 from kvtier.engine.paged import runs_on  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -81,6 +82,33 @@ def test_paged_attention_gives_the_reference_tokens(name: str) -> None:
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits, strict=True):
         assert (got - want).norm() / want.norm() < 1e-4
+
+
+def test_every_token_gets_its_own_indexer_row_through_the_paged_path_and_its_graphs() -> None:
+    """A DSA model (dense: its forward can be captured) served by the paged path, decodes replaying
+    CUDA graphs on a GPU: every token's row on every indexer layer, prompts and answers, is the
+    stand-in of its position and id (a graph remakes the rows of each replay's tokens)."""
+    model = tiny_dsa(dense=True).to(DEVICE)
+    ps = prompts(3, seed=4)
+    eng = Engine(model, device_tokens=1024, host_tokens=2048, max_num_batched_tokens=24)
+    try:
+        reqs = [eng.submit(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in ps]
+        while eng.busy:
+            eng.step()
+        if CUDA:
+            assert eng.runner.graphs is not None and eng.runner.graphs.captures >= 1
+        eng.cache.flush()
+        layers = eng.spec.buffer("indexer").layers
+        for prompt, req in zip(ps, reqs, strict=True):
+            tokens = prompt + req.tokens[:-1]  # (the last answer token has no KV yet)
+            m = eng.cache.match(tokens)
+            assert m.device_tokens == len(tokens)
+            ids, at = torch.tensor(tokens, device=DEVICE), torch.arange(len(tokens), device=DEVICE)
+            for layer in layers:
+                got = eng.device_pool.layer("indexer", layer)[m.device_slots.to(DEVICE)]
+                assert torch.equal(got, standin_rows(at, ids, layer)), layer
+    finally:
+        eng.close()
 
 
 def run_in_two_waves(model, first, second, **engine) -> tuple[list[list[int]], int, list[int]]:

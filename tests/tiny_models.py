@@ -29,26 +29,28 @@ def tiny_deepseek_v3(
 ) -> transformers.DeepseekV3ForCausalLM:
     """A 2-layer DeepSeek-V3-style MLA model (latent 32 + rope 8), seeded, in eval mode."""
     cfg = transformers.DeepseekV3Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        max_position_embeddings=max_positions,
-        **extra,
+        **{
+            "vocab_size": vocab_size,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 32,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "max_position_embeddings": max_positions,
+            **extra,
+        }
     )
     torch.manual_seed(0)
     return transformers.DeepseekV3ForCausalLM(cfg).eval()
@@ -58,9 +60,14 @@ def tiny_deepseek_v3(
 DSA = dict(index_head_dim=128, index_n_heads=4, index_topk=16)
 
 
-def tiny_dsa(vocab_size: int = 256, max_positions: int = 512) -> transformers.DeepseekV3ForCausalLM:
-    """`tiny_deepseek_v3` on 3 layers whose config declares a DSA indexer (its forward computes none)."""
-    return tiny_deepseek_v3(vocab_size, max_positions, layers=3, **DSA)
+def tiny_dsa(
+    vocab_size: int = 256, max_positions: int = 512, dense: bool = False
+) -> transformers.DeepseekV3ForCausalLM:
+    """`tiny_deepseek_v3` on 3 layers whose config declares a DSA indexer (its forward computes none);
+    `dense`: no MoE layer (a forward CUDA graphs can capture)."""
+    return tiny_deepseek_v3(
+        vocab_size, max_positions, layers=3, **DSA, **({"first_k_dense_replace": 3} if dense else {})
+    )
 
 
 def _gemma_shape(vocab_size: int, max_positions: int, window: int) -> dict:

@@ -192,7 +192,7 @@ class PagedStep(Cache):
             self._waited = layer
         write = self.layout.write
         if self._indexer is not None and layer in self._indexer.layers:
-            if self._indexer_rows is None:  # `[T, 132]` uint8, made in the forward (a graph replays it)
+            if layer == self._indexer.layers[0]:  # `[T, 132]` uint8, remade by every forward and replay
                 self._indexer_rows = token_rows(self.layout.positions, self.layout.ids)
             dst = self.pool.layer(self._indexer.name, layer)
             paged.write_rows(dst[:, None], on_layer(self._indexer_rows, layer)[:, None], write)
