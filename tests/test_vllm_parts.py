@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, SlotError
 from kvtier.integrations.vllm.blocks import BlockViews, HostBlocks, byte_views
 from kvtier.integrations.vllm.config import ConnectorConfig, rank_identity
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, HostIndex
@@ -585,3 +585,7 @@ def test_a_host_pool_larger_than_the_hosts_memory_is_refused_before_it_is_alloca
         HostBlocks(views, too_many, PageKeys(Fingerprint(b"m" * 16), 16))
     with pytest.raises(ConfigError, match="0 blocks"):
         HostBlocks(views, 0, PageKeys(Fingerprint(b"m" * 16), 16))
+    host = HostBlocks(views, 2, PageKeys(Fingerprint(b"m" * 16), 16))
+    with pytest.raises(SlotError, match="not in"):
+        host.rows.row(2)
+    host.close()

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, SlotError
 from kvtier.pool.device import Direction
 from kvtier.pool.host import DEFAULT_CHUNK_BYTES, HostPool
 from kvtier.pool.rows import flat_words
@@ -72,7 +72,7 @@ class HostRows:
     def row(self, slot: int) -> torch.Tensor:
         """Slot `slot`'s `[block_bytes]` uint8 view into the pool."""
         if not 0 <= slot < self.slots:
-            raise ConfigError(f"kvtier connector: host slot {slot} of {self.slots}")
+            raise SlotError(f"kvtier connector: host slot {slot} is not in [0, {self.slots})")
         at = slot % self._per_region * self.block_bytes
         return self._regions[slot // self._per_region][at : at + self.block_bytes]
 
