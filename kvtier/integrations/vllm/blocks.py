@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.rows import BlockRows, HostRows, page_spec
+from kvtier.integrations.vllm.rows import BlockRows, HostRows
 from kvtier.integrations.vllm.scheduler import Load
 from kvtier.pool.host import DEFAULT_CHUNK_BYTES
 from kvtier.storage.backend import StorageBackend
@@ -142,7 +142,7 @@ class HostBlocks:
         # Events are published once recorded: a thread that reads one never waits on an unrecorded one.
         self._saved: torch.cuda.Event | None = None  # after the last save's copies
         self._loads_end: torch.cuda.Event | None = None  # after the last in-step load's copies
-        self.codec = PageCodec(page_spec(views.block_bytes, keys.page_size), keys.fingerprint)
+        self.codec = PageCodec(self.rows.pool.spec, keys.fingerprint)  # a page is one host row
         self.counts = {"loaded": 0, "saved": 0, "stored": 0, "store_failed": 0, "store_dropped": 0}
         self.counts |= {"storage_read": 0, "storage_rejected": 0}
         self._stream: torch.cuda.Stream | None = None
