@@ -336,6 +336,17 @@ def test_batching_reports_the_ratio_and_the_rate_per_count(tmp_path: Path, capsy
     assert report["meta"]["max_num_seqs"] == 4
 
 
+def test_every_timed_decode_step_runs_every_request_when_the_prefill_takes_many_steps(tmp_path: Path) -> None:
+    # 8 prompts of 40 tokens through 48-token steps: the first requests decode for several steps
+    # while the rest prefill, and must still be running through every timed step
+    out = tmp_path / "batching.json"
+    argv = ["bench", "batching", "--shape", "tiny", "--device", "cpu", "--parts", "decode", "--running", "8"]
+    argv += ["--decode-prompt-tokens", "40", "--max-num-batched-tokens", "48", "--steps", "5"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["decode"]
+    assert row["running"] == 8 and row["tokens"] == 8 * 5
+
+
 def test_batching_sizes_are_checked() -> None:
     with pytest.raises(ConfigError, match="at least 1"):
         batching.BatchingBench(running=(0,))

@@ -10,7 +10,9 @@ cached prefixes.
 `decode`: for each count `n`, `n` requests of `decode_prompt_tokens` random tokens are
 submitted and stepped until every one has its first token (all decoding), then
 `WARM_STEPS` untimed steps, then `steps` timed steps: generated tokens per second and
-milliseconds per step. The requests are cancelled before the next count.
+milliseconds per step. Each request asks for more tokens than the prefill of all `n` and the
+steps after it can make, so all `n` decode in every timed step (a timed step that decodes fewer
+is refused: the row would be a smaller batch's). The requests are cancelled before the next count.
 
 One short request runs first, untimed, so no row pays for the first forward's setup.
 """
@@ -46,9 +48,17 @@ class BatchingBench:
     steps: int = 16
     seed: int = 0
     parts: tuple[str, ...] = PARTS
+    max_num_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        sizes = (self.requests, self.prompt_tokens, self.output_tokens, self.decode_prompt_tokens, self.steps)
+        sizes = (
+            self.requests,
+            self.prompt_tokens,
+            self.output_tokens,
+            self.decode_prompt_tokens,
+            self.steps,
+            self.max_num_batched_tokens,
+        )
         if min(*sizes, *self.running, 1) < 1 or not self.running:
             raise ConfigError(f"every size must be at least 1, got {self}")
         bad = [p for p in self.parts if p not in PARTS]
@@ -58,12 +68,19 @@ class BatchingBench:
     def device_tokens(self) -> int:
         """Device slots both parts need at most at once, with a request's worth of margin."""
         batch = self.requests * (self.prompt_tokens + self.output_tokens)
-        decode = max(self.running) * (self.decode_prompt_tokens + self.decode_tokens())
+        n = max(self.running)
+        decode = n * (self.decode_prompt_tokens + self.decode_tokens(n))
         return max(batch, decode) + self.prompt_tokens + self.output_tokens
 
-    def decode_tokens(self) -> int:
-        """Tokens each decode request asks for: more than it can make before it is cancelled."""
-        return 1 + WARM_STEPS + self.steps + 1
+    def decode_tokens(self, n: int) -> int:
+        """Tokens each of `n` decode requests asks for: more than it can make before it is cancelled.
+
+        The first prompts decode while the others still prefill: at most one step per
+        `max_num_batched_tokens - n` prompt tokens (the decodes take the rest of a step's
+        budget), plus one per request where its prompt is cut into pieces."""
+        spare = max(self.max_num_batched_tokens - n, 1)
+        prefill_steps = -(-n * self.decode_prompt_tokens // spare) + n
+        return prefill_steps + WARM_STEPS + self.steps + 1
 
     def max_num_seqs(self) -> int:
         return max(self.requests, *self.running)
@@ -112,7 +129,7 @@ def concurrent(eng: Engine, bench: BatchingBench, rng: np.random.Generator, voca
 
 def decode_rate(eng: Engine, n: int, bench: BatchingBench, rng: np.random.Generator, vocab: int) -> DecodeRow:
     """`n` requests decoding at once: the rate of `bench.steps` steps once all of them decode."""
-    params = SamplingParams(max_tokens=bench.decode_tokens(), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=bench.decode_tokens(n), temperature=0.0, ignore_eos=True)
     reqs = [eng.submit(p, params) for p in rng.integers(0, vocab, (n, bench.decode_prompt_tokens)).tolist()]
     try:
         while eng.num_waiting or any(not r.tokens for r in reqs):
@@ -125,8 +142,11 @@ def decode_rate(eng: Engine, n: int, bench: BatchingBench, rng: np.random.Genera
             raise InvariantError(f"{eng.num_running} requests running, expected {n}: raise --device-tokens")
         tokens = 0
         t0 = time.perf_counter()
-        for _ in range(bench.steps):
-            tokens += sum(u.token is not None for u in step(eng))
+        for i in range(bench.steps):
+            made = sum(u.token is not None for u in step(eng))
+            if made != n:
+                raise InvariantError(f"timed decode step {i} made {made} tokens with {n} requests running")
+            tokens += made
         seconds = time.perf_counter() - t0
     finally:
         for r in reqs:
@@ -147,7 +167,6 @@ def run(
     tokenizer,
     bench: BatchingBench,
     device_tokens: int | None = None,
-    max_num_batched_tokens: int = 2048,
     progress: Callable[[str], None] = quiet,
     enforce_eager: bool = False,
 ) -> tuple[dict | None, list[DecodeRow], dict]:
@@ -163,7 +182,7 @@ def run(
         device_tokens=tokens,
         host_tokens=tokens,
         max_num_seqs=bench.max_num_seqs(),
-        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_batched_tokens=bench.max_num_batched_tokens,
         enforce_eager=enforce_eager,
     )
     try:

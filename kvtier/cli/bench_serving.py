@@ -44,6 +44,7 @@ def bench_batching(args: Namespace) -> int:
         steps=args.steps,
         seed=args.seed,
         parts=args.parts,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     with progress() as report:
         report("building the model")
@@ -53,7 +54,6 @@ def bench_batching(args: Namespace) -> int:
             tokenizer,
             bench,
             args.device_tokens,
-            args.max_num_batched_tokens,
             report,
             args.enforce_eager,
         )
