@@ -178,7 +178,13 @@ def _one_run(c: dict, n: int) -> None:
     assert c["input_tokens"] == 3 * (64 + (64 + n + 32) + (64 + 2 * (n + 32)))
     assert c["miss_tokens"] >= 9  # every request computes at least its last prompt token
     assert c["cache"]["host_hit_tokens"] >= c["host_hit_tokens"]  # the cache saw what the requests report
-    assert set(c["machine"]) == {"cpu_s", "threads", "load_before", "load_after", "longest_step_s"}
+    assert set(c["machine"]) == {"cpu_s", "threads", "load_before", "load_after", "longest_step_s", "steps"}
+    steps = c["machine"]["steps"]
+    walls = [s["wall_s"] for s in steps["longest"]]
+    assert steps["count"] >= 3 and len(walls) == min(8, steps["count"])
+    assert walls == sorted(walls, reverse=True)
+    assert c["machine"]["longest_step_s"] == walls[0] and sum(walls) <= steps["total_s"] + 1e-3
+    assert all(0 <= s["at_s"] <= c["duration_s"] and s["running"] >= 0 for s in steps["longest"])
     for client in range(3):
         mine = sorted((r for r in c["records"] if r["client"] == client), key=lambda r: r["round"])
         assert [r["round"] for r in mine] == [1, 2, 3]
@@ -313,6 +319,19 @@ def test_matplotlib_is_imported_only_to_plot() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_step_log_keeps_the_longest_steps_with_what_they_did() -> None:
+    from kvtier.bench.multiturn_stats import StepLog
+
+    log, asked = StepLog(keep=3), []
+    for i, wall in enumerate([0.05, 0.2, 0.01, 0.15, 0.3, 0.02]):
+        log.add(i * 1.0, wall, lambda i=i: asked.append(i) or {"step": i})
+    assert [s["step"] for s in log.longest] == [4, 1, 3] and log.longest_s == 0.3
+    assert asked == [0, 1, 2, 3, 4]  # described only while among the longest so far
+    assert log.summary()["count"] == 6 and log.summary()["over_100ms"] == 3
+    assert log.summary()["total_s"] == pytest.approx(0.73)
+    assert StepLog().longest_s == 0.0
 
 
 def test_batching_reports_the_ratio_and_the_rate_per_count(tmp_path: Path, capsys) -> None:

@@ -405,13 +405,17 @@ def test_the_scheduler_state_shows_what_it_holds_until_released() -> None:
 @pytest.mark.parametrize("chunked", [False, True])
 def test_the_row_kernel_moves_blocks_as_the_index_copies_do(layout, block, chunked, monkeypatch) -> None:
     """The GPU path (kvtier's row kernel reading and writing the host rows directly, one launch per
-    layer view, rows cut into units) under Triton's interpreter on the CPU: saves write the same host
-    bytes as the index copies and nothing else; loads fill poisoned blocks bit for bit. `chunked`: the
-    host rows in chunks of two rows, which the kernel reaches from one base."""
+    layer view, rows cut into units), on the GPU or under Triton's interpreter on the CPU: saves
+    write the same host bytes as the index copies and nothing else; loads fill poisoned blocks bit
+    for bit. `chunked`: the host rows in chunks of two rows, which the kernel reaches from one base.
+    (On a GPU machine Triton's library functions were wrapped compiled at import: the interpreter
+    cannot call them, so the kernel runs compiled there.)"""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(7)
-    src = {f"l{i}": vllm_layer(layout, 6, block, "cpu", gen) for i in range(2)}
+    device = "cuda" if CUDA else "cpu"
+    src = {f"l{i}": vllm_layer(layout, 6, block, device, gen) for i in range(2)}
     blocks, slots = [4, 0, 5], [2, 0, 4]  # (chunked: slots of three chunks)
     views = BlockViews(src, 6)
     chunk = {"chunk_bytes": 2 * views.block_bytes} if chunked else {}
@@ -430,7 +434,7 @@ def test_the_row_kernel_moves_blocks_as_the_index_copies_do(layout, block, chunk
     dst = {k: torch.full_like(v, float("nan")) for k, v in src.items()}
     back = HostBlocks(BlockViews(dst, 6), 5, KEYS, kernel=True, **chunk)
     copy_rows(back, fast)
-    back.load([1, 3, 2], slots)
+    back.load([1, 3, 2], slots, wait=True)
     assert_blocks(dst, src, layout, ((1, 4), (3, 0), (2, 5)), untouched=(0, 4, 5))
     for h in (fast, plain, back):
         h.close()

@@ -11,14 +11,17 @@ prefix cache). `run` runs each table (a plan: one per answer length, or the trac
 times; each repeat runs every configuration once, in the order `Order` gives that repeat.
 
 One run of a configuration (`run_config`), the same for every configuration and position:
-build its engine (the model is built once, before any); warm it with as many short requests
-at once as the plan has conversations (up to `max_num_seqs`), so the first steps of each
-batch size are not timed; settle the cache's transfers and evict the warm-up's pages from
-both tiers (the timed run starts from an empty cache); collect and freeze the garbage
-collector's heap (a collection over the model's objects never lands in a timed step); run
-the plan, timing each engine step (`longest_step_s` shows a stall) and the process's CPU
-seconds and the load average (a machine busy with other work shows there); then close the
-engine and collect, so nothing of it is alive when the next is built.
+build its engine (the model is built once, before any); warm it (`warm_up`: one prompt as long
+as the plan's longest, evicted from the device and asked again, then as many short requests at
+once as the plan has conversations, up to `max_num_seqs`), so no timed step compiles a kernel
+for a long prompt, a long decode or a move between tiers (whichever configuration ran first
+paid for those) or captures the first graph of a batch size; settle the cache's transfers and
+evict the warm-up's pages from both tiers (the timed run starts from an empty cache); collect
+and freeze the garbage collector's heap (a collection over the model's objects never lands in
+a timed step); run the plan, timing each engine step (`machine.steps`: the longest, with what
+each did, show where a stall was) and the process's CPU seconds and the load average (a machine
+busy with other work shows there); then close the engine and collect, so nothing of it is
+alive when the next is built.
 
 The driver runs the engine in the calling thread: submit what has arrived, `step()`, route
 the updates, repeat; with nothing running and nothing due it sleeps until the next arrival.
@@ -41,7 +44,14 @@ import torch
 from kvtier.bench.common import close, collect, environment, quiet
 from kvtier.bench.engines import context_of, drain, step, vocab_size
 from kvtier.bench.multiturn_plan import Plan, Turn
-from kvtier.bench.multiturn_stats import RequestRecord, aggregate, summarize, token_gaps
+from kvtier.bench.multiturn_stats import (
+    STEP_COUNTERS,
+    RequestRecord,
+    StepLog,
+    aggregate,
+    summarize,
+    token_gaps,
+)
 from kvtier.cache import CacheConfig, WritePolicy
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.hf import spec_from_hf_config
@@ -151,8 +161,8 @@ class _Conversation:
 
 def drive(
     eng: Engine, plan: Plan, vocab: int, progress: Callable[[str], None] = quiet, label: str = ""
-) -> tuple[list[RequestRecord], float, float]:
-    """Run every turn of `plan` on `eng`: `(a record per request, seconds to the last, longest step s)`."""
+) -> tuple[list[RequestRecord], float, StepLog]:
+    """Run every turn of `plan` on `eng`: `(a record per request, seconds to the last, its steps)`."""
     arrivals = plan.arrivals()
     ready = [
         _Conversation(c, turns, toks)
@@ -160,7 +170,7 @@ def drive(
     ]
     inflight: dict[int, tuple[_Conversation, list[int], float, float]] = {}
     records: list[RequestRecord] = []
-    total, longest = plan.total_turns, 0.0
+    total, steps = plan.total_turns, StepLog()
     t0 = time.perf_counter()
     while len(records) < total:
         now = time.perf_counter() - t0
@@ -180,9 +190,13 @@ def drive(
                 )
             time.sleep(max(0.0, wake - (time.perf_counter() - t0)))
             continue
+        counters = [getattr(eng.cache.metrics, k) for k in STEP_COUNTERS]
+        preempted = eng.stats.preemptions
         began = time.perf_counter()
         updates = step(eng)
-        longest = max(longest, time.perf_counter() - began)
+        ended = time.perf_counter()
+
+        steps.add(began - t0, ended - began, lambda u=updates, c=counters, p=preempted: _did(eng, u, c, p))
         for update in updates:
             if update.result is None:
                 continue
@@ -195,7 +209,7 @@ def drive(
                 ready.append(conv)
             if len(records) % max(1, total // 10) == 0:
                 progress(f"{label}: {len(records)}/{total} requests, {time.perf_counter() - t0:.1f} s")
-    return records, time.perf_counter() - t0, longest
+    return records, time.perf_counter() - t0, steps
 
 
 def _record(conv: _Conversation, arrived: float, sent: float, r, t0: float) -> RequestRecord:
@@ -219,11 +233,32 @@ def _record(conv: _Conversation, arrived: float, sent: float, r, t0: float) -> R
     )
 
 
+def _did(eng: Engine, updates: list, counters: list[int], preempted: int) -> dict:
+    """What the step just run did (`StepLog`): `counters` and `preempted` as they were before it."""
+    grown = {k: getattr(eng.cache.metrics, k) - c for k, c in zip(STEP_COUNTERS, counters, strict=True)}
+    return {
+        "tokens": sum(u.token is not None for u in updates),
+        "running": eng.num_running,
+        "waiting": eng.num_waiting,
+        "preemptions": eng.stats.preemptions - preempted,
+        **grown,
+    }
+
+
 def warm_up(eng: Engine, plan: Plan, vocab: int, seed: int) -> None:
-    """Short requests at once, as many as the plan's conversations (up to `max_num_seqs`), then an
-    empty cache: their transfers settled and their pages evicted from both tiers."""
-    n = min(len(plan.conversations), eng.scheduler.max_num_seqs)
+    """One prompt as long as the plan's longest request (prefill pieces over a context, decodes over
+    the widest table), evicted from the device and asked again with one token more (a host hit where
+    the configuration backs up; a miss elsewhere); then short requests at once, as many as the
+    plan's conversations (up to `max_num_seqs`); then an empty cache: their transfers settled and
+    their pages evicted from both tiers."""
     rng = np.random.default_rng(seed + 2)
+    long = rng.integers(0, vocab, max(plan.longest_tokens - WARMUP.max_tokens - 1, 1)).tolist()
+    for prompt in (long, [*long, 0]):
+        eng.submit(prompt, WARMUP)
+        drain(eng)
+        eng.settle()
+        eng.cache.evict_device(eng.device_pool.num_slots)
+    n = min(len(plan.conversations), eng.scheduler.max_num_seqs)
     for _ in range(n):
         eng.submit(rng.integers(0, vocab, WARMUP_TOKENS).tolist(), WARMUP)
     drain(eng)
@@ -247,13 +282,14 @@ def run_config(
         gc.collect()
         gc.freeze()
         load, cpu = os.getloadavg()[0], time.process_time()
-        records, duration, longest = drive(eng, plan, vocab, progress, config)
+        records, duration, steps = drive(eng, plan, vocab, progress, config)
         machine = {
             "cpu_s": round(time.process_time() - cpu, 3),
             "threads": torch.get_num_threads() if eng.device.type == "cpu" else None,  # the CPU's compute
             "load_before": round(load, 2),
             "load_after": round(os.getloadavg()[0], 2),
-            "longest_step_s": round(longest, 4),
+            "longest_step_s": steps.longest_s,
+            "steps": steps.summary(),
         }
         cache = {k: getattr(eng.cache.metrics, k) - getattr(before, k) for k in CACHE_COUNTERS}
         preemptions = eng.stats.preemptions - preempted

@@ -52,6 +52,46 @@ def _cpu_share(summary: dict) -> float | None:
     return round(m["cpu_s"] / (summary["duration_s"] * m["threads"]), 3)
 
 
+# What a step log notes of each of its longest steps: the cache's counters' growth in the step.
+STEP_COUNTERS = ("miss_tokens", "loaded_tokens", "device_evicted_tokens", "bytes_h2d", "bytes_d2h")
+
+
+@dataclass
+class StepLog:
+    """The timed steps of a run: how many, their total and longest wall times, and the `keep`
+    longest with what each did (tokens made, requests running and waiting after it, preemptions
+    and `STEP_COUNTERS` in it): where a stall shows, what the step was doing."""
+
+    keep: int = 8
+    count: int = 0
+    total_s: float = 0.0
+    over_100ms: int = 0
+    longest: list[dict] = field(default_factory=list)
+
+    def add(self, at_s: float, wall_s: float, what: Callable[[], dict]) -> None:
+        """One step that began `at_s` into the run and took `wall_s`; `what()` (called only for a
+        step among the longest so far) describes it."""
+        self.count += 1
+        self.total_s += wall_s
+        self.over_100ms += wall_s > 0.1
+        if len(self.longest) < self.keep or wall_s > self.longest[-1]["wall_s"]:
+            self.longest.append({"at_s": round(at_s, 4), "wall_s": round(wall_s, 4), **what()})
+            self.longest.sort(key=lambda s: -s["wall_s"])
+            del self.longest[self.keep :]
+
+    @property
+    def longest_s(self) -> float:
+        return self.longest[0]["wall_s"] if self.longest else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "count": self.count,
+            "total_s": round(self.total_s, 4),
+            "over_100ms": self.over_100ms,
+            "longest": self.longest,
+        }
+
+
 # The headline figures: name -> its getter from a run's summary.
 FIGURES: dict[str, Callable[[dict], float | None]] = {
     "requests_per_s": _at("requests_per_s"),
