@@ -247,7 +247,8 @@ def test_a_failed_step_stops_the_run_with_its_error(tiny, monkeypatch) -> None:
         eng.close()
 
 
-def test_each_engine_is_closed_and_collected_before_the_next(tiny, monkeypatch) -> None:
+@pytest.mark.parametrize("warm_run", [True, False])
+def test_each_engine_is_closed_and_collected_before_the_next(tiny, monkeypatch, warm_run) -> None:
     """Each engine here sits in a reference cycle and the collector is off, as between its automatic
     runs: it is freed before the next is built only if the bench closes it and collects. device-only
     and no-cache get the one-page host pool, kvtier the one asked for."""
@@ -278,13 +279,15 @@ def test_each_engine_is_closed_and_collected_before_the_next(tiny, monkeypatch) 
             [{"label": "t"}],
             [plan],
             on_run=lambda tables: saved.append([c["config"] for c in tables[0]["runs"][-1]["configs"]]),
+            warm_run=warm_run,
         )
     finally:
         gc.enable()
     assert [c["config"] for c in table["runs"][0]["configs"]] == list(multiturn.CONFIGS)
     assert saved == [list(multiturn.CONFIGS[:k]) for k in (1, 2, 3)]  # what a run cut short keeps
-    assert alive_at_build == [0, 0, 0] and len(live) == 0
-    assert host_tokens == [512, 1, 1]
+    first = [512] if warm_run else []  # the untimed kvtier run's engine first
+    assert alive_at_build == [0] * (len(first) + 3) and len(live) == 0
+    assert host_tokens == [*first, 512, 1, 1] and ("warm_run_s" in table) == warm_run
 
 
 def test_the_warm_up_leaves_an_empty_cache_in_every_configuration(tiny) -> None:

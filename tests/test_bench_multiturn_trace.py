@@ -160,10 +160,10 @@ def test_a_replayed_trace_sends_each_turn_at_its_time_and_counts_from_it(tmp_pat
         "kvtier", tiny, None, multiturn.EngineSetup(device_tokens=128, host_tokens=512)
     )
     try:
-        records, duration, longest = multiturn.drive(eng, plan, engines.vocab_size(tiny))
+        records, duration, steps = multiturn.drive(eng, plan, engines.vocab_size(tiny))
     finally:
         eng.close()
-    assert len(records) == 4 and 0 < longest <= duration
+    assert len(records) == 4 and 0 < steps.longest_s <= duration
     by = {(r.client, r.round): r for r in records}
     for c, conv in enumerate(plan.conversations):
         for k, turn in enumerate(conv):

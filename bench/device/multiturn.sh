@@ -18,7 +18,8 @@
 # Usage, from the repository root on the GPU machine: bash bench/device/multiturn.sh [multiturn|batching|all]
 # Env: CLIENTS, ROUNDS, CONTEXT, QUESTION, OUTPUT (a comma list: a table each), DEVICE_TOKENS,
 # HOST_TOKENS, RATE (rounds/s; default closed loop), REPEATS (default 1), ORDER (fixed, alternate,
-# rotate, shuffle; default rotate), TRACE, MT_TIMEOUT (default 390 s), BATCH_TIMEOUT (default 150 s).
+# rotate, shuffle; default rotate), CONFIGS (default all three), TRACE, MT_TIMEOUT (default 390 s),
+# BATCH_TIMEOUT (default 150 s). Each table's untimed kvtier run comes first (`--no-warm-run`).
 source bench/device/setup.sh
 PART=${1:-all}
 env_info > "$OUT/env_${GPU}_$DATE.txt" 2>&1
@@ -32,6 +33,7 @@ else
     --question-tokens "${QUESTION:-256}" --output-tokens "${OUTPUT:-1}")
   [ -n "${RATE:-}" ] && MT+=(--request-rate "$RATE")
 fi
+[ -n "${CONFIGS:-}" ] && MT+=(--configs "$CONFIGS")
 SMOKE_MT=() SMOKE_BATCH=()
 if [ "${SMOKE:-0}" = 1 ]; then
   SMOKE_MT=(--shape tiny --dtype auto --device cpu --device-tokens 1024 --host-tokens 4096)

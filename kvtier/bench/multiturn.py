@@ -311,12 +311,17 @@ def run(
     order: Order = Order.ROTATE,
     progress: Callable[[str], None] = quiet,
     on_run: Callable[[list[dict]], None] = lambda _tables: None,
+    warm_run: bool = True,
 ) -> list[dict]:
     """Each plan's table: `repeats` repeats of every configuration, one engine alive at a time.
 
     `tables`: one dict per plan (its label and sizes), filled in place with `runs` (each repeat's
     order and summaries) and `aggregate`'s spreads and ratios; `on_run` gets them after each
     configuration's run (a run cut short keeps what finished). Every plan is checked first.
+    `warm_run`: before a table's timed runs, one untimed run of its plan (`kvtier`'s, whose moves
+    between tiers need kernels the others do not): Triton compiles a kernel's variant the first
+    time the process meets its sizes and alignments, 0.7-1.8 s each on an H100, and without it
+    those stalls land on whichever configuration runs first. Its wall time is in `warm_run_s`.
     """
     orders = config_orders(configs, repeats, order, plans[0].seed if plans else 0)
     for plan in plans:
@@ -324,6 +329,11 @@ def run(
     for table in tables:
         table["runs"] = []
     for table, plan in zip(tables, plans, strict=True):
+        if warm_run:
+            first = "kvtier" if "kvtier" in configs else configs[0]
+            progress(f"{table['label']}: an untimed {first} run (kernels compile on first use)")
+            table["warm_run_s"] = run_config(first, model, tokenizer, setup, plan, progress)["duration_s"]
+            collect()
         for r, this in enumerate(orders):
             run_: dict = {"repeat": r + 1, "order": list(this), "configs": []}
             table["runs"].append(run_)

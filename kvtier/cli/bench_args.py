@@ -271,6 +271,12 @@ def _bench_multiturn(bench) -> None:
         help="each repeat's order of --configs: fixed, alternate (reversed every other repeat), rotate "
         "(repeat r starts at the r-th), shuffle (seeded) (default: rotate)",
     )
+    m.add_argument(
+        "--no-warm-run",
+        action="store_true",
+        help="skip the untimed run of each table before its timed ones (where Triton compiles the "
+        "kernels' variants the table needs: the first timed configuration pays for them instead)",
+    )
     _engine_bench_flags(m)
     m.add_argument("--device-tokens", type=positive, default=1024, help="device KV pool in tokens")
     m.add_argument("--host-tokens", type=positive, default=65536, help="host KV pool of kvtier in tokens")

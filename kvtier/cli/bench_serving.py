@@ -130,7 +130,9 @@ def _multiturn(args: Namespace) -> dict:
         report("building the model")
         model, tokenizer, name = bench_model(args.model, args.shape, dev, args.dtype)
         meta = multiturn.meta_of(model, name, setup, workload, dev)
-        meta.update(configs=list(args.configs), repeats=args.repeats, order=args.order)
+        meta.update(
+            configs=list(args.configs), repeats=args.repeats, order=args.order, warm_run=not args.no_warm_run
+        )
         meta.update(threads=torch.get_num_threads(), cores=os.cpu_count())
         tables = [multiturn.table_of(label, plan, setup, meta["kv_bytes_per_token"]) for label, plan in plans]
         out = {"meta": meta, "tables": tables}
@@ -145,6 +147,7 @@ def _multiturn(args: Namespace) -> dict:
             multiturn.Order(args.order),
             report,
             lambda _tables: write_json(args.json, out),
+            not args.no_warm_run,
         )
     return out
 
