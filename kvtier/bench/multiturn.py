@@ -195,7 +195,6 @@ def drive(
         began = time.perf_counter()
         updates = step(eng)
         ended = time.perf_counter()
-
         steps.add(began - t0, ended - began, lambda u=updates, c=counters, p=preempted: _did(eng, u, c, p))
         for update in updates:
             if update.result is None:
