@@ -154,3 +154,48 @@ def test_the_default_variants_are_timed_and_checked_on_every_host_set() -> None:
     found = transfer_report.cells(rows)
     assert [c["best_forced"] in ("kernel", "copy") for c in found] == [True] * 6
     assert all(c["vs_fixed"] is not None for c in found)
+
+
+@needs_triton
+def test_variants_that_run_one_plan_are_timed_once_and_share_its_time(monkeypatch) -> None:
+    """One run of slots: the planner's plan is one copy, as is `fixed`'s (the same costs) and the copy
+    engine's forced: that plan is timed once and its time is theirs; the kernel's, a different plan,
+    is timed apart."""
+    timed: list[str] = []
+    real = transfer.plan_op
+
+    def counting(plan, *args):
+        timed.append(plan.path.value)
+        return real(plan, *args)
+
+    monkeypatch.setattr(transfer, "plan_op", counting)
+    monkeypatch.setattr(transfer, "check_plan", lambda s, plan: True)  # checked elsewhere; not run here
+    cfg = _config(
+        1,
+        host_sets=("contiguous",),
+        variants=("planned", "fixed", "kernel", "copy"),
+        layout=HostLayout.LAYER_FIRST,
+    )
+    cfg.directions, cfg.device_sets = (transfer.Direction.LOAD,), ("contiguous",)
+    rows, _ = transfer.run(cfg)
+    by = {r.variant: r for r in rows}
+    assert by["planned"].path == "copy" and by["planned"].same_plan_as == ""
+    assert by["fixed"].same_plan_as == "planned" and by["copy"].same_plan_as == "planned"
+    assert by["kernel"].same_plan_as == "" and by["kernel"].path == "kernel"
+    assert by["fixed"].ms == by["copy"].ms == by["planned"].ms
+    assert timed == ["copy", "kernel"]  # two distinct plans timed
+    cell = transfer_report.cells(rows)[0]
+    assert cell["same_plan"] == {"fixed": "planned", "copy": "planned"}
+    host, dev = _pools()
+    one = [
+        transfer.TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), force=f)
+        for f in ("kernel", "copy", "copy")
+    ]
+    assert transfer.plan_key(one[0]) != transfer.plan_key(one[1]) == transfer.plan_key(one[2])
+
+
+def _pools():
+    spec = preset("tiny-dsa", 1)
+    from kvtier.pool import DevicePool, HostPool
+
+    return HostPool(spec, 64), DevicePool(spec, 64)

@@ -42,12 +42,14 @@ def time_of(costs: PathCosts, lens: list[int], row_bytes: int, unit: int, j: int
     if not left:
         return copied
     rate = share(costs, unit * row_bytes)
-    return copied + costs.launch_fixed_s + sum(n * row_bytes for n in left) / (B * rate)
+    kernel = costs.launch_fixed_s + sum(n * row_bytes for n in left) / (B * rate)
+    return copied + kernel + (costs.split_s if j else 0.0)
 
 
 def allowed(costs: PathCosts, lens: list[int], row_bytes: int) -> int:
-    """The most runs the copy engine may take: those of `copy_min_bytes` or more, or the one run."""
-    return len(lens) if len(lens) == 1 else sum(n * row_bytes >= costs.copy_min_bytes for n in lens)
+    """The most runs the copy engine may take: all where one is of `copy_min_bytes` or more (shorter
+    ones ride beside it) or the plan is one run, else none."""
+    return len(lens) if len(lens) == 1 or max(lens) * row_bytes >= costs.copy_min_bytes else 0
 
 
 def copied(costs: PathCosts, lens: list[int], row_bytes: int, unit: int = 1) -> int:
@@ -66,18 +68,41 @@ def test_one_long_run_is_copied_and_many_single_rows_go_to_the_kernel() -> None:
 
 
 def test_long_runs_are_copied_and_the_short_ones_left_to_the_kernel() -> None:
-    """Two runs of 2 MB among 2000 single rows: the copy engine takes exactly the two long ones."""
+    """Two runs of 20 MB among 2000 single rows: the copy engine takes exactly the two long ones."""
     costs = PathCosts()
-    lens = [1] * 1000 + [4000] + [1] * 1000 + [4000]
+    lens = [1] * 1000 + [40000] + [1] * 1000 + [40000]
     assert copied(costs, lens, 512) == 2
+    # Runs of 2 MB save less on the copy engine than the call and the split cost: all to the kernel.
+    assert copied(costs, [1] * 1000 + [4000] + [1] * 1000 + [4000], 512) == 0
 
 
-def test_runs_under_the_copy_minimum_are_never_copied_unless_the_plan_is_one_run() -> None:
-    """Even with copies free, runs shorter than `copy_min_bytes` stay with the kernel."""
-    free = PathCosts(copy_fixed_s=0.0, copy_call_s=0.0, copy_min_bytes=1000 * 48)
+def test_runs_under_the_copy_minimum_are_copied_only_beside_a_longer_one() -> None:
+    """With copies free, runs shorter than `copy_min_bytes` stay with the kernel unless a run of the
+    minimum or more is copied too (or the plan is one run)."""
+    free = PathCosts(copy_fixed_s=0.0, copy_call_s=0.0, copy_host_s=0.0, copy_min_bytes=1000 * 48)
     assert copied(free, [999] * 5, 48) == 0
-    assert copied(free, [1000] * 2 + [999] * 3, 48) == 2
+    assert copied(free, [1000] * 2 + [999] * 3, 48) == 5
     assert copied(free, [10], 48) == 1
+
+
+def test_every_run_of_every_buffer_is_copied_where_that_beats_the_buffers_choices_together() -> None:
+    """Runs of 60-62 rows: alone, 132-byte rows (8 KB runs, under `copy_min_bytes`) go to the kernel and
+    1152-byte rows are copied; together, one call each, the host issuing the small rows' copies while
+    the long ones move: everything copied. With the fan-out's call dearer, the buffers' own choices."""
+    lens = np.array([60 + 2 * (i % 2) for i in range(500)], dtype=np.int64)
+    costs = PathCosts()
+    assert rule.choose(costs, lens, {"indexer": 132}, 16 << 10) == {"indexer": 0}
+    assert rule.choose(costs, lens, {"kv": 1152}, 16 << 10) == {"kv": 500}
+    assert rule.choose(costs, lens, {"kv": 1152, "indexer": 132}, 16 << 10) == {"kv": 500, "indexer": 500}
+    dear = PathCosts(copy_call_s=40e-6)  # a second call costs more than the overlap saves
+    alone = rule.choose(dear, lens, {"kv": 1152}, 16 << 10) | rule.choose(
+        dear, lens, {"indexer": 132}, 16 << 10
+    )
+    assert (
+        rule.choose(dear, lens, {"kv": 1152, "indexer": 132}, 16 << 10)
+        == alone
+        != {"kv": 500, "indexer": 500}
+    )
 
 
 def test_longest_first_is_stable() -> None:
@@ -99,9 +124,10 @@ fixed = st.floats(0.0, 50e-6, allow_nan=False)
     launch_fixed=fixed,
     min_bytes=st.sampled_from([0, 4096, 64 << 10, 1 << 20]),
     unit=st.integers(1, 64),
+    split=fixed,
 )
 def test_the_choice_is_the_least_time_of_the_documented_formula(
-    lens, row_bytes, copy_fixed, copy_call, launch_fixed, min_bytes, unit
+    lens, row_bytes, copy_fixed, copy_call, launch_fixed, min_bytes, unit, split
 ):
     """`copied` against a brute force over every allowed j of time(j), computed here in plain Python."""
     costs = PathCosts(
@@ -109,6 +135,7 @@ def test_the_choice_is_the_least_time_of_the_documented_formula(
         copy_call_s=copy_call,
         launch_fixed_s=launch_fixed,
         copy_min_bytes=min_bytes,
+        split_s=split,
     )
     j = copied(costs, lens, row_bytes, unit)
     most = allowed(costs, lens, row_bytes)

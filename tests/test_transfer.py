@@ -30,6 +30,7 @@ from kvtier.transfer import (
     kernels,
     load_layer,
     load_layers,
+    rule,
 )
 from kvtier.transfer import runs as slot_runs
 from kvtier.transfer.lanes import DeferredLane
@@ -410,23 +411,49 @@ def test_without_the_kernel_few_long_runs_are_copied_and_single_rows_go_token_by
 @needs_triton
 def test_with_the_kernel_long_runs_are_copied_and_short_ones_go_to_the_kernel() -> None:
     spec = preset("deepseek-v3", 1).with_layers(1)  # 1152-byte rows
-    host, dev = HostPool(spec, 16384), DevicePool(spec, 16384)
+    host, dev = HostPool(spec, 65536), DevicePool(spec, 65536)
     planner = Planner(host, dev, use_kernel=True)
 
     def plan(hs, ds) -> TransferPlan:
         return planner.plan("load", hs, ds)
 
-    long_runs = _runs([3, 1, 7, 5, 0], 2048)  # 2.4 MB each
+    long_runs = _runs([3, 1, 5, 0], 8192)  # 9.4 MB each
     assert plan(long_runs, torch.arange(len(long_runs))).path is TransferPath.COPY
     assert plan(long_runs[::2], torch.arange(len(long_runs) // 2)).path is TransferPath.KERNEL
     assert plan(torch.arange(10, 20), torch.arange(10)).path is TransferPath.COPY  # one run
-    short = 8192 + torch.randperm(8192, generator=torch.Generator().manual_seed(0))[:3000]
+    short = 7 * 8192 + torch.randperm(8192, generator=torch.Generator().manual_seed(0))[:3000]
     mixed = plan(torch.cat([long_runs, short]), torch.arange(len(long_runs) + 3000))
     assert mixed.path is TransferPath.MIXED
     assert mixed.rows_by_mechanism() == {"copy": len(long_runs), "kernel": 3000}
     check_parts(mixed)
     with pytest.raises(PlanError, match="cannot be forced"):
         Planner(host, dev, force="mixed")
+
+
+@needs_triton
+def test_two_buffers_copy_every_run_where_that_beats_their_own_choices_together() -> None:
+    """glm-5's rows (1152 + 132 bytes) in 500 host runs of 60-62 rows onto contiguous slots, as after
+    churn: alone, the 132-byte buffer's runs (8 KB, under `copy_min_bytes`) would go to the kernel;
+    the host issues their copies while the 1152-byte runs move, so every run of both is copied."""
+    spec = preset("glm-5", 1).with_layers(1)
+    host, dev = HostPool(spec, 40000), DevicePool(spec, 40000)
+    lens = [60 + 2 * (i % 2) for i in range(500)]
+    hs = torch.cat([torch.arange(i * 70, i * 70 + n) for i, n in enumerate(lens)])
+    costs = PathCosts()
+    arr = np.array(lens, dtype=np.int64)
+    ordered = arr[rule.longest_first(arr)]
+    alone = {
+        b.name: rule.copied(costs, ordered, b.row_bytes, rule.unit_rows(arr, b.row_bytes, 16 << 10))
+        for b in spec.buffers
+    }
+    assert alone == {"kv": 500, "indexer": 0}
+    plan = Planner(host, dev, costs, use_kernel=True).plan("load", hs, torch.arange(len(hs)))
+    assert plan.path is TransferPath.COPY, plan.describe()
+    assert plan.mechanisms_by_buffer() == {"kv": {"copy": len(hs)}, "indexer": {"copy": len(hs)}}
+    # One buffer alone never takes the joint candidate: its own choice already weighs copying all.
+    one = preset("deepseek-v3", 1).with_layers(1)
+    single = Planner(HostPool(one, 40000), DevicePool(one, 40000), costs, use_kernel=True)
+    assert single.plan("load", hs, torch.arange(len(hs))).path is TransferPath.COPY
 
 
 @needs_triton
@@ -445,7 +472,7 @@ def test_a_mixed_plan_moves_its_copies_and_its_kernel_rows_byte_for_byte(directi
     ds = torch.cat([short_dev[:50], torch.arange(0, 300), short_dev[50:]])
     # Per run: a copy costs 0.1 us more, the kernel 1/share - 1 of the bytes more: runs of over ~7 KB copy.
     costs = PathCosts(
-        copy_fixed_s=1e-7, copy_call_s=0.0, copy_host_s=0.0, launch_fixed_s=0.0, copy_min_bytes=0
+        copy_fixed_s=1e-7, copy_call_s=0.0, copy_host_s=0.0, launch_fixed_s=0.0, copy_min_bytes=0, split_s=0.0
     )
     plan = Planner(host, dev, costs, use_kernel=True).plan(direction, hs, ds)
     if layout is HostLayout.LAYER_FIRST:
@@ -1107,11 +1134,11 @@ def test_a_backup_submitted_whole_has_one_signal_and_writes_the_host_only_when_w
 def test_cuda_planner_paths_are_byte_identical(direction, gen) -> None:
     """On the GPU: copy, kernel and mixed plans (the planner's and forced) against the host rows, on a
     side stream; copies of short runs fanned out over streams. The planner's costs here leave out the
-    fan-out's call cost, so long runs are copied and single rows (under `copy_min_bytes`) are not."""
+    fan-out's call cost and the split's, so long runs are copied and single rows are not."""
     spec = preset("tiny-dsa", 1)
     host, dev = HostPool(spec, 16384), DevicePool(spec, 16384, "cuda")
     stream = torch.cuda.Stream()
-    costs = PathCosts(copy_call_s=0.0)
+    costs = PathCosts(copy_call_s=0.0, split_s=0.0)
     long_runs = (torch.tensor([1, 5, 3])[:, None] * 2048 + torch.arange(2048)).flatten()
     short = 12288 + torch.randperm(4096, generator=gen)[:500]
     fanned = (torch.arange(0, 64, 2)[:, None] * 96 + torch.arange(96)).flatten()

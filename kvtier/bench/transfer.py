@@ -40,6 +40,7 @@ from kvtier.transfer import (
     probe,
 )
 from kvtier.transfer.options import MeasuredCosts
+from kvtier.transfer.parts import CopyPart, KernelPart
 
 # Copies issued one by one from Python (no batched call: the CPU) take seconds past this many.
 MAX_PYTHON_COPIES = 4096
@@ -107,6 +108,8 @@ class Row:
     identical: bool
     # Per buffer, the rows each mechanism moves.
     mechanisms: dict = field(default_factory=dict)
+    # The variant of the same cell whose plan this one's is, and whose time it took ("": timed).
+    same_plan_as: str = ""
 
 
 @dataclass
@@ -234,25 +237,52 @@ def _variants(
 
 
 def _time_cell(s: Setup, plans: list[tuple[str, TransferPlan]], host_label: str, dev_label: str) -> list[Row]:
-    """Check every variant of one cell, then time them round-robin, a sample of each in turn, so a slow
-    spell of the machine weighs on all of them alike; a row per variant."""
+    """Check every variant of one cell, then time its distinct plans round-robin, a sample of each in
+    turn, so a slow spell of the machine weighs on all of them alike, every one in batches of the
+    same length; a variant whose plan is another's (`plan_key`) takes that one's time. A row per
+    variant."""
     checked = [check_plan(s, plan) for _, plan in plans]
-    ops = [plan_op(plan, s.host, s.dev, s.stream, s.cfg.layers) for _, plan in plans]
-    for op in ops:
+    keys = [plan_key(plan) for _, plan in plans]
+    first = {k: i for i, k in reversed(list(enumerate(keys)))}  # the first variant of each plan
+    timed = sorted(set(first.values()))
+    ops = {i: plan_op(plans[i][1], s.host, s.dev, s.stream, s.cfg.layers) for i in timed}
+    for op in ops.values():
         s.timer.median_ms(op, 1, 0)  # warm: the first launch of a plan compiles or binds its kernel
-    once = [s.timer.median_ms(op, 1, 0) / 1e3 for op in ops]
+    once = {i: s.timer.median_ms(op, 1, 0) / 1e3 for i, op in ops.items()}
     # Short calls are timed in longer batches, so a launch's ramp and tail weigh as in a reload.
-    batch = [max(s.cfg.batch, min(MAX_BATCH, math.ceil(MIN_SAMPLE_S / max(t, 1e-6)))) for t in once]
-    samples: list[list[float]] = [[] for _ in ops]
+    fastest = min((t for t in once.values() if t <= SLOW_CALL_S), default=SLOW_CALL_S)
+    batch = max(s.cfg.batch, min(MAX_BATCH, math.ceil(MIN_SAMPLE_S / max(fastest, 1e-6))))
+    samples: dict[int, list[float]] = {i: [] for i in timed}
     for _ in range(s.cfg.repeats):
-        for i, op in enumerate(ops):
-            if once[i] > SLOW_CALL_S and len(samples[i]) >= 3:
+        for i, op in ops.items():
+            slow = once[i] > SLOW_CALL_S
+            if slow and len(samples[i]) >= 3:
                 continue
-            samples[i].append(s.timer.median_ms(op, 1, 0, 1 if once[i] > SLOW_CALL_S else batch[i]))
-    return [
-        _row(s, plan, variant, statistics.median(times), ok, host_label, dev_label)
-        for (variant, plan), times, ok in zip(plans, samples, checked, strict=True)
-    ]
+            samples[i].append(s.timer.median_ms(op, 1, 0, 1 if slow else batch))
+    rows = []
+    for (variant, plan), key, ok in zip(plans, keys, checked, strict=True):
+        i = first[key]
+        row = _row(s, plan, variant, statistics.median(samples[i]), ok, host_label, dev_label)
+        row.same_plan_as = "" if plans[i][0] == variant else plans[i][0]
+        rows.append(row)
+    return rows
+
+
+def plan_key(plan: TransferPlan) -> tuple:
+    """What executing `plan` does, for telling plans of one cell apart: per part its mechanism,
+    buffers and rows, a copy part's streams and runs, a kernel part's units and launch shapes."""
+    out: list[tuple] = []
+    for p in plan.parts:
+        key: tuple = (p.mechanism.value, tuple(sorted(p.buffers)), p.rows)
+        if isinstance(p, CopyPart):
+            key += (p.batched, p.streams, p.runs.table.tobytes())
+        elif isinstance(p, KernelPart):
+            key += tuple(
+                (name, k.unit, tuple((launch.n, repr(launch.shape)) for launch in k.launches))
+                for name, k in sorted(p.by_buffer.items())
+            )
+        out.append(key)
+    return (plan.direction, tuple(out))
 
 
 def _row(

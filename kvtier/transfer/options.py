@@ -38,7 +38,8 @@ class PathCosts:
     - `copy_fixed_s` per copy beyond its bytes, `copy_call_s` per part and layer (fork and join),
       `copy_host_s` the host's time to issue one copy of a batched call;
     - `copy_min_bytes`: the shortest run copied (of several): shorter ones are bound by their issue;
-    - `launch_fixed_s`: a kernel launch beyond its bytes (launch, ramp-up, tail);
+    - `launch_fixed_s`: a kernel launch beyond its bytes (launch, ramp-up, tail); `split_s` more where
+      it follows copies of the same buffer (it waits for them, then ramps up);
     - `kernel_share`: `(piece bytes, share)` pairs, ascending: the kernel's rate against the ceiling
       on contiguous pieces of that size, log-linear between pairs, flat past the ends; `kernel_scale`
       a factor on every share (a host whose SMs read its memory slower: `probe`);
@@ -52,6 +53,7 @@ class PathCosts:
     copy_host_s: float = 0.5e-6
     copy_min_bytes: int = 32 << 10
     launch_fixed_s: float = 6e-6
+    split_s: float = 20e-6
     kernel_share: tuple[tuple[int, float], ...] = (
         (128, 0.55),
         (256, 0.68),
@@ -153,7 +155,7 @@ def check(host_pool: HostPool, device_pool: DevicePool, costs: PathCosts, kernel
     bad = {k: v for k, v in counts.items() if v is not None and (isinstance(v, bool) or v < 1)}
     if bad or not isinstance(kernel.lean, bool):
         raise ConfigError(f"kernel options must be positive and lean True or False, got {bad or kernel}")
-    fixed = ("copy_fixed_s", "launch_fixed_s", "python_copy_s", "copy_call_s", "copy_host_s")
+    fixed = ("copy_fixed_s", "launch_fixed_s", "split_s", "python_copy_s", "copy_call_s", "copy_host_s")
     negative = {k: getattr(costs, k) for k in (*fixed, "copy_min_bytes") if getattr(costs, k) < 0}
     if negative or costs.reference_gbps <= 0:
         raise ConfigError(

@@ -234,12 +234,7 @@ class Planner:
             nbytes = int(lens.sum()) * self.host_pool.spec.widest_row_bytes
             pays = rule.without_kernel(costs, k, nbytes)
             return {b.name: k if pays else -1 for b in self.raw}
-        ordered = lens[rule.longest_first(lens)]
-        out = {}
-        for b in self.raw:
-            unit = rule.unit_rows(lens, b.row_bytes, self.kernel.max_unit_bytes)
-            out[b.name] = rule.copied(costs, ordered, b.row_bytes, unit)
-        return out
+        return rule.choose(costs, lens, {b.name: b.row_bytes for b in self.raw}, self.kernel.max_unit_bytes)
 
     def _streams(self, rows: int, runs: int) -> int:
         """Streams a layer's copies fan out over (`PathCosts.copy_streams` for short runs, else one)."""

@@ -1,6 +1,7 @@
 """The planner's rule (written out in the `kvtier.transfer` docstring): which joint runs of one buffer
 the copy engine takes, the rest going to the kernel, weighed for every split at once from cumulative
-sums (O(runs log runs) numpy, no loop over runs)."""
+sums (O(runs log runs) numpy, no loop over runs); and every run of every buffer copied, weighed
+against the buffers' own choices."""
 
 from __future__ import annotations
 
@@ -29,23 +30,48 @@ def unit_rows(lens: np.ndarray, row_bytes: int, max_unit_bytes: int) -> int:
     return 1
 
 
-def copied(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit: int) -> int:
-    """How many of the runs (`sorted_lens`: `[k]` int64, longest first) the copy engine takes for rows
-    of `row_bytes`, when the kernel moves units of `unit` rows (module docstring)."""
-    k = len(sorted_lens)
-    if k == 0:
-        return 0
-    nbytes = sorted_lens * row_bytes
-    most = k if k == 1 else int(np.count_nonzero(nbytes >= costs.copy_min_bytes))
-    x = nbytes.astype(np.float64) / LINK_BYTES_PER_S  # seconds at the link's rate
-    before = np.concatenate(([0.0], np.cumsum(x)))  # seconds of the j longest runs
+def split_times(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit: int) -> np.ndarray:
+    """time(j) for j = 0..k (`[k + 1]` float64 seconds) of runs `sorted_lens` (`[k]` int64, longest
+    first) of rows of `row_bytes`, the kernel moving units of `unit` rows (module docstring); inf
+    where j is not allowed: runs under `copy_min_bytes` are copied only beside a longer one."""
+    k, nbytes = len(sorted_lens), sorted_lens * row_bytes
+    before = np.concatenate(([0.0], np.cumsum(nbytes / LINK_BYTES_PER_S)))  # seconds of the j longest
     j = np.arange(k + 1)
     copy = np.maximum(j * costs.copy_fixed_s + before, j * costs.copy_host_s) + costs.copy_call_s
-    copy[0] = 0.0  # nothing for the copy engine
-    rate = float(costs.kernel_rate(unit * row_bytes))
-    kernel = (before[-1] - before) / rate + costs.launch_fixed_s
-    kernel[-1] = 0.0  # nothing left for the kernel
-    return int(np.argmin((copy + kernel)[: most + 1]))
+    kernel = (before[-1] - before) / float(costs.kernel_rate(unit * row_bytes)) + costs.launch_fixed_s
+    copy[0], kernel[k] = 0.0, 0.0  # nothing for the copy engine; nothing left for the kernel
+    total = copy + kernel
+    total[1:k] += costs.split_s  # a kernel part after copies of the same buffer
+    if k > 1 and not nbytes[0] >= costs.copy_min_bytes:
+        total[1:] = np.inf
+    return total
+
+
+def copied(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit: int) -> int:
+    """How many of the runs (`sorted_lens`: `[k]` int64, longest first) the copy engine takes for rows
+    of `row_bytes`, when the kernel moves units of `unit` rows: the least `split_times`."""
+    return int(np.argmin(split_times(costs, sorted_lens, row_bytes, unit))) if len(sorted_lens) else 0
+
+
+def choose(
+    costs: PathCosts, lens: np.ndarray, row_bytes: dict[str, int], max_unit_bytes: int
+) -> dict[str, int]:
+    """Per buffer (`row_bytes`: name -> bytes of its rows), how many of the joint runs (`lens`, `[k]`
+    int64) the copy engine takes: each buffer's least time(j), or every run of every buffer where one
+    call per buffer, the host issuing every copy while the link moves every byte, takes less."""
+    ordered = lens[longest_first(lens)]
+    out, chosen_s = {}, 0.0
+    for name, r in row_bytes.items():
+        times = split_times(costs, ordered, r, unit_rows(lens, r, max_unit_bytes))
+        out[name] = int(np.argmin(times))
+        chosen_s += float(times[out[name]])
+    k, n = len(lens), len(row_bytes)
+    if n > 1 and int(ordered[0]) * max(row_bytes.values()) >= costs.copy_min_bytes:
+        link_s = int(lens.sum()) * sum(row_bytes.values()) / LINK_BYTES_PER_S
+        all_s = n * costs.copy_call_s + max(n * k * costs.copy_fixed_s + link_s, n * k * costs.copy_host_s)
+        if all_s < chosen_s:
+            return dict.fromkeys(row_bytes, k)
+    return out
 
 
 def without_kernel(costs: PathCosts, joint_runs: int, nbytes: int) -> bool:
