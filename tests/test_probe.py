@@ -35,8 +35,8 @@ def test_a_slow_kernel_and_fast_short_copies_move_the_rule() -> None:
     # 512 runs of 16 rows of 1152 bytes (8192 tokens of an MLA layer): the fixed rule gives them all
     # to the kernel, the measured costs all to the copy engine.
     lens = np.full(512, 16, dtype=np.int64)
-    assert rule.copied(PathCosts(), lens, 1152, 14) == 0
-    assert rule.copied(costs, lens, 1152, 14) == 512
+    assert int(np.argmin(rule.split_times(PathCosts(), lens, 1152, 14))) == 0
+    assert int(np.argmin(rule.split_times(costs, lens, 1152, 14))) == 512
 
 
 def test_the_measurement_never_raises_the_kernel_or_the_shortest_copy() -> None:

@@ -54,7 +54,7 @@ def allowed(costs: PathCosts, lens: list[int], row_bytes: int) -> int:
 
 def copied(costs: PathCosts, lens: list[int], row_bytes: int, unit: int = 1) -> int:
     arr = np.array(lens, dtype=np.int64)
-    return rule.copied(costs, arr[rule.longest_first(arr)], row_bytes, unit)
+    return int(np.argmin(rule.split_times(costs, arr[rule.longest_first(arr)], row_bytes, unit)))
 
 
 def test_one_long_run_is_copied_and_many_single_rows_go_to_the_kernel() -> None:

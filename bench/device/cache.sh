@@ -3,7 +3,7 @@
 # of 8192 and of 131072 tokens in 1, 8, 64 and 512 host runs, one process each (~3 minutes on an H100).
 # First the CUDA tests of what a reload runs (the compiled loop, the transfer paths, the vLLM
 # connector's row-kernel moves): $OUT/cache_tests.log. Writes $OUT/cache_reload.jsonl (one JSON
-# per process) and cache_reload.log.
+# per process) and cache_reload.log. TESTS=0 skips the tests.
 # Usage, from the repository root on the GPU machine: bash bench/device/cache.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 EXTRA=()
 SIZES=${SIZES:-8192 131072}
 [ "${SMOKE:-0}" = 1 ] && EXTRA=(--device cpu) && SIZES=1024
-if [ "${SMOKE:-0}" != 1 ]; then
+if [ "${SMOKE:-0}" != 1 ] && [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/test_native.py \
     tests/test_vllm_parts.py tests/test_transfer.py > "$OUT/cache_tests.log" 2>&1
   tail -3 "$OUT/cache_tests.log"

@@ -21,19 +21,16 @@ the copy engine the j longest, the kernel the rest, for the j that makes
             + [rows left] (launch_fixed_s + [j > 0] split_s + (bytes left) / (B x kernel_rate(unit)))
 
 least, B being the link's rate; runs under `copy_min_bytes` are copied only beside a longer one
-(or where the plan is one run). Every j from 0 (all kernel) to all is weighed. The fixed costs
-are why the choice holds from a thousand tokens to 128k: one joint run is one copy; runs of tens
-of KiB and up go to the copy engine once there are enough of them to pay for the call; thousands
-of short copies are bound by the host issuing them (`copy_host_s`), and single rows or short runs
-go to the kernel in one launch. The two parts run one after the other on the caller's stream, the
-kernel waiting for the copies (`split_s`). With several buffers, copying every run of all of them
-(a call each; the host issues every copy while the link moves every byte) is taken where it
-beats the buffers' own choices together. Without the kernel (no Triton, a CPU pool): one copy
-per run where that beats the reference path, else the reference path. `PathCosts` holds the
-costs (bench/FINDINGS.md, "The planner's costs"). On CUDA they are checked once per process
-against the machine (`probe`): a host whose SMs read its memory slower scales the kernel's
-shares down, and one whose short copies run at the link's rate lowers `copy_min_bytes`; where
-the fixed costs hold, nothing changes. Loads and backups may then weigh differently.
+(or where the plan is one run). Every j from 0 (all kernel) to all is weighed: one joint run is one
+copy; long runs go to the copy engine once there are enough of them to pay for the call; thousands
+of short copies are bound by the host issuing them (`copy_host_s`); single rows and short runs go
+to the kernel in one launch, after the copies (`split_s`). With several buffers, copying every run
+of all of them (a call each; the host issues every copy while the link moves every byte) wins
+where it beats their own choices together. Without the kernel (no Triton, a CPU pool): a copy per
+run where that beats the reference path, else the reference path. `PathCosts` holds the costs
+(bench/FINDINGS.md, "The planner's costs"); on CUDA `probe` checks them once per process: a host
+whose SMs read its memory slower scales the kernel's shares down, one whose short copies run at
+the link's rate lowers `copy_min_bytes` (loads and backups may then weigh differently).
 
 Glossary, one noun per concept:
 - slot: one token's place in a pool. A plan pairs `host_slots[i]` with `device_slots[i]`.

@@ -254,9 +254,7 @@ class RowShape:
         known = min(VECTOR_BYTES, offset_bytes)
         width = word_size(row_bytes, [*bases, known])
         row_w = row_bytes // width
-        every = offset_bytes
-        for a in bases:
-            every |= a
+        every = functools.reduce(int.__or__, bases, offset_bytes)
         line = pipelines(row_bytes, every & -every if every else LINE_BYTES, gather)
         stages = (stages or MAX_STAGES) if line else 1
         if rows_per_program is None:
@@ -275,15 +273,8 @@ class RowShape:
         block = next_power_of_2(rows * row_vecs)
         tile = block * vec * width
         stages = min(stages, stages_fit(shared_bytes(device), tile))
-        kwargs = {
-            "ROWS_PER_BLOCK": rows,
-            "ROWS_POW": next_power_of_2(rows),
-            "BLOCK": block,
-            "VEC": vec,
-            "STAGES": stages,
-            "num_warps": warps_for(tile),
-            "num_stages": stages,
-        }
+        kwargs = {"ROWS_PER_BLOCK": rows, "ROWS_POW": next_power_of_2(rows), "BLOCK": block, "VEC": vec}
+        kwargs |= {"STAGES": stages, "num_warps": warps_for(tile), "num_stages": stages}
         return cls(width, row_vecs, rows, sm_budget, kwargs)
 
 

@@ -9,7 +9,6 @@ before the plan's `ready` event; executing never reads a device tensor back, nor
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,10 +56,6 @@ class TransferPlan:
     def sms_used(self) -> int:
         """SMs the plan takes from the model while it runs: its widest kernel grid (parts run in turn)."""
         return max((p.programs for p in self.parts if isinstance(p, KernelPart)), default=0)
-
-    def rows_by_mechanism(self) -> dict[str, int]:
-        """Rows each mechanism moves, summed over parts (a part of several buffers counts its rows once)."""
-        return dict(sum((Counter({p.mechanism.value: p.rows}) for p in self.parts), Counter()))
 
     def mechanisms_by_buffer(self) -> dict[str, dict[str, int]]:
         """Per buffer name, the rows each mechanism moves."""

@@ -1,7 +1,6 @@
-"""The planner's rule (written out in the `kvtier.transfer` docstring): which joint runs of one buffer
-the copy engine takes, the rest going to the kernel, weighed for every split at once from cumulative
-sums (O(runs log runs) numpy, no loop over runs); and every run of every buffer copied, weighed
-against the buffers' own choices."""
+"""The planner's rule (the `kvtier.transfer` docstring): which joint runs of each buffer the copy engine
+takes, the rest going to the kernel, every split weighed at once from cumulative sums (O(runs log
+runs) numpy, no loop over runs), and every run of every buffer copied weighed against that."""
 
 from __future__ import annotations
 
@@ -45,12 +44,6 @@ def split_times(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit:
     if k > 1 and not nbytes[0] >= costs.copy_min_bytes:
         total[1:] = np.inf
     return total
-
-
-def copied(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit: int) -> int:
-    """How many of the runs (`sorted_lens`: `[k]` int64, longest first) the copy engine takes for rows
-    of `row_bytes`, when the kernel moves units of `unit` rows: the least `split_times`."""
-    return int(np.argmin(split_times(costs, sorted_lens, row_bytes, unit))) if len(sorted_lens) else 0
 
 
 def choose(
