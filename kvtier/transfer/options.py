@@ -37,7 +37,7 @@ class PathCosts:
 
     - `copy_fixed_s` per copy beyond its bytes, `copy_call_s` per part and layer (fork and join),
       `copy_host_s` the host's time to issue one copy of a batched call;
-    - `copy_min_bytes`: the shortest run copied (of several): shorter ones are bound by their issue;
+    - `copy_min_bytes`: runs shorter than this (of several) are copied only beside a longer one;
     - `launch_fixed_s`: a launch beyond its bytes; `split_s` more after copies of the same buffer;
     - `kernel_share`: `(piece bytes, share)` pairs, ascending: the kernel's rate against the ceiling
       on contiguous pieces of that size, log-linear between pairs, flat past the ends; `kernel_scale`
