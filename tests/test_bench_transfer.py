@@ -186,6 +186,8 @@ def test_variants_that_run_one_plan_are_timed_once_and_share_its_time(monkeypatc
     assert timed == ["copy", "kernel"]  # two distinct plans timed
     cell = transfer_report.cells(rows)[0]
     assert cell["same_plan"] == {"fixed": "planned", "copy": "planned"}
+    # The host's time to issue a call is kept per variant; on the CPU the call is its issue.
+    assert all(r.issue_ms > 0 for r in rows) and set(cell["host_bound"]) == set(by)
     host, dev = _pools()
     one = [
         transfer.TransferPlan.build("load", host, dev, torch.arange(8), torch.arange(8), force=f)

@@ -29,8 +29,9 @@ for t in sorted({c["tokens"] for c in d["cells"]}):
     vk = [round(c["ratios"]["planned"] - c["ratios"]["kernel"], 3) for c in cs if "kernel" in c["ratios"]]
     vf = [c["vs_fixed"] for c in cs if c.get("vs_fixed") is not None]
     pl = sorted(c["ratios"]["planned"] for c in cs)
+    hb = [f"{c['direction'][0]}:{c['host']}/{c['device'][0]}" for c in cs if c.get("host_bound", {}).get(c["best_forced"])]
     print(t, "planned min/med", pl[0], pl[len(pl) // 2], "worst gap", min(gaps), "vs kernel min", min(vk, default=None),
-          "vs fixed min/max", min(vf, default=None), max(vf, default=None), "ok", all(c["identical"] for c in cs), "below -0.02:", bad)
+          "vs fixed min/max", min(vf, default=None), max(vf, default=None), "ok", all(c["identical"] for c in cs), "below -0.02:", bad, "best forced host-bound:", hb)
 PY
   done
 done

@@ -57,6 +57,23 @@ class Timer:
         stream = self.stream or torch.cuda.current_stream(self.device)
         return held_median_s(stream, fn, repeats, batch, HOLD_CYCLES) * 1e3
 
+    def issue_ms(self, fn: Callable[[], None], repeats: int = 3) -> float:
+        """Median host milliseconds to issue one call of `fn`: on CUDA while a GPU sleep holds the
+        stream, so no call waits for the device (what a reload's host pays per layer whether or not
+        the GPU keeps up); on CPU the call itself."""
+        times = []
+        stream = None if self.device.type != "cuda" else self.stream or torch.cuda.current_stream(self.device)
+        for _ in range(repeats):
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(HOLD_CYCLES)
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if stream is not None:
+                stream.synchronize()
+        return statistics.median(times)
+
 
 def ceiling_gbps(
     device: torch.device,

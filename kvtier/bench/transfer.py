@@ -110,6 +110,9 @@ class Row:
     mechanisms: dict = field(default_factory=dict)
     # The variant of the same cell whose plan this one's is, and whose time it took ("": timed).
     same_plan_as: str = ""
+    # The host's time to issue one call (`Timer.issue_ms`): where it passes `ms`, a reload of many
+    # layers would wait for the host, not the link.
+    issue_ms: float = 0.0
 
 
 @dataclass
@@ -249,6 +252,7 @@ def _time_cell(s: Setup, plans: list[tuple[str, TransferPlan]], host_label: str,
     for op in ops.values():
         s.timer.median_ms(op, 1, 0)  # warm: the first launch of a plan compiles or binds its kernel
     once = {i: s.timer.median_ms(op, 1, 0) / 1e3 for i, op in ops.items()}
+    issued = {i: s.timer.issue_ms(op) for i, op in ops.items()}
     # Short calls are timed in longer batches, so a launch's ramp and tail weigh as in a reload.
     fastest = min((t for t in once.values() if t <= SLOW_CALL_S), default=SLOW_CALL_S)
     batch = max(s.cfg.batch, min(MAX_BATCH, math.ceil(MIN_SAMPLE_S / max(fastest, 1e-6))))
@@ -264,6 +268,7 @@ def _time_cell(s: Setup, plans: list[tuple[str, TransferPlan]], host_label: str,
         i = first[key]
         row = _row(s, plan, variant, statistics.median(samples[i]), ok, host_label, dev_label)
         row.same_plan_as = "" if plans[i][0] == variant else plans[i][0]
+        row.issue_ms = round(issued[i], 4)
         rows.append(row)
     return rows
 

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 def cells(rows: list[Row]) -> list[dict]:
     """One dict per cell (tokens, direction, host set, device set): each variant's share of the ceiling,
     the best forced one, how far the planned one lies from it (`gap`, negative: planned slower), and
-    which variants ran another's plan and took its time (`same_plan`: variant -> the one timed)."""
+    which variants ran another's plan and took its time (`same_plan`: variant -> the one timed), and
+    per variant whether the host took longer to issue a call than the device to run it (`host_bound`)."""
     out: dict[tuple, dict] = {}
     for r in rows:
         cell = out.setdefault(
@@ -31,6 +32,7 @@ def cells(rows: list[Row]) -> list[dict]:
             },
         )
         cell["ratios"][r.variant] = r.ceiling_ratio
+        cell.setdefault("host_bound", {})[r.variant] = r.issue_ms > r.ms
         cell["identical"] &= r.identical
         if r.same_plan_as:
             cell.setdefault("same_plan", {})[r.variant] = r.same_plan_as
