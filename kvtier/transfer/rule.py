@@ -59,7 +59,7 @@ def choose(
         out[name] = int(np.argmin(times))
         chosen_s += float(times[out[name]])
     k, n = len(lens), len(row_bytes)
-    if n > 1 and int(ordered[0]) * max(row_bytes.values()) >= costs.copy_min_bytes:
+    if n > 1 and k > 1 and int(ordered[0]) * max(row_bytes.values()) >= costs.copy_min_bytes:
         link_s = int(lens.sum()) * sum(row_bytes.values()) / LINK_BYTES_PER_S
         all_s = n * costs.copy_call_s + max(n * k * costs.copy_fixed_s + link_s, n * k * costs.copy_host_s)
         if all_s < chosen_s:
