@@ -925,6 +925,7 @@ def test_batched_copies_fan_out_only_while_their_runs_are_short() -> None:
         (PathCosts(copy_streams=0), "copy_streams"),
         (PathCosts(copy_fixed_s=-1e-6), "fixed costs"),
         (PathCosts(launch_fixed_s=-1e-6), "fixed costs"),
+        (PathCosts(split_s=-1e-6), "fixed costs"),
         (PathCosts(python_copy_s=-1e-6), "fixed costs"),
         (PathCosts(reference_gbps=0.0), "reference_gbps"),
         (PathCosts(kernel_share=()), "kernel_share"),

@@ -41,7 +41,7 @@ def split_times(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit:
     copy[0], kernel[k] = 0.0, 0.0  # nothing for the copy engine; nothing left for the kernel
     total = copy + kernel
     total[1:k] += costs.split_s  # a kernel part after copies of the same buffer
-    if k > 1 and not nbytes[0] >= costs.copy_min_bytes:
+    if k > 1 and nbytes[0] < costs.copy_min_bytes:
         total[1:] = np.inf
     return total
 
@@ -53,13 +53,14 @@ def choose(
     int64) the copy engine takes: each buffer's least time(j), or every run of every buffer where one
     call per buffer, the host issuing every copy while the link moves every byte, takes less."""
     ordered = lens[longest_first(lens)]
-    out, chosen_s = {}, 0.0
+    k, n = len(lens), len(row_bytes)
+    out, chosen_s, may_copy = {}, 0.0, False
     for name, r in row_bytes.items():
         times = split_times(costs, ordered, r, unit_rows(lens, r, max_unit_bytes))
         out[name] = int(np.argmin(times))
         chosen_s += float(times[out[name]])
-    k, n = len(lens), len(row_bytes)
-    if n > 1 and k > 1 and int(ordered[0]) * max(row_bytes.values()) >= costs.copy_min_bytes:
+        may_copy |= bool(np.isfinite(times[k]))  # some buffer's runs may all be copied
+    if n > 1 and k > 1 and may_copy:
         link_s = int(lens.sum()) * sum(row_bytes.values()) / LINK_BYTES_PER_S
         all_s = n * costs.copy_call_s + max(n * k * costs.copy_fixed_s + link_s, n * k * costs.copy_host_s)
         if all_s < chosen_s:
