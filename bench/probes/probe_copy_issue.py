@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from kvtier.bench.common import held_median_s
+from kvtier.bench.common import held_times
 from kvtier.pool.device import Direction
 from kvtier.transfer import dma
 
@@ -69,8 +69,8 @@ def main() -> None:
 
                     call()
                     issue, gpu = issue_and_gpu_ms(stream, call)
-                    bench = held_median_s(stream, call, 10, 4, 2_000_000) * 1e3
-                    calib = held_median_s(stream, call, 3, 2, 4_000_000) * 1e3
+                    bench = held_times(stream, call, 10, 4, 2_000_000)[0] * 1e3
+                    calib = held_times(stream, call, 3, 2, 4_000_000)[0] * 1e3
                     mb = piece * count / 1e6
                     row = {
                         "direction": d.value,

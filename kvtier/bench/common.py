@@ -21,7 +21,7 @@ import torch
 
 from kvtier.pool import DevicePool
 from kvtier.pool.device import Direction
-from kvtier.transfer.probe import HOLD_CYCLES, held_median_s
+from kvtier.transfer.probe import HOLD_CYCLES, held_times
 
 Progress = Callable[[str], None]
 
@@ -55,24 +55,16 @@ class Timer:
                 times.append((time.perf_counter() - t0) * 1e3 / batch)
             return statistics.median(times)
         stream = self.stream or torch.cuda.current_stream(self.device)
-        return held_median_s(stream, fn, repeats, batch, HOLD_CYCLES) * 1e3
+        return held_times(stream, fn, repeats, batch, HOLD_CYCLES)[0] * 1e3
 
     def issue_ms(self, fn: Callable[[], None], repeats: int = 3) -> float:
         """Median host milliseconds to issue one call of `fn`: on CUDA while a GPU sleep holds the
         stream, so no call waits for the device (what a reload's host pays per layer whether or not
         the GPU keeps up); on CPU the call itself."""
-        times = []
-        stream = None if self.device.type != "cuda" else self.stream or torch.cuda.current_stream(self.device)
-        for _ in range(repeats):
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    torch.cuda._sleep(HOLD_CYCLES)
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            if stream is not None:
-                stream.synchronize()
-        return statistics.median(times)
+        if self.device.type == "cuda":
+            stream = self.stream or torch.cuda.current_stream(self.device)
+            return held_times(stream, fn, repeats, 1, HOLD_CYCLES)[1] * 1e3
+        return self.median_ms(fn, repeats, 0)
 
 
 def ceiling_gbps(

@@ -73,9 +73,7 @@ def pipelines(row_bytes: int, align_bytes: int, gather: bool = True) -> bool:
 
 def tile_bytes(programs: int, stages: int = 1) -> int:
     """Bytes of rows per tile: `TILE_BYTES` pipelined, else `GRID_BYTES / programs` within bounds."""
-    if stages > 1:
-        return TILE_BYTES
-    return max(TILE_BYTES, min(MAX_TILE_BYTES, GRID_BYTES // max(1, programs)))
+    return TILE_BYTES if stages > 1 else max(TILE_BYTES, min(MAX_TILE_BYTES, GRID_BYTES // max(1, programs)))
 
 
 def programs_for(row_bytes: int, sm_budget: int, stages: int = 1, wide: bool = False) -> int:
@@ -103,9 +101,7 @@ def rows_in_flight(row_bytes: int, programs: int = 8, stages: int = 1) -> int:
 def stages_fit(shared: int | None, nbytes: int) -> int:
     """The most tiles of `nbytes` whose buffers fit in `shared` bytes of shared memory (one more
     than those that wait there; no limit where `shared` is None)."""
-    if shared is None:
-        return 1 << 30
-    return max(1, 1 + (shared - SHARED_SLACK) // nbytes)
+    return 1 << 30 if shared is None else max(1, 1 + (shared - SHARED_SLACK) // nbytes)
 
 
 def stages_for(

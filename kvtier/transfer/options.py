@@ -30,12 +30,16 @@ class TransferPath(str, Enum):
     REFERENCE = "reference"
 
 
+# The kernel's share of the ceiling by contiguous piece bytes (`PathCosts.kernel_share`).
+KERNEL_SHARE = ((128, 0.55), (256, 0.68), (512, 0.8), (1024, 0.9), (4096, 0.93))
+
+
 @dataclass(frozen=True)
 class PathCosts:
     """The planner's cost model: fixed costs per copy and per launch, and each mechanism's share of
     the link (the ceiling: one contiguous pinned copy), so a choice holds from 1k to 128k tokens.
 
-    - `copy_fixed_s` per copy beyond its bytes, `copy_call_s` per part and layer (fork and join),
+    - `copy_fixed_s` per copy beyond its bytes, `copy_call_s` per batched call (a part's on a layer),
       `copy_host_s` the host's time to issue one copy of a batched call;
     - `copy_min_bytes`: runs shorter than this (of several) are copied only beside a longer one;
     - `launch_fixed_s`: a launch beyond its bytes; `split_s` more after copies of the same buffer;
@@ -53,13 +57,7 @@ class PathCosts:
     copy_min_bytes: int = 32 << 10
     launch_fixed_s: float = 6e-6
     split_s: float = 20e-6
-    kernel_share: tuple[tuple[int, float], ...] = (
-        (128, 0.55),
-        (256, 0.68),
-        (512, 0.8),
-        (1024, 0.9),
-        (4096, 0.93),
-    )
+    kernel_share: tuple[tuple[int, float], ...] = KERNEL_SHARE
     python_copy_s: float = 10e-6
     reference_gbps: float = 3.0
     copy_streams: int = 8

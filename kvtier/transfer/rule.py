@@ -23,10 +23,7 @@ def unit_rows(lens: np.ndarray, row_bytes: int, max_unit_bytes: int) -> int:
     within `max_unit_bytes` of rows of `row_bytes` (at least one row)."""
     cap = max(1, max_unit_bytes // row_bytes)
     g = int(np.gcd.reduce(lens)) if len(lens) else 1
-    for u in range(min(g, cap), 0, -1):
-        if g % u == 0:
-            return u
-    return 1
+    return next(u for u in range(min(g, cap), 0, -1) if g % u == 0)
 
 
 def split_times(costs: PathCosts, sorted_lens: np.ndarray, row_bytes: int, unit: int) -> np.ndarray:
