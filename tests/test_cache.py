@@ -298,24 +298,27 @@ def test_metrics_and_fragmentation() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", list(WritePolicy))
-@pytest.mark.parametrize("route", ["loop", "executor"])
+@pytest.mark.parametrize("route", ["loop", "off_thread", "executor"])
 def test_cuda_round_trip_is_byte_identical(policy, route, monkeypatch) -> None:
     """On the GPU: insert, back up, evict, load back layer by layer on the cache's streams.
 
-    `route`: the transfers go out from the compiled loop (where it builds here), or through the
-    plan executor alone (a mover without the loop).
+    `route`: the transfers go out from the compiled loop (where it builds here), from the loop's
+    own thread (every operation, however few its copies), or through the plan executor alone (a
+    mover without the loop).
     """
     from kvtier.transfer import native
+    from kvtier.transfer import submit as submit_module
     from kvtier.transfer.lanes import CudaLane
 
     submitted = []
-    if route == "loop":
+    if route != "executor":
         if native.library() is None:
             pytest.skip("no compiled loop here")
         run_native = CudaLane.run_native
         monkeypatch.setattr(
-            CudaLane, "run_native", lambda *a, **k: submitted.append(1) or run_native(*a, **k)
+            CudaLane, "run_native", lambda *a, **k: submitted.append(k["off_thread"]) or run_native(*a, **k)
         )
+        monkeypatch.setattr(submit_module, "OFF_THREAD_S", -1.0 if route == "off_thread" else 1.0)
     spec = preset("tiny-dsa", 16)
     dev, host = DevicePool(spec, 8192, "cuda"), HostPool(spec, 8192)
     mover = DeviceHostMover(dev, host, loop=None) if route == "executor" else None
@@ -347,8 +350,9 @@ def test_cuda_round_trip_is_byte_identical(policy, route, monkeypatch) -> None:
         assert torch.equal(got, rows), (name, layer)
     c.flush()
     c.check_invariants()
-    if route == "loop":
-        assert len(submitted) >= 2  # the backup and the reload
+    if route != "executor":
+        assert len(submitted) >= 2 and set(submitted) == {route == "off_thread"}  # the backup and the reload
+        assert not native.RUNNING  # every job finished once its signals were waited for
 
 
 def test_a_reload_is_planned_from_runs_without_a_pass_over_its_slots(monkeypatch) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -53,8 +55,11 @@ class FakeRuntime:
         self.calls: list[tuple] = []
         self.fail_at = fail_at
         self.shapes: list = []  # the RowLaunch of each stand-in kernel, by FUNC + index
+        self.before: Callable[[tuple], None] | None = None  # called with each call, before it is logged
 
         def log(*call) -> int:
+            if self.before is not None:
+                self.before(call)
             self.calls.append(call)
             if move and call[0] == "copy":  # CPU pools: every address is in this process's memory
                 ctypes.memmove(call[1], call[2], call[3])
@@ -272,6 +277,68 @@ def test_the_loop_names_the_failing_layer_and_stops(lib, pin) -> None:
 
 
 @needs_cc
+def test_a_job_makes_the_same_calls_from_its_own_thread_and_says_which_events_are_recorded(lib, pin) -> None:
+    """`run_work(device=...)`: the calls of the inline loop, made from another thread after it set the
+    device; signal i reads as recorded once layer i's event is (the last once the loop is done),
+    without or with a wait; the job is held in `RUNNING` until finished."""
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP))
+    spec = preset("tiny-dsa", 4)
+    host, dev = HostPool(spec, 1024), DevicePool(spec, 512)
+    copies = raw_planner(host, dev, force="copy").copies(96, ([(40, 80), (300, 16)], [(0, 96)]))
+    buffers = run_buffers(host, dev)
+    events = [0xE0 + i for i in range(spec.num_layers)]
+    rt, threads, held = FakeRuntime(), set(), threading.Event()
+
+    def before(call) -> None:
+        threads.add(threading.get_ident())
+        if call[:2] == ("record", events[1]):
+            assert held.wait(10)
+
+    rt.before = before
+    devices: list[int] = []
+    set_device = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lambda d: devices.append(d) or 0)
+    addr = [ctypes.cast(f, ctypes.c_void_p).value for f in (*rt.fns[:4], set_device)]
+    loop = native.Native(lib, *addr[:4], attrs=ATTRS, set_device=addr[4])
+    job = run_work(
+        loop, copies_work(copies, buffers), buffers, Direction.LOAD, 9, 0xF0, events, [5], [0xF1], 3
+    )
+    assert job in native.RUNNING
+    assert job.recorded(0, wait=True)
+    assert not job.recorded(1) and not job.recorded(spec.num_layers - 1)  # held before layer 1's record
+    held.set()
+    assert job.recorded(spec.num_layers - 1, wait=True) and job.recorded(1)
+    assert job.finish() is None and job not in native.RUNNING and job.keep == []
+    assert devices == [3] and threads and threading.get_ident() not in threads
+    assert rt.calls == expected_calls(
+        joint_of(copies), host, dev, Direction.LOAD, events, cudart.small_batch(), (5,)
+    )
+
+
+@needs_cc
+def test_a_job_that_fails_raises_from_its_signals_and_logs_once(lib, pin, caplog) -> None:
+    pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP))
+    spec = preset("tiny-mla", 4)
+    host, dev = HostPool(spec, 256), DevicePool(spec, 256)
+    buffers = run_buffers(host, dev)
+    work = copies_work(raw_planner(host, dev).copies(64, ([(0, 64)], [(64, 64)])), buffers)
+    events = list(range(1, spec.num_layers + 1))
+    rt = FakeRuntime(fail_at=2 + 2 * 2)  # order record, wait, then (copy, record) per layer: layer 2's copy
+    job = run_work(rt.native(lib), work, buffers, Direction.LOAD, 9, 0xF0, events, [5], [0xF1], 0)
+    with pytest.raises(CudaRuntimeError, match="at layer 2: CUDA error 700"):
+        job.recorded(spec.num_layers - 1, wait=True)
+    with pytest.raises(CudaRuntimeError, match="at layer 2"):
+        job.recorded(0)  # every signal of a failed job
+    assert isinstance(job.finish(), CudaRuntimeError) and len(rt.calls) == 7
+    assert [r.levelname for r in caplog.records if "own thread failed" in r.message] == ["ERROR"]
+    failing = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lambda d: 101)
+    rt = FakeRuntime()
+    addr = [ctypes.cast(f, ctypes.c_void_p).value for f in (*rt.fns[:4], failing)]
+    loop = native.Native(lib, *addr[:4], attrs=ATTRS, set_device=addr[4])
+    job = run_work(loop, work, buffers, Direction.LOAD, 9, 0xF0, events, [5], [0xF1], 1)
+    assert "setting the device of its thread: CUDA error 101" in str(job.finish()) and rt.calls == []
+
+
+@needs_cc
 def test_a_call_the_runtime_lacks_fails_before_any_call(lib, pin) -> None:
     """The loop's own checks (behind the Python ones): nothing submitted, not even the ordering."""
     pin(cudart.DMA, cudart.DmaRuntime(cudart.DmaMode.LOOP, small_batch=1))
@@ -329,9 +396,9 @@ class _LoopLane(DeferredLane):
 
     stream = SimpleNamespace(cuda_stream=5)
 
-    def run_native(self, submit, signals: int, streams: int = 1):
+    def run_native(self, submit, signals: int, streams: int = 1, off_thread: bool = False):
         handles = [5, *(0x50 + i for i in range(1, streams))]
-        submit(9, 0xF0, [0xE0 + i for i in range(signals)], handles, [0xF1 + i for i in range(streams)])
+        submit(9, 0xF0, [0xE0 + i for i in range(signals)], handles, [0xF1 + i for i in range(streams)], None)
         return [_Done() for _ in range(signals)]
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/RESULTS.md "Cache reload": `kvtier bench cache --parts reload`, deepseek-v3 (61 layers), a prefix
 # of 8192 and of 131072 tokens in 1, 8, 64 and 512 host runs, one process each (~3 minutes on an H100).
-# First the CUDA tests of what a reload runs (the compiled loop, the transfer paths, the vLLM
+# First the CUDA tests of what a reload runs (the compiled loop, the transfer paths, the cache, the vLLM
 # connector's row-kernel moves): $OUT/cache_tests.log. Writes $OUT/cache_reload.jsonl (one JSON
 # per process) and cache_reload.log. TESTS=0 skips the tests.
 # Usage, from the repository root on the GPU machine: bash bench/device/cache.sh
@@ -15,7 +15,7 @@ SIZES=${SIZES:-8192 131072}
 [ "${SMOKE:-0}" = 1 ] && EXTRA=(--device cpu) && SIZES=1024
 if [ "${SMOKE:-0}" != 1 ] && [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/test_native.py \
-    tests/test_vllm_parts.py tests/test_transfer.py > "$OUT/cache_tests.log" 2>&1
+    tests/test_vllm_parts.py tests/test_transfer.py tests/test_cache.py > "$OUT/cache_tests.log" 2>&1
   tail -3 "$OUT/cache_tests.log"
 fi
 : > "$OUT/cache_reload.jsonl"

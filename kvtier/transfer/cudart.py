@@ -54,7 +54,8 @@ class Probed(Generic[T]):
 class Runtime:
     """Typed entry points of the loaded `libcudart` at `path`, and its `version` (e.g. 13000):
     `memcpy_async(dst, src, bytes, kind, stream)`, `event_record(event, stream)` and
-    `stream_wait_event(stream, event, flags)`, each returning the runtime's error code."""
+    `stream_wait_event(stream, event, flags)`, `set_device(index)`, each returning the runtime's error
+    code."""
 
     def __init__(self, lib: ctypes.CDLL, path: str, version: int) -> None:
         self.lib, self.path, self.version = lib, path, version
@@ -65,7 +66,9 @@ class Runtime:
         self.event_record.argtypes = [ptr, ptr]
         self.stream_wait_event = lib.cudaStreamWaitEvent
         self.stream_wait_event.argtypes = [ptr, ptr, ctypes.c_uint]
-        for fn in (self.memcpy_async, self.event_record, self.stream_wait_event):
+        self.set_device = lib.cudaSetDevice
+        self.set_device.argtypes = [ctypes.c_int]
+        for fn in (self.memcpy_async, self.event_record, self.stream_wait_event, self.set_device):
             fn.restype = ctypes.c_int
 
 

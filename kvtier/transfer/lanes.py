@@ -17,9 +17,10 @@ import torch
 
 from kvtier.errors import TransferError
 from kvtier.transfer import cudart
+from kvtier.transfer.native import Job
 
-# `submit(current, order, events, streams, forks)`: see `CudaLane.run_native`.
-NativeSubmit = Callable[[int, int, list[int], list[int], list[int]], None]
+# `submit(current, order, events, streams, forks, device)`: see `CudaLane.run_native`.
+NativeSubmit = Callable[[int, int, list[int], list[int], list[int], int | None], Job | None]
 
 
 class Signal(ABC):
@@ -68,7 +69,9 @@ class Lane(ABC):
             signals.append(self.signal())
         return signals
 
-    def run_native(self, submit: NativeSubmit, signals: int, streams: int = 1) -> Sequence[Signal]:
+    def run_native(
+        self, submit: NativeSubmit, signals: int, streams: int = 1, off_thread: bool = False
+    ) -> Sequence[Signal]:
         """Submit an operation from compiled code (CUDA lanes only; see `CudaLane.run_native`)."""
         raise TransferError(f"{type(self).__name__} has no stream to submit compiled calls on")
 
@@ -78,11 +81,21 @@ class Lane(ABC):
 
 
 class CudaSignal(Signal):
-    """A recorded event; with `pool`, the event goes back to it when the signal is dropped."""
+    """A recorded event; with `pool`, the event goes back to it when the signal is dropped; with
+    `gate` `(job, i)`, the event is signal i of a job still being submitted from another thread."""
 
-    def __init__(self, event: torch.cuda.Event, pool: list[torch.cuda.Event] | None = None) -> None:
+    def __init__(
+        self,
+        event: torch.cuda.Event,
+        pool: list[torch.cuda.Event] | None = None,
+        gate: tuple[Job, int] | None = None,
+    ) -> None:
         self.event = event
         self._pool = pool
+        self._gate = gate
+
+    def _recorded(self, wait: bool) -> bool:
+        return self._gate is None or self._gate[0].recorded(self._gate[1], wait)
 
     def __del__(self) -> None:
         # Nobody can query or wait on this recording any more; a later record may reuse the event
@@ -91,17 +104,21 @@ class CudaSignal(Signal):
             self._pool.append(self.event)
 
     def query(self) -> bool:
-        return self.event.query()
+        return self._recorded(False) and self.event.query()
 
     def wait_host(self) -> None:
+        self._recorded(True)
         self.event.synchronize()
 
     def make_current_wait(self) -> None:
+        self._recorded(True)
         torch.cuda.current_stream().wait_event(self.event)
 
 
 class CudaLane(Lane):
-    """A CUDA stream of its own (never the legacy default stream)."""
+    """A CUDA stream of its own (never the legacy default stream). An operation submitted from
+    another thread (`run_native(off_thread=True)`) holds the stream's host side until it is made:
+    every other use of the lane first waits for that (`settle`)."""
 
     def __init__(self, device: torch.device) -> None:
         self._stream = torch.cuda.Stream(device)
@@ -116,6 +133,13 @@ class CudaLane(Lane):
         # The current stream's raw handle without building a torch Stream object (which cost
         # a reload's submission more than its runtime calls: bench/FINDINGS.md).
         self._current_raw = torch._C._cuda_getCurrentRawStream
+        self._pending: Job | None = None
+
+    def settle(self) -> None:
+        """Wait until an operation submitted from another thread has made its calls."""
+        if self._pending is not None:
+            job, self._pending = self._pending, None
+            job.finish()
 
     def _record(self) -> CudaSignal:
         # A pooled event already has its CUDA handle (torch makes it on the first record): record
@@ -133,13 +157,16 @@ class CudaLane(Lane):
         return self._stream
 
     def submit(self, fn: Callable[[], None]) -> None:
+        self.settle()
         with torch.cuda.stream(self._stream):
             fn()
 
     def signal(self) -> Signal:
+        self.settle()
         return self._record()
 
     def wait_for_current(self) -> None:
+        self.settle()
         if self._raw_wait is None or not self._events:
             event = self._events.pop() if self._events else torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._stream.device))
@@ -152,30 +179,41 @@ class CudaLane(Lane):
         self._events.append(event)  # the wait is enqueued: a later record cannot change it
 
     def drain(self) -> None:
+        self.settle()
         self._stream.synchronize()
 
-    def run_native(self, submit: NativeSubmit, signals: int, streams: int = 1) -> Sequence[Signal]:
+    def run_native(
+        self, submit: NativeSubmit, signals: int, streams: int = 1, off_thread: bool = False
+    ) -> Sequence[Signal]:
         """Submit one operation from compiled code, after the work queued on the current stream:
-        `submit(current, order, events, streams, forks)` orders the lane's stream after raw stream
-        `current` with raw event `order`, forks `streams` (the lane's, then side streams) with the
-        raw events `forks`, and records `events` where the `signals` belong (after each layer, or
-        at the end after the join). If `submit` raises, the events go back to the pool."""
+        `submit(current, order, events, streams, forks, device)` orders the lane's stream after raw
+        stream `current` with raw event `order`, forks `streams` (the lane's, then side streams) with
+        the raw events `forks`, and records `events` where the `signals` belong (after each layer, or
+        at the end after the join). If `submit` raises, the events go back to the pool. `off_thread`:
+        the order is taken here and the calls are made from a thread of the loop's own (`device`),
+        the signals waiting for their events' records; inline where no thread starts."""
+        self.settle()
         order, *events = self._take_events(signals + 1)
-        fan, forks, _ = self._fan(streams)
+        fan, forks, held = self._fan(streams)
+        raw, current, job = [e.cuda_event for e in events], self._current_raw(self._device_index), None
         try:
-            submit(
-                self._current_raw(self._device_index),
-                order.cuda_event,
-                [e.cuda_event for e in events],
-                fan,
-                forks,
-            )
+            if off_thread and self._raw_wait is not None:
+                cudart.check(self._raw_record(order.cuda_event, current), "cudaEventRecord")
+                cudart.check(
+                    self._raw_wait(self._stream.cuda_stream, order.cuda_event, 0), "cudaStreamWaitEvent"
+                )
+                job = submit(0, 0, raw, fan, forks, self._device_index)
+            if job is None:
+                submit(current, order.cuda_event, raw, fan, forks, None)
         except BaseException:
             self._events += events  # no signal holds them
             raise
         finally:
             self._events.append(order)  # the wait is enqueued: a later record cannot change it
-        return EventSignals(events, self._events)
+        if job is not None:
+            job.keep += (events, held, self._stream)  # the loop's thread records and uses them
+            self._pending = job
+        return EventSignals(events, self._events, job)
 
     def _fan(self, k: int) -> tuple[list[int], list[int], list]:
         """This lane's stream and `k - 1` side streams, and an event per stream (made once per k)."""
@@ -204,6 +242,7 @@ class CudaLane(Lane):
     def run_each(self, jobs: list[Callable[[], None]]) -> list[Signal]:
         # One stream context for all jobs and events from the pool: this loop is the per-layer
         # submission cost of a reload.
+        self.settle()
         signals: list[Signal] = []
         with torch.cuda.stream(self._stream):
             for job in jobs:
@@ -216,13 +255,17 @@ class EventSignals(Sequence[Signal]):
     """A signal per recorded event, each made when first asked for (a reload records one per layer).
 
     Events whose signal was never made go back to `pool` with this object; a signal that was
-    made gives its own event back when it is dropped. `signals[i]` is the same object each time.
+    made gives its own event back when it is dropped. `signals[i]` is the same object each time;
+    with `job`, each waits for its event to be recorded from the job's thread (`CudaSignal`).
     """
 
-    def __init__(self, events: list[torch.cuda.Event], pool: list[torch.cuda.Event]) -> None:
+    def __init__(
+        self, events: list[torch.cuda.Event], pool: list[torch.cuda.Event], job: Job | None = None
+    ) -> None:
         self._events = events
         self._made: list[CudaSignal | None] = [None] * len(events)
         self._pool = pool
+        self._job = job
 
     def __len__(self) -> int:
         return len(self._events)
@@ -238,7 +281,8 @@ class EventSignals(Sequence[Signal]):
             return [self[j] for j in range(*i.indices(len(self)))]
         made = self._made[i]
         if made is None:
-            made = self._made[i] = CudaSignal(self._events[i], self._pool)
+            gate = None if self._job is None else (self._job, i)
+            made = self._made[i] = CudaSignal(self._events[i], self._pool, gate)
         return made
 
     def __del__(self) -> None:

@@ -20,7 +20,7 @@ from kvtier.pool.device import DevicePool, Direction
 from kvtier.pool.host import HostPool
 from kvtier.transfer import cudart
 from kvtier.transfer.execute import kernel_views
-from kvtier.transfer.native import Native
+from kvtier.transfer.native import Job, Native
 from kvtier.transfer.parts import CopyPart, KernelBuffer, KernelPart
 from kvtier.transfer.plan import RunCopies, TransferPlan
 
@@ -39,6 +39,7 @@ class Buffers:
         spec = host_pool.spec
         self.host_pool, self.device_pool, self.layers = host_pool, device_pool, spec.num_layers
         self.index = {b.name: i for i, b in enumerate(spec.buffers)}
+        self.buffer_layers = [len(b.layers) for b in spec.buffers]
         self._keep: list[np.ndarray] = []
         self._rows = (self._Row * len(spec.buffers))()
         for row, b in zip(self._rows, spec.buffers, strict=True):
@@ -100,19 +101,22 @@ class _Work(ctypes.Structure):
 @dataclass
 class Work:
     """One operation's calls, a `_Work` per buffer of the pools in the spec's order, the streams its
-    layers go out on and the most runs one buffer copies; `keep` holds the arrays they point into."""
+    layers go out on, the most runs one buffer copies and the copies of all layers; `keep` holds the
+    arrays they point into."""
 
     rows: Any
     streams: int = 1
     most_runs: int = 0
+    copies: int = 0
     keep: list[Any] = field(default_factory=list)
 
-    def copy(self, index: int, runs: np.ndarray) -> None:
+    def copy(self, index: int, runs: np.ndarray, layers: int) -> None:
         """Buffer `index` copies `runs` (`[3, k]` int64 C-contiguous: first host slot, first device
-        slot, length) on every layer it has."""
+        slot, length) on each of its `layers` layers."""
         self.keep.append(runs)
         self.rows[index].runs, self.rows[index].n_runs = runs.ctypes.data, runs.shape[1]
         self.most_runs = max(self.most_runs, runs.shape[1])
+        self.copies += runs.shape[1] * layers
 
     def takes(self, lib: Native) -> bool:
         """Whether `lib` can make these calls (a buffer of more runs than `cudart.small_batch()` needs the
@@ -126,7 +130,7 @@ def copies_work(copies: RunCopies, buffers: Buffers) -> Work:
     work = Work((_Work * buffers.count)(), copies.streams)
     runs = np.ascontiguousarray(copies.joint[1:])
     for i in range(buffers.count):
-        work.copy(i, runs)
+        work.copy(i, runs, buffers.buffer_layers[i])
     return work
 
 
@@ -139,8 +143,8 @@ def plan_work(plan: TransferPlan, buffers: Buffers, lib: Native) -> Work | None:
     for part in plan.parts:
         if isinstance(part, CopyPart) and part.batched:
             runs = np.ascontiguousarray(part.runs.table[1:])
-            for name in part.buffers:
-                work.copy(buffers.index[name], runs)
+            for i in map(buffers.index.get, part.buffers):
+                work.copy(i, runs, buffers.buffer_layers[i])
             work.streams = max(work.streams, part.streams)
         elif isinstance(part, KernelPart) and lib.kernel is not None:
             kernel = True
@@ -195,11 +199,16 @@ def run_work(
     events: list[int],
     streams: list[int],
     forks: list[int],
-) -> None:
+    device: int | None = None,
+) -> Job | None:
     """Submit `work` from the loop, layer l on `streams[l % k]`, after ordering `streams[0]` behind raw
-    stream `current` with raw event `order`; `events`: one raw event per model layer, recorded after
-    it, or one at the end; `forks`: a raw event per stream (`CudaLane.run_native`)."""
+    stream `current` with raw event `order` (where set); `events`: one raw event per model layer,
+    recorded after it, or one at the end; `forks`: a raw event per stream (`CudaLane.run_native`).
+    With `device`, from a thread of the loop's own: its `Job`, or None where none started."""
     load = direction is Direction.LOAD
     at = ctypes.addressof(work.rows)
     where = (buffers.address, buffers.count, buffers.layers, load, events, streams, forks, (order, current))
-    lib.run(at, *where, cudart.small_batch())
+    job = lib.run(at, *where, cudart.small_batch(), device)
+    if job is not None:
+        job.keep += (work, buffers)
+    return job

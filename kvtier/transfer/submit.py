@@ -8,7 +8,9 @@ makes every part (`loop.plan_work`), else through the plan executor, layer by la
 Contract: the operation is ordered after the current compute stream's work and nothing waits for
 the device; `per_layer`: a signal per model layer, else one at the end; the slots are trusted (the
 cache's allocators and tree), `op.runs` describes them where given; if `submit` raises, the caller
-drains the lane before reusing the slots.
+drains the lane before reusing the slots. An operation of many copies is made from the loop's own
+thread (`OFF_THREAD_S`): its signals wait for their records, and a call failing there is raised by
+them (`CudaRuntimeError`), as a device fault would be.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # `Transfers(loop=...)` left out: the process's compiled loop where the device pool is on CUDA.
 DEFAULT_LOOP = object()
+# The host's time to issue an operation's copies (`copy_host_s` each) above which the loop makes
+# them from a thread of its own, the caller's thread returning at once (bench/FINDINGS.md).
+OFF_THREAD_S = 100e-6
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,8 @@ class Transfers:
         return Transfer([lane.signal()], plan)
 
     def _run(self, work: Work, direction: Direction, lane: Lane, signals: int) -> Sequence[Signal]:
-        """`work` submitted from the compiled loop on `lane`, with `signals` signals."""
+        """`work` submitted from the compiled loop on `lane`, with `signals` signals (from a thread of
+        its own where its copies take the host more than `OFF_THREAD_S` to issue)."""
         submit = functools.partial(run_work, self._lib, work, self._buffers, direction)
-        return lane.run_native(submit, signals, work.streams)
+        off = work.copies * self.planner.costs.of(direction).copy_host_s > OFF_THREAD_S
+        return lane.run_native(submit, signals, work.streams, off_thread=off)
