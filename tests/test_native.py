@@ -22,7 +22,7 @@ from kvtier.spec import preset
 from kvtier.transfer import PathCosts, TransferPath, cudart, kernels, native
 from kvtier.transfer.compiled import CompiledLaunch
 from kvtier.transfer.cudart import MEMCPY_DEFAULT
-from kvtier.transfer.lanes import DeferredLane, Signal
+from kvtier.transfer.lanes import DeferredLane, EventSignals, Signal
 from kvtier.transfer.loop import copies_work, run_buffers, run_work
 from kvtier.transfer.parts import KernelPart
 from kvtier.transfer.plan import Planner
@@ -312,6 +312,23 @@ def test_a_job_makes_the_same_calls_from_its_own_thread_and_says_which_events_ar
     assert rt.calls == expected_calls(
         joint_of(copies), host, dev, Direction.LOAD, events, cudart.small_batch(), (5,)
     )
+
+
+def test_signals_of_a_job_wait_for_their_own_record_whatever_the_index() -> None:
+    """`EventSignals` of a job: signal i (also as a negative index) asks the job for record i first."""
+    asked = []
+
+    class Job:
+        def recorded(self, i: int, wait: bool = False) -> bool:
+            asked.append((i, wait))
+            return i < 2
+
+    events = [SimpleNamespace(query=lambda: True, synchronize=lambda: None) for _ in range(4)]
+    signals = EventSignals(events, [], Job())  # type: ignore[arg-type]
+    assert signals[1].query() and not signals[-1].query() and not signals[-2].query()
+    signals[-1].wait_host()
+    assert asked == [(1, False), (3, False), (2, False), (3, True)]
+    assert signals[-1] is signals[3]
 
 
 @needs_cc

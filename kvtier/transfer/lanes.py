@@ -279,6 +279,7 @@ class EventSignals(Sequence[Signal]):
     def __getitem__(self, i: int | slice) -> Signal | list[Signal]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self._events))[i]  # signals[-1] is the last layer's, gated as the last
         made = self._made[i]
         if made is None:
             gate = None if self._job is None else (self._job, i)
