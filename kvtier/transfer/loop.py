@@ -143,7 +143,7 @@ def plan_work(plan: TransferPlan, buffers: Buffers, lib: Native) -> Work | None:
     for part in plan.parts:
         if isinstance(part, CopyPart) and part.batched:
             runs = np.ascontiguousarray(part.runs.table[1:])
-            for i in map(buffers.index.get, part.buffers):
+            for i in map(buffers.index.__getitem__, part.buffers):
                 work.copy(i, runs, buffers.buffer_layers[i])
             work.streams = max(work.streams, part.streams)
         elif isinstance(part, KernelPart) and lib.kernel is not None:

@@ -66,11 +66,8 @@ def _error(err: int, failed: int, layers: int) -> CudaRuntimeError | None:
         return CudaRuntimeError(f"the compiled loop failed before any call: {_LOOP_ERRORS[err]}")
     if not err:
         return None
-    where = {
-        -2: "setting the device of its thread",
-        -1: "ordering after the compute stream",
-        layers: "joining its streams",
-    }
+    where = {-2: "setting the device of its thread", -1: "ordering after the compute stream"}
+    where[layers] = "joining its streams"
     return CudaRuntimeError(f"moving rows failed at {where.get(failed, f'layer {failed}')}: CUDA error {err}")
 
 
