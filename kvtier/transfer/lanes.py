@@ -173,10 +173,13 @@ class CudaLane(Lane):
             self._stream.wait_event(event)
         else:
             event = self._events.pop()  # pooled: it has its handle
-            current = self._current_raw(self._device_index)
-            cudart.check(self._raw_record(event.cuda_event, current), "cudaEventRecord")
-            cudart.check(self._raw_wait(self._stream.cuda_stream, event.cuda_event, 0), "cudaStreamWaitEvent")
+            self._wait_behind(event, self._current_raw(self._device_index))
         self._events.append(event)  # the wait is enqueued: a later record cannot change it
+
+    def _wait_behind(self, event: torch.cuda.Event, current: int) -> None:
+        """Order this lane's stream after raw stream `current`'s work, through `event` (it has a handle)."""
+        cudart.check(self._raw_record(event.cuda_event, current), "cudaEventRecord")
+        cudart.check(self._raw_wait(self._stream.cuda_stream, event.cuda_event, 0), "cudaStreamWaitEvent")
 
     def drain(self) -> None:
         self.settle()
@@ -198,10 +201,7 @@ class CudaLane(Lane):
         raw, current, job = [e.cuda_event for e in events], self._current_raw(self._device_index), None
         try:
             if off_thread and self._raw_wait is not None:
-                cudart.check(self._raw_record(order.cuda_event, current), "cudaEventRecord")
-                cudart.check(
-                    self._raw_wait(self._stream.cuda_stream, order.cuda_event, 0), "cudaStreamWaitEvent"
-                )
+                self._wait_behind(order, current)
                 job = submit(0, 0, raw, fan, forks, self._device_index)
             if job is None:
                 submit(current, order.cuda_event, raw, fan, forks, None)
